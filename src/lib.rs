@@ -1,0 +1,19 @@
+//! railyard: a zero-copy transfer engine for disaggregated LLM inference.
+//!
+//! A prefill process writes KV-cache blocks straight into a decode process's memory, over
+//! RDMA where the host has it and over software fabrics where it does not. This root crate
+//! wires the three layers together and will hold the `Engine` API; today it re-exports the
+//! layers that exist:
+//!
+//! - [`topology`]: hwloc discovery, rails and the poller placement plan.
+//!
+//! # Thread safety
+//! Everything re-exported here documents its own thread safety.
+//!
+//! # Resource cleanup
+//! Everything re-exported here documents its own cleanup.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+pub use railyard_topology as topology;
