@@ -1,0 +1,507 @@
+//! A bounded single-producer single-consumer ring: how application threads hand slices to
+//! a poller, and how commands reach it.
+//!
+//! The producer owns `tail` (the next slot to write), the consumer owns `head` (the next slot
+//! to read). Each index sits in its own [`CachePadded`] so the two sides never write the same
+//! cache line. Indices grow without bound (wrapping `usize`); `index & mask` is the slot.
+//! Each side keeps a cached copy of the other side's index and re-reads the atomic only when
+//! the ring looks full (producer) or empty (consumer), so an uncontended push or pop touches
+//! one shared cache line: the slot.
+//!
+//! # Invariants
+//! - `tail - head <= capacity` (wrapping arithmetic).
+//! - Slots in `head..tail` hold initialised values; all others are uninitialised.
+//! - Only the producer writes `tail` and slots in `tail..head + capacity`; only the consumer
+//!   writes `head` and reads slots in `head..tail`.
+
+use std::cell::Cell;
+use std::fmt;
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
+
+use crossbeam_utils::CachePadded;
+
+use crate::sync::{Arc, AtomicUsize, Ordering, UnsafeCell};
+
+/// A push that did not fit: the value comes back, nothing was allocated.
+#[derive(Debug, PartialEq, Eq)]
+pub enum PushError<T> {
+    /// The ring is full.
+    Full(T),
+}
+
+impl<T> PushError<T> {
+    /// The value that was not pushed.
+    pub fn into_inner(self) -> T {
+        match self {
+            Self::Full(value) => value,
+        }
+    }
+}
+
+impl<T> fmt::Display for PushError<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ring is full")
+    }
+}
+
+struct Shared<T> {
+    /// Next slot the consumer reads. Written by the consumer only.
+    head: CachePadded<AtomicUsize>,
+    /// Next slot the producer writes. Written by the producer only.
+    tail: CachePadded<AtomicUsize>,
+    slots: Box<[UnsafeCell<MaybeUninit<T>>]>,
+    mask: usize,
+}
+
+impl<T> Shared<T> {
+    fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The cell of logical index `index`.
+    fn slot(&self, index: usize) -> &UnsafeCell<MaybeUninit<T>> {
+        let position = index & self.mask;
+        debug_assert!(position < self.slots.len());
+        &self.slots[position]
+    }
+}
+
+impl<T> Drop for Shared<T> {
+    fn drop(&mut self) {
+        // Both handles are gone (this is the last `Arc`), so no one else touches the ring.
+        let head = self.head.load(Ordering::Relaxed);
+        let tail = self.tail.load(Ordering::Relaxed);
+        let mut index = head;
+        while index != tail {
+            // SAFETY:
+            // - `index` is in `head..tail`, so the slot holds an initialised value (invariant).
+            // - `&mut self`: nothing else can read or write the slot; each slot is dropped once.
+            self.slot(index)
+                .with_mut(|slot| unsafe { (*slot).assume_init_drop() });
+            index = index.wrapping_add(1);
+        }
+    }
+}
+
+/// Creates a ring of at least `capacity` slots (rounded up to a power of two, minimum 1).
+pub fn channel<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
+    let capacity = capacity.max(1).next_power_of_two();
+    let slots = (0..capacity)
+        .map(|_| UnsafeCell::new(MaybeUninit::uninit()))
+        .collect::<Vec<_>>()
+        .into_boxed_slice();
+    let shared = Arc::new(Shared {
+        head: CachePadded::new(AtomicUsize::new(0)),
+        tail: CachePadded::new(AtomicUsize::new(0)),
+        slots,
+        mask: capacity - 1,
+    });
+    let producer = Producer {
+        shared: shared.clone(),
+        tail: 0,
+        cached_head: 0,
+        not_sync: PhantomData,
+    };
+    let consumer = Consumer {
+        shared,
+        head: 0,
+        cached_tail: 0,
+        not_sync: PhantomData,
+    };
+    (producer, consumer)
+}
+
+/// The writing end of a ring. `Send`, not `Sync`: one thread pushes at a time.
+pub struct Producer<T> {
+    shared: Arc<Shared<T>>,
+    /// Our copy of `shared.tail` (we are its only writer).
+    tail: usize,
+    /// Last value of `shared.head` we read; the consumer may have moved past it.
+    cached_head: usize,
+    not_sync: PhantomData<Cell<()>>,
+}
+
+// SAFETY:
+// - The producer may move to another thread: it owns its side's indices, and values of
+//   `T: Send` written into the ring are read by one consumer thread.
+// - It stays !Sync (PhantomData<Cell>), so two threads never push concurrently.
+unsafe impl<T: Send> Send for Producer<T> {}
+
+impl<T> Producer<T> {
+    /// Number of slots.
+    pub fn capacity(&self) -> usize {
+        self.shared.capacity()
+    }
+
+    /// Free slots, re-reading the consumer's index only when the cached one says full.
+    fn free_slots(&mut self, wanted: usize) -> usize {
+        let capacity = self.capacity();
+        let mut free = capacity - self.tail.wrapping_sub(self.cached_head);
+        if free < wanted {
+            // Acquire: pairs with the consumer's Release store of `head`, so its reads of
+            // the slots it freed happen before we overwrite them.
+            self.cached_head = self.shared.head.load(Ordering::Acquire);
+            free = capacity - self.tail.wrapping_sub(self.cached_head);
+        }
+        debug_assert!(free <= capacity);
+        free
+    }
+
+    /// Writes `value` into the slot at `index` without publishing it.
+    fn write(&self, index: usize, value: T) {
+        // SAFETY:
+        // - `index` is in `tail..head + capacity`: the slot is free and only the producer
+        //   writes it (invariant); the consumer will not read it before `tail` is published.
+        self.shared
+            .slot(index)
+            .with_mut(|slot| unsafe { (*slot).write(value) });
+    }
+
+    /// Publishes every slot written up to `self.tail`.
+    fn publish(&self) {
+        // Release: the slot writes above happen before the consumer's Acquire load of
+        // `tail` that makes them visible.
+        self.shared.tail.store(self.tail, Ordering::Release);
+    }
+
+    /// Pushes one value, or hands it back when the ring is full.
+    ///
+    /// # Errors
+    /// [`PushError::Full`] with the value when no slot is free.
+    pub fn push(&mut self, value: T) -> Result<(), PushError<T>> {
+        if self.free_slots(1) == 0 {
+            return Err(PushError::Full(value));
+        }
+        self.write(self.tail, value);
+        self.tail = self.tail.wrapping_add(1);
+        self.publish();
+        Ok(())
+    }
+
+    /// Pushes values from `values` while there is room, publishing them all at once. Values
+    /// the ring has no room for stay in the iterator. Returns how many were pushed.
+    pub fn push_from<I: Iterator<Item = T>>(&mut self, values: &mut I) -> usize {
+        let free = self.free_slots(self.capacity());
+        let mut pushed = 0;
+        for value in values.by_ref().take(free) {
+            self.write(self.tail.wrapping_add(pushed), value);
+            pushed += 1;
+        }
+        if pushed > 0 {
+            self.tail = self.tail.wrapping_add(pushed);
+            self.publish();
+        }
+        pushed
+    }
+
+    /// Whether the consumer has been dropped: nothing pushed from now on will be read.
+    pub fn is_abandoned(&self) -> bool {
+        Arc::strong_count(&self.shared) == 1
+    }
+}
+
+impl<T> fmt::Debug for Producer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Producer")
+            .field("capacity", &self.capacity())
+            .finish()
+    }
+}
+
+/// The reading end of a ring. `Send`, not `Sync`: one thread pops at a time.
+pub struct Consumer<T> {
+    shared: Arc<Shared<T>>,
+    /// Our copy of `shared.head` (we are its only writer).
+    head: usize,
+    /// Last value of `shared.tail` we read; the producer may have moved past it.
+    cached_tail: usize,
+    not_sync: PhantomData<Cell<()>>,
+}
+
+// SAFETY:
+// - The consumer may move to another thread: it owns its side's indices, and it takes
+//   values of `T: Send` out of the ring.
+// - It stays !Sync (PhantomData<Cell>), so two threads never pop concurrently.
+unsafe impl<T: Send> Send for Consumer<T> {}
+
+impl<T> Consumer<T> {
+    /// Number of slots.
+    pub fn capacity(&self) -> usize {
+        self.shared.capacity()
+    }
+
+    /// Readable slots, re-reading the producer's index only when the cached one shows fewer
+    /// than `wanted`.
+    fn available(&mut self, wanted: usize) -> usize {
+        if self.cached_tail.wrapping_sub(self.head) < wanted {
+            // Acquire: pairs with the producer's Release store of `tail`, so its slot writes
+            // are visible before we read them.
+            self.cached_tail = self.shared.tail.load(Ordering::Acquire);
+        }
+        let available = self.cached_tail.wrapping_sub(self.head);
+        debug_assert!(available <= self.capacity());
+        available
+    }
+
+    /// Moves the value at `index` out of its slot without releasing the slot.
+    fn take(&self, index: usize) -> T {
+        // SAFETY:
+        // - `index` is in `head..tail`: the slot holds an initialised value published by
+        //   the producer (Acquire above), and only the consumer reads it.
+        // - The slot is released (head advanced) only after this read, and never read again.
+        self.shared
+            .slot(index)
+            .with_mut(|slot| unsafe { (*slot).assume_init_read() })
+    }
+
+    /// Releases every slot read up to `self.head` to the producer.
+    fn release(&self) {
+        // Release: our reads of the slots happen before the producer's Acquire load of
+        // `head` lets it overwrite them.
+        self.shared.head.store(self.head, Ordering::Release);
+    }
+
+    /// Pops one value, or `None` when the ring is empty.
+    pub fn pop(&mut self) -> Option<T> {
+        if self.available(1) == 0 {
+            return None;
+        }
+        let value = self.take(self.head);
+        self.head = self.head.wrapping_add(1);
+        self.release();
+        Some(value)
+    }
+
+    /// Pops up to `max` values into `out`, releasing their slots at once. Returns how many.
+    pub fn pop_into<E: Extend<T>>(&mut self, out: &mut E, max: usize) -> usize {
+        let count = self.available(max).min(max);
+        if count == 0 {
+            return 0;
+        }
+        let start = self.head;
+        out.extend((0..count).map(|offset| self.take(start.wrapping_add(offset))));
+        self.head = start.wrapping_add(count);
+        self.release();
+        count
+    }
+
+    /// Whether nothing is readable right now.
+    pub fn is_empty(&mut self) -> bool {
+        self.available(1) == 0
+    }
+
+    /// Whether the producer has been dropped: once empty, nothing more will arrive.
+    pub fn is_abandoned(&self) -> bool {
+        Arc::strong_count(&self.shared) == 1
+    }
+}
+
+impl<T> fmt::Debug for Consumer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("capacity", &self.capacity())
+            .finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize as StdAtomic;
+    use std::thread;
+
+    #[test]
+    fn capacity_rounds_up_and_full_hands_the_value_back() {
+        let (mut tx, mut rx) = channel(3);
+        assert_eq!(tx.capacity(), 4);
+        for i in 0..4 {
+            tx.push(i).unwrap();
+        }
+        assert_eq!(tx.push(9), Err(PushError::Full(9)));
+        assert_eq!(rx.pop(), Some(0));
+        tx.push(4).unwrap();
+        let mut out = Vec::new();
+        assert_eq!(rx.pop_into(&mut out, 10), 4);
+        assert_eq!(out, [1, 2, 3, 4]);
+        assert_eq!(rx.pop(), None);
+    }
+
+    #[test]
+    fn batch_push_stops_at_full_and_leaves_the_rest_in_the_iterator() {
+        let (mut tx, mut rx) = channel(4);
+        let mut values = 0..10;
+        assert_eq!(tx.push_from(&mut values), 4);
+        assert_eq!(values.next(), Some(4));
+        let mut out = Vec::new();
+        assert_eq!(rx.pop_into(&mut out, 2), 2);
+        assert_eq!(tx.push_from(&mut (100..101)), 1);
+        assert_eq!(rx.pop_into(&mut out, 10), 3);
+        assert_eq!(out, [0, 1, 2, 3, 100]);
+    }
+
+    struct Counted<'a>(&'a StdAtomic);
+    impl Drop for Counted<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn leftovers_drop_once_when_both_handles_are_gone() {
+        let drops = StdAtomic::new(0);
+        let (mut tx, mut rx) = channel(8);
+        for _ in 0..5 {
+            assert!(tx.push(Counted(&drops)).is_ok());
+        }
+        drop(rx.pop());
+        assert_eq!(drops.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert!(!rx.is_abandoned());
+        drop(tx);
+        assert!(rx.is_abandoned());
+        assert_eq!(
+            drops.load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "consumer still holds them"
+        );
+        drop(rx);
+        assert_eq!(drops.load(std::sync::atomic::Ordering::Relaxed), 5);
+    }
+
+    #[test]
+    fn two_threads_keep_fifo_order_and_deliver_each_item_once() {
+        const ITEMS: u64 = 200_000;
+        let (mut tx, mut rx) = channel::<u64>(64);
+        let producer = thread::spawn(move || {
+            let mut next = 0;
+            while next < ITEMS {
+                // Alternate single and batched pushes to exercise both publication paths.
+                if next % 3 == 0 {
+                    if tx.push(next).is_ok() {
+                        next += 1;
+                    }
+                } else {
+                    let end = (next + 7).min(ITEMS);
+                    let mut batch = next..end;
+                    next += tx.push_from(&mut batch) as u64;
+                }
+                thread::yield_now();
+            }
+        });
+        let mut expected = 0;
+        let mut buffer = Vec::with_capacity(64);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while expected < ITEMS {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "stalled at {expected}"
+            );
+            buffer.clear();
+            if rx.pop_into(&mut buffer, 16) == 0 {
+                thread::yield_now();
+            }
+            for value in buffer.drain(..) {
+                assert_eq!(value, expected);
+                expected += 1;
+            }
+        }
+        producer.join().unwrap();
+        assert_eq!(rx.pop(), None);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_models {
+    use super::*;
+    use loom::thread;
+
+    #[test]
+    fn loom_published_values_arrive_in_order() {
+        loom::model(|| {
+            let (mut tx, mut rx) = channel::<usize>(2);
+            let producer = thread::spawn(move || {
+                for value in 0..3 {
+                    while let Err(PushError::Full(_)) = tx.push(value) {
+                        thread::yield_now();
+                    }
+                }
+            });
+            let mut received = Vec::new();
+            while received.len() < 3 {
+                match rx.pop() {
+                    Some(value) => received.push(value),
+                    None => thread::yield_now(),
+                }
+            }
+            producer.join().unwrap();
+            assert_eq!(received, [0, 1, 2]);
+        });
+    }
+
+    #[test]
+    fn loom_wrap_around_reuses_slots_safely() {
+        loom::model(|| {
+            let (mut tx, mut rx) = channel::<Box<usize>>(1);
+            let producer = thread::spawn(move || {
+                for value in 0..3 {
+                    let mut item = Box::new(value);
+                    loop {
+                        match tx.push(item) {
+                            Ok(()) => break,
+                            Err(PushError::Full(back)) => {
+                                item = back;
+                                thread::yield_now();
+                            }
+                        }
+                    }
+                }
+            });
+            for expected in 0..3 {
+                let value = loop {
+                    if let Some(value) = rx.pop() {
+                        break value;
+                    }
+                    thread::yield_now();
+                };
+                assert_eq!(*value, expected);
+            }
+            producer.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_batches_publish_and_release_together() {
+        loom::model(|| {
+            let (mut tx, mut rx) = channel::<usize>(2);
+            let producer = thread::spawn(move || {
+                let mut values = 0..4;
+                while values.len() > 0 {
+                    if tx.push_from(&mut values) == 0 {
+                        thread::yield_now();
+                    }
+                }
+            });
+            let mut received = Vec::new();
+            while received.len() < 4 {
+                if rx.pop_into(&mut received, 2) == 0 {
+                    thread::yield_now();
+                }
+            }
+            producer.join().unwrap();
+            assert_eq!(received, [0, 1, 2, 3]);
+        });
+    }
+
+    #[test]
+    fn loom_leftovers_drop_when_the_last_handle_goes() {
+        loom::model(|| {
+            let (mut tx, rx) = channel::<Arc<()>>(2);
+            let witness = Arc::new(());
+            tx.push(witness.clone()).unwrap();
+            let consumer = thread::spawn(move || drop(rx));
+            drop(tx);
+            consumer.join().unwrap();
+            assert_eq!(Arc::strong_count(&witness), 1);
+        });
+    }
+}
