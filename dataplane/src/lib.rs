@@ -23,5 +23,20 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+mod batch;
+mod epoch;
+pub mod fabric;
+mod poller;
 pub mod ring;
+mod slice;
+mod submitter;
 mod sync;
+
+pub use batch::{Batch, BatchStatus, FailReason, RequestOutcome};
+pub use epoch::Epoch;
+pub use poller::{
+    Command, CounterSnapshot, Event, FailStale, IdleStrategy, PollerConfig, PollerHandle,
+    PollerStopped, RepairCause, Reprepare, SpawnError,
+};
+pub use slice::{EndpointId, Slice, SliceSpec};
+pub use submitter::{SubmitError, Submitter};

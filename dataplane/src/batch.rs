@@ -1,0 +1,391 @@
+//! Batches: the completion side of a group of transfer requests.
+//!
+//! A [`Batch`] is what a submitter gets back. Each request in it resolves exactly once, to
+//! [`RequestOutcome::Done`] or [`RequestOutcome::Failed`], when all of its slices have
+//! resolved; the first failure of any of its slices is the request's reason. Pollers resolve
+//! slices through the shared [`BatchState`]; the batch's owner reads it without locks and
+//! can sleep until it completes.
+
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use crate::fabric::WcStatus;
+
+/// Why a slice, and so its request, failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, thiserror::Error)]
+#[non_exhaustive]
+#[repr(u8)]
+pub enum FailReason {
+    /// Prepared for an older epoch of its endpoint and could not be re-prepared.
+    #[error("slice was prepared for an older epoch and could not be re-prepared")]
+    StaleEpoch = 1,
+    /// The batch's deadline passed first.
+    #[error("deadline passed before the transfer completed")]
+    Timeout,
+    /// Its endpoint was retired.
+    #[error("endpoint was retired")]
+    EndpointRetired,
+    /// Its endpoint is not known to the poller.
+    #[error("endpoint is not known to the rail's poller")]
+    UnknownEndpoint,
+    /// The peer is unavailable (its circuit is open).
+    #[error("peer is unavailable")]
+    PeerUnavailable,
+    /// The poller shut down before the slice completed.
+    #[error("poller shut down")]
+    Shutdown,
+    /// The poller was gone before it read the slice.
+    #[error("poller is gone")]
+    PollerGone,
+    /// The endpoint's backlog was full.
+    #[error("endpoint backlog is full")]
+    BacklogFull,
+    /// The fabric refused to post the work request.
+    #[error("fabric refused to post the work request")]
+    PostFailed,
+    /// LOC_LEN_ERR: local length error.
+    #[error("local length error (LOC_LEN_ERR)")]
+    LocalLength,
+    /// LOC_PROT_ERR: local protection error (lkey or local range).
+    #[error("local protection error (LOC_PROT_ERR)")]
+    LocalProtection,
+    /// REM_ACCESS_ERR: the remote side refused the rkey, range or access.
+    #[error("remote access error (REM_ACCESS_ERR)")]
+    RemoteAccess,
+    /// REM_INV_REQ_ERR: the remote side found the request invalid.
+    #[error("remote invalid request (REM_INV_REQ_ERR)")]
+    RemoteInvalidRequest,
+    /// RETRY_EXC_ERR: the transport gave up reaching the peer.
+    #[error("transport retries exceeded (RETRY_EXC_ERR)")]
+    RetryExceeded,
+    /// WR_FLUSH_ERR: flushed by a queue pair in error, past the retry budget.
+    #[error("flushed by a queue pair in error (WR_FLUSH_ERR)")]
+    Flushed,
+}
+
+impl FailReason {
+    /// Number of reasons (for per-reason counters).
+    pub const COUNT: usize = 15;
+
+    /// Every reason, in code order.
+    pub const ALL: [Self; Self::COUNT] = [
+        Self::StaleEpoch,
+        Self::Timeout,
+        Self::EndpointRetired,
+        Self::UnknownEndpoint,
+        Self::PeerUnavailable,
+        Self::Shutdown,
+        Self::PollerGone,
+        Self::BacklogFull,
+        Self::PostFailed,
+        Self::LocalLength,
+        Self::LocalProtection,
+        Self::RemoteAccess,
+        Self::RemoteInvalidRequest,
+        Self::RetryExceeded,
+        Self::Flushed,
+    ];
+
+    /// Dense index in `0..COUNT`.
+    pub fn index(self) -> usize {
+        self as usize - 1
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get(usize::from(code).checked_sub(1)?).copied()
+    }
+
+    /// The reason an error completion status gives its slice.
+    pub fn from_status(status: WcStatus) -> Option<Self> {
+        match status {
+            WcStatus::Success => None,
+            WcStatus::LocLenErr => Some(Self::LocalLength),
+            WcStatus::LocProtErr => Some(Self::LocalProtection),
+            WcStatus::RemAccessErr => Some(Self::RemoteAccess),
+            WcStatus::RemInvReqErr => Some(Self::RemoteInvalidRequest),
+            WcStatus::RetryExcErr => Some(Self::RetryExceeded),
+            WcStatus::WrFlushErr => Some(Self::Flushed),
+        }
+    }
+}
+
+/// How one request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestOutcome {
+    /// Every byte moved.
+    Done,
+    /// At least one slice failed; this is the first reason.
+    Failed(FailReason),
+}
+
+/// Progress of a batch, read without blocking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchStatus {
+    /// Requests in the batch.
+    pub total: usize,
+    /// Requests resolved as done.
+    pub done: usize,
+    /// Requests resolved as failed.
+    pub failed: usize,
+}
+
+impl BatchStatus {
+    /// Whether every request has resolved.
+    pub fn is_complete(&self) -> bool {
+        self.done + self.failed == self.total
+    }
+}
+
+struct RequestState {
+    /// Slices not yet resolved.
+    remaining: AtomicU32,
+    /// First failure code, 0 while none.
+    failure: AtomicU8,
+}
+
+/// State shared between a [`Batch`] and the pollers resolving its slices.
+pub(crate) struct BatchState {
+    requests: Box<[RequestState]>,
+    done: AtomicUsize,
+    failed: AtomicUsize,
+    /// Requests with slices not yet resolved; reaches 0 exactly once.
+    unresolved: AtomicUsize,
+    deadline: Instant,
+    /// Threads inside [`Batch::wait`].
+    waiters: AtomicUsize,
+    lock: Mutex<()>,
+    completed: Condvar,
+}
+
+impl BatchState {
+    /// A batch whose request `i` has `slices_per_request[i]` slices. Requests without slices
+    /// are done at once.
+    pub(crate) fn new(slices_per_request: &[u32], deadline: Instant) -> Self {
+        let empty = slices_per_request.iter().filter(|&&n| n == 0).count();
+        Self {
+            requests: slices_per_request
+                .iter()
+                .map(|&n| RequestState {
+                    remaining: AtomicU32::new(n),
+                    failure: AtomicU8::new(0),
+                })
+                .collect(),
+            done: AtomicUsize::new(empty),
+            failed: AtomicUsize::new(0),
+            unresolved: AtomicUsize::new(slices_per_request.len() - empty),
+            deadline,
+            waiters: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            completed: Condvar::new(),
+        }
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Resolves one slice of `request`. Returns `true` for exactly one call: the one that
+    /// resolved the batch's last unresolved slice.
+    ///
+    /// # Panics
+    /// In debug builds, when `request` has no unresolved slice left: a slice resolved twice.
+    pub(crate) fn resolve_slice(&self, request: u32, outcome: Result<(), FailReason>) -> bool {
+        let state = &self.requests[request as usize];
+        if let Err(reason) = outcome {
+            // Relaxed: ordered before the AcqRel decrement below, which publishes it.
+            let _ = state.failure.compare_exchange(
+                0,
+                reason as u8,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+        // AcqRel: the last resolver must see every other resolver's failure write.
+        let before = state.remaining.fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(
+            before > 0,
+            "a slice of request {request} was resolved twice"
+        );
+        if before != 1 {
+            return false;
+        }
+        let counter = if state.failure.load(Ordering::Relaxed) == 0 {
+            &self.done
+        } else {
+            &self.failed
+        };
+        // SeqCst: pairs with `wait`'s SeqCst increment of `waiters` (Dekker): either the
+        // waiter sees the new count, or we see the waiter and notify it.
+        counter.fetch_add(1, Ordering::SeqCst);
+        let last = self.unresolved.fetch_sub(1, Ordering::AcqRel) == 1;
+        if last && self.waiters.load(Ordering::SeqCst) > 0 {
+            let _guard = self
+                .lock
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            self.completed.notify_all();
+        }
+        last
+    }
+
+    pub(crate) fn status(&self) -> BatchStatus {
+        BatchStatus {
+            total: self.requests.len(),
+            done: self.done.load(Ordering::SeqCst),
+            failed: self.failed.load(Ordering::SeqCst),
+        }
+    }
+
+    fn outcome(&self, request: usize) -> Option<RequestOutcome> {
+        let state = self.requests.get(request)?;
+        // Acquire: pairs with the resolvers' AcqRel decrements.
+        if state.remaining.load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        Some(
+            match FailReason::from_code(state.failure.load(Ordering::Relaxed)) {
+                None => RequestOutcome::Done,
+                Some(reason) => RequestOutcome::Failed(reason),
+            },
+        )
+    }
+}
+
+/// The handle to a submitted group of requests. `Send + Sync`; cheap to clone.
+#[derive(Clone)]
+pub struct Batch {
+    state: Arc<BatchState>,
+}
+
+impl Batch {
+    pub(crate) fn new(state: Arc<BatchState>) -> Self {
+        Self { state }
+    }
+
+    /// Progress so far. Never blocks.
+    pub fn poll(&self) -> BatchStatus {
+        self.state.status()
+    }
+
+    /// Sleeps (no spinning) until every request has resolved or `deadline` passes, and
+    /// returns the progress at that moment.
+    pub fn wait(&self, deadline: Instant) -> BatchStatus {
+        let state = &self.state;
+        state.waiters.fetch_add(1, Ordering::SeqCst);
+        let mut guard = state
+            .lock
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        loop {
+            let status = state.status();
+            let now = Instant::now();
+            if status.is_complete() || now >= deadline {
+                drop(guard);
+                state.waiters.fetch_sub(1, Ordering::SeqCst);
+                return status;
+            }
+            guard = state
+                .completed
+                .wait_timeout(guard, deadline - now)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+    }
+
+    /// How request `request` ended, or `None` while it is pending (or out of range).
+    pub fn outcome(&self, request: usize) -> Option<RequestOutcome> {
+        self.state.outcome(request)
+    }
+
+    /// Every request's outcome, `None` for those still pending.
+    pub fn outcomes(&self) -> Vec<Option<RequestOutcome>> {
+        (0..self.state.requests.len())
+            .map(|i| self.state.outcome(i))
+            .collect()
+    }
+
+    /// The deadline the batch was submitted with.
+    pub fn deadline(&self) -> Instant {
+        self.state.deadline
+    }
+}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("status", &self.poll())
+            .finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::thread;
+    use std::time::Duration;
+
+    fn batch(slices: &[u32]) -> (Arc<BatchState>, Batch) {
+        let state = Arc::new(BatchState::new(
+            slices,
+            Instant::now() + Duration::from_secs(5),
+        ));
+        (state.clone(), Batch::new(state))
+    }
+
+    #[test]
+    fn a_request_resolves_when_its_last_slice_does_with_the_first_failure() {
+        let (state, batch) = batch(&[2, 1, 0]);
+        assert_eq!(batch.outcomes(), [None, None, Some(RequestOutcome::Done)]);
+        assert!(!state.resolve_slice(0, Err(FailReason::RemoteAccess)));
+        assert_eq!(batch.outcome(0), None);
+        assert!(!state.resolve_slice(0, Err(FailReason::Timeout)));
+        assert_eq!(
+            batch.outcome(0),
+            Some(RequestOutcome::Failed(FailReason::RemoteAccess))
+        );
+        assert!(state.resolve_slice(1, Ok(())));
+        assert_eq!(
+            batch.poll(),
+            BatchStatus {
+                total: 3,
+                done: 2,
+                failed: 1
+            }
+        );
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "resolved twice")]
+    fn resolving_a_slice_twice_is_caught() {
+        let (state, _batch) = batch(&[1]);
+        state.resolve_slice(0, Ok(()));
+        state.resolve_slice(0, Ok(()));
+    }
+
+    #[test]
+    fn wait_sleeps_until_completion_or_the_deadline() {
+        let (state, batch) = batch(&[1]);
+        let start = Instant::now();
+        let early = batch.wait(start + Duration::from_millis(30));
+        assert!(!early.is_complete());
+        assert!(start.elapsed() >= Duration::from_millis(30));
+        let resolver = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(20));
+            state.resolve_slice(0, Ok(()));
+        });
+        let status = batch.wait(Instant::now() + Duration::from_secs(10));
+        assert!(status.is_complete());
+        resolver.join().unwrap();
+    }
+
+    #[test]
+    fn reason_codes_round_trip() {
+        for (i, reason) in FailReason::ALL.iter().enumerate() {
+            assert_eq!(reason.index(), i);
+            assert_eq!(FailReason::from_code(*reason as u8), Some(*reason));
+        }
+        assert_eq!(FailReason::from_code(0), None);
+    }
+}

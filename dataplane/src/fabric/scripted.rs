@@ -1,0 +1,240 @@
+//! A fabric for tests: records every posted work request with the epoch of the queue pair it
+//! was posted on, and completes chosen requests with chosen statuses, with verbs' queue-pair
+//! rules (an error completion moves the queue pair to ERR and flushes what is outstanding;
+//! requests posted on a queue pair in ERR complete as flushed).
+//!
+//! The fabric lives on the poller thread; the test keeps a [`ScriptHandle`] to steer it and
+//! read what happened. The mutex between them is test-only machinery.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{Fabric, FabricError, PostError, QpNum, WcStatus, WorkCompletion, WorkRequest};
+use crate::{EndpointId, Epoch};
+
+/// One posted work request, as the test sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Posted {
+    /// Position in the order of all posts, from 0.
+    pub index: usize,
+    /// The queue pair it was posted on.
+    pub qp: QpNum,
+    /// The endpoint of that queue pair.
+    pub endpoint: EndpointId,
+    /// The epoch that queue pair was connected for.
+    pub qp_epoch: Epoch,
+    /// The request itself.
+    pub request: WorkRequest,
+}
+
+#[derive(Debug)]
+struct Qp {
+    endpoint: EndpointId,
+    epoch: Epoch,
+    in_error: bool,
+    /// Posted, not yet completed (held).
+    outstanding: Vec<WorkRequest>,
+}
+
+#[derive(Debug, Default)]
+struct Script {
+    next_qp: u32,
+    qps: HashMap<u32, Qp>,
+    posted: Vec<Posted>,
+    /// Statuses for chosen post indices; others succeed.
+    statuses: BTreeMap<usize, WcStatus>,
+    /// While set, successful requests stay outstanding until released.
+    hold: bool,
+    ready: VecDeque<WorkCompletion>,
+    refuse_connect: bool,
+}
+
+impl Script {
+    fn complete(&mut self, qp: QpNum, request: &WorkRequest, status: WcStatus) {
+        if status == WcStatus::Success && !request.signaled {
+            return;
+        }
+        self.ready.push_back(WorkCompletion {
+            wr_id: request.wr_id,
+            qp,
+            status,
+            opcode: request.opcode,
+            byte_len: if status == WcStatus::Success {
+                request.len
+            } else {
+                0
+            },
+            imm: None,
+        });
+    }
+
+    /// Moves `qp` to ERR and flushes its outstanding requests.
+    fn fail_qp(&mut self, qp: QpNum) {
+        let Some(state) = self.qps.get_mut(&qp.0) else {
+            return;
+        };
+        state.in_error = true;
+        let outstanding = std::mem::take(&mut state.outstanding);
+        for request in &outstanding {
+            self.complete(qp, request, WcStatus::WrFlushErr);
+        }
+    }
+}
+
+/// The test's side of a [`ScriptedFabric`].
+#[derive(Clone, Debug, Default)]
+pub struct ScriptHandle(Arc<Mutex<Script>>);
+
+impl ScriptHandle {
+    fn lock(&self) -> MutexGuard<'_, Script> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The post with this index (0 = first ever) completes with `status`.
+    pub fn fail_nth(&self, index: usize, status: WcStatus) {
+        self.lock().statuses.insert(index, status);
+    }
+
+    /// While `hold` is set, successful requests stay outstanding (in flight) until
+    /// [`Self::release`].
+    pub fn hold(&self, hold: bool) {
+        self.lock().hold = hold;
+    }
+
+    /// Completes every held request successfully.
+    pub fn release(&self) {
+        let mut script = self.lock();
+        let qps: Vec<u32> = script.qps.keys().copied().collect();
+        for qp in qps {
+            let outstanding = script
+                .qps
+                .get_mut(&qp)
+                .map(|q| std::mem::take(&mut q.outstanding));
+            for request in outstanding.unwrap_or_default() {
+                script.complete(QpNum(qp), &request, WcStatus::Success);
+            }
+        }
+    }
+
+    /// Every request posted so far.
+    pub fn posted(&self) -> Vec<Posted> {
+        self.lock().posted.clone()
+    }
+
+    /// Requests posted and not yet completed.
+    pub fn outstanding(&self) -> usize {
+        self.lock().qps.values().map(|q| q.outstanding.len()).sum()
+    }
+
+    /// Queue pairs connected so far, as (endpoint, epoch), in order.
+    pub fn connections(&self) -> Vec<(EndpointId, Epoch)> {
+        let script = self.lock();
+        let mut qps: Vec<(&u32, &Qp)> = script.qps.iter().collect();
+        qps.sort_by_key(|(number, _)| **number);
+        qps.into_iter()
+            .map(|(_, qp)| (qp.endpoint, qp.epoch))
+            .collect()
+    }
+
+    /// Makes further connects fail.
+    pub fn refuse_connect(&self, refuse: bool) {
+        self.lock().refuse_connect = refuse;
+    }
+}
+
+/// The poller's side: a [`Fabric`] driven by a [`ScriptHandle`].
+#[derive(Debug)]
+pub struct ScriptedFabric {
+    script: ScriptHandle,
+}
+
+impl ScriptedFabric {
+    /// A fabric and the handle that steers it.
+    pub fn new() -> (Self, ScriptHandle) {
+        let script = ScriptHandle::default();
+        (
+            Self {
+                script: script.clone(),
+            },
+            script,
+        )
+    }
+}
+
+impl Fabric for ScriptedFabric {
+    fn connect(&mut self, endpoint: EndpointId, epoch: Epoch) -> Result<QpNum, FabricError> {
+        let mut script = self.script.lock();
+        if script.refuse_connect {
+            return Err(FabricError::Connect {
+                endpoint,
+                epoch,
+                reason: "refused by the script".into(),
+            });
+        }
+        script.next_qp += 1;
+        let number = script.next_qp;
+        script.qps.insert(
+            number,
+            Qp {
+                endpoint,
+                epoch,
+                in_error: false,
+                outstanding: Vec::new(),
+            },
+        );
+        Ok(QpNum(number))
+    }
+
+    fn post(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
+        let mut script = self.script.lock();
+        let Some(state) = script.qps.get(&qp.0) else {
+            return Err(PostError {
+                posted: 0,
+                error: FabricError::UnknownQp { qp },
+            });
+        };
+        let (endpoint, qp_epoch) = (state.endpoint, state.epoch);
+        for request in requests {
+            let index = script.posted.len();
+            script.posted.push(Posted {
+                index,
+                qp,
+                endpoint,
+                qp_epoch,
+                request: *request,
+            });
+            let in_error = script.qps.get(&qp.0).is_some_and(|q| q.in_error);
+            if in_error {
+                script.complete(qp, request, WcStatus::WrFlushErr);
+                continue;
+            }
+            match script.statuses.remove(&index) {
+                Some(status) if status != WcStatus::Success => {
+                    script.complete(qp, request, status);
+                    script.fail_qp(qp);
+                }
+                _ if script.hold => {
+                    if let Some(state) = script.qps.get_mut(&qp.0) {
+                        state.outstanding.push(*request);
+                    }
+                }
+                _ => script.complete(qp, request, WcStatus::Success),
+            }
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        let mut script = self.script.lock();
+        let count = max.min(script.ready.len());
+        out.extend(script.ready.drain(..count));
+        count
+    }
+
+    fn retire(&mut self, qp: QpNum) {
+        let mut script = self.script.lock();
+        script.fail_qp(qp);
+    }
+}

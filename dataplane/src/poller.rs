@@ -1,0 +1,1091 @@
+//! The poller: one thread per rail, the only code that touches the rail's fabric queues and
+//! endpoints.
+//!
+//! Its loop: apply commands (add an endpoint, bump its epoch, retire it, shut down) → drain
+//! the submission rings → apply the epoch rule and post what passes, one doorbell per queue
+//! pair per round → poll completions and resolve slices → sweep deadlines → idle.
+//!
+//! # The epoch rule
+//! A slice whose epoch is older than its endpoint's current epoch is never posted: it goes
+//! to the [`Reprepare`] hook, which rewrites it for the current epoch or names a reason to
+//! fail it. A slice newer than its endpoint (the poller has not applied the reconnect yet)
+//! and a slice for an endpoint whose queue pair failed wait in the endpoint's bounded
+//! backlog until the epoch arrives or their deadline passes.
+//!
+//! # Failures
+//! Any error completion leaves the queue pair in ERR (as verbs does): the poller retires it,
+//! which flushes everything else outstanding on it, marks the endpoint down and reports
+//! [`Event::QpFailed`] so the owner of endpoints can reconnect at a new epoch. Flushed and
+//! transport-failed slices are retried (within [`PollerConfig::retry_budget`]) at the new
+//! epoch; a slice whose own work request was wrong (length, protection, access) is
+//! re-prepared once and fails the second time, so it can never take a fresh queue pair down
+//! twice.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::thread::{self, JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use crate::batch::FailReason;
+use crate::fabric::{Fabric, FabricError, QpNum, WcStatus, WorkCompletion, WorkRequest, WrId};
+use crate::ring::{self, Consumer, Producer};
+use crate::slice::{FLAG_WR_ERROR_SEEN, Slice};
+use crate::{EndpointId, Epoch};
+
+/// What a poller does when a round found no work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdleStrategy {
+    /// Spin forever: lowest latency, burns the core. For pinned production pollers.
+    BusySpin,
+    /// Spin `spins` rounds, then yield the core each round.
+    SpinThenYield {
+        /// Idle rounds spent spinning before yielding.
+        spins: u32,
+    },
+    /// Spin `spins` rounds, then park for at most `park` (a submitter or command wakes it
+    /// earlier). Parks only with nothing in flight; otherwise it yields.
+    SpinThenPark {
+        /// Idle rounds spent spinning before parking.
+        spins: u32,
+        /// Longest park.
+        park: Duration,
+    },
+}
+
+impl IdleStrategy {
+    /// An idle strategy that cannot starve a small machine: what tests use.
+    pub const fn gentle() -> Self {
+        Self::SpinThenPark {
+            spins: 64,
+            park: Duration::from_millis(2),
+        }
+    }
+}
+
+/// How to run a poller.
+#[derive(Clone, Debug)]
+pub struct PollerConfig {
+    /// Thread name (the rail's name).
+    pub name: String,
+    /// PU (OS CPU index) to pin the thread to; `None` leaves it unpinned.
+    pub pin_pu: Option<usize>,
+    /// What to do when idle.
+    pub idle: IdleStrategy,
+    /// Most slices taken from one submission ring per round, and most completions polled.
+    pub max_batch: usize,
+    /// Retries of a flushed or transport-failed slice before it fails.
+    pub retry_budget: u8,
+    /// Most slices an endpoint holds while it is down; more fail with `BacklogFull`.
+    pub backlog_limit: usize,
+    /// Slots of the command ring.
+    pub command_capacity: usize,
+    /// Slots of the event ring.
+    pub event_capacity: usize,
+    /// After a shutdown command, how long to wait for flush completions of in-flight work.
+    pub shutdown_grace: Duration,
+}
+
+impl PollerConfig {
+    /// Defaults for a poller named `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            pin_pu: None,
+            idle: IdleStrategy::SpinThenYield { spins: 1024 },
+            max_batch: 64,
+            retry_budget: 3,
+            backlog_limit: 4096,
+            command_capacity: 256,
+            event_capacity: 1024,
+            shutdown_grace: Duration::from_secs(1),
+        }
+    }
+}
+
+/// A command to a poller. Commands are applied between posts, in order.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Command {
+    /// Connect a queue pair to `endpoint` at `epoch`. For an endpoint the poller already has,
+    /// this is [`Command::BumpEpoch`].
+    AddEndpoint {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// Its epoch.
+        epoch: Epoch,
+    },
+    /// Replace the endpoint's queue pair by a new one at `epoch` (retiring the old one,
+    /// whose outstanding work is flushed and retried at `epoch`). Ignored unless `epoch` is
+    /// newer than the endpoint's: a repeated command changes nothing.
+    BumpEpoch {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// The new epoch.
+        epoch: Epoch,
+    },
+    /// Retire the endpoint: flush its queue pair, fail its backlog and everything later sent
+    /// to it with `EndpointRetired`, and report [`Event::EndpointDrained`] once nothing of it
+    /// is in flight.
+    RetireEndpoint {
+        /// The endpoint.
+        endpoint: EndpointId,
+    },
+    /// Resolve everything (in-flight work is flushed; queued work fails with `Shutdown`) and
+    /// stop the thread.
+    Shutdown,
+}
+
+/// What a poller reports to the owner of endpoints.
+#[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// A queue pair went to ERR; the endpoint is down until a newer epoch arrives.
+    QpFailed {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// The epoch of the failed queue pair.
+        epoch: Epoch,
+        /// The completion status that failed it (work-request errors are the slice's fault,
+        /// transport errors the peer's).
+        status: WcStatus,
+    },
+    /// Connecting a queue pair failed; the endpoint is down.
+    ConnectFailed {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// The epoch asked for.
+        epoch: Epoch,
+        /// The fabric's reason.
+        reason: String,
+    },
+    /// A retired endpoint has nothing left in flight.
+    EndpointDrained {
+        /// The endpoint.
+        endpoint: EndpointId,
+    },
+}
+
+/// Why a stale slice is being re-prepared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RepairCause {
+    /// Its epoch is older than its endpoint's.
+    StaleEpoch,
+    /// Its own work request failed (length, protection, access) on the previous queue pair;
+    /// the descriptor should be refreshed. This is its only second chance.
+    AfterWorkRequestError,
+}
+
+/// Rewrites a stale slice for its endpoint's current epoch: supplied by the owner of
+/// segment descriptors.
+pub trait Reprepare: Send {
+    /// Rewrites `slice` (remote address, keys, epoch) for `current`, or returns why it must
+    /// fail. A slice still older than `current` afterwards fails with `StaleEpoch`.
+    ///
+    /// # Errors
+    /// The reason the slice fails.
+    fn reprepare(
+        &mut self,
+        slice: &mut Slice,
+        current: Epoch,
+        cause: RepairCause,
+    ) -> Result<(), FailReason>;
+}
+
+impl<F> Reprepare for F
+where
+    F: FnMut(&mut Slice, Epoch, RepairCause) -> Result<(), FailReason> + Send,
+{
+    fn reprepare(
+        &mut self,
+        slice: &mut Slice,
+        current: Epoch,
+        cause: RepairCause,
+    ) -> Result<(), FailReason> {
+        self(slice, current, cause)
+    }
+}
+
+/// A [`Reprepare`] that fails every stale slice with `StaleEpoch`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FailStale;
+
+impl Reprepare for FailStale {
+    fn reprepare(&mut self, _: &mut Slice, _: Epoch, _: RepairCause) -> Result<(), FailReason> {
+        Err(FailReason::StaleEpoch)
+    }
+}
+
+/// A monotonically increasing counter with a single writer (the poller thread).
+#[derive(Debug, Default)]
+struct Counter(AtomicU64);
+
+impl Counter {
+    fn add(&self, n: u64) {
+        // Relaxed load + store: only the poller writes, readers want a recent value.
+        self.0
+            .store(self.0.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+    }
+
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    posted: Counter,
+    completed: Counter,
+    failed: [Counter; FailReason::COUNT],
+    reprepared: Counter,
+    stale_dropped: Counter,
+    idle_rounds: Counter,
+    ignored_completions: Counter,
+    events_dropped: Counter,
+}
+
+/// A poller's counters at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CounterSnapshot {
+    /// Work requests posted.
+    pub posted: u64,
+    /// Slices completed successfully.
+    pub completed: u64,
+    /// Slices failed, by [`FailReason::index`].
+    pub failed: [u64; FailReason::COUNT],
+    /// Stale slices re-prepared for a newer epoch.
+    pub reprepared: u64,
+    /// Stale slices the re-prepare hook refused (failed, never posted).
+    pub stale_dropped: u64,
+    /// Rounds that found no work.
+    pub idle_rounds: u64,
+    /// Completions for a slot that had moved on (ignored).
+    pub ignored_completions: u64,
+    /// Events lost because the event ring was full.
+    pub events_dropped: u64,
+}
+
+impl CounterSnapshot {
+    /// Slices failed with `reason`.
+    pub fn failed(&self, reason: FailReason) -> u64 {
+        self.failed[reason.index()]
+    }
+
+    /// Slices failed for any reason.
+    pub fn failed_total(&self) -> u64 {
+        self.failed.iter().sum()
+    }
+}
+
+/// What submitters and the handle share with the poller thread.
+#[derive(Debug, Default)]
+pub(crate) struct PollerShared {
+    counters: Counters,
+    /// Set while the poller is (about to be) parked.
+    parked: AtomicBool,
+    thread: OnceLock<Thread>,
+    /// Set once the poller stops reading its rings.
+    stopped: AtomicBool,
+}
+
+impl PollerShared {
+    /// Wakes the poller if it is parked. Call after publishing work.
+    pub(crate) fn wake(&self) {
+        // SeqCst fence: pairs with the poller's fence between setting `parked` and
+        // re-checking its rings. Either it sees our work, or we see it parked.
+        fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::Relaxed) {
+            if let Some(thread) = self.thread.get() {
+                thread.unpark();
+            }
+        }
+    }
+
+    pub(crate) fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
+}
+
+/// What travels on the control ring.
+enum Control {
+    Command(Command),
+    AddSubmitter(Consumer<Slice>),
+}
+
+/// Why a poller could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpawnError {
+    /// The OS refused to pin the poller thread.
+    #[error(
+        "cannot pin poller {name} to PU {pu}: not a CPU this process may run on, or the OS refused"
+    )]
+    Pin {
+        /// The poller's name.
+        name: String,
+        /// The PU asked for.
+        pu: usize,
+    },
+    /// The OS refused to create the thread.
+    #[error("cannot start poller thread {name}")]
+    Thread {
+        /// The poller's name.
+        name: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The poller is no longer running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the poller has stopped")]
+pub struct PollerStopped;
+
+/// Owner's handle to a running poller. `Send + Sync`. Dropping it shuts the poller down.
+pub struct PollerHandle {
+    name: String,
+    shared: Arc<PollerShared>,
+    control: Mutex<Producer<Control>>,
+    events: Mutex<Option<Consumer<Event>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl PollerHandle {
+    /// Starts a poller thread driving `fabric`, pinned as `config` says.
+    ///
+    /// # Errors
+    /// [`SpawnError::Pin`] when the OS refuses the pinning, [`SpawnError::Thread`] when it
+    /// refuses the thread.
+    pub fn spawn<F: Fabric + 'static>(
+        config: PollerConfig,
+        fabric: F,
+        reprepare: impl Reprepare + 'static,
+    ) -> Result<Self, SpawnError> {
+        if let Some(pu) = config.pin_pu {
+            // core_affinity panics on CPU numbers past CPU_SETSIZE: only pass allowed ones.
+            let allowed = core_affinity::get_core_ids().unwrap_or_default();
+            if !allowed.iter().any(|core| core.id == pu) {
+                return Err(SpawnError::Pin {
+                    name: config.name,
+                    pu,
+                });
+            }
+        }
+        let shared = Arc::new(PollerShared::default());
+        let (control_tx, control_rx) = ring::channel(config.command_capacity);
+        let (events_tx, events_rx) = ring::channel(config.event_capacity);
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let name = config.name.clone();
+        let poller = Poller {
+            fabric,
+            reprepare: Box::new(reprepare),
+            shared: shared.clone(),
+            control: control_rx,
+            events: events_tx,
+            submissions: Vec::new(),
+            endpoints: Vec::new(),
+            ready: VecDeque::new(),
+            inflight: Inflight::default(),
+            post_list: Vec::new(),
+            post_qp: None,
+            completions: Vec::new(),
+            last_sweep: Instant::now(),
+            stopping: false,
+            config: config.clone(),
+        };
+        let thread = thread::Builder::new()
+            .name(config.name.clone())
+            .spawn(move || {
+                if let Some(pu) = config.pin_pu {
+                    let pinned = core_affinity::set_for_current(core_affinity::CoreId { id: pu });
+                    let _ = started_tx.send(pinned);
+                    if !pinned {
+                        return;
+                    }
+                } else {
+                    let _ = started_tx.send(true);
+                }
+                poller.run();
+            })
+            .map_err(|source| SpawnError::Thread {
+                name: name.clone(),
+                source,
+            })?;
+        let _ = shared.thread.set(thread.thread().clone());
+        if started_rx.recv() != Ok(true) {
+            let _ = thread.join();
+            return Err(SpawnError::Pin {
+                name,
+                pu: config.pin_pu.unwrap_or_default(),
+            });
+        }
+        Ok(Self {
+            name,
+            shared,
+            control: Mutex::new(control_tx),
+            events: Mutex::new(Some(events_rx)),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// The poller's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn send_control(&self, mut control: Control) -> Result<(), PollerStopped> {
+        let mut ring = lock(&self.control);
+        loop {
+            if self.shared.is_stopped() {
+                return Err(PollerStopped);
+            }
+            match ring.push(control) {
+                Ok(()) => {
+                    self.shared.wake();
+                    return Ok(());
+                }
+                Err(full) => {
+                    // The poller drains commands every round; a full ring empties quickly.
+                    control = full.into_inner();
+                    self.shared.wake();
+                    thread::yield_now();
+                }
+            }
+        }
+    }
+
+    /// Sends a command; it is applied between posts, after earlier commands.
+    ///
+    /// # Errors
+    /// [`PollerStopped`] when the poller no longer runs.
+    pub fn send(&self, command: Command) -> Result<(), PollerStopped> {
+        self.send_control(Control::Command(command))
+    }
+
+    /// Registers a new submission ring of `capacity` slots with the poller.
+    pub(crate) fn register_submitter(
+        &self,
+        capacity: usize,
+    ) -> Result<(Producer<Slice>, Arc<PollerShared>), PollerStopped> {
+        let (producer, consumer) = ring::channel(capacity);
+        self.send_control(Control::AddSubmitter(consumer))?;
+        Ok((producer, self.shared.clone()))
+    }
+
+    /// The ring of [`Event`]s; `None` after the first call (it has one reader).
+    pub fn take_events(&self) -> Option<Consumer<Event>> {
+        lock(&self.events).take()
+    }
+
+    /// The poller's counters now. Lock-free.
+    pub fn counters(&self) -> CounterSnapshot {
+        let c = &self.shared.counters;
+        CounterSnapshot {
+            posted: c.posted.get(),
+            completed: c.completed.get(),
+            failed: std::array::from_fn(|i| c.failed[i].get()),
+            reprepared: c.reprepared.get(),
+            stale_dropped: c.stale_dropped.get(),
+            idle_rounds: c.idle_rounds.get(),
+            ignored_completions: c.ignored_completions.get(),
+            events_dropped: c.events_dropped.get(),
+        }
+    }
+
+    /// Shuts the poller down and waits for its thread: every slice it held is resolved.
+    /// Idempotent.
+    pub fn shutdown(&self) {
+        let _ = self.send(Command::Shutdown);
+        if let Some(thread) = lock(&self.thread).take() {
+            if thread.join().is_err() {
+                // The poller panicked: a bug. Its slices were resolved by their Drop.
+                eprintln!("railyard: poller {} panicked", self.name);
+            }
+        }
+    }
+}
+
+impl Drop for PollerHandle {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl std::fmt::Debug for PollerHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PollerHandle")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+/// Where an endpoint's queue pair stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Link {
+    Up(QpNum),
+    /// The queue pair failed or could not connect; waiting for a newer epoch.
+    Down,
+    Retired,
+}
+
+#[derive(Debug)]
+struct Endpoint {
+    epoch: Epoch,
+    link: Link,
+    backlog: VecDeque<Slice>,
+    in_flight: usize,
+}
+
+/// One posted work request's slot.
+#[derive(Debug)]
+struct InflightSlot {
+    generation: u32,
+    busy: bool,
+    /// `None` once resolved early (deadline): the slot waits for its completion anyway.
+    slice: Option<Slice>,
+    endpoint: EndpointId,
+}
+
+/// Posted work requests by slot; work-request ids carry slot and generation.
+#[derive(Debug, Default)]
+struct Inflight {
+    slots: Vec<InflightSlot>,
+    free: Vec<u32>,
+    busy: usize,
+}
+
+impl Inflight {
+    fn insert(&mut self, slice: Slice) -> WrId {
+        let endpoint = slice.endpoint;
+        let index = match self.free.pop() {
+            Some(index) => index,
+            None => {
+                self.slots.push(InflightSlot {
+                    generation: 0,
+                    busy: false,
+                    slice: None,
+                    endpoint,
+                });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        slot.generation = slot.generation.wrapping_add(1);
+        slot.busy = true;
+        slot.slice = Some(slice);
+        slot.endpoint = endpoint;
+        self.busy += 1;
+        WrId::new(index, slot.generation)
+    }
+
+    /// Frees the slot of `wr_id`. `None` when the id names a slot that moved on.
+    fn take(&mut self, wr_id: WrId) -> Option<(EndpointId, Option<Slice>)> {
+        let slot = self.slots.get_mut(wr_id.slot() as usize)?;
+        if !slot.busy || slot.generation != wr_id.generation() {
+            return None;
+        }
+        slot.busy = false;
+        self.free.push(wr_id.slot());
+        self.busy -= 1;
+        Some((slot.endpoint, slot.slice.take()))
+    }
+}
+
+struct Poller<F: Fabric> {
+    fabric: F,
+    reprepare: Box<dyn Reprepare>,
+    shared: Arc<PollerShared>,
+    control: Consumer<Control>,
+    events: Producer<Event>,
+    submissions: Vec<Consumer<Slice>>,
+    /// Indexed by `EndpointId`.
+    endpoints: Vec<Option<Endpoint>>,
+    /// Slices taken from rings or handed back for a retry, not yet routed.
+    ready: VecDeque<Slice>,
+    inflight: Inflight,
+    post_list: Vec<WorkRequest>,
+    post_qp: Option<QpNum>,
+    completions: Vec<WorkCompletion>,
+    last_sweep: Instant,
+    /// Set by a shutdown command: failures now resolve as `Shutdown`.
+    stopping: bool,
+    config: PollerConfig,
+}
+
+/// How often deadlines of backlogged and in-flight slices are checked.
+const SWEEP_INTERVAL: Duration = Duration::from_millis(1);
+
+impl<F: Fabric> Poller<F> {
+    fn run(mut self) {
+        let mut idle_rounds = 0u32;
+        loop {
+            let (mut busy, shutdown) = self.apply_control();
+            if shutdown {
+                self.shut_down();
+                return;
+            }
+            busy |= self.drain_submissions();
+            busy |= self.route_ready();
+            busy |= self.poll_completions();
+            self.sweep_deadlines();
+            if busy {
+                idle_rounds = 0;
+            } else {
+                idle_rounds = idle_rounds.saturating_add(1);
+                self.shared.counters.idle_rounds.add(1);
+                self.idle(idle_rounds);
+            }
+        }
+    }
+
+    fn idle(&mut self, idle_rounds: u32) {
+        match self.config.idle {
+            IdleStrategy::BusySpin => std::hint::spin_loop(),
+            IdleStrategy::SpinThenYield { spins } => {
+                if idle_rounds < spins {
+                    std::hint::spin_loop();
+                } else {
+                    thread::yield_now();
+                }
+            }
+            IdleStrategy::SpinThenPark { spins, park } => {
+                if idle_rounds < spins {
+                    std::hint::spin_loop();
+                } else if self.inflight.busy > 0 {
+                    thread::yield_now();
+                } else {
+                    self.shared.parked.store(true, Ordering::Relaxed);
+                    // SeqCst fence: pairs with `PollerShared::wake` (see there).
+                    fence(Ordering::SeqCst);
+                    if !self.has_input() {
+                        thread::park_timeout(park);
+                    }
+                    self.shared.parked.store(false, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    fn has_input(&mut self) -> bool {
+        !self.control.is_empty() || self.submissions.iter_mut().any(|ring| !ring.is_empty())
+    }
+
+    fn emit(&mut self, event: Event) {
+        if self.events.push(event).is_err() {
+            self.shared.counters.events_dropped.add(1);
+        }
+    }
+
+    fn fail(&self, slice: Slice, reason: FailReason) {
+        self.shared.counters.failed[reason.index()].add(1);
+        slice.resolve(Err(reason));
+    }
+
+    /// Applies queued commands. Returns (did work, shutdown requested).
+    fn apply_control(&mut self) -> (bool, bool) {
+        let mut busy = false;
+        while let Some(control) = self.control.pop() {
+            busy = true;
+            match control {
+                Control::AddSubmitter(ring) => self.submissions.push(ring),
+                Control::Command(Command::Shutdown) => return (true, true),
+                Control::Command(Command::AddEndpoint { endpoint, epoch }) => {
+                    if self
+                        .endpoint(endpoint)
+                        .is_some_and(|e| e.link != Link::Retired)
+                    {
+                        self.bump_epoch(endpoint, epoch);
+                    } else {
+                        self.add_endpoint(endpoint, epoch);
+                    }
+                }
+                Control::Command(Command::BumpEpoch { endpoint, epoch }) => {
+                    self.bump_epoch(endpoint, epoch);
+                }
+                Control::Command(Command::RetireEndpoint { endpoint }) => self.retire(endpoint),
+            }
+        }
+        (busy, false)
+    }
+
+    fn endpoint(&self, id: EndpointId) -> Option<&Endpoint> {
+        self.endpoints.get(id.0 as usize).and_then(Option::as_ref)
+    }
+
+    fn connect(&mut self, endpoint: EndpointId, epoch: Epoch) -> Link {
+        match self.fabric.connect(endpoint, epoch) {
+            Ok(qp) => Link::Up(qp),
+            Err(error) => {
+                let reason = match error {
+                    FabricError::Connect { reason, .. } => reason,
+                    other => other.to_string(),
+                };
+                self.emit(Event::ConnectFailed {
+                    endpoint,
+                    epoch,
+                    reason,
+                });
+                Link::Down
+            }
+        }
+    }
+
+    fn add_endpoint(&mut self, id: EndpointId, epoch: Epoch) {
+        let link = self.connect(id, epoch);
+        let index = id.0 as usize;
+        if self.endpoints.len() <= index {
+            self.endpoints.resize_with(index + 1, || None);
+        }
+        let in_flight = self.endpoint(id).map_or(0, |e| e.in_flight);
+        self.endpoints[index] = Some(Endpoint {
+            epoch,
+            link,
+            backlog: VecDeque::new(),
+            in_flight,
+        });
+    }
+
+    fn bump_epoch(&mut self, id: EndpointId, epoch: Epoch) {
+        let Some(current) = self.endpoint(id) else {
+            return;
+        };
+        if current.link == Link::Retired || !epoch.is_newer_than(current.epoch) {
+            return;
+        }
+        if let Link::Up(old) = current.link {
+            self.fabric.retire(old);
+        }
+        let link = self.connect(id, epoch);
+        let Some(endpoint) = self.endpoints[id.0 as usize].as_mut() else {
+            return;
+        };
+        endpoint.epoch = epoch;
+        endpoint.link = link;
+        // The backlog goes through the epoch rule again, ahead of newer work.
+        let backlog = std::mem::take(&mut endpoint.backlog);
+        for slice in backlog.into_iter().rev() {
+            self.ready.push_front(slice);
+        }
+    }
+
+    fn retire(&mut self, id: EndpointId) {
+        let Some(endpoint) = self
+            .endpoints
+            .get_mut(id.0 as usize)
+            .and_then(Option::as_mut)
+        else {
+            return;
+        };
+        if let Link::Up(qp) = endpoint.link {
+            self.fabric.retire(qp);
+        }
+        endpoint.link = Link::Retired;
+        let backlog = std::mem::take(&mut endpoint.backlog);
+        let drained = endpoint.in_flight == 0;
+        for slice in backlog {
+            self.fail(slice, FailReason::EndpointRetired);
+        }
+        if drained {
+            self.emit(Event::EndpointDrained { endpoint: id });
+        }
+    }
+
+    fn drain_submissions(&mut self) -> bool {
+        let mut busy = false;
+        let mut index = 0;
+        while index < self.submissions.len() {
+            let ring = &mut self.submissions[index];
+            busy |= ring.pop_into(&mut self.ready, self.config.max_batch) > 0;
+            if ring.is_abandoned() && ring.is_empty() {
+                self.submissions.swap_remove(index);
+            } else {
+                index += 1;
+            }
+        }
+        busy
+    }
+
+    /// Applies the epoch rule to every ready slice and posts those that pass.
+    fn route_ready(&mut self) -> bool {
+        if self.ready.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        while let Some(slice) = self.ready.pop_front() {
+            self.route(slice, now);
+        }
+        self.flush_posts();
+        true
+    }
+
+    fn route(&mut self, mut slice: Slice, now: Instant) {
+        if now >= slice.deadline() {
+            return self.fail(slice, FailReason::Timeout);
+        }
+        let id = slice.endpoint;
+        let Some(endpoint) = self
+            .endpoints
+            .get_mut(id.0 as usize)
+            .and_then(Option::as_mut)
+        else {
+            return self.fail(slice, FailReason::UnknownEndpoint);
+        };
+        let qp = match endpoint.link {
+            Link::Retired => return self.fail(slice, FailReason::EndpointRetired),
+            Link::Up(_) if slice.epoch.is_newer_than(endpoint.epoch) => None,
+            Link::Up(qp) => Some(qp),
+            Link::Down => None,
+        };
+        let Some(qp) = qp else {
+            if endpoint.backlog.len() >= self.config.backlog_limit {
+                return self.fail(slice, FailReason::BacklogFull);
+            }
+            endpoint.backlog.push_back(slice);
+            return;
+        };
+        if slice.epoch.is_older_than(endpoint.epoch) {
+            let current = endpoint.epoch;
+            let cause = if slice.flags & FLAG_WR_ERROR_SEEN != 0 {
+                RepairCause::AfterWorkRequestError
+            } else {
+                RepairCause::StaleEpoch
+            };
+            match self.reprepare.reprepare(&mut slice, current, cause) {
+                Ok(()) if !slice.epoch.is_older_than(current) => {
+                    self.shared.counters.reprepared.add(1);
+                }
+                Ok(()) => {
+                    self.shared.counters.stale_dropped.add(1);
+                    return self.fail(slice, FailReason::StaleEpoch);
+                }
+                Err(reason) => {
+                    self.shared.counters.stale_dropped.add(1);
+                    return self.fail(slice, reason);
+                }
+            }
+            if slice.epoch.is_newer_than(current) {
+                // The hook knows of a reconnect the poller has not applied: wait for it.
+                return self.route(slice, now);
+            }
+        }
+        self.post(qp, slice);
+    }
+
+    fn post(&mut self, qp: QpNum, slice: Slice) {
+        if self.post_qp != Some(qp) {
+            self.flush_posts();
+            self.post_qp = Some(qp);
+        }
+        let request = WorkRequest {
+            wr_id: WrId::new(0, 0),
+            opcode: slice.opcode,
+            local_addr: slice.local_addr,
+            lkey: slice.lkey,
+            remote_addr: slice.remote_addr,
+            rkey: slice.rkey,
+            len: slice.len,
+            imm: slice.imm,
+            signaled: true,
+        };
+        if let Some(endpoint) = self
+            .endpoints
+            .get_mut(slice.endpoint.0 as usize)
+            .and_then(Option::as_mut)
+        {
+            endpoint.in_flight += 1;
+        }
+        let wr_id = self.inflight.insert(slice);
+        self.post_list.push(WorkRequest { wr_id, ..request });
+        if self.post_list.len() >= self.config.max_batch {
+            self.flush_posts();
+        }
+    }
+
+    /// Posts the accumulated list on its queue pair: one doorbell.
+    fn flush_posts(&mut self) {
+        let Some(qp) = self.post_qp else { return };
+        if self.post_list.is_empty() {
+            return;
+        }
+        let accepted = match self.fabric.post(qp, &self.post_list) {
+            Ok(()) => self.post_list.len(),
+            Err(error) => error.posted,
+        };
+        self.shared.counters.posted.add(accepted as u64);
+        let refused: Vec<WrId> = self
+            .post_list
+            .drain(..)
+            .skip(accepted)
+            .map(|wr| wr.wr_id)
+            .collect();
+        for wr_id in refused {
+            if let Some((endpoint, slice)) = self.inflight.take(wr_id) {
+                self.note_landed(endpoint);
+                if let Some(slice) = slice {
+                    self.fail(slice, FailReason::PostFailed);
+                }
+            }
+        }
+    }
+
+    /// One of `endpoint`'s work requests is no longer in flight.
+    fn note_landed(&mut self, id: EndpointId) {
+        let Some(endpoint) = self
+            .endpoints
+            .get_mut(id.0 as usize)
+            .and_then(Option::as_mut)
+        else {
+            return;
+        };
+        endpoint.in_flight = endpoint.in_flight.saturating_sub(1);
+        if endpoint.in_flight == 0 && endpoint.link == Link::Retired {
+            self.emit(Event::EndpointDrained { endpoint: id });
+        }
+    }
+
+    fn poll_completions(&mut self) -> bool {
+        if self.inflight.busy == 0 {
+            return false;
+        }
+        let mut completions = std::mem::take(&mut self.completions);
+        completions.clear();
+        let count = self.fabric.poll(&mut completions, self.config.max_batch);
+        for completion in completions.drain(..) {
+            self.complete(completion);
+        }
+        self.completions = completions;
+        count > 0
+    }
+
+    fn complete(&mut self, completion: WorkCompletion) {
+        let Some((id, slice)) = self.inflight.take(completion.wr_id) else {
+            self.shared.counters.ignored_completions.add(1);
+            return;
+        };
+        self.note_landed(id);
+        let status = completion.status;
+        if status != WcStatus::Success && status != WcStatus::WrFlushErr {
+            self.queue_pair_failed(id, completion.qp, status);
+        }
+        // `None`: already resolved when its deadline passed.
+        let Some(mut slice) = slice else { return };
+        let Some(reason) = FailReason::from_status(status) else {
+            self.shared.counters.completed.add(1);
+            return slice.resolve(Ok(()));
+        };
+        if self.stopping {
+            return self.fail(slice, FailReason::Shutdown);
+        }
+        if self.endpoint(id).is_none_or(|e| e.link == Link::Retired) {
+            return self.fail(slice, FailReason::EndpointRetired);
+        }
+        let retry = if status.is_work_request_error() {
+            let first = slice.flags & FLAG_WR_ERROR_SEEN == 0;
+            slice.flags |= FLAG_WR_ERROR_SEEN;
+            first
+        } else if slice.retries < self.config.retry_budget {
+            slice.retries += 1;
+            true
+        } else {
+            false
+        };
+        if retry {
+            self.ready.push_back(slice);
+        } else {
+            self.fail(slice, reason);
+        }
+    }
+
+    /// An error completion moved `qp` to ERR: flush it and mark the endpoint down.
+    fn queue_pair_failed(&mut self, id: EndpointId, qp: QpNum, status: WcStatus) {
+        let Some(endpoint) = self
+            .endpoints
+            .get_mut(id.0 as usize)
+            .and_then(Option::as_mut)
+        else {
+            return;
+        };
+        if endpoint.link != Link::Up(qp) {
+            return; // an older queue pair, already replaced
+        }
+        endpoint.link = Link::Down;
+        let epoch = endpoint.epoch;
+        self.fabric.retire(qp);
+        self.emit(Event::QpFailed {
+            endpoint: id,
+            epoch,
+            status,
+        });
+    }
+
+    /// Fails backlogged and in-flight slices whose deadline passed.
+    fn sweep_deadlines(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < SWEEP_INTERVAL {
+            return;
+        }
+        self.last_sweep = now;
+        let mut expired = Vec::new();
+        for endpoint in self.endpoints.iter_mut().flatten() {
+            let mut index = 0;
+            while index < endpoint.backlog.len() {
+                if now >= endpoint.backlog[index].deadline() {
+                    expired.extend(endpoint.backlog.remove(index));
+                } else {
+                    index += 1;
+                }
+            }
+        }
+        // In-flight work cannot be recalled from the fabric; its request fails now and the
+        // slot waits for the completion (or the flush when the endpoint is retired).
+        for slot in &mut self.inflight.slots {
+            if slot.busy && slot.slice.as_ref().is_some_and(|s| now >= s.deadline()) {
+                expired.extend(slot.slice.take());
+            }
+        }
+        for slice in expired {
+            self.fail(slice, FailReason::Timeout);
+        }
+    }
+
+    /// Resolves everything and returns; the rings' leftovers resolve when they are dropped.
+    fn shut_down(mut self) {
+        self.shared.stopped.store(true, Ordering::Release);
+        self.stopping = true;
+        // Queued work fails; in-flight work is flushed and resolved by its completions.
+        while self.drain_submissions() {}
+        let mut queued: Vec<Slice> = self.ready.drain(..).collect();
+        for endpoint in self.endpoints.iter_mut().flatten() {
+            queued.extend(endpoint.backlog.drain(..));
+            if let Link::Up(qp) = endpoint.link {
+                self.fabric.retire(qp);
+            }
+            endpoint.link = Link::Retired;
+        }
+        for slice in queued {
+            self.fail(slice, FailReason::Shutdown);
+        }
+        let grace_end = Instant::now() + self.config.shutdown_grace;
+        while self.inflight.busy > 0 && Instant::now() < grace_end {
+            if !self.poll_completions() {
+                thread::yield_now();
+            }
+        }
+        let abandoned: Vec<Slice> = self
+            .inflight
+            .slots
+            .iter_mut()
+            .filter_map(|slot| slot.slice.take())
+            .collect();
+        for slice in abandoned {
+            self.fail(slice, FailReason::Shutdown);
+        }
+    }
+}
