@@ -3,7 +3,7 @@
 
 CARGO ?= cargo
 
-.PHONY: deps build run test lint fmt clean
+.PHONY: deps build run test loom bench lint fmt clean
 
 deps:
 	@scripts/deps.sh
@@ -18,6 +18,16 @@ run: build
 test: deps
 	$(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
+	$(MAKE) --no-print-directory loom
+
+# Loom models of the SPSC ring: the real ring code with loom's atomics (dataplane/src/sync.rs).
+# A separate target dir keeps the --cfg loom build from invalidating the normal one.
+loom:
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p railyard-dataplane --release
+
+# Criterion benches: ring vs ArrayQueue and sync_channel; slice path vs the bare ring.
+bench: deps
+	$(CARGO) bench --bench ring --bench slice_path
 
 lint: deps
 	$(CARGO) fmt --all -- --check

@@ -6,6 +6,7 @@
 //! layers that exist:
 //!
 //! - [`topology`]: hwloc discovery, rails and the poller placement plan.
+//! - [`dataplane`]: SPSC rings, epoch-tagged slices, pollers and batches.
 //!
 //! # Thread safety
 //! Everything re-exported here documents its own thread safety.
@@ -16,4 +17,5 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub use railyard_dataplane as dataplane;
 pub use railyard_topology as topology;

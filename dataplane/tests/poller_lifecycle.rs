@@ -11,7 +11,7 @@ use railyard_dataplane::fabric::WcStatus;
 use railyard_dataplane::fabric::scripted::ScriptedFabric;
 use railyard_dataplane::{
     Command, EndpointId, Epoch, Event, FailReason, FailStale, IdleStrategy, PollerConfig,
-    PollerHandle, RequestOutcome, SpawnError, Submitter,
+    PollerHandle, RequestOutcome, SliceSpec, SpawnError, Submitter,
 };
 
 fn config() -> PollerConfig {
@@ -252,5 +252,71 @@ fn pollers_pin_to_the_pu_they_are_given_and_report_refusals() {
     assert!(
         matches!(error, SpawnError::Pin { pu: 100_000, .. }),
         "{error}"
+    );
+}
+
+#[test]
+fn a_batch_spread_over_two_rails_resolves_each_request_once() {
+    let (fabric_a, script_a) = ScriptedFabric::new();
+    let (fabric_b, script_b) = ScriptedFabric::new();
+    let rail_a = PollerHandle::spawn(config(), fabric_a, FailStale).unwrap();
+    let rail_b = PollerHandle::spawn(PollerConfig::new("rail1"), fabric_b, FailStale).unwrap();
+    for poller in [&rail_a, &rail_b] {
+        poller
+            .send(Command::AddEndpoint {
+                endpoint: ENDPOINT,
+                epoch: Epoch::FIRST,
+            })
+            .unwrap();
+    }
+    // Every 7th post on rail 1 fails its work request: its request fails, the rest succeed.
+    for index in (0..2000).step_by(7) {
+        script_b.fail_nth(index, WcStatus::LocProtErr);
+    }
+    let mut events = rail_b.take_events().unwrap();
+    let mut submitter = Submitter::new(&[&rail_a, &rail_b], 64).unwrap();
+    let mut epoch = Epoch::FIRST;
+    for round in 0..50u32 {
+        let specs: Vec<_> = (0..20u32)
+            .map(|i| SliceSpec {
+                rail: (i % 2) as usize,
+                ..write(i / 2, Epoch::FIRST)
+            })
+            .collect();
+        let batch = submitter.submit(10, &specs, deadline()).unwrap();
+        let end = Instant::now() + BOUND;
+        while !batch.poll().is_complete() {
+            assert!(Instant::now() < end, "round {round} did not complete");
+            while let Some(event) = events.pop() {
+                if matches!(event, Event::QpFailed { .. }) {
+                    epoch = epoch.next();
+                    rail_b
+                        .send(Command::BumpEpoch {
+                            endpoint: ENDPOINT,
+                            epoch,
+                        })
+                        .unwrap();
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let (a, b) = (rail_a.counters(), rail_b.counters());
+    assert_eq!(a.completed, 500);
+    assert_eq!(a.failed_total(), 0);
+    assert_eq!(
+        b.completed + b.failed_total(),
+        500,
+        "every rail-1 slice resolved once"
+    );
+    assert!(b.failed(FailReason::LocalProtection) + b.failed(FailReason::StaleEpoch) > 0);
+    assert_eq!(script_a.posted().len(), 500);
+    // Slices prepared for the first epoch fail (FailStale) after the reconnects; none is
+    // ever posted on a newer queue pair with the first epoch's key.
+    assert!(
+        script_b
+            .posted()
+            .iter()
+            .all(|p| p.request.rkey == rkey_for(p.qp_epoch))
     );
 }

@@ -1,0 +1,110 @@
+//! The slice path: one submitter thread → ring → poller → null fabric → batch completion,
+//! in slices per second, beside the ring alone moving the same number of 64-byte items
+//! (the ceiling the poller's work is measured against).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use railyard::dataplane::fabric::Opcode;
+use railyard::dataplane::fabric::null::NullFabric;
+use railyard::dataplane::ring;
+use railyard::dataplane::{
+    Command, EndpointId, Epoch, FailStale, IdleStrategy, PollerConfig, PollerHandle, SliceSpec,
+    Submitter,
+};
+
+const SLICES_PER_BATCH: usize = 256;
+
+fn spec(request: u32) -> SliceSpec {
+    SliceSpec {
+        rail: 0,
+        request,
+        opcode: Opcode::Write,
+        local_addr: 0x1000,
+        lkey: 1,
+        remote_addr: 0x2000,
+        rkey: 2,
+        len: 4096,
+        imm: 0,
+        endpoint: EndpointId(0),
+        epoch: Epoch::FIRST,
+    }
+}
+
+fn slice_path(c: &mut Criterion) {
+    let config = PollerConfig {
+        idle: IdleStrategy::SpinThenYield { spins: 256 },
+        max_batch: 256,
+        ..PollerConfig::new("bench-rail")
+    };
+    let poller = PollerHandle::spawn(config, NullFabric::new(), FailStale).expect("poller starts");
+    poller
+        .send(Command::AddEndpoint {
+            endpoint: EndpointId(0),
+            epoch: Epoch::FIRST,
+        })
+        .expect("poller runs");
+    let mut submitter = Submitter::new(&[&poller], 4096).expect("poller runs");
+    // 16 requests of 16 slices each per batch.
+    let specs: Vec<SliceSpec> = (0..SLICES_PER_BATCH)
+        .map(|i| spec((i / 16) as u32))
+        .collect();
+
+    let mut group = c.benchmark_group("slice_path");
+    group.throughput(Throughput::Elements(SLICES_PER_BATCH as u64));
+    group.bench_function("submit_poll_null_fabric", |b| {
+        b.iter_custom(|batches| {
+            let deadline = Instant::now() + Duration::from_secs(600);
+            let began = Instant::now();
+            let mut pending = Vec::with_capacity(batches as usize);
+            for _ in 0..batches {
+                pending.push(
+                    submitter
+                        .submit(SLICES_PER_BATCH / 16, &specs, deadline)
+                        .expect("valid"),
+                );
+            }
+            for batch in &pending {
+                let status = batch.wait(deadline);
+                assert_eq!(status.done, status.total, "{status:?}");
+            }
+            let elapsed = began.elapsed();
+            black_box(pending);
+            elapsed
+        });
+    });
+    group.bench_function("ring_only_64_byte_items", |b| {
+        b.iter_custom(|batches| {
+            let items = batches * SLICES_PER_BATCH as u64;
+            let (mut tx, mut rx) = ring::channel::<[u64; 8]>(4096);
+            let producer = std::thread::spawn(move || {
+                let mut sent = 0;
+                while sent < items {
+                    let mut values = (sent..items).map(|i| [i; 8]);
+                    sent += tx.push_from(&mut values) as u64;
+                }
+            });
+            let began = Instant::now();
+            let mut buffer = Vec::with_capacity(256);
+            let mut received = 0;
+            while received < items {
+                buffer.clear();
+                received += rx.pop_into(&mut buffer, 256) as u64;
+                black_box(&buffer);
+            }
+            let elapsed = began.elapsed();
+            producer.join().expect("producer thread");
+            elapsed
+        });
+    });
+    group.finish();
+    poller.shutdown();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = slice_path
+}
+criterion_main!(benches);
