@@ -23,7 +23,7 @@ test: deps
 # Loom models of the SPSC ring: the real ring code with loom's atomics (dataplane/src/sync.rs).
 # A separate target dir keeps the --cfg loom build from invalidating the normal one.
 loom:
-	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p railyard-dataplane --release
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p railyard-dataplane --release --lib
 
 # Criterion benches: ring vs ArrayQueue and sync_channel; slice path vs the bare ring.
 bench: deps
