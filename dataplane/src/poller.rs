@@ -619,6 +619,12 @@ struct Poller<F: Fabric> {
     config: PollerConfig,
 }
 
+/// The endpoint `id` of a poller's table. A free function so that the caller can keep using
+/// the poller's other fields while it holds the endpoint.
+fn endpoint_mut(endpoints: &mut [Option<Endpoint>], id: EndpointId) -> Option<&mut Endpoint> {
+    endpoints.get_mut(id.0 as usize).and_then(Option::as_mut)
+}
+
 /// How often deadlines of backlogged and in-flight slices are checked.
 const SWEEP_INTERVAL: Duration = Duration::from_millis(1);
 
@@ -763,7 +769,7 @@ impl<F: Fabric> Poller<F> {
             self.fabric.retire(old);
         }
         let link = self.connect(id, epoch);
-        let Some(endpoint) = self.endpoints[id.0 as usize].as_mut() else {
+        let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
             return;
         };
         endpoint.epoch = epoch;
@@ -776,11 +782,7 @@ impl<F: Fabric> Poller<F> {
     }
 
     fn retire(&mut self, id: EndpointId) {
-        let Some(endpoint) = self
-            .endpoints
-            .get_mut(id.0 as usize)
-            .and_then(Option::as_mut)
-        else {
+        let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
             return;
         };
         if let Link::Up(qp) = endpoint.link {
@@ -830,11 +832,7 @@ impl<F: Fabric> Poller<F> {
             return self.fail(slice, FailReason::Timeout);
         }
         let id = slice.endpoint;
-        let Some(endpoint) = self
-            .endpoints
-            .get_mut(id.0 as usize)
-            .and_then(Option::as_mut)
-        else {
+        let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
             return self.fail(slice, FailReason::UnknownEndpoint);
         };
         let qp = match endpoint.link {
@@ -894,11 +892,7 @@ impl<F: Fabric> Poller<F> {
             imm: slice.imm,
             signaled: true,
         };
-        if let Some(endpoint) = self
-            .endpoints
-            .get_mut(slice.endpoint.0 as usize)
-            .and_then(Option::as_mut)
-        {
+        if let Some(endpoint) = endpoint_mut(&mut self.endpoints, slice.endpoint) {
             endpoint.in_flight += 1;
         }
         let wr_id = self.inflight.insert(slice);
@@ -937,11 +931,7 @@ impl<F: Fabric> Poller<F> {
 
     /// One of `endpoint`'s work requests is no longer in flight.
     fn note_landed(&mut self, id: EndpointId) {
-        let Some(endpoint) = self
-            .endpoints
-            .get_mut(id.0 as usize)
-            .and_then(Option::as_mut)
-        else {
+        let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
             return;
         };
         endpoint.in_flight = endpoint.in_flight.saturating_sub(1);
@@ -1005,11 +995,7 @@ impl<F: Fabric> Poller<F> {
 
     /// An error completion moved `qp` to ERR: flush it and mark the endpoint down.
     fn queue_pair_failed(&mut self, id: EndpointId, qp: QpNum, status: WcStatus) {
-        let Some(endpoint) = self
-            .endpoints
-            .get_mut(id.0 as usize)
-            .and_then(Option::as_mut)
-        else {
+        let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
             return;
         };
         if endpoint.link != Link::Up(qp) {

@@ -8,16 +8,8 @@ use common::*;
 use railyard_dataplane::fabric::WcStatus;
 use railyard_dataplane::fabric::scripted::ScriptedFabric;
 use railyard_dataplane::{
-    Command, Epoch, Event, FailReason, FailStale, IdleStrategy, PollerConfig, PollerHandle,
-    RepairCause, RequestOutcome, Slice, Submitter,
+    Command, Epoch, Event, FailReason, FailStale, RepairCause, RequestOutcome, Slice, Submitter,
 };
-
-fn config() -> PollerConfig {
-    PollerConfig {
-        idle: IdleStrategy::gentle(),
-        ..PollerConfig::new("rail0")
-    }
-}
 
 /// The descriptor owner's hook: rewrite keys for the current epoch, refuse odd requests.
 fn refresh(slice: &mut Slice, current: Epoch, _: RepairCause) -> Result<(), FailReason> {
@@ -32,14 +24,8 @@ fn refresh(slice: &mut Slice, current: Epoch, _: RepairCause) -> Result<(), Fail
 #[test]
 fn a_reconnect_reprepares_or_fails_every_stale_slice_and_posts_none() {
     let (fabric, script) = ScriptedFabric::new();
-    let poller = PollerHandle::spawn(config(), fabric, refresh).unwrap();
+    let poller = poller_with_endpoint(fabric, refresh);
     let first = Epoch::FIRST;
-    poller
-        .send(Command::AddEndpoint {
-            endpoint: ENDPOINT,
-            epoch: first,
-        })
-        .unwrap();
     let mut submitter = Submitter::new(&[&poller], 64).unwrap();
 
     // 20 slices in flight on the first queue pair when the endpoint reconnects.
@@ -95,13 +81,7 @@ fn a_reconnect_reprepares_or_fails_every_stale_slice_and_posts_none() {
 #[test]
 fn a_repeated_bump_changes_nothing_and_newer_slices_wait_for_their_epoch() {
     let (fabric, script) = ScriptedFabric::new();
-    let poller = PollerHandle::spawn(config(), fabric, FailStale).unwrap();
-    poller
-        .send(Command::AddEndpoint {
-            endpoint: ENDPOINT,
-            epoch: Epoch::FIRST,
-        })
-        .unwrap();
+    let poller = poller_with_endpoint(fabric, FailStale);
     let mut submitter = Submitter::new(&[&poller], 64).unwrap();
     let third = Epoch::new(3);
     // Prepared for an epoch the poller has not applied yet: held back, not posted.
@@ -147,14 +127,8 @@ fn a_repeated_bump_changes_nothing_and_newer_slices_wait_for_their_epoch() {
 #[test]
 fn a_bad_work_request_takes_a_queue_pair_down_at_most_once() {
     let (fabric, script) = ScriptedFabric::new();
-    let poller = PollerHandle::spawn(config(), fabric, refresh).unwrap();
+    let poller = poller_with_endpoint(fabric, refresh);
     let mut events = poller.take_events().unwrap();
-    poller
-        .send(Command::AddEndpoint {
-            endpoint: ENDPOINT,
-            epoch: Epoch::FIRST,
-        })
-        .unwrap();
     let mut submitter = Submitter::new(&[&poller], 64).unwrap();
     // The first post fails with REM_ACCESS_ERR, and so does its re-prepared repost.
     script.fail_nth(0, WcStatus::RemAccessErr);

@@ -14,13 +14,6 @@ use railyard_dataplane::{
     PollerHandle, RequestOutcome, SliceSpec, SpawnError, Submitter,
 };
 
-fn config() -> PollerConfig {
-    PollerConfig {
-        idle: IdleStrategy::gentle(),
-        ..PollerConfig::new("rail0")
-    }
-}
-
 fn all_failed(batch: &railyard_dataplane::Batch, reason: FailReason) {
     for (request, outcome) in batch.outcomes().into_iter().enumerate() {
         assert_eq!(
@@ -34,14 +27,8 @@ fn all_failed(batch: &railyard_dataplane::Batch, reason: FailReason) {
 #[test]
 fn retiring_an_endpoint_drains_it_and_resolves_every_slice_once() {
     let (fabric, script) = ScriptedFabric::new();
-    let poller = PollerHandle::spawn(config(), fabric, FailStale).unwrap();
+    let poller = poller_with_endpoint(fabric, FailStale);
     let mut events = poller.take_events().unwrap();
-    poller
-        .send(Command::AddEndpoint {
-            endpoint: ENDPOINT,
-            epoch: Epoch::FIRST,
-        })
-        .unwrap();
     let mut submitter = Submitter::new(&[&poller], 64).unwrap();
     script.hold(true);
     let specs: Vec<_> = (0..32).map(|r| write(r, Epoch::FIRST)).collect();
@@ -70,13 +57,7 @@ fn retiring_an_endpoint_drains_it_and_resolves_every_slice_once() {
 #[test]
 fn deadlines_resolve_backlogged_and_in_flight_slices_with_timeout() {
     let (fabric, script) = ScriptedFabric::new();
-    let poller = PollerHandle::spawn(config(), fabric, FailStale).unwrap();
-    poller
-        .send(Command::AddEndpoint {
-            endpoint: ENDPOINT,
-            epoch: Epoch::FIRST,
-        })
-        .unwrap();
+    let poller = poller_with_endpoint(fabric, FailStale);
     let mut submitter = Submitter::new(&[&poller], 64).unwrap();
 
     // In flight and never completed.
@@ -104,13 +85,7 @@ fn deadlines_resolve_backlogged_and_in_flight_slices_with_timeout() {
 #[test]
 fn shutdown_with_work_in_flight_loses_nothing() {
     let (fabric, script) = ScriptedFabric::new();
-    let poller = PollerHandle::spawn(config(), fabric, FailStale).unwrap();
-    poller
-        .send(Command::AddEndpoint {
-            endpoint: ENDPOINT,
-            epoch: Epoch::FIRST,
-        })
-        .unwrap();
+    let poller = poller_with_endpoint(fabric, FailStale);
     let mut submitter = Submitter::new(&[&poller], 256).unwrap();
     let done = submitter
         .submit(
@@ -151,13 +126,7 @@ fn shutdown_with_work_in_flight_loses_nothing() {
 #[test]
 fn unknown_endpoints_fail_and_submitters_come_and_go() {
     let (fabric, _script) = ScriptedFabric::new();
-    let poller = PollerHandle::spawn(config(), fabric, FailStale).unwrap();
-    poller
-        .send(Command::AddEndpoint {
-            endpoint: ENDPOINT,
-            epoch: Epoch::FIRST,
-        })
-        .unwrap();
+    let poller = poller_with_endpoint(fabric, FailStale);
     for round in 0..5 {
         let mut submitter = Submitter::new(&[&poller], 8).unwrap();
         let mut spec = write(0, Epoch::FIRST);
@@ -175,13 +144,7 @@ fn unknown_endpoints_fail_and_submitters_come_and_go() {
 #[test]
 fn invalid_submissions_are_refused_before_anything_is_queued() {
     let (fabric, script) = ScriptedFabric::new();
-    let poller = PollerHandle::spawn(config(), fabric, FailStale).unwrap();
-    poller
-        .send(Command::AddEndpoint {
-            endpoint: ENDPOINT,
-            epoch: Epoch::FIRST,
-        })
-        .unwrap();
+    let poller = poller_with_endpoint(fabric, FailStale);
     let mut submitter = Submitter::new(&[&poller], 8).unwrap();
     let mut bad_rail = write(0, Epoch::FIRST);
     bad_rail.rail = 3;

@@ -4,8 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use railyard_dataplane::fabric::Opcode;
-use railyard_dataplane::{Batch, EndpointId, Epoch, SliceSpec};
+use railyard_dataplane::fabric::{Fabric, Opcode};
+use railyard_dataplane::{
+    Batch, Command, EndpointId, Epoch, IdleStrategy, PollerConfig, PollerHandle, Reprepare,
+    SliceSpec,
+};
 
 /// Every wait in these tests ends by this bound.
 pub const BOUND: Duration = Duration::from_secs(10);
@@ -54,4 +57,27 @@ pub fn eventually(what: &str, mut check: impl FnMut() -> bool) {
         assert!(Instant::now() < end, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// A poller config that cannot starve a 2-core machine.
+pub fn config() -> PollerConfig {
+    PollerConfig {
+        idle: IdleStrategy::gentle(),
+        ..PollerConfig::new("rail0")
+    }
+}
+
+/// A poller on `fabric` that already has [`ENDPOINT`] at the first epoch.
+pub fn poller_with_endpoint(
+    fabric: impl Fabric + 'static,
+    reprepare: impl Reprepare + 'static,
+) -> PollerHandle {
+    let poller = PollerHandle::spawn(config(), fabric, reprepare).expect("poller starts");
+    poller
+        .send(Command::AddEndpoint {
+            endpoint: ENDPOINT,
+            epoch: Epoch::FIRST,
+        })
+        .expect("poller runs");
+    poller
 }
