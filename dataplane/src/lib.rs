@@ -1,7 +1,7 @@
 //! railyard's data plane (DESIGN.md §3–§5).
 //!
 //! This crate owns the path a transfer takes after it has been prepared: application threads
-//! hand [`Slice`]s to per-rail [`Poller`]s over lock-free SPSC [`ring`]s; each poller checks
+//! hand [`Slice`]s to per-rail pollers ([`PollerHandle`]) over lock-free SPSC [`ring`]s; each poller checks
 //! every slice's [`Epoch`] against its endpoint's, posts it to its [`fabric`], polls
 //! completions and resolves each slice exactly once into its [`Batch`].
 //!
