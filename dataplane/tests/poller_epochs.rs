@@ -8,7 +8,7 @@ use common::*;
 use railyard_dataplane::fabric::WcStatus;
 use railyard_dataplane::fabric::scripted::ScriptedFabric;
 use railyard_dataplane::{
-    Command, Epoch, Event, FailReason, FailStale, RepairCause, RequestOutcome, Slice, Submitter,
+    Command, Epoch, FailReason, FailStale, RepairCause, RequestOutcome, Slice, Submitter,
 };
 
 /// The descriptor owner's hook: rewrite keys for the current epoch, refuse odd requests.
@@ -128,7 +128,7 @@ fn a_repeated_bump_changes_nothing_and_newer_slices_wait_for_their_epoch() {
 fn a_bad_work_request_takes_a_queue_pair_down_at_most_once() {
     let (fabric, script) = ScriptedFabric::new();
     let poller = poller_with_endpoint(fabric, refresh);
-    let mut events = poller.take_events().unwrap();
+    let mut control = Reconnector::new(&poller);
     let mut submitter = Submitter::new(&[&poller], 64).unwrap();
     // The first post fails with REM_ACCESS_ERR, and so does its re-prepared repost.
     script.fail_nth(0, WcStatus::RemAccessErr);
@@ -137,32 +137,7 @@ fn a_bad_work_request_takes_a_queue_pair_down_at_most_once() {
         .submit(1, &[write(0, Epoch::FIRST)], deadline())
         .unwrap();
 
-    // Play the control plane: every failed queue pair gets a new epoch.
-    let mut epoch = Epoch::FIRST;
-    let mut failures = Vec::new();
-    let end = std::time::Instant::now() + BOUND;
-    while !batch.poll().is_complete() {
-        assert!(std::time::Instant::now() < end, "batch never completed");
-        while let Some(event) = events.pop() {
-            if let Event::QpFailed { status, .. } = event {
-                failures.push(status);
-                epoch = epoch.next();
-                poller
-                    .send(Command::BumpEpoch {
-                        endpoint: ENDPOINT,
-                        epoch,
-                    })
-                    .unwrap();
-            }
-        }
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    // The second failure's event is emitted before its slice resolves.
-    while let Some(event) = events.pop() {
-        if let Event::QpFailed { status, .. } = event {
-            failures.push(status);
-        }
-    }
+    control.serve_until_complete(&poller, &batch);
     assert_eq!(
         batch.outcome(0),
         Some(RequestOutcome::Failed(FailReason::RemoteAccess))
@@ -172,6 +147,9 @@ fn a_bad_work_request_takes_a_queue_pair_down_at_most_once() {
         2,
         "posted once, re-prepared once, never again"
     );
-    assert_eq!(failures, [WcStatus::RemAccessErr, WcStatus::RemAccessErr]);
+    assert_eq!(
+        control.failures,
+        [WcStatus::RemAccessErr, WcStatus::RemAccessErr]
+    );
     assert_eq!(poller.counters().reprepared, 1);
 }

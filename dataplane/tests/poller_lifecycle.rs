@@ -236,10 +236,9 @@ fn a_batch_spread_over_two_rails_resolves_each_request_once() {
     for index in (0..2000).step_by(7) {
         script_b.fail_nth(index, WcStatus::LocProtErr);
     }
-    let mut events = rail_b.take_events().unwrap();
+    let mut control = Reconnector::new(&rail_b);
     let mut submitter = Submitter::new(&[&rail_a, &rail_b], 64).unwrap();
-    let mut epoch = Epoch::FIRST;
-    for round in 0..50u32 {
+    for _ in 0..50u32 {
         let specs: Vec<_> = (0..20u32)
             .map(|i| SliceSpec {
                 rail: (i % 2) as usize,
@@ -247,22 +246,7 @@ fn a_batch_spread_over_two_rails_resolves_each_request_once() {
             })
             .collect();
         let batch = submitter.submit(10, &specs, deadline()).unwrap();
-        let end = Instant::now() + BOUND;
-        while !batch.poll().is_complete() {
-            assert!(Instant::now() < end, "round {round} did not complete");
-            while let Some(event) = events.pop() {
-                if matches!(event, Event::QpFailed { .. }) {
-                    epoch = epoch.next();
-                    rail_b
-                        .send(Command::BumpEpoch {
-                            endpoint: ENDPOINT,
-                            epoch,
-                        })
-                        .unwrap();
-                }
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        control.serve_until_complete(&rail_b, &batch);
     }
     let (a, b) = (rail_a.counters(), rail_b.counters());
     assert_eq!(a.completed, 500);

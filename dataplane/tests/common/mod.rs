@@ -4,9 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use railyard_dataplane::fabric::{Fabric, Opcode};
+use railyard_dataplane::fabric::{Fabric, Opcode, WcStatus};
+use railyard_dataplane::ring::Consumer;
 use railyard_dataplane::{
-    Batch, Command, EndpointId, Epoch, IdleStrategy, PollerConfig, PollerHandle, Reprepare,
+    Batch, Command, EndpointId, Epoch, Event, IdleStrategy, PollerConfig, PollerHandle, Reprepare,
     SliceSpec,
 };
 
@@ -80,4 +81,52 @@ pub fn poller_with_endpoint(
         })
         .expect("poller runs");
     poller
+}
+
+/// Plays the control plane's part for [`ENDPOINT`]: every failed queue pair gets a new epoch.
+pub struct Reconnector {
+    events: Consumer<Event>,
+    epoch: Epoch,
+    /// Statuses of the queue-pair failures seen so far.
+    pub failures: Vec<WcStatus>,
+}
+
+impl Reconnector {
+    pub fn new(poller: &PollerHandle) -> Self {
+        let events = poller.take_events().expect("events not taken yet");
+        Self {
+            events,
+            epoch: Epoch::FIRST,
+            failures: Vec::new(),
+        }
+    }
+
+    fn react(&mut self, poller: &PollerHandle) {
+        while let Some(event) = self.events.pop() {
+            if let Event::QpFailed { status, .. } = event {
+                self.failures.push(status);
+                self.epoch = self.epoch.next();
+                let bump = Command::BumpEpoch {
+                    endpoint: ENDPOINT,
+                    epoch: self.epoch,
+                };
+                poller.send(bump).expect("poller runs");
+            }
+        }
+    }
+
+    /// Reconnects on every failure until `batch` completes (bounded), then takes the events
+    /// emitted before its last slice resolved.
+    pub fn serve_until_complete(&mut self, poller: &PollerHandle, batch: &Batch) {
+        let end = Instant::now() + BOUND;
+        while !batch.poll().is_complete() {
+            assert!(
+                Instant::now() < end,
+                "batch did not complete within {BOUND:?}"
+            );
+            self.react(poller);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.react(poller);
+    }
 }
