@@ -28,7 +28,9 @@ use std::thread::{self, JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use crate::batch::FailReason;
-use crate::fabric::{Fabric, FabricError, QpNum, WcStatus, WorkCompletion, WorkRequest, WrId};
+use crate::fabric::{
+    AsyncEvent, Fabric, FabricError, QpNum, WcStatus, WorkCompletion, WorkRequest, WrId,
+};
 use crate::ring::{self, Consumer, Producer};
 use crate::slice::{FLAG_WR_ERROR_SEEN, Slice};
 use crate::{EndpointId, Epoch};
@@ -149,6 +151,15 @@ pub enum Event {
         /// The completion status that failed it (work-request errors are the slice's fault,
         /// transport errors the peer's).
         status: WcStatus,
+    },
+    /// The fabric reported the queue pair fatal (IBV_EVENT_QP_FATAL): it is in ERR, its work
+    /// is flushed and retried at a newer epoch; the endpoint is down until then. A transport
+    /// failure, charged to the peer.
+    QpFatal {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// The epoch of the failed queue pair.
+        epoch: Epoch,
     },
     /// Connecting a queue pair failed; the endpoint is down.
     ConnectFailed {
@@ -640,6 +651,7 @@ impl<F: Fabric> Poller<F> {
             busy |= self.drain_submissions();
             busy |= self.route_ready();
             busy |= self.poll_completions();
+            busy |= self.poll_fabric_events();
             self.sweep_deadlines();
             if busy {
                 idle_rounds = 0;
@@ -947,6 +959,8 @@ impl<F: Fabric> Poller<F> {
         let mut completions = std::mem::take(&mut self.completions);
         completions.clear();
         let count = self.fabric.poll(&mut completions, self.config.max_batch);
+        // Events first: a fatal queue pair is reported as such, not as its flushes.
+        self.poll_fabric_events();
         for completion in completions.drain(..) {
             self.complete(completion);
         }
@@ -961,7 +975,9 @@ impl<F: Fabric> Poller<F> {
         };
         self.note_landed(id);
         let status = completion.status;
-        if status != WcStatus::Success && status != WcStatus::WrFlushErr {
+        if status != WcStatus::Success {
+            // A flush on a queue pair the poller did not retire means the fabric moved it
+            // to ERR on its own; `queue_pair_failed` ignores replaced queue pairs.
             self.queue_pair_failed(id, completion.qp, status);
         }
         // `None`: already resolved when its deadline passed.
@@ -995,20 +1011,51 @@ impl<F: Fabric> Poller<F> {
 
     /// An error completion moved `qp` to ERR: flush it and mark the endpoint down.
     fn queue_pair_failed(&mut self, id: EndpointId, qp: QpNum, status: WcStatus) {
-        let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
-            return;
-        };
+        if let Some(epoch) = self.take_down(id, qp) {
+            self.emit(Event::QpFailed {
+                endpoint: id,
+                epoch,
+                status,
+            });
+        }
+    }
+
+    /// Marks endpoint `id` down and retires `qp` when `qp` is its current queue pair;
+    /// returns the endpoint's epoch then. `None` for a queue pair already replaced.
+    fn take_down(&mut self, id: EndpointId, qp: QpNum) -> Option<Epoch> {
+        let endpoint = endpoint_mut(&mut self.endpoints, id)?;
         if endpoint.link != Link::Up(qp) {
-            return; // an older queue pair, already replaced
+            return None;
         }
         endpoint.link = Link::Down;
         let epoch = endpoint.epoch;
         self.fabric.retire(qp);
-        self.emit(Event::QpFailed {
-            endpoint: id,
-            epoch,
-            status,
-        });
+        Some(epoch)
+    }
+
+    /// Applies the fabric's asynchronous events. Returns whether there were any.
+    fn poll_fabric_events(&mut self) -> bool {
+        let mut busy = false;
+        while let Some(event) = self.fabric.poll_event() {
+            busy = true;
+            match event {
+                AsyncEvent::QpFatal { qp } => {
+                    let owner = self.endpoints.iter().position(|endpoint| {
+                        endpoint.as_ref().is_some_and(|e| e.link == Link::Up(qp))
+                    });
+                    let Some(id) = owner.map(|index| EndpointId(index as u32)) else {
+                        continue; // already retired or replaced
+                    };
+                    if let Some(epoch) = self.take_down(id, qp) {
+                        self.emit(Event::QpFatal {
+                            endpoint: id,
+                            epoch,
+                        });
+                    }
+                }
+            }
+        }
+        busy
     }
 
     /// Fails backlogged and in-flight slices whose deadline passed.

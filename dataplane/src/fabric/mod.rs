@@ -6,11 +6,18 @@
 //! for a slot that has moved on (a flush from a retired queue pair) is recognised and
 //! ignored. A fabric value is owned by exactly one poller thread.
 //!
-//! Here: [`null::NullFabric`] (completes everything at once, for benchmarks) and
-//! [`scripted::ScriptedFabric`] (completes chosen requests with chosen statuses, for tests).
+//! The model every fabric shares, whatever moves the bytes: memory registrations with
+//! [`Access`] flags and exact bounds, queue pairs with verbs' [`QpState`] machine connected by
+//! exchanging [`QpInfo`], work requests and completions with verbs' statuses, and
+//! [`AsyncEvent`]s for what verbs reports outside the completion queue.
+//!
+//! Here: [`null::NullFabric`] (completes everything at once, for benchmarks),
+//! [`scripted::ScriptedFabric`] (completes chosen requests with chosen statuses, for tests) and
+//! [`soft`] (verbs semantics in software across processes, with a fault plan).
 
 pub mod null;
 pub mod scripted;
+pub mod soft;
 
 use crate::{EndpointId, Epoch};
 
@@ -120,6 +127,200 @@ pub struct WorkCompletion {
     pub imm: Option<u32>,
 }
 
+/// What a memory registration allows, as verbs' `IBV_ACCESS_*` flags. Local read is always
+/// allowed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Access(u32);
+
+impl Access {
+    /// Nothing beyond local read.
+    pub const NONE: Self = Self(0);
+    /// The local side may write it (the target of a READ).
+    pub const LOCAL_WRITE: Self = Self(1);
+    /// Peers may WRITE into it.
+    pub const REMOTE_WRITE: Self = Self(2);
+    /// Peers may READ from it.
+    pub const REMOTE_READ: Self = Self(4);
+    /// Everything.
+    pub const ALL: Self = Self(7);
+
+    /// Whether every flag of `other` is set here.
+    pub const fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The raw bits, for wire formats.
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// Flags from raw bits; unknown bits are dropped.
+    pub const fn from_bits_truncate(bits: u32) -> Self {
+        Self(bits & Self::ALL.0)
+    }
+}
+
+impl std::ops::BitOr for Access {
+    type Output = Self;
+
+    fn bitor(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+}
+
+/// A registered memory region: what a work request names with its keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryRegion {
+    /// First byte.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Key for local use (the local side of a work request).
+    pub lkey: u32,
+    /// Key peers use to name it.
+    pub rkey: u32,
+    /// What it allows.
+    pub access: Access,
+}
+
+impl MemoryRegion {
+    /// Whether `[addr, addr + len)` lies inside the region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr + self.len)
+    }
+}
+
+/// A queue pair's state, as verbs' `ibv_qp_state`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QpState {
+    /// Just created; nothing can be posted.
+    Reset,
+    /// Local attributes set; receives could be posted.
+    Init,
+    /// Ready to receive: the remote side is known.
+    ReadyToReceive,
+    /// Ready to send: work requests execute.
+    ReadyToSend,
+    /// Failed: every outstanding and later work request completes with WR_FLUSH_ERR.
+    Error,
+}
+
+/// Path MTUs verbs allows.
+pub const PATH_MTUS: [u32; 5] = [256, 512, 1024, 2048, 4096];
+
+/// What one side of a reliable connection tells the other so the pair can reach RTR: verbs'
+/// QP number, LID, GID, first packet sequence number and path MTU. A software fabric fills
+/// its own equivalents and says which in its docs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QpInfo {
+    /// Queue pair number.
+    pub qp_num: u32,
+    /// Port LID (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+    /// Port GID.
+    pub gid: [u8; 16],
+    /// First packet sequence number (24 bits).
+    pub psn: u32,
+    /// Path MTU in bytes, one of [`PATH_MTUS`].
+    pub path_mtu: u32,
+}
+
+impl QpInfo {
+    /// Bytes of [`Self::encode`].
+    pub const WIRE_LEN: usize = 32;
+
+    /// Little-endian wire form.
+    pub fn encode(&self) -> [u8; Self::WIRE_LEN] {
+        let mut out = [0u8; Self::WIRE_LEN];
+        out[0..4].copy_from_slice(&self.qp_num.to_le_bytes());
+        out[4..6].copy_from_slice(&self.lid.to_le_bytes());
+        out[8..24].copy_from_slice(&self.gid);
+        out[24..28].copy_from_slice(&self.psn.to_le_bytes());
+        out[28..32].copy_from_slice(&self.path_mtu.to_le_bytes());
+        out
+    }
+
+    /// Reads the wire form, checking every field.
+    ///
+    /// # Errors
+    /// [`QpInfoError`] names the field that is wrong.
+    pub fn decode(bytes: &[u8]) -> Result<Self, QpInfoError> {
+        if bytes.len() != Self::WIRE_LEN {
+            return Err(QpInfoError::Length { len: bytes.len() });
+        }
+        let u32_at = |at: usize| {
+            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+        };
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&bytes[8..24]);
+        let info = Self {
+            qp_num: u32_at(0),
+            lid: u16::from_le_bytes([bytes[4], bytes[5]]),
+            gid,
+            psn: u32_at(24),
+            path_mtu: u32_at(28),
+        };
+        if info.qp_num == 0 || info.qp_num >= 1 << 24 {
+            return Err(QpInfoError::QpNum {
+                qp_num: info.qp_num,
+            });
+        }
+        if info.psn >= 1 << 24 {
+            return Err(QpInfoError::Psn { psn: info.psn });
+        }
+        if !PATH_MTUS.contains(&info.path_mtu) {
+            return Err(QpInfoError::PathMtu {
+                path_mtu: info.path_mtu,
+            });
+        }
+        Ok(info)
+    }
+}
+
+/// A malformed [`QpInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QpInfoError {
+    /// Wrong size.
+    #[error("queue pair info is {len} bytes, expected {}", QpInfo::WIRE_LEN)]
+    Length {
+        /// Bytes received.
+        len: usize,
+    },
+    /// QP number 0 or wider than 24 bits.
+    #[error("queue pair number {qp_num} is not a valid 24-bit QP number")]
+    QpNum {
+        /// The number received.
+        qp_num: u32,
+    },
+    /// PSN wider than 24 bits.
+    #[error("packet sequence number {psn:#x} is wider than 24 bits")]
+    Psn {
+        /// The PSN received.
+        psn: u32,
+    },
+    /// Not a verbs MTU.
+    #[error("path MTU {path_mtu} is not one of 256, 512, 1024, 2048, 4096")]
+    PathMtu {
+        /// The MTU received.
+        path_mtu: u32,
+    },
+}
+
+/// What a fabric reports outside the completion queue (verbs' asynchronous events).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AsyncEvent {
+    /// IBV_EVENT_QP_FATAL: the queue pair went to ERR on its own; its outstanding work
+    /// requests complete as flushed.
+    QpFatal {
+        /// The queue pair.
+        qp: QpNum,
+    },
+}
+
 /// Why a fabric operation failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -184,4 +385,9 @@ pub trait Fabric: Send {
     /// Moves `qp` to the error state: every outstanding request completes with
     /// [`WcStatus::WrFlushErr`], then the queue pair is destroyed.
     fn retire(&mut self, qp: QpNum);
+
+    /// The next asynchronous event, if any. Fabrics without them keep the default.
+    fn poll_event(&mut self) -> Option<AsyncEvent> {
+        None
+    }
 }

@@ -1,0 +1,309 @@
+//! [`SoftFabric`]: the soft device as one poller drives it — its queue pairs' send queues, its
+//! completion queue and its asynchronous events.
+//!
+//! `post` only queues work requests (as ringing a doorbell does); `poll` is when the "NIC"
+//! runs: it checks each queue pair's peer is alive, executes queued requests in order
+//! ([`super::nic`]), applies the fault plan, and hands out completions whose (fault-plan)
+//! delay has passed. A queue pair in ERR completes everything outstanding and everything
+//! posted later with WR_FLUSH_ERR, always reported, as verbs does.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Instant;
+
+use super::faults::{FaultView, QpFaultState, Verdict};
+use super::nic::{self, Execution};
+use super::qp::SoftQp;
+use super::{SoftDevice, SoftError};
+use crate::fabric::{
+    AsyncEvent, Fabric, FabricError, PostError, QpNum, QpState, WcStatus, WorkCompletion,
+    WorkRequest,
+};
+use crate::{EndpointId, Epoch};
+
+/// A queue pair the fabric executes, with its send queue.
+#[derive(Debug)]
+struct ActiveQp {
+    qp: SoftQp,
+    send_queue: VecDeque<WorkRequest>,
+    /// The fault verdict of the head request, once judged (it may wait for its receiver).
+    head_verdict: Option<Verdict>,
+    /// Since when the head request waits for its receiver.
+    waiting_since: Option<Instant>,
+    /// Completions not visible yet (fault-plan delays), in order.
+    delayed: VecDeque<(Instant, WorkCompletion)>,
+    faults: QpFaultState,
+    next_liveness_check: Instant,
+    /// Retired: gone once its delayed completions are out.
+    destroyed: bool,
+}
+
+/// The soft device's queues for one poller. See the module docs.
+#[derive(Debug)]
+pub struct SoftFabric {
+    device: SoftDevice,
+    /// By number; ordered so that execution order never depends on hashing.
+    qps: BTreeMap<u32, ActiveQp>,
+    adopted: u32,
+    faults: FaultView,
+    completions: VecDeque<WorkCompletion>,
+    events: VecDeque<AsyncEvent>,
+}
+
+impl SoftFabric {
+    pub(crate) fn new(device: SoftDevice) -> Self {
+        let faults = FaultView::new(device.faults());
+        Self {
+            device,
+            qps: BTreeMap::new(),
+            adopted: 0,
+            faults,
+            completions: VecDeque::new(),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// Takes over a connected (RTS) queue pair, for `endpoint` when it serves one (fault
+    /// rules can name endpoints). Its number stays the same.
+    ///
+    /// # Errors
+    /// [`SoftError::NotReady`] unless the queue pair is in RTS.
+    pub fn adopt(&mut self, endpoint: Option<EndpointId>, qp: SoftQp) -> Result<QpNum, SoftError> {
+        if qp.state() != QpState::ReadyToSend {
+            return Err(SoftError::NotReady {
+                qp: qp.num(),
+                state: qp.state(),
+            });
+        }
+        let num = qp.num();
+        let ordinal = self.adopted;
+        self.adopted += 1;
+        self.qps.insert(
+            num.0,
+            ActiveQp {
+                qp,
+                send_queue: VecDeque::new(),
+                head_verdict: None,
+                waiting_since: None,
+                delayed: VecDeque::new(),
+                faults: QpFaultState::new(self.faults.plan.seed, ordinal, endpoint),
+                next_liveness_check: Instant::now(),
+                destroyed: false,
+            },
+        );
+        Ok(num)
+    }
+
+    /// The state of one of its queue pairs.
+    pub fn qp_state(&self, qp: QpNum) -> Option<QpState> {
+        self.qps
+            .get(&qp.0)
+            .filter(|active| !active.destroyed)
+            .map(|active| active.qp.state())
+    }
+
+    /// Executes queued work (at most `budget` requests per queue pair) and releases delayed
+    /// completions.
+    fn progress(&mut self, budget: usize) {
+        self.faults.refresh();
+        let now = Instant::now();
+        let config = self.device.config();
+        let plan = &self.faults.plan;
+        for active in self.qps.values_mut() {
+            active.release_delayed(now, &mut self.completions);
+            if active.send_queue.is_empty() {
+                continue;
+            }
+            if now >= active.next_liveness_check {
+                active.next_liveness_check = now + config.liveness_interval;
+                if active
+                    .qp
+                    .peer
+                    .as_ref()
+                    .is_some_and(|peer| peer.has_exited())
+                {
+                    active.fail_head(WcStatus::RetryExcErr, now, &mut self.completions);
+                    continue;
+                }
+            }
+            for _ in 0..budget {
+                let Some(request) = active.send_queue.front().copied() else {
+                    break;
+                };
+                let verdict = *active
+                    .head_verdict
+                    .get_or_insert_with(|| active.faults.judge(plan));
+                let delay = match verdict {
+                    Verdict::Execute { delay } => delay,
+                    Verdict::Fail(status) => {
+                        active.fail_head(status, now, &mut self.completions);
+                        break;
+                    }
+                    Verdict::Fatal => {
+                        active.go_to_error(now, &mut self.completions);
+                        self.events.push_back(AsyncEvent::QpFatal {
+                            qp: active.qp.num(),
+                        });
+                        break;
+                    }
+                };
+                let Some(peer) = active.qp.peer.as_mut() else {
+                    active.fail_head(WcStatus::RetryExcErr, now, &mut self.completions);
+                    break;
+                };
+                match nic::execute(&active.qp.table, peer, &request) {
+                    Execution::Completed(WcStatus::Success) => {
+                        active.send_queue.pop_front();
+                        active.head_verdict = None;
+                        active.waiting_since = None;
+                        if request.signaled {
+                            let completion = completion(&active.qp, &request, WcStatus::Success);
+                            active.emit(completion, now + delay, &mut self.completions);
+                        }
+                    }
+                    Execution::Completed(status) => {
+                        active.fail_head(status, now, &mut self.completions);
+                        break;
+                    }
+                    Execution::ReceiverNotReady => {
+                        let since = *active.waiting_since.get_or_insert(now);
+                        if now.duration_since(since) >= config.peer_timeout
+                            || active.faults.link_killed(plan)
+                        {
+                            active.fail_head(WcStatus::RetryExcErr, now, &mut self.completions);
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        self.qps
+            .retain(|_, active| !(active.destroyed && active.delayed.is_empty()));
+    }
+}
+
+fn completion(qp: &SoftQp, request: &WorkRequest, status: WcStatus) -> WorkCompletion {
+    WorkCompletion {
+        wr_id: request.wr_id,
+        qp: qp.num(),
+        status,
+        opcode: request.opcode,
+        byte_len: if status == WcStatus::Success {
+            request.len
+        } else {
+            0
+        },
+        imm: None,
+    }
+}
+
+impl ActiveQp {
+    /// Queues a completion to become visible at `at`, never before an earlier one of this
+    /// queue pair.
+    fn emit(&mut self, completion: WorkCompletion, at: Instant, cq: &mut VecDeque<WorkCompletion>) {
+        match self.delayed.back() {
+            None if at <= Instant::now() => cq.push_back(completion),
+            Some(&(last, _)) => self.delayed.push_back((at.max(last), completion)),
+            None => self.delayed.push_back((at, completion)),
+        }
+    }
+
+    fn release_delayed(&mut self, now: Instant, cq: &mut VecDeque<WorkCompletion>) {
+        while let Some(&(at, completion)) = self.delayed.front() {
+            if at > now {
+                break;
+            }
+            cq.push_back(completion);
+            self.delayed.pop_front();
+        }
+    }
+
+    /// The head request completes with an error `status`; the queue pair goes to ERR.
+    fn fail_head(&mut self, status: WcStatus, now: Instant, cq: &mut VecDeque<WorkCompletion>) {
+        if let Some(request) = self.send_queue.pop_front() {
+            let failed = completion(&self.qp, &request, status);
+            self.emit(failed, now, cq);
+        }
+        self.go_to_error(now, cq);
+    }
+
+    /// ERR: everything still queued completes with WR_FLUSH_ERR.
+    fn go_to_error(&mut self, now: Instant, cq: &mut VecDeque<WorkCompletion>) {
+        self.qp.modify_to_error();
+        self.head_verdict = None;
+        self.waiting_since = None;
+        while let Some(request) = self.send_queue.pop_front() {
+            let flushed = completion(&self.qp, &request, WcStatus::WrFlushErr);
+            self.emit(flushed, now, cq);
+        }
+    }
+}
+
+impl Fabric for SoftFabric {
+    /// Adopts the queue pair the control plane connected and staged for `endpoint` at
+    /// `epoch` ([`SoftDevice::stage`]).
+    fn connect(&mut self, endpoint: EndpointId, epoch: Epoch) -> Result<QpNum, FabricError> {
+        let connect_error = |reason: String| FabricError::Connect {
+            endpoint,
+            epoch,
+            reason,
+        };
+        let qp = self
+            .device
+            .take_staged(endpoint, epoch)
+            .map_err(|error| connect_error(error.to_string()))?;
+        self.adopt(Some(endpoint), qp)
+            .map_err(|error| connect_error(error.to_string()))
+    }
+
+    fn post(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
+        let depth = self.device.config().send_queue_depth;
+        let Some(active) = self.qps.get_mut(&qp.0).filter(|a| !a.destroyed) else {
+            return Err(PostError {
+                posted: 0,
+                error: FabricError::UnknownQp { qp },
+            });
+        };
+        if active.qp.state() == QpState::Error {
+            let now = Instant::now();
+            for request in requests {
+                let flushed = completion(&active.qp, request, WcStatus::WrFlushErr);
+                active.emit(flushed, now, &mut self.completions);
+            }
+            return Ok(());
+        }
+        let room = depth.saturating_sub(active.send_queue.len());
+        active
+            .send_queue
+            .extend(requests.iter().take(room).copied());
+        if requests.len() > room {
+            return Err(PostError {
+                posted: room,
+                error: FabricError::SendQueueFull { qp },
+            });
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        if self.completions.len() < max {
+            self.progress(max.max(1));
+        }
+        let count = max.min(self.completions.len());
+        out.extend(self.completions.drain(..count));
+        count
+    }
+
+    fn retire(&mut self, qp: QpNum) {
+        let now = Instant::now();
+        if let Some(active) = self.qps.get_mut(&qp.0) {
+            active.go_to_error(now, &mut self.completions);
+            active.destroyed = true;
+        }
+        self.qps
+            .retain(|_, active| !(active.destroyed && active.delayed.is_empty()));
+    }
+
+    fn poll_event(&mut self) -> Option<AsyncEvent> {
+        self.events.pop_front()
+    }
+}

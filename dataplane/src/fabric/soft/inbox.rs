@@ -1,0 +1,231 @@
+//! Receive queues: where a WRITE_WITH_IMM's immediate lands in the target process.
+//!
+//! Each queue pair owns one inbox: a single-producer single-consumer ring in a sealed memfd.
+//! The target creates it and reads it ([`RecvQueue`]); at handshake it hands the descriptor
+//! to the initiator, which maps it read-write and is the only producer ([`InboxWriter`]). The
+//! initiator pushes an immediate only after the WRITE's data has been copied, with a Release
+//! store of the tail, so a target that sees the immediate sees the data.
+//!
+//! Neither side trusts the other's index: a corrupt index can make the ring look full or
+//! yield meaningless entries, never an access outside the mapping (indices are masked).
+//!
+//! Layout (64-bit words): header `[magic, capacity]`, the consumer's head at byte 64, the
+//! producer's tail at byte 128 (separate cache lines), entries from byte 192, each
+//! `imm | byte_len << 32`.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::sys::{self, Mapping};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"RYINBOX1");
+const HEAD: usize = 64;
+const TAIL: usize = 128;
+const ENTRIES: usize = 192;
+
+/// Immediates a queue pair's inbox holds before a sender must wait (receiver-not-ready).
+pub const INBOX_CAPACITY: usize = 4096;
+
+fn inbox_len(capacity: usize) -> usize {
+    ENTRIES + capacity * 8
+}
+
+/// One WRITE_WITH_IMM that arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecvCompletion {
+    /// The immediate value.
+    pub imm: u32,
+    /// Bytes the write carried.
+    pub byte_len: u32,
+}
+
+/// Words of an inbox mapping, resolved once.
+#[derive(Debug)]
+struct Words {
+    map: Mapping,
+    capacity: u64,
+}
+
+impl Words {
+    fn head(&self) -> &AtomicU64 {
+        self.word(HEAD)
+    }
+
+    fn tail(&self) -> &AtomicU64 {
+        self.word(TAIL)
+    }
+
+    fn entry(&self, position: u64) -> &AtomicU64 {
+        let index = (position & (self.capacity - 1)) as usize;
+        self.word(ENTRIES + index * 8)
+    }
+
+    fn word(&self, offset: usize) -> &AtomicU64 {
+        self.map
+            .atomic(offset)
+            .unwrap_or_else(|| unreachable!("offset {offset} checked against the length"))
+    }
+}
+
+/// The receiving side of an inbox, owned by whoever consumes a queue pair's receive
+/// completions.
+#[derive(Debug)]
+pub struct RecvQueue {
+    fd: OwnedFd,
+    words: Words,
+}
+
+impl RecvQueue {
+    /// A new, empty inbox.
+    pub(crate) fn new() -> io::Result<Self> {
+        let len = inbox_len(INBOX_CAPACITY);
+        let fd = sys::sealed_memfd("railyard-inbox", len)?;
+        let map = Mapping::new(fd.as_fd(), len, true)?;
+        let words = Words {
+            map,
+            capacity: INBOX_CAPACITY as u64,
+        };
+        words
+            .word(8)
+            .store(INBOX_CAPACITY as u64, Ordering::Relaxed);
+        // Relaxed: the descriptor reaches the peer through a socket, which orders these
+        // stores before its loads.
+        words.word(0).store(MAGIC, Ordering::Relaxed);
+        Ok(Self { fd, words })
+    }
+
+    /// The descriptor to hand to the peer.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Appends up to `max` arrived immediates to `out`, oldest first; returns how many.
+    pub fn poll(&mut self, out: &mut Vec<RecvCompletion>, max: usize) -> usize {
+        let head = self.words.head().load(Ordering::Relaxed);
+        // Acquire: pairs with the sender's Release store of the tail, so the entries (and
+        // the data of their writes) are visible.
+        let tail = self.words.tail().load(Ordering::Acquire);
+        let available = tail.wrapping_sub(head).min(self.words.capacity);
+        let count = available.min(max as u64);
+        for position in head..head + count {
+            let entry = self.words.entry(position).load(Ordering::Relaxed);
+            out.push(RecvCompletion {
+                imm: entry as u32,
+                byte_len: (entry >> 32) as u32,
+            });
+        }
+        // Release: the entries were read before the sender may overwrite them.
+        self.words.head().store(head + count, Ordering::Release);
+        count as usize
+    }
+}
+
+/// The sending side: a peer's inbox mapped read-write.
+#[derive(Debug)]
+pub(crate) struct InboxWriter {
+    words: Words,
+}
+
+/// Why a peer's inbox was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum InboxError {
+    /// Not a sealed memfd.
+    #[error("the peer's inbox is not a memfd sealed against shrinking")]
+    NotSealed,
+    /// Wrong size, magic or capacity.
+    #[error("the peer's inbox is malformed")]
+    Malformed,
+    /// Mapping failed.
+    #[error("cannot map the peer's inbox: {0}")]
+    Map(#[source] io::Error),
+}
+
+impl InboxWriter {
+    /// Maps a peer's inbox from the descriptor it sent, checking seals and header.
+    pub(crate) fn map(fd: OwnedFd) -> Result<Self, InboxError> {
+        let len = sys::sealed_len(fd.as_fd())
+            .map_err(InboxError::Map)?
+            .ok_or(InboxError::NotSealed)?;
+        if len != inbox_len(INBOX_CAPACITY) as u64 {
+            return Err(InboxError::Malformed);
+        }
+        let map = Mapping::new(fd.as_fd(), len as usize, true).map_err(InboxError::Map)?;
+        let words = Words {
+            map,
+            capacity: INBOX_CAPACITY as u64,
+        };
+        if words.word(0).load(Ordering::Acquire) != MAGIC
+            || words.word(8).load(Ordering::Relaxed) != INBOX_CAPACITY as u64
+        {
+            return Err(InboxError::Malformed);
+        }
+        Ok(Self { words })
+    }
+
+    /// Whether one more immediate fits (the receiver is ready).
+    pub(crate) fn has_room(&self) -> bool {
+        let tail = self.words.tail().load(Ordering::Relaxed);
+        // Acquire: pairs with the receiver's Release head store; its reads of the slots we
+        // are about to reuse are done.
+        let head = self.words.head().load(Ordering::Acquire);
+        tail.wrapping_sub(head) < self.words.capacity
+    }
+
+    /// Delivers one immediate; `false` when the inbox is full (the receiver is not ready).
+    pub(crate) fn try_push(&mut self, completion: RecvCompletion) -> bool {
+        if !self.has_room() {
+            return false;
+        }
+        let tail = self.words.tail().load(Ordering::Relaxed);
+        let entry = u64::from(completion.imm) | u64::from(completion.byte_len) << 32;
+        self.words.entry(tail).store(entry, Ordering::Relaxed);
+        // Release: the entry, and the data copied before this call, are visible to a
+        // receiver that loads the new tail.
+        self.words
+            .tail()
+            .store(tail.wrapping_add(1), Ordering::Release);
+        true
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn immediates_arrive_in_order_and_a_full_inbox_refuses() {
+        let mut queue = RecvQueue::new().expect("memfd");
+        let fd = queue.fd().try_clone_to_owned().expect("dup");
+        let mut writer = InboxWriter::map(fd).expect("valid inbox");
+        for imm in 0..INBOX_CAPACITY as u32 {
+            assert!(writer.try_push(RecvCompletion { imm, byte_len: 8 }));
+        }
+        assert!(!writer.try_push(RecvCompletion {
+            imm: 0,
+            byte_len: 0
+        }));
+        let mut out = Vec::new();
+        assert_eq!(queue.poll(&mut out, 3), 3);
+        assert_eq!(
+            out[2],
+            RecvCompletion {
+                imm: 2,
+                byte_len: 8
+            }
+        );
+        assert!(writer.try_push(RecvCompletion {
+            imm: 99,
+            byte_len: 1
+        }));
+        out.clear();
+        assert_eq!(queue.poll(&mut out, usize::MAX), INBOX_CAPACITY - 2);
+        assert_eq!(
+            out.last(),
+            Some(&RecvCompletion {
+                imm: 99,
+                byte_len: 1
+            })
+        );
+    }
+}

@@ -1,0 +1,132 @@
+//! The soft NIC: executes one work request the way an RDMA NIC would, on the poller's thread.
+//!
+//! Checks come in the order a requester and responder NIC make them, each with verbs' status:
+//! - a message longer than 2^31 bytes → LOC_LEN_ERR;
+//! - the lkey names no live registration of this device, or a READ lands in memory
+//!   registered without LOCAL_WRITE → LOC_PROT_ERR; the local range leaves the lkey's
+//!   region → LOC_LEN_ERR;
+//! - the peer's queue pair does not allow the operation (its access flags) → REM_INV_REQ_ERR;
+//! - the rkey names no live registration in the peer's table (unknown, deregistered,
+//!   re-registered), the remote range leaves it, or it lacks REMOTE_WRITE / REMOTE_READ →
+//!   REM_ACCESS_ERR;
+//! - the peer process is gone when the bytes move (ESRCH) → RETRY_EXC_ERR.
+//!
+//! Bytes move with one plain copy when the peer is this process, else with
+//! `process_vm_writev` / `process_vm_readv`, which reach any memory of the peer. A
+//! WRITE_WITH_IMM delivers its immediate to the peer's inbox after its data, and waits
+//! (receiver not ready) while that inbox is full.
+
+use std::io;
+
+use super::inbox::RecvCompletion;
+use super::qp::Peer;
+use super::regions::RegionTable;
+use super::sys::{self, Direction};
+use crate::fabric::{Access, Opcode, WcStatus, WorkRequest};
+
+/// Longest message verbs allows.
+const MAX_MESSAGE: u32 = 1 << 31;
+
+/// How one attempt at a work request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Execution {
+    /// Done, with this status.
+    Completed(WcStatus),
+    /// A WRITE_WITH_IMM whose receiver has no room yet: nothing was done; try again.
+    ReceiverNotReady,
+}
+
+/// Executes `request` from this device (`local`) to `peer`.
+pub(crate) fn execute(local: &RegionTable, peer: &mut Peer, request: &WorkRequest) -> Execution {
+    if let Err(unfinished) = check_and_copy(local, peer, request) {
+        return unfinished;
+    }
+    if request.opcode == Opcode::WriteWithImm {
+        let delivered = peer.inbox.try_push(RecvCompletion {
+            imm: request.imm,
+            byte_len: request.len,
+        });
+        // Room was checked before the copy and this thread is the inbox's only producer.
+        debug_assert!(delivered, "inbox room vanished under its only producer");
+    }
+    Execution::Completed(WcStatus::Success)
+}
+
+fn check_and_copy(
+    local: &RegionTable,
+    peer: &mut Peer,
+    request: &WorkRequest,
+) -> Result<(), Execution> {
+    let fail = |status| Err(Execution::Completed(status));
+    let len = u64::from(request.len);
+    if request.len > MAX_MESSAGE {
+        return fail(WcStatus::LocLenErr);
+    }
+    let Some(local_region) = local.lookup(request.lkey) else {
+        return fail(WcStatus::LocProtErr);
+    };
+    if request.opcode == Opcode::Read && !local_region.access.contains(Access::LOCAL_WRITE) {
+        return fail(WcStatus::LocProtErr);
+    }
+    if !local_region.covers(request.local_addr, len) {
+        return fail(WcStatus::LocLenErr);
+    }
+    let (needed, direction) = match request.opcode {
+        Opcode::Write | Opcode::WriteWithImm => (Access::REMOTE_WRITE, Direction::Write),
+        Opcode::Read => (Access::REMOTE_READ, Direction::Read),
+    };
+    if !peer.access.contains(needed) {
+        return fail(WcStatus::RemInvReqErr);
+    }
+    let Some(remote_region) = peer.table.lookup(request.rkey) else {
+        return fail(WcStatus::RemAccessErr);
+    };
+    if !remote_region.access.contains(needed) || !remote_region.covers(request.remote_addr, len) {
+        return fail(WcStatus::RemAccessErr);
+    }
+    if request.opcode == Opcode::WriteWithImm && !peer.inbox.has_room() {
+        return Err(Execution::ReceiverNotReady);
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    if peer.same_process {
+        let (from, to) = match direction {
+            Direction::Write => (request.local_addr, request.remote_addr),
+            Direction::Read => (request.remote_addr, request.local_addr),
+        };
+        // SAFETY:
+        // - Both ranges lie inside live registrations of this process (checked above), and
+        //   `SoftDevice::register`'s contract makes registered memory valid for reads and
+        //   writes while it is registered.
+        // - `copy` allows the ranges to overlap (a process may write into itself).
+        // - Concurrent access by the application to the target range is the RDMA contract:
+        //   the bytes are undefined until the completion, as with a NIC's DMA.
+        unsafe {
+            std::ptr::copy(from as *const u8, to as *mut u8, request.len as usize);
+        }
+        return Ok(());
+    }
+    match sys::process_vm(
+        direction,
+        peer.pid as libc::pid_t,
+        request.local_addr,
+        request.remote_addr,
+        request.len as usize,
+    ) {
+        Ok(()) => Ok(()),
+        Err(error) => fail(copy_error_status(&error)),
+    }
+}
+
+/// The completion status of a failed cross-process copy.
+fn copy_error_status(error: &io::Error) -> WcStatus {
+    match error.raw_os_error() {
+        // The peer process is gone: the transport cannot reach it.
+        Some(libc::ESRCH) => WcStatus::RetryExcErr,
+        // The peer registered memory it no longer maps (or we may no longer access it): the
+        // responder refuses the access.
+        Some(libc::EFAULT | libc::EPERM) => WcStatus::RemAccessErr,
+        _ => WcStatus::RetryExcErr,
+    }
+}
