@@ -551,3 +551,92 @@ fn a_malformed_handshake_is_rejected_with_its_reason() {
     let nobody = handshake::dial(&device, socket_path("nobody"), Access::ALL).unwrap_err();
     assert!(matches!(nobody, SoftError::Handshake { .. }), "{nobody}");
 }
+
+#[test]
+fn a_poller_on_the_soft_fabric_reports_a_fatal_queue_pair_and_retries_at_the_next_epoch() {
+    use railyard_dataplane::{
+        Command, Event, IdleStrategy, PollerConfig, PollerHandle, RequestOutcome, SliceSpec,
+        Submitter,
+    };
+    let device = device("rail0");
+    let source = register(&device, 1 << 16, 0x5A, Access::LOCAL_WRITE);
+    let target = register(&device, 1 << 16, 0, Access::ALL);
+    let endpoint = EndpointId(0);
+    let (dialer, _first_responder) = loopback(&device, Access::ALL);
+    device.stage(endpoint, Epoch::FIRST, dialer).expect("RTS");
+    device.faults().add(Fault::QpFatal {
+        on: QpMatch::Ordinal(0),
+        after: 2,
+    });
+    let config = PollerConfig {
+        idle: IdleStrategy::gentle(),
+        ..PollerConfig::new("rail0")
+    };
+    let poller = PollerHandle::spawn(
+        config,
+        device.fabric(),
+        |slice: &mut railyard_dataplane::Slice, epoch, _| {
+            slice.epoch = epoch; // keys and addresses do not change in this test
+            Ok(())
+        },
+    )
+    .expect("starts");
+    let mut events = poller.take_events().expect("first take");
+    poller
+        .send(Command::AddEndpoint {
+            endpoint,
+            epoch: Epoch::FIRST,
+        })
+        .expect("running");
+    let mut submitter = Submitter::new(&[&poller], 64).expect("running");
+    let specs: Vec<SliceSpec> = (0..8u32)
+        .map(|i| SliceSpec {
+            rail: 0,
+            request: i,
+            opcode: Opcode::Write,
+            local_addr: source.region.addr + u64::from(i) * 4096,
+            lkey: source.region.lkey,
+            remote_addr: target.region.addr + u64::from(i) * 4096,
+            rkey: target.region.rkey,
+            len: 4096,
+            imm: 0,
+            endpoint,
+            epoch: Epoch::FIRST,
+        })
+        .collect();
+    let batch = submitter
+        .submit(8, &specs, Instant::now() + BOUND)
+        .expect("valid");
+    let end = Instant::now() + BOUND;
+    let fatal = loop {
+        assert!(Instant::now() < end, "no QpFatal event");
+        if let Some(event) = events.pop() {
+            break event;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!(
+        fatal,
+        Event::QpFatal {
+            endpoint,
+            epoch: Epoch::FIRST
+        }
+    );
+    // The owner of endpoints reconnects at the next epoch; the flushed slices go there.
+    let (dialer, _second_responder) = loopback(&device, Access::ALL);
+    device
+        .stage(endpoint, Epoch::FIRST.next(), dialer)
+        .expect("RTS");
+    poller
+        .send(Command::BumpEpoch {
+            endpoint,
+            epoch: Epoch::FIRST.next(),
+        })
+        .expect("running");
+    assert!(batch.wait(Instant::now() + BOUND).is_complete());
+    for request in 0..8 {
+        assert_eq!(batch.outcome(request), Some(RequestOutcome::Done));
+    }
+    assert!(target.bytes[..8 * 4096].iter().all(|&b| b == 0x5A));
+    assert!(poller.counters().reprepared >= 1);
+}
