@@ -2,18 +2,22 @@
 //!
 //! `cargo run --release --example soft_bandwidth -- [--json] [--seconds S]`
 //!
-//! The example re-executes itself as the target process (a registered 64 MiB buffer behind a
-//! handshake listener). For 4 KiB, 64 KiB and 1 MiB blocks it measures, in the same run and
-//! over the same addresses (the 64 MiB window, block after block):
+//! The example re-executes itself as the target process, which registers two 64 MiB
+//! windows behind a handshake listener: one of user memory (a `Vec`, reached with
+//! `process_vm_writev`) and one engine-allocated (`SoftDevice::alloc`, which the initiator
+//! maps and copies into directly). For 4 KiB, 64 KiB and 1 MiB blocks it measures, in the
+//! same run and over the same offsets (each window block after block):
 //! - `gbps`: WRITEs through the whole engine path — a `Submitter`, one poller running the soft
-//!   fabric, `process_vm_writev` into the target, completions back into a `Batch`;
-//! - `ceiling_gbps`: a bare `process_vm_writev` loop of the same blocks (what moves the
-//!   bytes between processes, with nothing around it);
-//! - `memcpy_gbps`: single-thread memcpy of the same blocks within one process;
+//!   fabric, the bytes into the target's engine-allocated window, completions back into a
+//!   `Batch` — and `ceiling_gbps`: single-thread memcpy of the same blocks within one
+//!   process, what that path does at its core; `ratio` = `gbps / ceiling_gbps`;
+//! - `user_memory_gbps`: the same engine path into the target's user-memory window, and
+//!   `process_vm_gbps`: a bare `process_vm_writev` loop of the same blocks, its ceiling;
+//!   `user_memory_ratio` = `user_memory_gbps / process_vm_gbps`.
 //!
-//! and `ratio` = `gbps / ceiling_gbps`. Each figure is the best of three alternating trials.
-//! With `--json` it prints
-//! `{"results": [{"block", "gbps", "ceiling_gbps", "ratio", "memcpy_gbps"}, ...]}`.
+//! Each figure is the best of three alternating trials. With `--json` it prints
+//! `{"results": [{"block", "gbps", "ceiling_gbps", "ratio", "user_memory_gbps",
+//! "process_vm_gbps", "user_memory_ratio"}, ...]}`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command as Process, Stdio};
@@ -32,7 +36,17 @@ const BLOCKS: [usize; 3] = [4 << 10, 64 << 10, 1 << 20];
 const TRIALS: usize = 3;
 const TARGET_ENV: &str = "RAILYARD_SOFT_BANDWIDTH_TARGET";
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("soft_bandwidth: error: {error:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+fn run() -> Result<()> {
     if let Ok(socket) = std::env::var(TARGET_ENV) {
         return target(&socket);
     }
@@ -59,24 +73,29 @@ fn main() -> Result<()> {
             .map(|r| {
                 serde_json::json!({
                     "block": r.block,
-                    "gbps": round(r.gbps),
-                    "ceiling_gbps": round(r.ceiling_gbps),
-                    "ratio": round(r.gbps / r.ceiling_gbps),
-                    "memcpy_gbps": round(r.memcpy_gbps),
+                    "gbps": round(r.engine_memory),
+                    "ceiling_gbps": round(r.memcpy),
+                    "ratio": round(r.engine_memory / r.memcpy),
+                    "user_memory_gbps": round(r.user_memory),
+                    "process_vm_gbps": round(r.process_vm),
+                    "user_memory_ratio": round(r.user_memory / r.process_vm),
                 })
             })
             .collect();
         println!("{}", serde_json::json!({ "results": rows }));
     } else {
-        println!("block     engine GB/s   process_vm_writev GB/s   ratio   memcpy GB/s");
+        println!("            engine memory (mapped)          user memory (process_vm_writev)");
+        println!("  block   engine GB/s  memcpy GB/s  ratio   engine GB/s  bare GB/s  ratio");
         for r in &results {
             println!(
-                "{:>7}   {:>11.2}   {:>22.2}   {:>5.2}   {:>11.2}",
+                "{:>7}   {:>11.2}  {:>11.2}  {:>5.2}   {:>11.2}  {:>9.2}  {:>5.2}",
                 r.block,
-                r.gbps,
-                r.ceiling_gbps,
-                r.gbps / r.ceiling_gbps,
-                r.memcpy_gbps
+                r.engine_memory,
+                r.memcpy,
+                r.engine_memory / r.memcpy,
+                r.user_memory,
+                r.process_vm,
+                r.user_memory / r.process_vm
             );
         }
     }
@@ -99,13 +118,21 @@ fn register(device: &SoftDevice, bytes: &mut [u8], access: Access) -> Result<Mem
     Ok(unsafe { device.register(bytes.as_mut_ptr(), bytes.len(), access) }?)
 }
 
-/// The target: registers a window, accepts one queue pair, waits for stdin to close.
+/// The target: registers two windows, accepts one queue pair, waits for stdin to close.
 fn target(socket: &str) -> Result<()> {
     let device = SoftDevice::open("target0", SoftConfig::default())?;
-    let mut window = buffer(WINDOW, 1);
-    let region = register(&device, &mut window, Access::ALL)?;
+    let mut user = buffer(WINDOW, 1);
+    let user = register(&device, &mut user, Access::ALL)?;
+    let mut engine = device.alloc(WINDOW, Access::ALL)?;
+    // SAFETY:
+    // - No transfer runs yet; this touches every page before the measurements.
+    unsafe { engine.as_mut_slice() }.fill(1);
+    let engine = engine.region();
     let listener = handshake::SoftListener::bind(&device, socket)?;
-    println!("ready {} {}", region.addr, region.rkey);
+    println!(
+        "ready {} {} {} {}",
+        user.addr, user.rkey, engine.addr, engine.rkey
+    );
     std::io::stdout().flush()?;
     let _qp = listener.accept(Access::ALL)?;
     // The initiator closes our stdin when it is done.
@@ -113,11 +140,17 @@ fn target(socket: &str) -> Result<()> {
     Ok(())
 }
 
+/// GB/s of one block size.
 struct Row {
     block: usize,
-    gbps: f64,
-    ceiling_gbps: f64,
-    memcpy_gbps: f64,
+    /// Engine path into the engine-allocated window.
+    engine_memory: f64,
+    /// Single-thread memcpy.
+    memcpy: f64,
+    /// Engine path into the user-memory window.
+    user_memory: f64,
+    /// Bare process_vm_writev.
+    process_vm: f64,
 }
 
 fn gbps(bytes: usize, elapsed: Duration) -> f64 {
@@ -138,17 +171,23 @@ fn measure(span: Duration, mut pass: impl FnMut() -> Result<()>) -> Result<f64> 
 
 fn initiator(span: Duration) -> Result<Vec<Row>> {
     let socket = std::env::temp_dir().join(format!("railyard-bw-{}.sock", std::process::id()));
-    let mut child = Process::new(std::env::current_exe()?)
-        .env(TARGET_ENV, &socket)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting the target process")?;
+    let mut child = TargetProcess(
+        Process::new(std::env::current_exe()?)
+            .env(TARGET_ENV, &socket)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the target process")?,
+    );
+    let child = &mut child.0;
     let mut ready = String::new();
     BufReader::new(child.stdout.take().context("piped stdout")?).read_line(&mut ready)?;
     let fields: Vec<&str> = ready.split_whitespace().collect();
-    let (target_addr, target_rkey): (u64, u32) = match fields.as_slice() {
-        ["ready", addr, rkey] => (addr.parse()?, rkey.parse()?),
+    let (user_window, engine_window): ((u64, u32), (u64, u32)) = match fields.as_slice() {
+        ["ready", user_addr, user_rkey, engine_addr, engine_rkey] => (
+            (user_addr.parse()?, user_rkey.parse()?),
+            (engine_addr.parse()?, engine_rkey.parse()?),
+        ),
         _ => bail!("the target did not start: {ready:?}"),
     };
     let target_pid = child.id() as libc::pid_t;
@@ -175,24 +214,27 @@ fn initiator(span: Duration) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for block in BLOCKS {
         let offsets: Vec<usize> = (0..WINDOW / block).map(|i| i * block).collect();
-        let specs: Vec<SliceSpec> = offsets
-            .iter()
-            .map(|&offset| SliceSpec {
-                rail: 0,
-                request: 0,
-                opcode: Opcode::Write,
-                local_addr: source_region.addr + offset as u64,
-                lkey: source_region.lkey,
-                remote_addr: target_addr + offset as u64,
-                rkey: target_rkey,
-                len: block as u32,
-                imm: 0,
-                endpoint,
-                epoch: Epoch::FIRST,
-            })
-            .collect();
-        let mut engine_pass = || -> Result<()> {
-            let batch = submitter.submit(1, &specs, Instant::now() + Duration::from_secs(10))?;
+        let writes_into = |(addr, rkey): (u64, u32)| -> Vec<SliceSpec> {
+            offsets
+                .iter()
+                .map(|&offset| SliceSpec {
+                    rail: 0,
+                    request: 0,
+                    opcode: Opcode::Write,
+                    local_addr: source_region.addr + offset as u64,
+                    lkey: source_region.lkey,
+                    remote_addr: addr + offset as u64,
+                    rkey,
+                    len: block as u32,
+                    imm: 0,
+                    endpoint,
+                    epoch: Epoch::FIRST,
+                })
+                .collect()
+        };
+        let (into_engine, into_user) = (writes_into(engine_window), writes_into(user_window));
+        let mut engine_pass = |specs: &[SliceSpec]| -> Result<()> {
+            let batch = submitter.submit(1, specs, Instant::now() + Duration::from_secs(10))?;
             let status = batch.wait(Instant::now() + Duration::from_secs(10));
             if !status.is_complete() || status.failed > 0 {
                 bail!("a transfer failed: {status:?} ({:?})", batch.outcome(0));
@@ -204,7 +246,7 @@ fn initiator(span: Duration) -> Result<Vec<Row>> {
                 process_vm_write(
                     target_pid,
                     source_region.addr as usize + offset,
-                    target_addr as usize + offset,
+                    user_window.0 as usize + offset,
                     block,
                 )?;
             }
@@ -212,24 +254,29 @@ fn initiator(span: Duration) -> Result<Vec<Row>> {
         };
         let mut memcpy_pass = || -> Result<()> {
             for &offset in &offsets {
-                local_copy[offset..offset + block]
-                    .copy_from_slice(&source[offset..offset + block]);
+                local_copy[offset..offset + block].copy_from_slice(&source[offset..offset + block]);
             }
             std::hint::black_box(&local_copy);
             Ok(())
         };
-        let (mut best_engine, mut best_ceiling, mut best_memcpy) = (0f64, 0f64, 0f64);
-        for _ in 0..TRIALS {
-            best_ceiling = best_ceiling.max(measure(span, process_vm_pass)?);
-            best_engine = best_engine.max(measure(span, &mut engine_pass)?);
-            best_memcpy = best_memcpy.max(measure(span, &mut memcpy_pass)?);
-        }
-        rows.push(Row {
+        let mut row = Row {
             block,
-            gbps: best_engine,
-            ceiling_gbps: best_ceiling,
-            memcpy_gbps: best_memcpy,
-        });
+            engine_memory: 0.0,
+            memcpy: 0.0,
+            user_memory: 0.0,
+            process_vm: 0.0,
+        };
+        for _ in 0..TRIALS {
+            row.memcpy = row.memcpy.max(measure(span, &mut memcpy_pass)?);
+            row.engine_memory = row
+                .engine_memory
+                .max(measure(span, || engine_pass(&into_engine))?);
+            row.process_vm = row.process_vm.max(measure(span, process_vm_pass)?);
+            row.user_memory = row
+                .user_memory
+                .max(measure(span, || engine_pass(&into_user))?);
+        }
+        rows.push(row);
     }
     let counters = poller.counters();
     poller.shutdown();
@@ -239,6 +286,16 @@ fn initiator(span: Duration) -> Result<Vec<Row>> {
         bail!("{} slices failed", counters.failed_total());
     }
     Ok(rows)
+}
+
+/// The target process, killed if the initiator stops early (it would wait for a handshake).
+struct TargetProcess(std::process::Child);
+
+impl Drop for TargetProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// One bare `process_vm_writev` of `len` bytes: the ceiling's inner loop.

@@ -640,3 +640,28 @@ fn a_poller_on_the_soft_fabric_reports_a_fatal_queue_pair_and_retries_at_the_nex
     assert!(target.bytes[..8 * 4096].iter().all(|&b| b == 0x5A));
     assert!(poller.counters().reprepared >= 1);
 }
+
+#[test]
+fn an_engine_buffer_is_registered_until_it_drops() {
+    let mut rig = rig();
+    assert!(matches!(
+        rig.device.alloc(0, Access::ALL),
+        Err(SoftError::Region(_))
+    ));
+    let buffer = rig.device.alloc(1 << 16, Access::ALL).expect("allocates");
+    let region = buffer.region();
+    assert_eq!((region.addr, region.len), (buffer.as_ptr() as u64, 1 << 16));
+    let into_buffer = railyard_dataplane::fabric::WorkRequest {
+        remote_addr: region.addr + 100,
+        rkey: region.rkey,
+        ..rig.write(1, 0, 64)
+    };
+    assert_eq!(rig.post_one(into_buffer).status, WcStatus::Success);
+    // SAFETY:
+    // - The write above completed; nothing else writes the buffer.
+    let bytes = unsafe { buffer.as_slice() };
+    assert!(bytes[100..164].iter().all(|&b| b == 0xAB));
+    assert!(bytes[..100].iter().all(|&b| b == 0), "fresh pages are zero");
+    drop(buffer);
+    assert_eq!(rig.post_one(into_buffer).status, WcStatus::RemAccessErr);
+}

@@ -1,6 +1,9 @@
 //! The soft fabric between two processes: this test binary re-executes itself as the target
 //! (`target_process`, ignored unless run by these tests), which registers a buffer, accepts
 //! one queue pair and answers commands on stdin (checksums, deregistration, immediates).
+//! The target's buffer is either user memory (bytes move with `process_vm_writev`) or an
+//! engine-allocated `SoftBuffer` (the initiator maps it and copies directly); the tests
+//! that matter run against both.
 //! Every answer starts with `@`; every wait has a bound; the target is killed when its
 //! handle drops.
 
@@ -15,8 +18,8 @@ use std::process::{Child, ChildStdin, Command as Process, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
-use railyard_dataplane::fabric::soft::{SoftDevice, handshake};
-use railyard_dataplane::fabric::{Access, Fabric, Opcode, WcStatus, WorkRequest};
+use railyard_dataplane::fabric::soft::{SoftBuffer, SoftDevice, handshake};
+use railyard_dataplane::fabric::{Access, Fabric, MemoryRegion, Opcode, WcStatus, WorkRequest};
 use railyard_dataplane::{
     Command, EndpointId, Epoch, FailStale, IdleStrategy, PollerConfig, PollerHandle,
     RequestOutcome, SliceSpec, Submitter,
@@ -25,6 +28,40 @@ use soft_common::{BOUND, Registered, device, drain, register, request, socket_pa
 
 const TARGET_SOCKET: &str = "RAILYARD_TEST_TARGET_SOCKET";
 const TARGET_BYTES: &str = "RAILYARD_TEST_TARGET_BYTES";
+const TARGET_MEMORY: &str = "RAILYARD_TEST_TARGET_MEMORY";
+
+/// What backs the target's registered buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Memory {
+    /// A `Vec` registered with `SoftDevice::register`.
+    User,
+    /// A `SoftBuffer` from `SoftDevice::alloc`.
+    Engine,
+}
+
+/// The target's buffer, either kind.
+enum TargetBuffer {
+    User(Box<Registered>),
+    Engine(SoftBuffer),
+}
+
+impl TargetBuffer {
+    fn region(&self) -> MemoryRegion {
+        match self {
+            Self::User(registered) => registered.region,
+            Self::Engine(buffer) => buffer.region(),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Self::User(registered) => &registered.bytes,
+            // SAFETY:
+            // - The initiator asks for bytes only after the completions of its writes.
+            Self::Engine(buffer) => unsafe { buffer.as_slice() },
+        }
+    }
+}
 
 fn checksum(bytes: &[u8]) -> u64 {
     let mut hasher = DefaultHasher::new();
@@ -42,11 +79,16 @@ fn target_process() {
     };
     let len: usize = bytes.parse().expect("a byte count");
     let device = device("target0");
-    let target = register(&device, len, 0, Access::ALL);
+    let target = match std::env::var(TARGET_MEMORY).as_deref() {
+        Ok("engine") => TargetBuffer::Engine(device.alloc(len, Access::ALL).expect("allocates")),
+        _ => TargetBuffer::User(register(&device, len, 0, Access::ALL)),
+    };
     let listener = handshake::SoftListener::bind(&device, &socket).expect("listener binds");
     println!(
         "@ready {} {} {}",
-        target.region.addr, target.region.rkey, len
+        target.region().addr,
+        target.region().rkey,
+        len
     );
     let mut qp = listener
         .accept(Access::ALL)
@@ -60,10 +102,10 @@ fn target_process() {
         match words.first().copied() {
             Some("checksum") => {
                 let (offset, len) = (number(1), number(2));
-                println!("@{}", checksum(&target.bytes[offset..offset + len]));
+                println!("@{}", checksum(&target.bytes()[offset..offset + len]));
             }
             Some("dereg") => {
-                device.deregister(&target.region).expect("registered");
+                device.deregister(&target.region()).expect("registered");
                 println!("@deregistered");
             }
             Some("recv") => {
@@ -83,7 +125,7 @@ fn target_process() {
                 println!(
                     "@{} {}",
                     arrived.imm,
-                    checksum(&target.bytes[offset..offset + len])
+                    checksum(&target.bytes()[offset..offset + len])
                 );
             }
             _ => break,
@@ -104,14 +146,22 @@ struct Target {
 }
 
 impl Target {
-    /// Starts a target with `len` registered bytes and waits until it listens.
-    fn spawn(len: usize) -> Self {
+    /// Starts a target with `len` registered bytes of `memory` and waits until it listens.
+    fn spawn(len: usize, memory: Memory) -> Self {
         let socket = socket_path("target");
         let mut child = Process::new(std::env::current_exe().expect("own test binary"))
             .args(["target_process", "--exact", "--ignored", "--nocapture"])
             .args(["--test-threads", "1"])
             .env(TARGET_SOCKET, &socket)
             .env(TARGET_BYTES, len.to_string())
+            .env(
+                TARGET_MEMORY,
+                if memory == Memory::Engine {
+                    "engine"
+                } else {
+                    "user"
+                },
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -193,9 +243,18 @@ fn mixed_ranges(len: usize, first: usize) -> Vec<(usize, usize)> {
 
 #[test]
 fn a_gibibyte_is_written_and_read_back_in_mixed_sizes_through_a_poller() {
+    gibibyte_round_trip(Memory::User);
+}
+
+#[test]
+fn a_gibibyte_round_trip_into_engine_memory_the_initiator_maps() {
+    gibibyte_round_trip(Memory::Engine);
+}
+
+fn gibibyte_round_trip(memory: Memory) {
     const WINDOW: usize = 64 << 20;
     const PASSES: usize = 16; // 16 × 64 MiB = 1 GiB each way
-    let mut target = Target::spawn(WINDOW);
+    let mut target = Target::spawn(WINDOW, memory);
     let device = device("rail0");
     let source = register(&device, WINDOW, 0, Access::LOCAL_WRITE);
     let readback = register(&device, WINDOW, 0, Access::LOCAL_WRITE);
@@ -285,7 +344,13 @@ fn a_gibibyte_is_written_and_read_back_in_mixed_sizes_through_a_poller() {
 
 #[test]
 fn write_with_imm_reaches_the_target_after_its_data() {
-    let mut target = Target::spawn(8 << 20);
+    for memory in [Memory::User, Memory::Engine] {
+        write_with_imm(memory);
+    }
+}
+
+fn write_with_imm(memory: Memory) {
+    let mut target = Target::spawn(8 << 20, memory);
     let device = device("rail0");
     let mut source = register(&device, 8 << 20, 0, Access::LOCAL_WRITE);
     for (i, byte) in source.bytes.iter_mut().enumerate() {
@@ -312,13 +377,23 @@ fn write_with_imm_reaches_the_target_after_its_data() {
         fabric.post(qp, &[write]).expect("posted");
         assert_eq!(drain(&mut fabric, 1)[0].status, WcStatus::Success);
         let expected = checksum(&source.bytes[offset as usize..offset as usize + len]);
-        assert_eq!(target.ask("recv"), format!("{imm} {expected}"));
+        assert_eq!(
+            target.ask("recv"),
+            format!("{imm} {expected}"),
+            "{memory:?}"
+        );
     }
 }
 
 #[test]
 fn a_deregistration_in_the_target_fails_requests_already_posted() {
-    let mut target = Target::spawn(1 << 20);
+    for memory in [Memory::User, Memory::Engine] {
+        deregistration_in_flight(memory);
+    }
+}
+
+fn deregistration_in_flight(memory: Memory) {
+    let mut target = Target::spawn(1 << 20, memory);
     let device = device("rail0");
     let source = register(&device, 1 << 20, 9, Access::LOCAL_WRITE);
     let mut fabric = device.fabric();
@@ -349,16 +424,27 @@ fn a_deregistration_in_the_target_fails_requests_already_posted() {
             WcStatus::WrFlushErr,
             WcStatus::WrFlushErr,
             WcStatus::WrFlushErr
-        ]
+        ],
+        "{memory:?}"
     );
 }
 
 #[test]
 fn killing_the_target_mid_transfer_gives_retry_exceeded_within_the_bound() {
+    killed_mid_transfer(Memory::User);
+}
+
+#[test]
+fn killing_a_target_whose_memory_is_mapped_is_still_detected() {
+    // Copies into a mapping cannot fail when the owner dies: only the pidfd tells.
+    killed_mid_transfer(Memory::Engine);
+}
+
+fn killed_mid_transfer(memory: Memory) {
     /// What the test allows between the kill and the error completion; the device's own
     /// detection is one liveness interval (1 ms) after the next poll.
     const DETECTION_BOUND: Duration = Duration::from_millis(500);
-    let mut target = Target::spawn(64 << 20);
+    let mut target = Target::spawn(64 << 20, memory);
     let device = device("rail0");
     let source = register(&device, 1 << 20, 3, Access::LOCAL_WRITE);
     let mut fabric = device.fabric();
@@ -380,7 +466,13 @@ fn killing_the_target_mid_transfer_gives_retry_exceeded_within_the_bound() {
     let mut failed_at = None;
     let end = Instant::now() + BOUND;
     while completions.len() < posted as usize || failed_at.is_none() {
-        assert!(Instant::now() < end, "hung: {completions:?}");
+        assert!(
+            Instant::now() < end,
+            "hung: {posted} posted, {} completed, killed: {}, last: {:?}",
+            completions.len(),
+            killed_at.is_some(),
+            completions.last()
+        );
         if failed_at.is_none() && posted - (completions.len() as u64) < 16 {
             fabric.post(qp, &[write(posted)]).expect("posted");
             posted += 1;

@@ -2,7 +2,8 @@
 //! completion queue and its asynchronous events.
 //!
 //! `post` only queues work requests (as ringing a doorbell does); `poll` is when the "NIC"
-//! runs: it checks each queue pair's peer is alive, executes queued requests in order
+//! runs: it checks each queue pair's peer is alive (and drops mappings of the peer's
+//! deregistered buffers), executes queued requests in order
 //! ([`super::nic`]), applies the fault plan, and hands out completions whose (fault-plan)
 //! delay has passed. A queue pair in ERR completes everything outstanding and everything
 //! posted later with WR_FLUSH_ERR, always reported, as verbs does.
@@ -115,12 +116,11 @@ impl SoftFabric {
             }
             if now >= active.next_liveness_check {
                 active.next_liveness_check = now + config.liveness_interval;
-                if active
-                    .qp
-                    .peer
-                    .as_ref()
-                    .is_some_and(|peer| peer.has_exited())
-                {
+                let exited = active.qp.peer.as_mut().is_some_and(|peer| {
+                    peer.forget_stale_mappings();
+                    peer.has_exited()
+                });
+                if exited {
                     active.fail_head(WcStatus::RetryExcErr, now, &mut self.completions);
                     continue;
                 }

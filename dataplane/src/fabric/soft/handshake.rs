@@ -15,6 +15,7 @@
 //! access bits, [`QpInfo`] (32 bytes), incarnation, probe address, pid, then for REJECT a
 //! reason of up to 184 bytes of UTF-8 at byte 72.
 
+use std::collections::HashMap;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -276,6 +277,7 @@ fn attach(
         pidfd,
         table,
         inbox,
+        mapped: HashMap::new(),
     })
 }
 

@@ -4,16 +4,17 @@
 //! For hosts without RDMA NICs and for tests. The pieces mirror verbs:
 //! - [`SoftDevice`]: one rail's device context and protection domain. [`SoftDevice::register`]
 //!   returns lkey/rkey with [`Access`] flags and exact bounds; the registrations live in a
-//!   region table in shared memory the process owns ([`regions`]), which peers map read-only
+//!   region table in shared memory the process owns (module `regions`), which peers map read-only
 //!   and check on every work request — a deregistration is seen by the next one.
 //! - [`SoftQp`]: an RC queue pair with verbs' state machine (RESET → INIT → RTR → RTS → ERR),
-//!   connected by exchanging [`QpInfo`](crate::fabric::QpInfo) over a Unix socket together
+//!   connected by exchanging `QpInfo` over a Unix socket together
 //!   with the descriptors of the region table and of the queue pair's inbox
 //!   ([`handshake`]).
 //! - [`SoftFabric`]: the completion queue and send queues one poller drives; executing work
-//!   requests is the poller's job, so the poller is the NIC ([`nic`]). Bytes move with
-//!   `process_vm_writev` / `process_vm_readv` (any memory of the target) or a plain copy
-//!   within one process; errors are verbs' statuses, where verbs gives them.
+//!   requests is the poller's job, so the poller is the NIC (module `nic`). Bytes move with
+//!   `process_vm_writev` / `process_vm_readv` (any memory of the target), or with a plain
+//!   copy within one process and into a peer's [`SoftBuffer`] (engine-allocated memory
+//!   that peers map); errors are verbs' statuses, where verbs gives them.
 //! - [`FaultPlan`]: failures on purpose, the same for the same seed.
 //!
 //! # Peer liveness
@@ -30,6 +31,7 @@
 //! reading the peer's table magic through `process_vm_readv`, so a host that forbids it
 //! fails at connect time with [`SoftError::ProbeRefused`], not at the first transfer.
 
+mod buffer;
 mod fabric;
 pub mod faults;
 pub mod handshake;
@@ -45,6 +47,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+pub use buffer::SoftBuffer;
 pub use fabric::SoftFabric;
 pub use faults::{Fault, FaultHandle, FaultPlan, QpMatch};
 pub use inbox::{INBOX_CAPACITY, InboxError, RecvCompletion, RecvQueue};
@@ -228,7 +231,7 @@ impl SoftDevice {
     ) -> Result<MemoryRegion, SoftError> {
         let addr = addr as u64;
         let len = len as u64;
-        let key = self.0.table.register(addr, len, access)?;
+        let key = self.0.table.register(addr, len, access, None)?;
         Ok(MemoryRegion {
             addr,
             len,

@@ -11,7 +11,8 @@
 //!   REM_ACCESS_ERR;
 //! - the peer process is gone when the bytes move (ESRCH) → RETRY_EXC_ERR.
 //!
-//! Bytes move with one plain copy when the peer is this process, else with
+//! Bytes move with one plain copy when the peer is this process or the remote region is
+//! engine-allocated memory we mapped ([`super::SoftBuffer`]), else with
 //! `process_vm_writev` / `process_vm_readv`, which reach any memory of the peer. A
 //! WRITE_WITH_IMM delivers its immediate to the peer's inbox after its data, and waits
 //! (receiver not ready) while that inbox is full.
@@ -79,6 +80,7 @@ fn check_and_copy(
         return fail(WcStatus::RemInvReqErr);
     }
     let Some(remote_region) = peer.table.lookup(request.rkey) else {
+        peer.mapped.remove(&request.rkey);
         return fail(WcStatus::RemAccessErr);
     };
     if !remote_region.access.contains(needed) || !remote_region.covers(request.remote_addr, len) {
@@ -102,6 +104,25 @@ fn check_and_copy(
         // - `copy` allows the ranges to overlap (a process may write into itself).
         // - Concurrent access by the application to the target range is the RDMA contract:
         //   the bytes are undefined until the completion, as with a NIC's DMA.
+        unsafe {
+            std::ptr::copy(from as *const u8, to as *mut u8, request.len as usize);
+        }
+        return Ok(());
+    }
+    if let Some(mapping) = peer.mapping(request.rkey, &remote_region) {
+        let mapped = mapping.addr() + (request.remote_addr - remote_region.base);
+        let (from, to) = match direction {
+            Direction::Write => (request.local_addr, mapped),
+            Direction::Read => (mapped, request.local_addr),
+        };
+        // SAFETY:
+        // - The local range lies inside a live registration of this process, valid for
+        //   reads and writes by `SoftDevice::register`'s contract (or our own allocation).
+        // - The remote range lies inside the peer's registration (checked above), and our
+        //   mapping of its memfd is at least that long (checked when mapped), live while the
+        //   peer holds it.
+        // - Distinct mappings of this process: they do not overlap unless the peer is us,
+        //   and `copy` allows overlap anyway.
         unsafe {
             std::ptr::copy(from as *const u8, to as *mut u8, request.len as usize);
         }

@@ -10,12 +10,14 @@
 //! The soft fabric's equivalents of verbs' addressing: LID 0; GID = the device's
 //! incarnation (8 bytes) then the process id (4 bytes); a random first PSN; path MTU 4096.
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
+use super::SoftError;
 use super::inbox::{InboxWriter, RecvQueue};
-use super::regions::{RegionTable, RemoteTable};
-use super::{SoftError, sys};
+use super::regions::{RegionTable, Registration, RemoteTable};
+use super::sys::{self, Mapping};
 use crate::fabric::{Access, QpInfo, QpNum, QpState};
 
 /// The soft fabric's path MTU. Nothing is packetised, so it only travels in [`QpInfo`].
@@ -46,6 +48,9 @@ pub(crate) struct Peer {
     pub(crate) table: RemoteTable,
     /// The peer queue pair's inbox, for immediates.
     pub(crate) inbox: InboxWriter,
+    /// The peer's engine-allocated regions we mapped, by rkey; `None` for one that cannot be
+    /// mapped (bytes go through `process_vm_writev`).
+    pub(crate) mapped: HashMap<u32, Option<Mapping>>,
 }
 
 impl Peer {
@@ -54,6 +59,38 @@ impl Peer {
         self.pidfd
             .as_ref()
             .is_some_and(|fd| sys::has_exited(fd.as_fd()))
+    }
+
+    /// Our mapping of the peer's region `rkey` (live as `region`), mapping it on first use.
+    /// `None` when the region is not engine-allocated or cannot be mapped.
+    pub(crate) fn mapping(&mut self, rkey: u32, region: &Registration) -> Option<&Mapping> {
+        let memfd = region.memfd?;
+        let pidfd = self.pidfd.as_ref()?;
+        if !self.mapped.contains_key(&rkey) {
+            let mapped = sys::pidfd_getfd(pidfd.as_fd(), memfd)
+                .ok()
+                .filter(|fd| {
+                    sys::sealed_len(fd.as_fd())
+                        .ok()
+                        .flatten()
+                        .is_some_and(|len| len >= region.len)
+                })
+                .and_then(|fd| Mapping::new(fd.as_fd(), region.len as usize, true).ok());
+            // The owner closes the descriptor only after deregistering the key. The key is
+            // still live after we fetched the descriptor, so we fetched the region's memfd,
+            // not a later file that reused its number.
+            if self.table.lookup(rkey).as_ref() != Some(region) {
+                return None;
+            }
+            self.mapped.insert(rkey, mapped);
+        }
+        self.mapped.get(&rkey).and_then(Option::as_ref)
+    }
+
+    /// Drops mappings of regions that are no longer registered.
+    pub(crate) fn forget_stale_mappings(&mut self) {
+        let table = &self.table;
+        self.mapped.retain(|rkey, _| table.lookup(*rkey).is_some());
     }
 }
 

@@ -10,7 +10,9 @@
 //!
 //! Layout (little-endian 64-bit words): a 64-byte header `[magic, version | capacity << 32,
 //! owner pid, incarnation]`, then `capacity` 64-byte entries `[sequence, key | access << 32,
-//! base, len]`. Key 0 marks a free entry.
+//! base, len, memfd + 1]`. Key 0 marks a free entry. The last word names the descriptor
+//! (in the owner's process) of the memfd backing a region the engine allocated, from offset
+//! 0, or 0 for other memory: a peer may map such a region and copy into it directly.
 //!
 //! Keys are `generation << INDEX_BITS | index`: the index finds the entry at once, and the
 //! generation (never 0, bumped at each registration of that entry) makes a key stale as soon
@@ -42,6 +44,8 @@ pub(crate) struct Registration {
     pub(crate) base: u64,
     pub(crate) len: u64,
     pub(crate) access: Access,
+    /// The owner's descriptor of the memfd behind the region, if the engine allocated it.
+    pub(crate) memfd: Option<i32>,
 }
 
 impl Registration {
@@ -92,7 +96,8 @@ fn lookup(map: &Mapping, capacity: usize, key: u32) -> Option<Registration> {
         return None;
     }
     let word = |n: usize| map.atomic(entry_offset(index) + n * 8);
-    let (sequence, key_access, base, len) = (word(0)?, word(1)?, word(2)?, word(3)?);
+    let (sequence, key_access, base, len, memfd) =
+        (word(0)?, word(1)?, word(2)?, word(3)?, word(4)?);
     for _ in 0..READ_RETRIES {
         // Relaxed loads only: the peer's mapping is read-only. The Acquire fences give the
         // seqlock its order: the first one keeps the field loads after the first sequence
@@ -103,10 +108,11 @@ fn lookup(map: &Mapping, capacity: usize, key: u32) -> Option<Registration> {
             std::hint::spin_loop();
             continue;
         }
-        let (entry_key_access, entry_base, entry_len) = (
+        let (entry_key_access, entry_base, entry_len, entry_memfd) = (
             key_access.load(Ordering::Relaxed),
             base.load(Ordering::Relaxed),
             len.load(Ordering::Relaxed),
+            memfd.load(Ordering::Relaxed),
         );
         fence(Ordering::Acquire);
         if sequence.load(Ordering::Relaxed) != before {
@@ -119,6 +125,9 @@ fn lookup(map: &Mapping, capacity: usize, key: u32) -> Option<Registration> {
             base: entry_base,
             len: entry_len,
             access: Access::from_bits_truncate((entry_key_access >> 32) as u32),
+            memfd: entry_memfd
+                .checked_sub(1)
+                .and_then(|fd| i32::try_from(fd).ok()),
         });
     }
     None
@@ -172,10 +181,10 @@ impl RegionTable {
         self.map.addr()
     }
 
-    fn write_entry(&self, index: usize, key_access: u64, base: u64, len: u64) {
+    fn write_entry(&self, index: usize, key_access: u64, base: u64, len: u64, memfd: u64) {
         let word = |n: usize| self.map.atomic(entry_offset(index) + n * 8);
-        let (Some(sequence), Some(key_word), Some(base_word), Some(len_word)) =
-            (word(0), word(1), word(2), word(3))
+        let (Some(sequence), Some(key_word), Some(base_word), Some(len_word), Some(memfd_word)) =
+            (word(0), word(1), word(2), word(3), word(4))
         else {
             unreachable!("entry {index} lies inside the table by construction");
         };
@@ -188,11 +197,19 @@ impl RegionTable {
         key_word.store(key_access, Ordering::Relaxed);
         base_word.store(base, Ordering::Relaxed);
         len_word.store(len, Ordering::Relaxed);
+        memfd_word.store(memfd, Ordering::Relaxed);
         sequence.store(sequence_now + 2, Ordering::Release);
     }
 
-    /// Publishes a registration; returns its key.
-    pub(crate) fn register(&self, addr: u64, len: u64, access: Access) -> Result<u32, RegionError> {
+    /// Publishes a registration; returns its key. `memfd`: this process's descriptor of the
+    /// memfd mapped at `addr` from offset 0, when the engine allocated the region.
+    pub(crate) fn register(
+        &self,
+        addr: u64,
+        len: u64,
+        access: Access,
+        memfd: Option<i32>,
+    ) -> Result<u32, RegionError> {
         if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
             return Err(RegionError::BadRange { addr, len });
         }
@@ -209,6 +226,7 @@ impl RegionTable {
             u64::from(key) | u64::from(access.bits()) << 32,
             addr,
             len,
+            memfd.map_or(0, |fd| fd as u64 + 1),
         );
         Ok(key)
     }
@@ -220,7 +238,7 @@ impl RegionTable {
             return Err(RegionError::UnknownKey { key });
         }
         let index = key & (CAPACITY as u32 - 1);
-        self.write_entry(index as usize, 0, 0, 0);
+        self.write_entry(index as usize, 0, 0, 0, 0);
         slots.free.push(index as u16);
         Ok(())
     }
@@ -311,7 +329,7 @@ mod tests {
     fn register_lookup_deregister() {
         let table = table();
         let key = table
-            .register(0x1000, 4096, Access::REMOTE_WRITE)
+            .register(0x1000, 4096, Access::REMOTE_WRITE, None)
             .expect("room");
         let found = table.lookup(key).expect("live");
         assert_eq!((found.base, found.len), (0x1000, 4096));
@@ -326,35 +344,40 @@ mod tests {
     #[test]
     fn a_reused_entry_gets_a_new_key() {
         let table = table();
-        let first = table.register(0x1000, 64, Access::ALL).expect("room");
+        let first = table.register(0x1000, 64, Access::ALL, None).expect("room");
         table.deregister(first).expect("live");
-        let second = table.register(0x2000, 64, Access::ALL).expect("room");
+        let second = table
+            .register(0x2000, 64, Access::ALL, Some(5))
+            .expect("room");
         assert_eq!(first & 0xfff, second & 0xfff, "same entry reused");
         assert_ne!(first, second);
         assert_eq!(table.lookup(first), None);
         assert_eq!(table.lookup(second).map(|r| r.base), Some(0x2000));
+        assert_eq!(table.lookup(second).and_then(|r| r.memfd), Some(5));
     }
 
     #[test]
     fn bad_ranges_and_a_full_table_are_refused() {
         let table = table();
         assert!(matches!(
-            table.register(0, 8, Access::ALL),
+            table.register(0, 8, Access::ALL, None),
             Err(RegionError::BadRange { .. })
         ));
         assert!(matches!(
-            table.register(8, 0, Access::ALL),
+            table.register(8, 0, Access::ALL, None),
             Err(RegionError::BadRange { .. })
         ));
         assert!(matches!(
-            table.register(u64::MAX - 4, 8, Access::ALL),
+            table.register(u64::MAX - 4, 8, Access::ALL, None),
             Err(RegionError::BadRange { .. })
         ));
         for n in 0..CAPACITY as u64 {
-            table.register(0x1000 + n, 1, Access::ALL).expect("room");
+            table
+                .register(0x1000 + n, 1, Access::ALL, None)
+                .expect("room");
         }
         assert_eq!(
-            table.register(0x1000, 1, Access::ALL),
+            table.register(0x1000, 1, Access::ALL, None),
             Err(RegionError::TableFull)
         );
     }
@@ -369,7 +392,7 @@ mod tests {
             (std::process::id(), 7)
         );
         let key = table
-            .register(0x4000, 100, Access::REMOTE_READ)
+            .register(0x4000, 100, Access::REMOTE_READ, None)
             .expect("room");
         assert_eq!(remote.lookup(key).map(|r| r.len), Some(100));
         table.deregister(key).expect("live");

@@ -110,6 +110,11 @@ impl Mapping {
         self.ptr.as_ptr() as u64
     }
 
+    /// Bytes mapped.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
     /// The 8-byte word at `offset`, as an atomic. `None` when it is not inside the mapping
     /// or not 8-byte aligned. On a read-only mapping only `Relaxed` loads are allowed (what
     /// std documents as sound on read-only memory); callers pair them with fences.
@@ -195,6 +200,20 @@ pub(crate) fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
     // SAFETY:
     // - pidfd_open takes a pid and flags and returns a new descriptor or -1.
     let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY:
+    // - The syscall returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw as RawFd) })
+}
+
+/// A duplicate, in this process, of descriptor `fd` of the process behind `pidfd`. Needs the
+/// same permission as `process_vm_writev` (ptrace attach).
+pub(crate) fn pidfd_getfd(pidfd: BorrowedFd<'_>, fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY:
+    // - pidfd_getfd takes two descriptors and flags and returns a new descriptor or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
     if raw < 0 {
         return Err(io::Error::last_os_error());
     }
