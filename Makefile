@@ -26,8 +26,10 @@ loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p railyard-dataplane --release --lib
 
 # Criterion benches: ring vs ArrayQueue and sync_channel; slice path vs the bare ring.
+# Then soft-fabric bandwidth between two processes beside process_vm_writev and memcpy.
 bench: deps
 	$(CARGO) bench --bench ring --bench slice_path
+	$(CARGO) run --release --example soft_bandwidth
 
 lint: deps
 	$(CARGO) fmt --all -- --check
