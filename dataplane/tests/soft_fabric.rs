@@ -665,3 +665,28 @@ fn an_engine_buffer_is_registered_until_it_drops() {
     drop(buffer);
     assert_eq!(rig.post_one(into_buffer).status, WcStatus::RemAccessErr);
 }
+
+#[test]
+fn a_busy_queue_pair_does_not_starve_another() {
+    let mut rig = rig();
+    let (dialer, _responder) = loopback(&rig.device, Access::ALL);
+    let quiet = rig.fabric.adopt(None, dialer).expect("RTS");
+    let busy_list: Vec<_> = (0..256).map(|i| rig.write(i, 0, 1 << 20)).collect();
+    rig.fabric.post(rig.qp, &busy_list).expect("posted");
+    rig.fabric
+        .post(quiet, &[rig.write(9999, 0, 64)])
+        .expect("posted");
+    let mut out = Vec::new();
+    for _ in 0..2 {
+        rig.fabric.poll(&mut out, 64);
+    }
+    assert!(
+        out.iter().any(|c| c.qp == quiet),
+        "the quiet queue pair ran within two polls ({} completions of the busy one)",
+        out.len()
+    );
+    assert!(
+        out.len() < 256,
+        "a poll returns long before the busy queue drains"
+    );
+}

@@ -11,10 +11,10 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
-use super::faults::{FaultView, QpFaultState, Verdict};
+use super::faults::{FaultPlan, FaultView, QpFaultState, Verdict};
 use super::nic::{self, Execution};
 use super::qp::SoftQp;
-use super::{SoftDevice, SoftError};
+use super::{SoftConfig, SoftDevice, SoftError};
 use crate::fabric::{
     AsyncEvent, Fabric, FabricError, PostError, QpNum, QpState, WcStatus, WorkCompletion,
     WorkRequest,
@@ -45,6 +45,10 @@ pub struct SoftFabric {
     /// By number; ordered so that execution order never depends on hashing.
     qps: BTreeMap<u32, ActiveQp>,
     adopted: u32,
+    /// The queue pair number `progress` starts at next (rotates).
+    next_first: u32,
+    /// Scratch: the order of one `progress` call.
+    order: Vec<u32>,
     faults: FaultView,
     completions: VecDeque<WorkCompletion>,
     events: VecDeque<AsyncEvent>,
@@ -57,6 +61,8 @@ impl SoftFabric {
             device,
             qps: BTreeMap::new(),
             adopted: 0,
+            next_first: 0,
+            order: Vec::new(),
             faults,
             completions: VecDeque::new(),
             events: VecDeque::new(),
@@ -102,83 +108,51 @@ impl SoftFabric {
             .map(|active| active.qp.state())
     }
 
-    /// Executes queued work (at most `budget` requests per queue pair) and releases delayed
-    /// completions.
+    /// Executes queued work and releases delayed completions. Each queue pair runs at most
+    /// `budget` requests, and the call stops starting new ones after [`BYTES_PER_POLL`];
+    /// each call starts at the queue pair after the previous call's first, so a busy queue
+    /// pair cannot starve the others.
     fn progress(&mut self, budget: usize) {
         self.faults.refresh();
-        let now = Instant::now();
-        let config = self.device.config();
-        let plan = &self.faults.plan;
-        for active in self.qps.values_mut() {
-            active.release_delayed(now, &mut self.completions);
-            if active.send_queue.is_empty() {
-                continue;
-            }
-            if now >= active.next_liveness_check {
-                active.next_liveness_check = now + config.liveness_interval;
-                let exited = active.qp.peer.as_mut().is_some_and(|peer| {
-                    peer.forget_stale_mappings();
-                    peer.has_exited()
-                });
-                if exited {
-                    active.fail_head(WcStatus::RetryExcErr, now, &mut self.completions);
-                    continue;
-                }
-            }
-            for _ in 0..budget {
-                let Some(request) = active.send_queue.front().copied() else {
-                    break;
-                };
-                let verdict = *active
-                    .head_verdict
-                    .get_or_insert_with(|| active.faults.judge(plan));
-                let delay = match verdict {
-                    Verdict::Execute { delay } => delay,
-                    Verdict::Fail(status) => {
-                        active.fail_head(status, now, &mut self.completions);
-                        break;
-                    }
-                    Verdict::Fatal => {
-                        active.go_to_error(now, &mut self.completions);
-                        self.events.push_back(AsyncEvent::QpFatal {
-                            qp: active.qp.num(),
-                        });
-                        break;
-                    }
-                };
-                let Some(peer) = active.qp.peer.as_mut() else {
-                    active.fail_head(WcStatus::RetryExcErr, now, &mut self.completions);
-                    break;
-                };
-                match nic::execute(&active.qp.table, peer, &request) {
-                    Execution::Completed(WcStatus::Success) => {
-                        active.send_queue.pop_front();
-                        active.head_verdict = None;
-                        active.waiting_since = None;
-                        if request.signaled {
-                            let completion = completion(&active.qp, &request, WcStatus::Success);
-                            active.emit(completion, now + delay, &mut self.completions);
-                        }
-                    }
-                    Execution::Completed(status) => {
-                        active.fail_head(status, now, &mut self.completions);
-                        break;
-                    }
-                    Execution::ReceiverNotReady => {
-                        let since = *active.waiting_since.get_or_insert(now);
-                        if now.duration_since(since) >= config.peer_timeout
-                            || active.faults.link_killed(plan)
-                        {
-                            active.fail_head(WcStatus::RetryExcErr, now, &mut self.completions);
-                        }
-                        break;
-                    }
-                }
+        let mut round = Round {
+            now: Instant::now(),
+            config: self.device.config(),
+            plan: &self.faults.plan,
+            cq: &mut self.completions,
+            events: &mut self.events,
+            bytes_left: BYTES_PER_POLL,
+        };
+        self.order.clear();
+        self.order
+            .extend(self.qps.range(self.next_first..).map(|(num, _)| *num));
+        self.order
+            .extend(self.qps.range(..self.next_first).map(|(num, _)| *num));
+        if let Some(first) = self.order.first() {
+            self.next_first = first.wrapping_add(1);
+        }
+        for num in &self.order {
+            if let Some(active) = self.qps.get_mut(num) {
+                active.release_delayed(round.now, round.cq);
+                active.execute_queued(budget, &mut round);
             }
         }
         self.qps
             .retain(|_, active| !(active.destroyed && active.delayed.is_empty()));
     }
+}
+
+/// Bytes one `poll` moves before it returns to the poller (which then serves commands and
+/// submissions): about a millisecond of copying.
+const BYTES_PER_POLL: u64 = 16 << 20;
+
+/// What one `progress` call shares among the queue pairs it runs.
+struct Round<'a> {
+    now: Instant,
+    config: &'a SoftConfig,
+    plan: &'a FaultPlan,
+    cq: &'a mut VecDeque<WorkCompletion>,
+    events: &'a mut VecDeque<AsyncEvent>,
+    bytes_left: u64,
 }
 
 fn completion(qp: &SoftQp, request: &WorkRequest, status: WcStatus) -> WorkCompletion {
@@ -197,6 +171,72 @@ fn completion(qp: &SoftQp, request: &WorkRequest, status: WcStatus) -> WorkCompl
 }
 
 impl ActiveQp {
+    /// Runs up to `budget` queued requests in order: liveness, fault plan, then the NIC.
+    fn execute_queued(&mut self, budget: usize, round: &mut Round<'_>) {
+        if self.send_queue.is_empty() || round.bytes_left == 0 {
+            return;
+        }
+        let now = round.now;
+        if now >= self.next_liveness_check {
+            self.next_liveness_check = now + round.config.liveness_interval;
+            let exited = self.qp.peer.as_mut().is_some_and(|peer| {
+                peer.forget_stale_mappings();
+                peer.has_exited()
+            });
+            if exited {
+                return self.fail_head(WcStatus::RetryExcErr, now, round.cq);
+            }
+        }
+        for _ in 0..budget {
+            let Some(request) = self.send_queue.front().copied() else {
+                return;
+            };
+            if round.bytes_left == 0 {
+                return;
+            }
+            let faults = &mut self.faults;
+            let verdict = *self
+                .head_verdict
+                .get_or_insert_with(|| faults.judge(round.plan));
+            let delay = match verdict {
+                Verdict::Execute { delay } => delay,
+                Verdict::Fail(status) => return self.fail_head(status, now, round.cq),
+                Verdict::Fatal => {
+                    self.go_to_error(now, round.cq);
+                    round
+                        .events
+                        .push_back(AsyncEvent::QpFatal { qp: self.qp.num() });
+                    return;
+                }
+            };
+            let Some(peer) = self.qp.peer.as_mut() else {
+                return self.fail_head(WcStatus::RetryExcErr, now, round.cq);
+            };
+            match nic::execute(&self.qp.table, peer, &request) {
+                Execution::Completed(WcStatus::Success) => {
+                    round.bytes_left = round.bytes_left.saturating_sub(u64::from(request.len));
+                    self.send_queue.pop_front();
+                    self.head_verdict = None;
+                    self.waiting_since = None;
+                    if request.signaled {
+                        let done = completion(&self.qp, &request, WcStatus::Success);
+                        self.emit(done, now + delay, round.cq);
+                    }
+                }
+                Execution::Completed(status) => return self.fail_head(status, now, round.cq),
+                Execution::ReceiverNotReady => {
+                    let since = *self.waiting_since.get_or_insert(now);
+                    if now.duration_since(since) >= round.config.peer_timeout
+                        || self.faults.link_killed(round.plan)
+                    {
+                        self.fail_head(WcStatus::RetryExcErr, now, round.cq);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
     /// Queues a completion to become visible at `at`, never before an earlier one of this
     /// queue pair.
     fn emit(&mut self, completion: WorkCompletion, at: Instant, cq: &mut VecDeque<WorkCompletion>) {
