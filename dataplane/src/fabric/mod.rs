@@ -321,6 +321,25 @@ pub enum AsyncEvent {
     },
 }
 
+impl WorkCompletion {
+    /// The completion of `request` on `qp` with `status`: a successful one carries the
+    /// request's length, a failed one none.
+    pub fn of(request: &WorkRequest, qp: QpNum, status: WcStatus) -> Self {
+        Self {
+            wr_id: request.wr_id,
+            qp,
+            status,
+            opcode: request.opcode,
+            byte_len: if status == WcStatus::Success {
+                request.len
+            } else {
+                0
+            },
+            imm: None,
+        }
+    }
+}
+
 /// Why a fabric operation failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

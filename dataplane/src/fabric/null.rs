@@ -27,20 +27,12 @@ impl Fabric for NullFabric {
     }
 
     fn post(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
-        self.completions
-            .extend(
-                requests
-                    .iter()
-                    .filter(|wr| wr.signaled)
-                    .map(|wr| WorkCompletion {
-                        wr_id: wr.wr_id,
-                        qp,
-                        status: WcStatus::Success,
-                        opcode: wr.opcode,
-                        byte_len: wr.len,
-                        imm: None,
-                    }),
-            );
+        self.completions.extend(
+            requests
+                .iter()
+                .filter(|wr| wr.signaled)
+                .map(|wr| WorkCompletion::of(wr, qp, WcStatus::Success)),
+        );
         Ok(())
     }
 

@@ -54,18 +54,8 @@ impl Script {
         if status == WcStatus::Success && !request.signaled {
             return;
         }
-        self.ready.push_back(WorkCompletion {
-            wr_id: request.wr_id,
-            qp,
-            status,
-            opcode: request.opcode,
-            byte_len: if status == WcStatus::Success {
-                request.len
-            } else {
-                0
-            },
-            imm: None,
-        });
+        self.ready
+            .push_back(WorkCompletion::of(request, qp, status));
     }
 
     /// Moves `qp` to ERR and flushes its outstanding requests.

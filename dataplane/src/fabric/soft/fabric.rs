@@ -156,18 +156,7 @@ struct Round<'a> {
 }
 
 fn completion(qp: &SoftQp, request: &WorkRequest, status: WcStatus) -> WorkCompletion {
-    WorkCompletion {
-        wr_id: request.wr_id,
-        qp: qp.num(),
-        status,
-        opcode: request.opcode,
-        byte_len: if status == WcStatus::Success {
-            request.len
-        } else {
-            0
-        },
-        imm: None,
-    }
+    WorkCompletion::of(request, qp.num(), status)
 }
 
 impl ActiveQp {

@@ -219,7 +219,8 @@ impl SoftQp {
         self.state = QpState::Error;
     }
 
-    /// Any state → RESET: forgets the peer; the queue pair can be connected again.
+    /// Any state → RESET: forgets the peer; the queue pair can be connected again. Its
+    /// inbox stays (immediates that arrived before the reset are still there to read).
     pub fn reset(&mut self) {
         self.state = QpState::Reset;
         self.peer = None;
