@@ -62,11 +62,15 @@ pub enum FailReason {
     /// WR_FLUSH_ERR: flushed by a queue pair in error, past the retry budget.
     #[error("flushed by a queue pair in error (WR_FLUSH_ERR)")]
     Flushed,
+    /// The peer process restarted (a new incarnation): what was meant for the old one is
+    /// never delivered to the new one.
+    #[error("the peer restarted; the transfer was meant for its previous incarnation")]
+    PeerRestarted,
 }
 
 impl FailReason {
     /// Number of reasons (for per-reason counters).
-    pub const COUNT: usize = 15;
+    pub const COUNT: usize = 16;
 
     /// Every reason, in code order.
     pub const ALL: [Self; Self::COUNT] = [
@@ -85,6 +89,7 @@ impl FailReason {
         Self::RemoteInvalidRequest,
         Self::RetryExceeded,
         Self::Flushed,
+        Self::PeerRestarted,
     ];
 
     /// Dense index in `0..COUNT`.

@@ -28,6 +28,7 @@ mod epoch;
 pub mod fabric;
 mod poller;
 pub mod ring;
+pub mod rng;
 mod slice;
 mod submitter;
 mod sync;

@@ -127,11 +127,23 @@ pub enum Command {
         epoch: Epoch,
     },
     /// Retire the endpoint: flush its queue pair, fail its backlog and everything later sent
-    /// to it with `EndpointRetired`, and report [`Event::EndpointDrained`] once nothing of it
+    /// to it with `reason` (usually `EndpointRetired`; `PeerRestarted` when the peer came
+    /// back as a new incarnation), and report [`Event::EndpointDrained`] once nothing of it
     /// is in flight.
     RetireEndpoint {
         /// The endpoint.
         endpoint: EndpointId,
+        /// What its slices fail with.
+        reason: FailReason,
+    },
+    /// Open or close the endpoint's circuit. While it is open its backlog and every slice
+    /// sent to it fail at once with `PeerUnavailable`, so a dead peer never holds work
+    /// until deadlines.
+    SetCircuit {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// Open (fail fast) or closed (carry traffic).
+        open: bool,
     },
     /// Resolve everything (in-flight work is flushed; queued work fails with `Shutdown`) and
     /// stop the thread.
@@ -169,6 +181,14 @@ pub enum Event {
         epoch: Epoch,
         /// The fabric's reason.
         reason: String,
+    },
+    /// The first successful completion on the endpoint's queue pair at `epoch`: the peer
+    /// answers on it (what closes a half-open circuit and ends a flap window).
+    Confirmed {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// The epoch of the queue pair.
+        epoch: Epoch,
     },
     /// A retired endpoint has nothing left in flight.
     EndpointDrained {
@@ -552,6 +572,12 @@ struct Endpoint {
     link: Link,
     backlog: VecDeque<Slice>,
     in_flight: usize,
+    /// Fail everything at once with `PeerUnavailable`.
+    circuit_open: bool,
+    /// A success was reported for the current epoch ([`Event::Confirmed`]).
+    confirmed: bool,
+    /// What slices fail with once retired.
+    retired_reason: FailReason,
 }
 
 /// One posted work request's slot.
@@ -727,7 +753,12 @@ impl<F: Fabric> Poller<F> {
                 Control::Command(Command::BumpEpoch { endpoint, epoch }) => {
                     self.bump_epoch(endpoint, epoch);
                 }
-                Control::Command(Command::RetireEndpoint { endpoint }) => self.retire(endpoint),
+                Control::Command(Command::RetireEndpoint { endpoint, reason }) => {
+                    self.retire(endpoint, reason);
+                }
+                Control::Command(Command::SetCircuit { endpoint, open }) => {
+                    self.set_circuit(endpoint, open);
+                }
             }
         }
         (busy, false)
@@ -767,6 +798,9 @@ impl<F: Fabric> Poller<F> {
             link,
             backlog: VecDeque::new(),
             in_flight,
+            circuit_open: false,
+            confirmed: false,
+            retired_reason: FailReason::EndpointRetired,
         });
     }
 
@@ -786,6 +820,7 @@ impl<F: Fabric> Poller<F> {
         };
         endpoint.epoch = epoch;
         endpoint.link = link;
+        endpoint.confirmed = false;
         // The backlog goes through the epoch rule again, ahead of newer work.
         let backlog = std::mem::take(&mut endpoint.backlog);
         for slice in backlog.into_iter().rev() {
@@ -793,7 +828,7 @@ impl<F: Fabric> Poller<F> {
         }
     }
 
-    fn retire(&mut self, id: EndpointId) {
+    fn retire(&mut self, id: EndpointId, reason: FailReason) {
         let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
             return;
         };
@@ -801,13 +836,27 @@ impl<F: Fabric> Poller<F> {
             self.fabric.retire(qp);
         }
         endpoint.link = Link::Retired;
+        endpoint.retired_reason = reason;
         let backlog = std::mem::take(&mut endpoint.backlog);
         let drained = endpoint.in_flight == 0;
         for slice in backlog {
-            self.fail(slice, FailReason::EndpointRetired);
+            self.fail(slice, reason);
         }
         if drained {
             self.emit(Event::EndpointDrained { endpoint: id });
+        }
+    }
+
+    fn set_circuit(&mut self, id: EndpointId, open: bool) {
+        let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
+            return;
+        };
+        endpoint.circuit_open = open;
+        if open {
+            let backlog = std::mem::take(&mut endpoint.backlog);
+            for slice in backlog {
+                self.fail(slice, FailReason::PeerUnavailable);
+            }
         }
     }
 
@@ -848,7 +897,11 @@ impl<F: Fabric> Poller<F> {
             return self.fail(slice, FailReason::UnknownEndpoint);
         };
         let qp = match endpoint.link {
-            Link::Retired => return self.fail(slice, FailReason::EndpointRetired),
+            Link::Retired => {
+                let reason = endpoint.retired_reason;
+                return self.fail(slice, reason);
+            }
+            _ if endpoint.circuit_open => return self.fail(slice, FailReason::PeerUnavailable),
             Link::Up(_) if slice.epoch.is_newer_than(endpoint.epoch) => None,
             Link::Up(qp) => Some(qp),
             Link::Down => None,
@@ -980,6 +1033,9 @@ impl<F: Fabric> Poller<F> {
             // to ERR on its own; `queue_pair_failed` ignores replaced queue pairs.
             self.queue_pair_failed(id, completion.qp, status);
         }
+        if status == WcStatus::Success {
+            self.confirm(id, completion.qp);
+        }
         // `None`: already resolved when its deadline passed.
         let Some(mut slice) = slice else { return };
         let Some(reason) = FailReason::from_status(status) else {
@@ -989,8 +1045,14 @@ impl<F: Fabric> Poller<F> {
         if self.stopping {
             return self.fail(slice, FailReason::Shutdown);
         }
-        if self.endpoint(id).is_none_or(|e| e.link == Link::Retired) {
-            return self.fail(slice, FailReason::EndpointRetired);
+        match self.endpoint(id) {
+            None => return self.fail(slice, FailReason::EndpointRetired),
+            Some(e) if e.link == Link::Retired => {
+                let reason = e.retired_reason;
+                return self.fail(slice, reason);
+            }
+            Some(e) if e.circuit_open => return self.fail(slice, FailReason::PeerUnavailable),
+            Some(_) => {}
         }
         let retry = if status.is_work_request_error() {
             let first = slice.flags & FLAG_WR_ERROR_SEEN == 0;
@@ -1007,6 +1069,22 @@ impl<F: Fabric> Poller<F> {
         } else {
             self.fail(slice, reason);
         }
+    }
+
+    /// Reports the first success on endpoint `id`'s current queue pair.
+    fn confirm(&mut self, id: EndpointId, qp: QpNum) {
+        let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
+            return;
+        };
+        if endpoint.confirmed || endpoint.link != Link::Up(qp) {
+            return;
+        }
+        endpoint.confirmed = true;
+        let epoch = endpoint.epoch;
+        self.emit(Event::Confirmed {
+            endpoint: id,
+            epoch,
+        });
     }
 
     /// An error completion moved `qp` to ERR: flush it and mark the endpoint down.

@@ -35,7 +35,10 @@ fn retiring_an_endpoint_drains_it_and_resolves_every_slice_once() {
     let batch = submitter.submit(32, &specs, deadline()).unwrap();
     eventually("32 posts", || script.outstanding() == 32);
     poller
-        .send(Command::RetireEndpoint { endpoint: ENDPOINT })
+        .send(Command::RetireEndpoint {
+            endpoint: ENDPOINT,
+            reason: FailReason::EndpointRetired,
+        })
         .unwrap();
     finish(&batch);
     all_failed(&batch, FailReason::EndpointRetired);
@@ -266,4 +269,85 @@ fn a_batch_spread_over_two_rails_resolves_each_request_once() {
             .iter()
             .all(|p| p.request.rkey == rkey_for(p.qp_epoch))
     );
+}
+
+#[test]
+fn an_open_circuit_fails_the_backlog_and_new_slices_with_peer_unavailable() {
+    let (fabric, script) = ScriptedFabric::new();
+    let poller = poller_with_endpoint(fabric, FailStale);
+    let mut events = poller.take_events().unwrap();
+    let mut submitter = Submitter::new(&[&poller], 64).unwrap();
+    // The queue pair fails; nobody reconnects, so later slices wait in the backlog.
+    script.fail_nth(0, WcStatus::RetryExcErr);
+    let failing = submitter
+        .submit(1, &[write(0, Epoch::FIRST)], deadline())
+        .unwrap();
+    eventually("the queue pair failed", || {
+        matches!(events.pop(), Some(Event::QpFailed { .. }))
+    });
+    let waiting = submitter
+        .submit(
+            4,
+            &(0..4).map(|r| write(r, Epoch::FIRST)).collect::<Vec<_>>(),
+            deadline(),
+        )
+        .unwrap();
+    poller
+        .send(Command::SetCircuit {
+            endpoint: ENDPOINT,
+            open: true,
+        })
+        .unwrap();
+    finish(&waiting);
+    all_failed(&waiting, FailReason::PeerUnavailable);
+    finish(&failing);
+    let fast = submitter
+        .submit(1, &[write(0, Epoch::FIRST)], deadline())
+        .unwrap();
+    finish(&fast);
+    all_failed(&fast, FailReason::PeerUnavailable);
+
+    // Closed again and reconnected, traffic flows and the new queue pair is confirmed.
+    poller
+        .send(Command::SetCircuit {
+            endpoint: ENDPOINT,
+            open: false,
+        })
+        .unwrap();
+    poller
+        .send(Command::BumpEpoch {
+            endpoint: ENDPOINT,
+            epoch: Epoch::FIRST.next(),
+        })
+        .unwrap();
+    let flowing = submitter
+        .submit(1, &[write(0, Epoch::FIRST.next())], deadline())
+        .unwrap();
+    finish(&flowing);
+    assert_eq!(flowing.outcome(0), Some(RequestOutcome::Done));
+    eventually("confirmation of the new queue pair", || {
+        events.pop()
+            == Some(Event::Confirmed {
+                endpoint: ENDPOINT,
+                epoch: Epoch::FIRST.next(),
+            })
+    });
+}
+
+#[test]
+fn a_retired_endpoint_fails_with_the_reason_it_was_retired_for() {
+    let (fabric, _script) = ScriptedFabric::new();
+    let poller = poller_with_endpoint(fabric, FailStale);
+    let mut submitter = Submitter::new(&[&poller], 64).unwrap();
+    poller
+        .send(Command::RetireEndpoint {
+            endpoint: ENDPOINT,
+            reason: FailReason::PeerRestarted,
+        })
+        .unwrap();
+    let after = submitter
+        .submit(1, &[write(0, Epoch::FIRST)], deadline())
+        .unwrap();
+    finish(&after);
+    all_failed(&after, FailReason::PeerRestarted);
 }

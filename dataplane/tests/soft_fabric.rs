@@ -610,8 +610,10 @@ fn a_poller_on_the_soft_fabric_reports_a_fatal_queue_pair_and_retries_at_the_nex
     let end = Instant::now() + BOUND;
     let fatal = loop {
         assert!(Instant::now() < end, "no QpFatal event");
-        if let Some(event) = events.pop() {
-            break event;
+        match events.pop() {
+            Some(Event::Confirmed { .. }) => continue,
+            Some(event) => break event,
+            None => {}
         }
         std::thread::sleep(Duration::from_millis(1));
     };

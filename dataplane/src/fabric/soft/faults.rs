@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use crate::EndpointId;
 use crate::fabric::WcStatus;
+use crate::rng::SplitMix64;
 
 /// Which queue pairs a fault applies to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,29 +167,6 @@ impl FaultHandle {
     }
 }
 
-/// SplitMix64: a small, good, seedable generator.
-#[derive(Clone, Debug)]
-pub(crate) struct Rng(u64);
-
-impl Rng {
-    pub(crate) fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..bound` (`bound` > 0), by multiply-shift.
-    fn below(&mut self, bound: u64) -> u64 {
-        ((u128::from(self.next_u64()) * u128::from(bound)) >> 64) as u64
-    }
-}
-
 /// What the plan says about one work request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Verdict {
@@ -209,7 +187,7 @@ pub(crate) struct QpFaultState {
     ordinal: u32,
     endpoint: Option<EndpointId>,
     executed: u64,
-    rng: Rng,
+    rng: SplitMix64,
 }
 
 impl QpFaultState {
@@ -218,7 +196,7 @@ impl QpFaultState {
             ordinal,
             endpoint,
             executed: 0,
-            rng: Rng::new(seed ^ u64::from(ordinal).wrapping_mul(0xA24B_AED4_963E_E407)),
+            rng: SplitMix64::new(seed ^ u64::from(ordinal).wrapping_mul(0xA24B_AED4_963E_E407)),
         }
     }
 
