@@ -692,3 +692,61 @@ fn a_busy_queue_pair_does_not_starve_another() {
         "a poll returns long before the busy queue drains"
     );
 }
+
+#[test]
+fn queue_pairs_connect_from_info_and_attachment_alone() {
+    use railyard_dataplane::fabric::soft::SoftAttachment;
+    let (a, b) = (device("a"), device("b"));
+    let source = register(&a, 4096, 0x11, Access::LOCAL_WRITE);
+    let target = register(&b, 4096, 0, Access::REMOTE_WRITE);
+    let (mut qp_a, mut qp_b) = (
+        a.create_qp(Access::NONE).expect("qp"),
+        b.create_qp(Access::REMOTE_WRITE).expect("qp"),
+    );
+    qp_a.modify_to_init().expect("init");
+    qp_b.modify_to_init().expect("init");
+    // As if they crossed a TCP handshake: plain bytes.
+    let wire_a = (qp_a.info().encode(), qp_a.attachment().encode());
+    let wire_b = (qp_b.info().encode(), qp_b.attachment().encode());
+    let decode = |(info, attachment): &([u8; 32], [u8; 36])| {
+        let mut info = railyard_dataplane::fabric::QpInfo::decode(info).expect("valid");
+        info.path_mtu = 1024;
+        (info, SoftAttachment::decode(attachment).expect("valid"))
+    };
+    let (info_b, attachment_b) = decode(&wire_b);
+    qp_a.connect(&info_b, &attachment_b).expect("connects");
+    let (info_a, attachment_a) = decode(&wire_a);
+    qp_b.connect(&info_a, &attachment_a).expect("connects");
+    assert_eq!(qp_a.state(), QpState::ReadyToSend);
+    assert_eq!(
+        qp_a.peer_info().map(|i| i.path_mtu),
+        Some(1024),
+        "the smaller MTU"
+    );
+
+    let mut fabric = a.fabric();
+    let qp = fabric.adopt(None, qp_a).expect("RTS");
+    let write = request(
+        1,
+        Opcode::Write,
+        source.region.addr,
+        source.region.lkey,
+        target.region.addr,
+        target.region.rkey,
+        4096,
+    );
+    fabric.post(qp, &[write]).expect("posted");
+    assert_eq!(drain(&mut fabric, 1)[0].status, WcStatus::Success);
+    assert!(target.bytes.iter().all(|&b| b == 0x11));
+
+    // An attachment naming another device's incarnation is refused.
+    let mut qp_c = a.create_qp(Access::ALL).expect("qp");
+    qp_c.modify_to_init().expect("init");
+    let wrong = SoftAttachment {
+        incarnation: attachment_b.incarnation ^ 1,
+        ..attachment_b
+    };
+    let refused = qp_c.connect(&info_b, &wrong).unwrap_err();
+    assert!(refused.to_string().contains("does not belong"), "{refused}");
+    assert!(SoftAttachment::decode(&[0; 5]).is_err());
+}

@@ -15,16 +15,13 @@
 //! access bits, [`QpInfo`] (32 bytes), incarnation, probe address, pid, then for REJECT a
 //! reason of up to 184 bytes of UTF-8 at byte 72.
 
-use std::collections::HashMap;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
-use super::inbox::InboxWriter;
-use super::qp::{Peer, SoftQp};
-use super::regions::{PROBE_WORD, RemoteTable};
-use super::sys::{self, Direction};
+use super::qp::{Peer, PeerFacts, SoftQp};
+use super::sys;
 use super::{SoftDevice, SoftError};
 use crate::fabric::{Access, QpInfo};
 
@@ -250,59 +247,22 @@ fn attach(
             fds.len()
         ))
     })?;
-    let table = RemoteTable::map(table_fd).map_err(|e| failed(e.to_string()))?;
-    if table.owner_pid != frame.pid || table.incarnation != frame.incarnation {
-        return Err(failed(
-            "the region table does not belong to the peer that sent it".into(),
-        ));
-    }
-    let inbox = InboxWriter::map(inbox_fd).map_err(|e| failed(e.to_string()))?;
-    let same_process = frame.pid == device.pid();
-    let pidfd = if same_process {
-        None
-    } else {
-        probe(frame.pid, frame.probe_addr)?;
-        Some(
-            sys::pidfd_open(frame.pid as libc::pid_t).map_err(|source| SoftError::Io {
-                what: "open a pidfd for the peer",
-                source,
-            })?,
-        )
-    };
-    Ok(Peer {
-        info: frame.info,
-        access: frame.access,
-        pid: frame.pid,
-        same_process,
-        pidfd,
-        table,
-        inbox,
-        mapped: HashMap::new(),
-    })
-}
-
-/// Reads the peer's table magic at `addr` in its memory: proves we may access that process
-/// and that it is the one whose table we mapped.
-fn probe(pid: u32, addr: u64) -> Result<(), SoftError> {
-    let mut word = [0u8; 8];
-    sys::process_vm(
-        Direction::Read,
-        pid as libc::pid_t,
-        word.as_mut_ptr() as u64,
-        addr,
-        word.len(),
+    Peer::attach(
+        &PeerFacts {
+            info: frame.info,
+            access: frame.access,
+            pid: frame.pid,
+            incarnation: frame.incarnation,
+            probe_addr: frame.probe_addr,
+        },
+        table_fd,
+        inbox_fd,
+        device.pid(),
     )
-    .map_err(|source| SoftError::ProbeRefused { pid, source })?;
-    if u64::from_le_bytes(word) != PROBE_WORD {
-        return Err(SoftError::ProbeRefused {
-            pid,
-            source: io::Error::new(
-                io::ErrorKind::InvalidData,
-                "the probe address does not hold the peer's region table",
-            ),
-        });
-    }
-    Ok(())
+    .map_err(|error| match error {
+        SoftError::Handshake { reason, .. } => failed(reason),
+        other => other,
+    })
 }
 
 /// Connects a new queue pair (through which the peer may do `access`) to the listener at

@@ -51,7 +51,7 @@ pub use buffer::SoftBuffer;
 pub use fabric::SoftFabric;
 pub use faults::{Fault, FaultHandle, FaultPlan, QpMatch};
 pub use inbox::{INBOX_CAPACITY, InboxError, RecvCompletion, RecvQueue};
-pub use qp::SoftQp;
+pub use qp::{SoftAttachment, SoftQp};
 pub use regions::{CAPACITY as REGION_CAPACITY, RegionError, RemoteTableError};
 
 use crate::fabric::{Access, MemoryRegion, QpInfo, QpNum, QpState};

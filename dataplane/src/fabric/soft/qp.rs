@@ -3,9 +3,10 @@
 //!
 //! A [`SoftQp`] is created in RESET by [`SoftDevice::create_qp`](super::SoftDevice::create_qp)
 //! and walks RESET → INIT → RTR → RTS; any state may go to ERR. RTR needs the peer's side of
-//! the connection ([`Peer`]), which only the handshake ([`super::handshake`]) can build,
-//! because it comes with the peer's shared memory. An RTS queue pair is handed to a
-//! [`SoftFabric`](super::SoftFabric), which executes its work requests.
+//! the connection ([`Peer`]): its shared memory, which arrives either as descriptors over
+//! the Unix-socket handshake ([`super::handshake`]) or as descriptor numbers in a
+//! [`SoftAttachment`] carried over any channel ([`SoftQp::connect`]). An RTS queue pair is
+//! handed to a [`SoftFabric`](super::SoftFabric), which executes its work requests.
 //!
 //! The soft fabric's equivalents of verbs' addressing: LID 0; GID = the device's
 //! incarnation (8 bytes) then the process id (4 bytes); a random first PSN; path MTU 4096.
@@ -16,8 +17,8 @@ use std::sync::Arc;
 
 use super::SoftError;
 use super::inbox::{InboxWriter, RecvQueue};
-use super::regions::{RegionTable, Registration, RemoteTable};
-use super::sys::{self, Mapping};
+use super::regions::{PROBE_WORD, RegionTable, Registration, RemoteTable};
+use super::sys::{self, Direction, Mapping};
 use crate::fabric::{Access, QpInfo, QpNum, QpState};
 
 /// The soft fabric's path MTU. Nothing is packetised, so it only travels in [`QpInfo`].
@@ -53,7 +54,60 @@ pub(crate) struct Peer {
     pub(crate) mapped: HashMap<u32, Option<Mapping>>,
 }
 
+/// What the peer says about itself at handshake, however it travelled.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PeerFacts {
+    pub(crate) info: QpInfo,
+    pub(crate) access: Access,
+    pub(crate) pid: u32,
+    pub(crate) incarnation: u64,
+    pub(crate) probe_addr: u64,
+}
+
 impl Peer {
+    /// Maps the peer's table and inbox from its descriptors, checks they are the peer's
+    /// (owner pid and incarnation in the table header), and proves we can reach its memory.
+    pub(crate) fn attach(
+        facts: &PeerFacts,
+        table_fd: OwnedFd,
+        inbox_fd: OwnedFd,
+        own_pid: u32,
+    ) -> Result<Self, SoftError> {
+        let failed = |reason: String| SoftError::Handshake {
+            peer: format!("pid {}", facts.pid),
+            reason,
+        };
+        let table = RemoteTable::map(table_fd).map_err(|e| failed(e.to_string()))?;
+        if table.owner_pid != facts.pid || table.incarnation != facts.incarnation {
+            return Err(failed(
+                "the region table does not belong to the peer that named it".into(),
+            ));
+        }
+        let inbox = InboxWriter::map(inbox_fd).map_err(|e| failed(e.to_string()))?;
+        let same_process = facts.pid == own_pid;
+        let pidfd = if same_process {
+            None
+        } else {
+            probe(facts.pid, facts.probe_addr)?;
+            Some(
+                sys::pidfd_open(facts.pid as libc::pid_t).map_err(|source| SoftError::Io {
+                    what: "open a pidfd for the peer",
+                    source,
+                })?,
+            )
+        };
+        Ok(Self {
+            info: facts.info,
+            access: facts.access,
+            pid: facts.pid,
+            same_process,
+            pidfd,
+            table,
+            inbox,
+            mapped: HashMap::new(),
+        })
+    }
+
     /// Whether the peer process is known to have exited.
     pub(crate) fn has_exited(&self) -> bool {
         self.pidfd
@@ -91,6 +145,101 @@ impl Peer {
     pub(crate) fn forget_stale_mappings(&mut self) {
         let table = &self.table;
         self.mapped.retain(|rkey, _| table.lookup(*rkey).is_some());
+    }
+}
+
+/// Reads the peer's table magic at `addr` in its memory: proves we may access that process
+/// and that it is the one whose table we mapped.
+fn probe(pid: u32, addr: u64) -> Result<(), SoftError> {
+    let mut word = [0u8; 8];
+    sys::process_vm(
+        Direction::Read,
+        pid as libc::pid_t,
+        word.as_mut_ptr() as u64,
+        addr,
+        word.len(),
+    )
+    .map_err(|source| SoftError::ProbeRefused { pid, source })?;
+    if u64::from_le_bytes(word) != PROBE_WORD {
+        return Err(SoftError::ProbeRefused {
+            pid,
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the probe address does not hold the peer's region table",
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// What a soft queue pair tells its peer besides [`QpInfo`] so that the pair can connect
+/// over any channel (the control plane's TCP handshake carries it as opaque bytes): its
+/// process, its device's incarnation, and the descriptor numbers — in its own process — of
+/// its region table and inbox, which the peer fetches with `pidfd_getfd` (the permission
+/// `process_vm_writev` needs anyway).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SoftAttachment {
+    /// The process.
+    pub pid: u32,
+    /// The device's incarnation (also in the region table's header).
+    pub incarnation: u64,
+    /// Descriptor number of the region table.
+    pub table_fd: i32,
+    /// Descriptor number of the queue pair's inbox.
+    pub inbox_fd: i32,
+    /// What the queue pair lets the peer do.
+    pub access: Access,
+    /// Address of the region table's magic, for the access probe.
+    pub probe_addr: u64,
+}
+
+impl SoftAttachment {
+    /// Bytes of [`Self::encode`].
+    pub const WIRE_LEN: usize = 36;
+
+    /// Little-endian wire form.
+    pub fn encode(&self) -> [u8; Self::WIRE_LEN] {
+        let mut out = [0u8; Self::WIRE_LEN];
+        out[0..4].copy_from_slice(&self.pid.to_le_bytes());
+        out[4..12].copy_from_slice(&self.incarnation.to_le_bytes());
+        out[12..16].copy_from_slice(&self.table_fd.to_le_bytes());
+        out[16..20].copy_from_slice(&self.inbox_fd.to_le_bytes());
+        out[20..24].copy_from_slice(&self.access.bits().to_le_bytes());
+        out[24..32].copy_from_slice(&self.probe_addr.to_le_bytes());
+        out
+    }
+
+    /// Reads the wire form.
+    ///
+    /// # Errors
+    /// A message naming what is wrong.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        if bytes.len() != Self::WIRE_LEN {
+            return Err(format!(
+                "a soft-fabric attachment is {} bytes, got {}",
+                Self::WIRE_LEN,
+                bytes.len()
+            ));
+        }
+        let word4 = |at: usize| [bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]];
+        let mut word8 = [0u8; 8];
+        word8.copy_from_slice(&bytes[4..12]);
+        let incarnation = u64::from_le_bytes(word8);
+        word8.copy_from_slice(&bytes[24..32]);
+        let attachment = Self {
+            pid: u32::from_le_bytes(word4(0)),
+            incarnation,
+            table_fd: i32::from_le_bytes(word4(12)),
+            inbox_fd: i32::from_le_bytes(word4(16)),
+            access: Access::from_bits_truncate(u32::from_le_bytes(word4(20))),
+            probe_addr: u64::from_le_bytes(word8),
+        };
+        if attachment.pid == 0 || attachment.table_fd < 0 || attachment.inbox_fd < 0 {
+            return Err(
+                "a soft-fabric attachment names no process or a negative descriptor".into(),
+            );
+        }
+        Ok(attachment)
     }
 }
 
@@ -204,6 +353,61 @@ impl SoftQp {
         self.transition(&[QpState::Init], QpState::ReadyToReceive)?;
         self.peer = Some(peer);
         Ok(())
+    }
+
+    /// What the peer needs besides [`Self::info`] to connect to this queue pair.
+    pub fn attachment(&self) -> SoftAttachment {
+        use std::os::fd::AsRawFd;
+        SoftAttachment {
+            pid: self.table.owner_pid,
+            incarnation: self.table.incarnation,
+            table_fd: self.table.fd().as_raw_fd(),
+            inbox_fd: self.inbox_fd.as_raw_fd(),
+            access: self.access,
+            probe_addr: self.table.probe_addr(),
+        }
+    }
+
+    /// INIT → RTR → RTS with the peer's `remote` info and `attachment`, fetching its shared
+    /// memory by descriptor number (`pidfd_getfd`). The path MTU is the smaller of the two
+    /// sides'.
+    ///
+    /// # Errors
+    /// [`SoftError::InvalidTransition`] unless in INIT; [`SoftError::Handshake`] when the
+    /// descriptors are not the peer's table and inbox; [`SoftError::ProbeRefused`] or
+    /// [`SoftError::Io`] when the peer process cannot be reached.
+    pub fn connect(
+        &mut self,
+        remote: &QpInfo,
+        attachment: &SoftAttachment,
+    ) -> Result<(), SoftError> {
+        if self.state != QpState::Init {
+            return Err(SoftError::InvalidTransition {
+                qp: self.num,
+                from: self.state,
+                to: QpState::ReadyToReceive,
+            });
+        }
+        let io = |what| move |source| SoftError::Io { what, source };
+        let pidfd = sys::pidfd_open(attachment.pid as libc::pid_t)
+            .map_err(io("open a pidfd for the peer"))?;
+        let table_fd = sys::pidfd_getfd(pidfd.as_fd(), attachment.table_fd)
+            .map_err(io("fetch the peer's region table"))?;
+        let inbox_fd = sys::pidfd_getfd(pidfd.as_fd(), attachment.inbox_fd)
+            .map_err(io("fetch the peer's inbox"))?;
+        let facts = PeerFacts {
+            info: QpInfo {
+                path_mtu: remote.path_mtu.min(self.info.path_mtu),
+                ..*remote
+            },
+            access: attachment.access,
+            pid: attachment.pid,
+            incarnation: attachment.incarnation,
+            probe_addr: attachment.probe_addr,
+        };
+        let peer = Peer::attach(&facts, table_fd, inbox_fd, self.table.owner_pid)?;
+        self.modify_to_rtr(peer)?;
+        self.modify_to_rts()
     }
 
     /// RTR → RTS.

@@ -145,6 +145,10 @@ pub(crate) struct RegionTable {
     fd: OwnedFd,
     map: Mapping,
     slots: Mutex<Slots>,
+    /// The owner process, as written in the header.
+    pub(crate) owner_pid: u32,
+    /// The owning device's incarnation, as written in the header.
+    pub(crate) incarnation: u64,
 }
 
 impl RegionTable {
@@ -163,6 +167,8 @@ impl RegionTable {
         Ok(Self {
             fd,
             map,
+            owner_pid,
+            incarnation,
             slots: Mutex::new(Slots {
                 free: (0..CAPACITY as u16).rev().collect(),
                 generations: vec![0; CAPACITY],
