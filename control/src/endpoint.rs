@@ -1,0 +1,641 @@
+//! The endpoint lifecycle: a pure state machine per endpoint (local rail → one rail of one
+//! peer incarnation).
+//!
+//! Inputs are [`Input`]s and timeouts, each with `now`; outputs are [`Output`] commands for
+//! the caller to carry out (create and hand over queue pairs, retire, open or close the
+//! circuit) and the next timeout ([`Endpoint::next_timeout`]). Nothing here reads a clock,
+//! opens a socket or draws ambient randomness: the jitter generator is seeded by the caller.
+//! So a test replays a reconnect storm with virtual time in microseconds, and the same seed
+//! gives the same decisions.
+//!
+//! ```text
+//!  Idle ──wanted──▶ Connecting(e) ──done──▶ Ready(e) ──work-request error──▶ Connecting(e+1)
+//!                     │    ▲                  │                                  (at once,
+//!              failed/│    │timer             │transport error                   no flap)
+//!              timeout▼    │                  ▼
+//!                    Backoff ◀────────── (flap? count it; 3 in 30 s ──▶ CircuitOpen)
+//!                                                          CircuitOpen ──cooldown──▶ Connecting
+//!                                                          (on probation: the first
+//!                                                          success closes it for good)
+//! ```
+//!
+//! Who is charged: a work-request error (LOC_LEN, LOC_PROT, REM_ACCESS, REM_INV_REQ) is the
+//! slice's fault — the queue pair is replaced at once, no flap is counted, and the descriptor
+//! is refreshed so the slice can be re-prepared once. A transport error (RETRY_EXC, a flush
+//! on a live queue pair, QP fatal) or a failed handshake is the peer's: it backs off with
+//! full jitter, and counts as a flap when the queue pair had been ready for less than
+//! [`Policy::flap_after_ready`] (a failed handshake always does). Enough flaps open the
+//! circuit: the poller fails the endpoint's slices with `PeerUnavailable` until a cooldown
+//! (doubling each time) has passed and a new queue pair has carried a successful completion.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::time::Instant;
+
+use railyard_dataplane::fabric::WcStatus;
+use railyard_dataplane::rng::SplitMix64;
+use railyard_dataplane::{Epoch, FailReason};
+
+use crate::policy::Policy;
+
+/// A process's random identity, chosen at start: a restarted process is a new incarnation,
+/// even on the same host and port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Incarnation(pub u64);
+
+impl fmt::Display for Incarnation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// What identifies an endpoint: never a host or port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointKey {
+    /// The peer process.
+    pub peer: Incarnation,
+    /// Our rail.
+    pub local_rail: u16,
+    /// The peer's rail.
+    pub remote_rail: u16,
+}
+
+impl fmt::Display for EndpointKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rail {} → {}/rail {}",
+            self.local_rail, self.peer, self.remote_rail
+        )
+    }
+}
+
+/// What happened, as the endpoint learns it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// The application wants traffic to flow to this endpoint.
+    ConnectWanted,
+    /// The handshake for `epoch` finished: a connected queue pair is ready to hand over.
+    HandshakeDone {
+        /// Its epoch.
+        epoch: Epoch,
+    },
+    /// The handshake for `epoch` failed (dial refused, timeout, rejection), or the poller
+    /// could not adopt its queue pair.
+    HandshakeFailed {
+        /// Its epoch.
+        epoch: Epoch,
+    },
+    /// The queue pair of `epoch` failed with an error completion.
+    QpError {
+        /// Its epoch.
+        epoch: Epoch,
+        /// The status.
+        status: WcStatus,
+    },
+    /// The queue pair of `epoch` raised QP_FATAL.
+    QpFatal {
+        /// Its epoch.
+        epoch: Epoch,
+    },
+    /// The first successful completion on the queue pair of `epoch`.
+    Confirmed {
+        /// Its epoch.
+        epoch: Epoch,
+    },
+    /// The peer came back as a new incarnation: this endpoint is for the old one.
+    PeerRestarted,
+    /// The application no longer wants the endpoint.
+    Retire,
+}
+
+/// What the caller must do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// Dial the peer if no connection is open, create a queue pair and run the ConnectQp
+    /// handshake for `epoch`; answer with [`Input::HandshakeDone`] or
+    /// [`Input::HandshakeFailed`].
+    CreateQp {
+        /// The epoch the new queue pair gets.
+        epoch: Epoch,
+    },
+    /// Hand the connected queue pair of `epoch` to the poller (AddEndpoint / BumpEpoch).
+    ConnectQp {
+        /// Its epoch.
+        epoch: Epoch,
+    },
+    /// Fetch the peer's descriptor again before slices are re-prepared: a work request
+    /// named keys or ranges the peer refused.
+    RefreshDescriptor,
+    /// Retire the endpoint in the poller; its slices fail with `reason`.
+    RetireEndpoint {
+        /// What its slices fail with.
+        reason: FailReason,
+    },
+    /// Open the circuit: the poller fails the backlog and new slices with `PeerUnavailable`.
+    OpenCircuit,
+    /// Close the circuit: slices flow again.
+    CloseCircuit,
+}
+
+/// Where an endpoint stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Nothing wanted yet.
+    Idle,
+    /// A handshake is running for an epoch.
+    Connecting,
+    /// A queue pair carries traffic.
+    Ready,
+    /// Waiting before reconnecting.
+    Backoff,
+    /// Failing fast until the cooldown ends.
+    CircuitOpen,
+    /// Gone for good.
+    Retired,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Idle,
+    Connecting { epoch: Epoch, deadline: Instant },
+    Ready { epoch: Epoch, since: Instant },
+    Backoff { until: Instant },
+    CircuitOpen { until: Instant },
+    Retired,
+}
+
+/// What an endpoint has done, for reports and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EndpointStats {
+    /// Queue pairs created after the first.
+    pub reconnects: u64,
+    /// Of those, made at once for a work-request error (no backoff, no flap).
+    pub work_request_reconnects: u64,
+    /// Transport failures that counted as flaps.
+    pub flaps: u64,
+    /// Times the circuit opened.
+    pub circuit_openings: u64,
+    /// Inputs about an epoch that is not the current one (ignored).
+    pub stale_inputs: u64,
+}
+
+/// One endpoint's lifecycle. See the module docs.
+#[derive(Debug)]
+pub struct Endpoint {
+    key: EndpointKey,
+    policy: Policy,
+    rng: SplitMix64,
+    state: State,
+    /// The epoch of the newest queue pair asked for.
+    epoch: Option<Epoch>,
+    /// Consecutive reconnects without a confirmed queue pair (the backoff exponent).
+    attempt: u32,
+    /// Flap times inside the window.
+    flaps: VecDeque<Instant>,
+    /// Circuit openings since it last closed for good (the cooldown exponent).
+    openings: u32,
+    /// The circuit was open and a trial queue pair is in use: its first success closes the
+    /// circuit for good, its failure reopens it.
+    probation: bool,
+    outputs: VecDeque<Output>,
+    stats: EndpointStats,
+}
+
+impl Endpoint {
+    /// A new, idle endpoint; `rng` seeds its reconnect jitter.
+    pub fn new(key: EndpointKey, policy: Policy, rng: SplitMix64) -> Self {
+        Self {
+            key,
+            policy,
+            rng,
+            state: State::Idle,
+            epoch: None,
+            attempt: 0,
+            flaps: VecDeque::new(),
+            openings: 0,
+            probation: false,
+            outputs: VecDeque::new(),
+            stats: EndpointStats::default(),
+        }
+    }
+
+    /// Its key.
+    pub fn key(&self) -> EndpointKey {
+        self.key
+    }
+
+    /// Where it stands.
+    pub fn phase(&self) -> Phase {
+        match self.state {
+            State::Idle => Phase::Idle,
+            State::Connecting { .. } => Phase::Connecting,
+            State::Ready { .. } => Phase::Ready,
+            State::Backoff { .. } => Phase::Backoff,
+            State::CircuitOpen { .. } => Phase::CircuitOpen,
+            State::Retired => Phase::Retired,
+        }
+    }
+
+    /// The epoch of the newest queue pair asked for.
+    pub fn epoch(&self) -> Option<Epoch> {
+        self.epoch
+    }
+
+    /// What it has done.
+    pub fn stats(&self) -> EndpointStats {
+        self.stats
+    }
+
+    /// The next command to carry out, oldest first.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.outputs.pop_front()
+    }
+
+    /// When [`Self::handle_timeout`] must be called next, if at all.
+    pub fn next_timeout(&self) -> Option<Instant> {
+        match self.state {
+            State::Connecting { deadline, .. } => Some(deadline),
+            State::Backoff { until } | State::CircuitOpen { until } => Some(until),
+            State::Idle | State::Ready { .. } | State::Retired => None,
+        }
+    }
+
+    /// Acts on a timeout that is due at `now` (earlier calls change nothing).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.state {
+            State::Connecting { deadline, .. } if now >= deadline => {
+                self.transport_failure(now, true);
+            }
+            State::Backoff { until } if now >= until => self.create_qp(now),
+            State::CircuitOpen { until } if now >= until => {
+                self.probation = true;
+                self.create_qp(now);
+            }
+            _ => {}
+        }
+    }
+
+    /// Acts on `input` at `now`.
+    pub fn handle(&mut self, input: Input, now: Instant) {
+        if self.state == State::Retired {
+            return;
+        }
+        match input {
+            Input::ConnectWanted => {
+                if self.state == State::Idle {
+                    self.create_qp(now);
+                }
+            }
+            Input::HandshakeDone { epoch } => match self.state {
+                State::Connecting { epoch: current, .. } if current == epoch => {
+                    self.state = State::Ready { epoch, since: now };
+                    self.outputs.push_back(Output::ConnectQp { epoch });
+                    if self.probation {
+                        // Half-open: let traffic try the new queue pair.
+                        self.outputs.push_back(Output::CloseCircuit);
+                    }
+                }
+                _ => self.stats.stale_inputs += 1,
+            },
+            Input::HandshakeFailed { epoch } => match self.state {
+                State::Connecting { epoch: current, .. } if current == epoch => {
+                    self.transport_failure(now, true);
+                }
+                // The poller could not adopt a queue pair it was handed.
+                State::Ready { epoch: current, .. } if current == epoch => {
+                    self.transport_failure(now, true);
+                }
+                _ => self.stats.stale_inputs += 1,
+            },
+            Input::QpError { epoch, status } => match self.state {
+                State::Ready { epoch: current, since } if current == epoch => {
+                    if status.is_work_request_error() {
+                        self.stats.work_request_reconnects += 1;
+                        self.outputs.push_back(Output::RefreshDescriptor);
+                        self.create_qp(now);
+                    } else {
+                        let flap = now.duration_since(since) < self.policy.flap_after_ready;
+                        self.transport_failure(now, flap);
+                    }
+                }
+                _ => self.stats.stale_inputs += 1,
+            },
+            Input::QpFatal { epoch } => match self.state {
+                State::Ready { epoch: current, since } if current == epoch => {
+                    let flap = now.duration_since(since) < self.policy.flap_after_ready;
+                    self.transport_failure(now, flap);
+                }
+                _ => self.stats.stale_inputs += 1,
+            },
+            Input::Confirmed { epoch } => match self.state {
+                State::Ready { epoch: current, .. } if current == epoch => {
+                    self.attempt = 0;
+                    if self.probation {
+                        self.probation = false;
+                        self.openings = 0;
+                    }
+                }
+                _ => self.stats.stale_inputs += 1,
+            },
+            Input::PeerRestarted => self.retire(FailReason::PeerRestarted),
+            Input::Retire => self.retire(FailReason::EndpointRetired),
+        }
+    }
+
+    fn retire(&mut self, reason: FailReason) {
+        self.state = State::Retired;
+        self.outputs.push_back(Output::RetireEndpoint { reason });
+    }
+
+    /// Asks for a queue pair at the next epoch.
+    fn create_qp(&mut self, now: Instant) {
+        let epoch = self.epoch.map_or(Epoch::FIRST, Epoch::next);
+        if self.epoch.is_some() {
+            self.stats.reconnects += 1;
+        }
+        self.epoch = Some(epoch);
+        self.state = State::Connecting {
+            epoch,
+            deadline: now + self.policy.connect_timeout,
+        };
+        self.outputs.push_back(Output::CreateQp { epoch });
+    }
+
+    /// The peer failed us: count the flap, then back off or open the circuit.
+    fn transport_failure(&mut self, now: Instant, flap: bool) {
+        if flap {
+            self.stats.flaps += 1;
+            self.flaps.push_back(now);
+        }
+        while self
+            .flaps
+            .front()
+            .is_some_and(|&at| now.duration_since(at) > self.policy.flap_window)
+        {
+            self.flaps.pop_front();
+        }
+        let reopen = self.probation;
+        if reopen || self.flaps.len() >= self.policy.flaps_to_open as usize {
+            let cooldown = self.policy.cooldown(self.openings);
+            self.openings = self.openings.saturating_add(1);
+            self.probation = false;
+            self.flaps.clear();
+            self.stats.circuit_openings += 1;
+            self.state = State::CircuitOpen {
+                until: now + cooldown,
+            };
+            self.outputs.push_back(Output::OpenCircuit);
+            return;
+        }
+        let bound = self.policy.backoff_bound(self.attempt);
+        self.attempt = self.attempt.saturating_add(1);
+        let jitter = self.rng.below(bound.as_nanos() as u64 + 1);
+        self.state = State::Backoff {
+            until: now + std::time::Duration::from_nanos(jitter),
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    const KEY: EndpointKey = EndpointKey {
+        peer: Incarnation(0xabc),
+        local_rail: 0,
+        remote_rail: 1,
+    };
+
+    fn endpoint(seed: u64) -> Endpoint {
+        Endpoint::new(KEY, Policy::default(), SplitMix64::new(seed))
+    }
+
+    fn outputs(endpoint: &mut Endpoint) -> Vec<Output> {
+        std::iter::from_fn(|| endpoint.poll_output()).collect()
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// Connects `endpoint` at `now` through one handshake; returns its epoch.
+    fn connect(endpoint: &mut Endpoint, now: Instant) -> Epoch {
+        let out = outputs(endpoint);
+        let Some(Output::CreateQp { epoch }) = out.last().copied() else {
+            panic!("expected a queue pair to be created: {out:?}");
+        };
+        endpoint.handle(Input::HandshakeDone { epoch }, now);
+        assert!(outputs(endpoint).contains(&Output::ConnectQp { epoch }));
+        epoch
+    }
+
+    /// Runs the timer until it creates a queue pair; returns when.
+    fn run_timer(endpoint: &mut Endpoint) -> Instant {
+        let at = endpoint.next_timeout().expect("a timer");
+        endpoint.handle_timeout(at);
+        at
+    }
+
+    #[test]
+    fn a_work_request_error_reconnects_at_once_without_a_flap() {
+        let t0 = Instant::now();
+        let mut e = endpoint(1);
+        e.handle(Input::ConnectWanted, t0);
+        let first = connect(&mut e, t0);
+        assert_eq!(first, Epoch::FIRST);
+        e.handle(
+            Input::QpError {
+                epoch: first,
+                status: WcStatus::LocLenErr,
+            },
+            t0 + ms(1),
+        );
+        assert_eq!(
+            outputs(&mut e),
+            [
+                Output::RefreshDescriptor,
+                Output::CreateQp {
+                    epoch: first.next()
+                }
+            ]
+        );
+        assert_eq!(e.stats().flaps, 0);
+        assert_eq!(e.stats().reconnects, 1);
+        // The flush completions of the old queue pair arrive late: ignored.
+        e.handle(
+            Input::QpError {
+                epoch: first,
+                status: WcStatus::WrFlushErr,
+            },
+            t0 + ms(2),
+        );
+        assert_eq!(e.phase(), Phase::Connecting);
+        assert_eq!(e.stats().stale_inputs, 1);
+    }
+
+    #[test]
+    fn transport_errors_back_off_with_full_jitter_and_three_flaps_open_the_circuit() {
+        let t0 = Instant::now();
+        let mut e = endpoint(7);
+        e.handle(Input::ConnectWanted, t0);
+        let mut now = t0;
+        let mut epoch = connect(&mut e, now);
+        for flap in 1..=2 {
+            e.handle(
+                Input::QpError {
+                    epoch,
+                    status: WcStatus::RetryExcErr,
+                },
+                now + ms(100),
+            );
+            assert_eq!(e.phase(), Phase::Backoff);
+            let at = e.next_timeout().expect("backoff timer");
+            let bound = Policy::default().backoff_bound(flap - 1);
+            assert!(at.duration_since(now + ms(100)) <= bound, "full jitter within the bound");
+            now = run_timer(&mut e);
+            epoch = connect(&mut e, now);
+        }
+        e.handle(Input::QpFatal { epoch }, now + ms(100));
+        assert_eq!(e.phase(), Phase::CircuitOpen);
+        assert_eq!(outputs(&mut e), [Output::OpenCircuit]);
+        assert_eq!(e.stats().flaps, 3);
+        let open_until = e.next_timeout().expect("cooldown");
+        assert_eq!(open_until, now + ms(100) + Duration::from_secs(5));
+
+        // After the cooldown a trial queue pair lets traffic through; its failure reopens
+        // the circuit for twice as long.
+        e.handle_timeout(open_until);
+        let trial = match outputs(&mut e).as_slice() {
+            [Output::CreateQp { epoch }] => *epoch,
+            other => panic!("{other:?}"),
+        };
+        e.handle(Input::HandshakeDone { epoch: trial }, open_until);
+        assert_eq!(
+            outputs(&mut e),
+            [Output::ConnectQp { epoch: trial }, Output::CloseCircuit]
+        );
+        e.handle(
+            Input::QpError {
+                epoch: trial,
+                status: WcStatus::RetryExcErr,
+            },
+            open_until + Duration::from_secs(2),
+        );
+        assert_eq!(outputs(&mut e), [Output::OpenCircuit]);
+        assert_eq!(
+            e.next_timeout(),
+            Some(open_until + Duration::from_secs(2) + Duration::from_secs(10))
+        );
+
+        // The next trial succeeds: the circuit closes for good and the cooldown resets.
+        let reopened = e.next_timeout().expect("cooldown");
+        e.handle_timeout(reopened);
+        let trial = match outputs(&mut e).as_slice() {
+            [Output::CreateQp { epoch }] => *epoch,
+            other => panic!("{other:?}"),
+        };
+        e.handle(Input::HandshakeDone { epoch: trial }, reopened);
+        e.handle(Input::Confirmed { epoch: trial }, reopened + ms(1));
+        assert_eq!(e.phase(), Phase::Ready);
+        assert_eq!(e.stats().circuit_openings, 2);
+    }
+
+    #[test]
+    fn a_queue_pair_that_lived_long_is_not_a_flap() {
+        let t0 = Instant::now();
+        let mut e = endpoint(3);
+        e.handle(Input::ConnectWanted, t0);
+        let mut now = t0;
+        for _ in 0..10 {
+            let epoch = connect(&mut e, now);
+            e.handle(Input::Confirmed { epoch }, now);
+            now += Duration::from_secs(2);
+            e.handle(
+                Input::QpError {
+                    epoch,
+                    status: WcStatus::RetryExcErr,
+                },
+                now,
+            );
+            let delay = e.next_timeout().expect("backoff").duration_since(now);
+            assert!(delay <= ms(10), "a confirmed queue pair resets the backoff: {delay:?}");
+            now = run_timer(&mut e);
+        }
+        assert_eq!(e.stats().flaps, 0);
+        assert_eq!(e.stats().circuit_openings, 0);
+    }
+
+    #[test]
+    fn failed_handshakes_are_flaps_and_a_dead_peer_opens_the_circuit_quickly() {
+        let t0 = Instant::now();
+        let mut e = endpoint(11);
+        e.handle(Input::ConnectWanted, t0);
+        let mut now = t0;
+        for _ in 0..3 {
+            let Some(Output::CreateQp { epoch }) = outputs(&mut e).last().copied() else {
+                panic!("no queue pair asked for");
+            };
+            e.handle(Input::HandshakeFailed { epoch }, now);
+            if e.phase() == Phase::Backoff {
+                now = run_timer(&mut e);
+            }
+        }
+        assert_eq!(e.phase(), Phase::CircuitOpen);
+        assert!(now.duration_since(t0) < ms(40), "10 + 20 ms of backoff at most");
+        // A handshake that never answers times out the same way.
+        let mut slow = endpoint(12);
+        slow.handle(Input::ConnectWanted, t0);
+        let deadline = slow.next_timeout().expect("connect timeout");
+        assert_eq!(deadline, t0 + Duration::from_secs(2));
+        slow.handle_timeout(deadline);
+        assert_eq!(slow.phase(), Phase::Backoff);
+    }
+
+    #[test]
+    fn the_same_seed_makes_the_same_decisions() {
+        let run = |seed| {
+            let t0 = Instant::now();
+            let mut e = endpoint(seed);
+            e.handle(Input::ConnectWanted, t0);
+            let mut timeline = Vec::new();
+            let mut now = t0;
+            for _ in 0..6 {
+                let epoch = connect(&mut e, now);
+                e.handle(
+                    Input::QpError {
+                        epoch,
+                        status: WcStatus::RetryExcErr,
+                    },
+                    now + Duration::from_secs(2),
+                );
+                now = run_timer(&mut e);
+                timeline.push(now.duration_since(t0));
+            }
+            timeline
+        };
+        assert_eq!(run(5), run(5));
+        assert_ne!(run(5), run(6));
+    }
+
+    #[test]
+    fn a_restarted_peer_retires_the_endpoint_with_peer_restarted() {
+        let t0 = Instant::now();
+        let mut e = endpoint(1);
+        e.handle(Input::ConnectWanted, t0);
+        connect(&mut e, t0);
+        e.handle(Input::PeerRestarted, t0);
+        assert_eq!(
+            outputs(&mut e),
+            [Output::RetireEndpoint {
+                reason: FailReason::PeerRestarted
+            }]
+        );
+        e.handle(Input::ConnectWanted, t0);
+        assert_eq!(outputs(&mut e), []);
+        assert_eq!(e.phase(), Phase::Retired);
+        assert_eq!(e.next_timeout(), None);
+    }
+}

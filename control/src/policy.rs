@@ -1,0 +1,79 @@
+//! The failure policy: every number the endpoint lifecycle uses, with the defaults the
+//! design names. Plain data; the state machine in [`crate::endpoint`] reads it.
+
+use std::time::Duration;
+
+/// How endpoints reconnect, count flaps and open circuits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// First reconnect delay bound (full jitter: the delay is uniform in `0..bound`).
+    pub backoff_min: Duration,
+    /// Largest reconnect delay bound.
+    pub backoff_max: Duration,
+    /// A queue pair that fails (transport) within this long of becoming ready is a flap; so
+    /// is a handshake that fails.
+    pub flap_after_ready: Duration,
+    /// Flaps within [`Self::flap_window`] that open the circuit.
+    pub flaps_to_open: u32,
+    /// The window flaps are counted in.
+    pub flap_window: Duration,
+    /// First circuit cooldown; each reopening doubles it.
+    pub cooldown_min: Duration,
+    /// Largest circuit cooldown.
+    pub cooldown_max: Duration,
+    /// How long a dial and handshake may take.
+    pub connect_timeout: Duration,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            backoff_min: Duration::from_millis(10),
+            backoff_max: Duration::from_secs(5),
+            flap_after_ready: Duration::from_secs(1),
+            flaps_to_open: 3,
+            flap_window: Duration::from_secs(30),
+            cooldown_min: Duration::from_secs(5),
+            cooldown_max: Duration::from_secs(300),
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+impl Policy {
+    /// The delay bound of reconnect attempt `attempt` (0 = first): `backoff_min · 2^attempt`,
+    /// at most `backoff_max`.
+    pub fn backoff_bound(&self, attempt: u32) -> Duration {
+        let factor = 1u32.checked_shl(attempt.min(31)).unwrap_or(u32::MAX);
+        self.backoff_min
+            .checked_mul(factor)
+            .map_or(self.backoff_max, |bound| bound.min(self.backoff_max))
+    }
+
+    /// The cooldown of the circuit's `opening`-th opening (0 = first), doubled each time up
+    /// to `cooldown_max`.
+    pub fn cooldown(&self, opening: u32) -> Duration {
+        let factor = 1u32.checked_shl(opening.min(31)).unwrap_or(u32::MAX);
+        self.cooldown_min
+            .checked_mul(factor)
+            .map_or(self.cooldown_max, |cooldown| cooldown.min(self.cooldown_max))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_and_cooldown_double_up_to_their_caps() {
+        let policy = Policy::default();
+        assert_eq!(policy.backoff_bound(0), Duration::from_millis(10));
+        assert_eq!(policy.backoff_bound(3), Duration::from_millis(80));
+        assert_eq!(policy.backoff_bound(9), Duration::from_secs(5));
+        assert_eq!(policy.backoff_bound(u32::MAX), Duration::from_secs(5));
+        assert_eq!(policy.cooldown(0), Duration::from_secs(5));
+        assert_eq!(policy.cooldown(1), Duration::from_secs(10));
+        assert_eq!(policy.cooldown(6), Duration::from_secs(300));
+        assert_eq!(policy.cooldown(100), Duration::from_secs(300));
+    }
+}
