@@ -309,7 +309,10 @@ impl Endpoint {
                 _ => self.stats.stale_inputs += 1,
             },
             Input::QpError { epoch, status } => match self.state {
-                State::Ready { epoch: current, since } if current == epoch => {
+                State::Ready {
+                    epoch: current,
+                    since,
+                } if current == epoch => {
                     if status.is_work_request_error() {
                         self.stats.work_request_reconnects += 1;
                         self.outputs.push_back(Output::RefreshDescriptor);
@@ -322,7 +325,10 @@ impl Endpoint {
                 _ => self.stats.stale_inputs += 1,
             },
             Input::QpFatal { epoch } => match self.state {
-                State::Ready { epoch: current, since } if current == epoch => {
+                State::Ready {
+                    epoch: current,
+                    since,
+                } if current == epoch => {
                     let flap = now.duration_since(since) < self.policy.flap_after_ready;
                     self.transport_failure(now, flap);
                 }
@@ -494,7 +500,10 @@ mod tests {
             assert_eq!(e.phase(), Phase::Backoff);
             let at = e.next_timeout().expect("backoff timer");
             let bound = Policy::default().backoff_bound(flap - 1);
-            assert!(at.duration_since(now + ms(100)) <= bound, "full jitter within the bound");
+            assert!(
+                at.duration_since(now + ms(100)) <= bound,
+                "full jitter within the bound"
+            );
             now = run_timer(&mut e);
             epoch = connect(&mut e, now);
         }
@@ -561,7 +570,10 @@ mod tests {
                 now,
             );
             let delay = e.next_timeout().expect("backoff").duration_since(now);
-            assert!(delay <= ms(10), "a confirmed queue pair resets the backoff: {delay:?}");
+            assert!(
+                delay <= ms(10),
+                "a confirmed queue pair resets the backoff: {delay:?}"
+            );
             now = run_timer(&mut e);
         }
         assert_eq!(e.stats().flaps, 0);
@@ -584,7 +596,10 @@ mod tests {
             }
         }
         assert_eq!(e.phase(), Phase::CircuitOpen);
-        assert!(now.duration_since(t0) < ms(40), "10 + 20 ms of backoff at most");
+        assert!(
+            now.duration_since(t0) < ms(40),
+            "10 + 20 ms of backoff at most"
+        );
         // A handshake that never answers times out the same way.
         let mut slow = endpoint(12);
         slow.handle(Input::ConnectWanted, t0);

@@ -9,8 +9,14 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod descriptor;
+pub mod directory;
 pub mod endpoint;
 pub mod policy;
+pub mod wire;
 
+pub use descriptor::{RailDescriptor, RegionDescriptor, SegmentDescriptor};
+pub use directory::{Directory, P2pDirectory};
 pub use endpoint::{Endpoint, EndpointKey, EndpointStats, Incarnation, Input, Output, Phase};
 pub use policy::Policy;
+pub use wire::{FrameDecoder, Message, WireError};

@@ -56,7 +56,9 @@ impl Policy {
         let factor = 1u32.checked_shl(opening.min(31)).unwrap_or(u32::MAX);
         self.cooldown_min
             .checked_mul(factor)
-            .map_or(self.cooldown_max, |cooldown| cooldown.min(self.cooldown_max))
+            .map_or(self.cooldown_max, |cooldown| {
+                cooldown.min(self.cooldown_max)
+            })
     }
 }
 

@@ -263,6 +263,9 @@ impl QpInfo {
             psn: u32_at(24),
             path_mtu: u32_at(28),
         };
+        if bytes[6..8] != [0, 0] {
+            return Err(QpInfoError::Reserved);
+        }
         if info.qp_num == 0 || info.qp_num >= 1 << 24 {
             return Err(QpInfoError::QpNum {
                 qp_num: info.qp_num,
@@ -289,6 +292,9 @@ pub enum QpInfoError {
         /// Bytes received.
         len: usize,
     },
+    /// The reserved bytes after the LID are not zero.
+    #[error("queue pair info has non-zero reserved bytes")]
+    Reserved,
     /// QP number 0 or wider than 24 bits.
     #[error("queue pair number {qp_num} is not a valid 24-bit QP number")]
     QpNum {

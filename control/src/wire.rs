@@ -1,0 +1,684 @@
+//! The handshake wire format: versioned binary frames over TCP.
+//!
+//! A frame is a 12-byte header — magic `RYCP`, version (u16), message type (u16), body
+//! length (u32, at most [`MAX_BODY`]) — then the body. All integers are little-endian;
+//! strings and byte strings are a u32 length then the bytes, each with its own bound;
+//! lists are a u32 count then the items, and a count that the rest of the body could not
+//! hold is refused before anything is allocated.
+//!
+//! The decoder is total: every byte string yields a message, "need more bytes", or a
+//! [`WireError`] naming what is wrong — never a panic and never an allocation larger than
+//! the body bound ([`FrameDecoder`] refuses an oversized length from the header alone).
+
+use railyard_dataplane::fabric::QpInfo;
+
+use crate::descriptor::{RailDescriptor, RegionDescriptor, SegmentDescriptor};
+use crate::endpoint::Incarnation;
+
+/// First bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"RYCP";
+/// The protocol version this build speaks.
+pub const VERSION: u16 = 1;
+/// Header bytes.
+pub const HEADER_LEN: usize = 12;
+/// Largest body accepted.
+pub const MAX_BODY: usize = 1 << 20;
+/// Longest name or address string.
+pub const MAX_STRING: usize = 4096;
+/// Longest fabric attachment.
+pub const MAX_ATTACHMENT: usize = 1024;
+
+/// Which endpoint a ConnectQp is for: the dialer's incarnation and the two rails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WireKey {
+    /// The dialing process.
+    pub initiator: Incarnation,
+    /// The dialer's rail.
+    pub initiator_rail: u16,
+    /// The listener's rail.
+    pub target_rail: u16,
+}
+
+/// A queue pair's side of a connection: verbs' info plus fabric-specific bytes (the soft
+/// fabric's attachment).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QpSide {
+    /// QP number, LID, GID, PSN, path MTU.
+    pub info: QpInfo,
+    /// What else the fabric needs to connect (empty for verbs).
+    pub attachment: Vec<u8>,
+}
+
+/// One handshake message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// Who is speaking: the process's name and incarnation.
+    Hello {
+        /// Segment name.
+        name: String,
+        /// Process incarnation.
+        incarnation: Incarnation,
+    },
+    /// Asks for the listener's segment descriptor.
+    GetDescriptor,
+    /// The listener's segment descriptor.
+    Descriptor(SegmentDescriptor),
+    /// Connect a queue pair for an endpoint at an epoch.
+    ConnectQp {
+        /// The endpoint.
+        key: WireKey,
+        /// The epoch of the dialer's queue pair.
+        epoch: u64,
+        /// The dialer's queue pair.
+        side: QpSide,
+    },
+    /// The answer to a ConnectQp: the listener's queue pair, or why not.
+    ConnectQpReply {
+        /// The endpoint.
+        key: WireKey,
+        /// The epoch asked for.
+        epoch: u64,
+        /// The listener's side, or the reason it refused.
+        result: Result<QpSide, String>,
+    },
+    /// Application bytes.
+    Notify(Vec<u8>),
+    /// The sender is closing the connection.
+    Bye,
+}
+
+/// Why bytes are not a message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    /// Not a railyard control-plane frame.
+    #[error("not a railyard handshake frame (magic {found:02x?})")]
+    BadMagic {
+        /// The first four bytes.
+        found: [u8; 4],
+    },
+    /// A version this build does not speak.
+    #[error("handshake version {found} is not supported (this build speaks {VERSION})")]
+    Version {
+        /// The version found.
+        found: u16,
+    },
+    /// A body longer than [`MAX_BODY`].
+    #[error("frame body of {len} bytes exceeds the {MAX_BODY}-byte bound")]
+    TooLong {
+        /// The length in the header.
+        len: u32,
+    },
+    /// An unknown message type.
+    #[error("unknown message type {found}")]
+    UnknownType {
+        /// The type found.
+        found: u16,
+    },
+    /// The body ends inside a field.
+    #[error("message body ends inside {field}")]
+    Truncated {
+        /// The field being read.
+        field: &'static str,
+    },
+    /// A field's value is not allowed.
+    #[error("invalid {field}: {reason}")]
+    Invalid {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// Bytes left over after the message.
+    #[error("{extra} bytes after the end of the message")]
+    Trailing {
+        /// How many.
+        extra: usize,
+    },
+}
+
+const HELLO: u16 = 1;
+const GET_DESCRIPTOR: u16 = 2;
+const DESCRIPTOR: u16 = 3;
+const CONNECT_QP: u16 = 4;
+const CONNECT_QP_REPLY: u16 = 5;
+const NOTIFY: u16 = 6;
+const BYE: u16 = 7;
+
+/// Appends fields to a body.
+#[derive(Default)]
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, v: &[u8]) {
+        self.u32(v.len() as u32);
+        self.0.extend_from_slice(v);
+    }
+    fn string(&mut self, v: &str) {
+        self.bytes(v.as_bytes());
+    }
+    fn side(&mut self, side: &QpSide) {
+        self.0.extend_from_slice(&side.info.encode());
+        self.bytes(&side.attachment);
+    }
+    fn key(&mut self, key: &WireKey) {
+        self.u64(key.initiator.0);
+        self.u16(key.initiator_rail);
+        self.u16(key.target_rail);
+    }
+}
+
+/// Reads fields from a body; every read is bounds-checked.
+struct Reader<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], WireError> {
+        if self.rest.len() < n {
+            return Err(WireError::Truncated { field });
+        }
+        let (head, tail) = self.rest.split_at(n);
+        self.rest = tail;
+        Ok(head)
+    }
+    fn array<const N: usize>(&mut self, field: &'static str) -> Result<[u8; N], WireError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N, field)?);
+        Ok(out)
+    }
+    fn u8(&mut self, field: &'static str) -> Result<u8, WireError> {
+        Ok(self.array::<1>(field)?[0])
+    }
+    fn u16(&mut self, field: &'static str) -> Result<u16, WireError> {
+        Ok(u16::from_le_bytes(self.array(field)?))
+    }
+    fn u32(&mut self, field: &'static str) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.array(field)?))
+    }
+    fn u64(&mut self, field: &'static str) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.array(field)?))
+    }
+    fn bytes(&mut self, max: usize, field: &'static str) -> Result<Vec<u8>, WireError> {
+        let len = self.u32(field)? as usize;
+        if len > max {
+            return Err(WireError::Invalid {
+                field,
+                reason: format!("{len} bytes, at most {max} allowed"),
+            });
+        }
+        Ok(self.take(len, field)?.to_vec())
+    }
+    fn string(&mut self, field: &'static str) -> Result<String, WireError> {
+        String::from_utf8(self.bytes(MAX_STRING, field)?).map_err(|_| WireError::Invalid {
+            field,
+            reason: "not UTF-8".into(),
+        })
+    }
+    /// A list count whose items take at least `item_len` bytes each.
+    fn count(&mut self, item_len: usize, field: &'static str) -> Result<usize, WireError> {
+        let count = self.u32(field)? as usize;
+        if count.saturating_mul(item_len) > self.rest.len() {
+            return Err(WireError::Truncated { field });
+        }
+        Ok(count)
+    }
+    fn side(&mut self) -> Result<QpSide, WireError> {
+        let info =
+            QpInfo::decode(self.take(QpInfo::WIRE_LEN, "queue pair info")?).map_err(|error| {
+                WireError::Invalid {
+                    field: "queue pair info",
+                    reason: error.to_string(),
+                }
+            })?;
+        let attachment = self.bytes(MAX_ATTACHMENT, "fabric attachment")?;
+        Ok(QpSide { info, attachment })
+    }
+    fn key(&mut self) -> Result<WireKey, WireError> {
+        Ok(WireKey {
+            initiator: Incarnation(self.u64("initiator incarnation")?),
+            initiator_rail: self.u16("initiator rail")?,
+            target_rail: self.u16("target rail")?,
+        })
+    }
+    fn finish(self) -> Result<(), WireError> {
+        if self.rest.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError::Trailing {
+                extra: self.rest.len(),
+            })
+        }
+    }
+}
+
+fn write_descriptor(w: &mut Writer, d: &SegmentDescriptor) {
+    w.string(&d.name);
+    w.u64(d.incarnation.0);
+    w.string(&d.handshake_addr);
+    w.u32(d.rails.len() as u32);
+    for rail in &d.rails {
+        w.string(&rail.name);
+        w.u8(rail.fabric);
+    }
+    w.u32(d.regions.len() as u32);
+    for region in &d.regions {
+        w.u64(region.base);
+        w.u64(region.len);
+        w.u64(region.generation);
+        w.u32(region.rkeys.len() as u32);
+        for rkey in &region.rkeys {
+            w.u32(*rkey);
+        }
+    }
+}
+
+fn read_descriptor(r: &mut Reader<'_>) -> Result<SegmentDescriptor, WireError> {
+    let name = r.string("segment name")?;
+    let incarnation = Incarnation(r.u64("incarnation")?);
+    let handshake_addr = r.string("handshake address")?;
+    let rail_count = r.count(5, "rail count")?;
+    let mut rails = Vec::with_capacity(rail_count);
+    for _ in 0..rail_count {
+        rails.push(RailDescriptor {
+            name: r.string("rail name")?,
+            fabric: r.u8("rail fabric")?,
+        });
+    }
+    let region_count = r.count(28, "region count")?;
+    let mut regions = Vec::with_capacity(region_count);
+    for _ in 0..region_count {
+        let base = r.u64("region base")?;
+        let len = r.u64("region length")?;
+        let generation = r.u64("region generation")?;
+        let rkey_count = r.count(4, "rkey count")?;
+        let mut rkeys = Vec::with_capacity(rkey_count);
+        for _ in 0..rkey_count {
+            rkeys.push(r.u32("rkey")?);
+        }
+        if base.checked_add(len).is_none() {
+            return Err(WireError::Invalid {
+                field: "region",
+                reason: format!("{len} bytes at {base:#x} wrap around"),
+            });
+        }
+        regions.push(RegionDescriptor {
+            base,
+            len,
+            rkeys,
+            generation,
+        });
+    }
+    Ok(SegmentDescriptor {
+        name,
+        incarnation,
+        handshake_addr,
+        rails,
+        regions,
+    })
+}
+
+impl Message {
+    /// The whole frame: header and body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut body = Writer::default();
+        let kind = match self {
+            Self::Hello { name, incarnation } => {
+                body.string(name);
+                body.u64(incarnation.0);
+                HELLO
+            }
+            Self::GetDescriptor => GET_DESCRIPTOR,
+            Self::Descriptor(descriptor) => {
+                write_descriptor(&mut body, descriptor);
+                DESCRIPTOR
+            }
+            Self::ConnectQp { key, epoch, side } => {
+                body.key(key);
+                body.u64(*epoch);
+                body.side(side);
+                CONNECT_QP
+            }
+            Self::ConnectQpReply { key, epoch, result } => {
+                body.key(key);
+                body.u64(*epoch);
+                match result {
+                    Ok(side) => {
+                        body.u8(0);
+                        body.side(side);
+                    }
+                    Err(reason) => {
+                        body.u8(1);
+                        body.string(reason);
+                    }
+                }
+                CONNECT_QP_REPLY
+            }
+            Self::Notify(bytes) => {
+                body.bytes(bytes);
+                NOTIFY
+            }
+            Self::Bye => BYE,
+        };
+        let mut frame = Vec::with_capacity(HEADER_LEN + body.0.len());
+        frame.extend_from_slice(&MAGIC);
+        frame.extend_from_slice(&VERSION.to_le_bytes());
+        frame.extend_from_slice(&kind.to_le_bytes());
+        frame.extend_from_slice(&(body.0.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&body.0);
+        frame
+    }
+
+    /// Reads one message of type `kind` from a whole body.
+    ///
+    /// # Errors
+    /// [`WireError`] naming the field that is wrong.
+    pub fn decode_body(kind: u16, body: &[u8]) -> Result<Self, WireError> {
+        let mut r = Reader { rest: body };
+        let message = match kind {
+            HELLO => Self::Hello {
+                name: r.string("name")?,
+                incarnation: Incarnation(r.u64("incarnation")?),
+            },
+            GET_DESCRIPTOR => Self::GetDescriptor,
+            DESCRIPTOR => Self::Descriptor(read_descriptor(&mut r)?),
+            CONNECT_QP => Self::ConnectQp {
+                key: r.key()?,
+                epoch: r.u64("epoch")?,
+                side: r.side()?,
+            },
+            CONNECT_QP_REPLY => {
+                let key = r.key()?;
+                let epoch = r.u64("epoch")?;
+                let result = match r.u8("reply status")? {
+                    0 => Ok(r.side()?),
+                    1 => Err(r.string("refusal reason")?),
+                    other => {
+                        return Err(WireError::Invalid {
+                            field: "reply status",
+                            reason: format!("{other} is neither 0 (ok) nor 1 (refused)"),
+                        });
+                    }
+                };
+                Self::ConnectQpReply { key, epoch, result }
+            }
+            NOTIFY => Self::Notify(r.bytes(MAX_BODY, "notify bytes")?),
+            BYE => Self::Bye,
+            found => return Err(WireError::UnknownType { found }),
+        };
+        r.finish()?;
+        Ok(message)
+    }
+}
+
+/// Checks a frame header; returns (message type, body length).
+///
+/// # Errors
+/// Bad magic, unsupported version or an oversized body.
+pub fn decode_header(header: &[u8; HEADER_LEN]) -> Result<(u16, usize), WireError> {
+    let magic = [header[0], header[1], header[2], header[3]];
+    if magic != MAGIC {
+        return Err(WireError::BadMagic { found: magic });
+    }
+    let version = u16::from_le_bytes([header[4], header[5]]);
+    if version != VERSION {
+        return Err(WireError::Version { found: version });
+    }
+    let kind = u16::from_le_bytes([header[6], header[7]]);
+    let len = u32::from_le_bytes([header[8], header[9], header[10], header[11]]);
+    if len as usize > MAX_BODY {
+        return Err(WireError::TooLong { len });
+    }
+    Ok((kind, len as usize))
+}
+
+/// Splits a byte stream into messages. Holds at most one header and one bounded body.
+#[derive(Debug, Default)]
+pub struct FrameDecoder {
+    buffer: Vec<u8>,
+}
+
+impl FrameDecoder {
+    /// Appends bytes read from the stream.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buffer.extend_from_slice(bytes);
+    }
+
+    /// The next whole message, `Ok(None)` when more bytes are needed.
+    ///
+    /// # Errors
+    /// The first malformed frame; the stream cannot be trusted after it.
+    pub fn next_message(&mut self) -> Result<Option<Message>, WireError> {
+        let Some(header) = self.buffer.first_chunk::<HEADER_LEN>() else {
+            return Ok(None);
+        };
+        let (kind, len) = decode_header(header)?;
+        if self.buffer.len() < HEADER_LEN + len {
+            return Ok(None);
+        }
+        let message = Message::decode_body(kind, &self.buffer[HEADER_LEN..HEADER_LEN + len]);
+        self.buffer.drain(..HEADER_LEN + len);
+        message.map(Some)
+    }
+
+    /// Decodes exactly one whole frame.
+    ///
+    /// # Errors
+    /// A malformed frame, a partial one, or bytes after it.
+    pub fn decode_frame(bytes: &[u8]) -> Result<Message, WireError> {
+        let mut decoder = Self::default();
+        decoder.push(bytes);
+        let message = decoder
+            .next_message()?
+            .ok_or(WireError::Truncated { field: "frame" })?;
+        if !decoder.buffer.is_empty() {
+            return Err(WireError::Trailing {
+                extra: decoder.buffer.len(),
+            });
+        }
+        Ok(message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn qp_info() -> impl Strategy<Value = QpInfo> {
+        (
+            1u32..1 << 24,
+            any::<u16>(),
+            any::<[u8; 16]>(),
+            0u32..1 << 24,
+            0usize..5,
+        )
+            .prop_map(|(qp_num, lid, gid, psn, mtu)| QpInfo {
+                qp_num,
+                lid,
+                gid,
+                psn,
+                path_mtu: railyard_dataplane::fabric::PATH_MTUS[mtu],
+            })
+    }
+
+    fn side() -> impl Strategy<Value = QpSide> {
+        (qp_info(), prop::collection::vec(any::<u8>(), 0..64))
+            .prop_map(|(info, attachment)| QpSide { info, attachment })
+    }
+
+    fn key() -> impl Strategy<Value = WireKey> {
+        (any::<u64>(), any::<u16>(), any::<u16>()).prop_map(|(i, a, b)| WireKey {
+            initiator: Incarnation(i),
+            initiator_rail: a,
+            target_rail: b,
+        })
+    }
+
+    fn descriptor() -> impl Strategy<Value = SegmentDescriptor> {
+        let rail = ("[a-z0-9_]{0,12}", any::<u8>())
+            .prop_map(|(name, fabric)| RailDescriptor { name, fabric });
+        let region = (
+            0u64..1 << 47,
+            0u64..1 << 40,
+            any::<u64>(),
+            prop::collection::vec(any::<u32>(), 0..4),
+        )
+            .prop_map(|(base, len, generation, rkeys)| RegionDescriptor {
+                base,
+                len,
+                rkeys,
+                generation,
+            });
+        (
+            "\\PC{0,16}",
+            any::<u64>(),
+            "[0-9.:]{0,21}",
+            prop::collection::vec(rail, 0..4),
+            prop::collection::vec(region, 0..6),
+        )
+            .prop_map(|(name, incarnation, handshake_addr, rails, regions)| {
+                SegmentDescriptor {
+                    name,
+                    incarnation: Incarnation(incarnation),
+                    handshake_addr,
+                    rails,
+                    regions,
+                }
+            })
+    }
+
+    fn message() -> impl Strategy<Value = Message> {
+        prop_oneof![
+            ("\\PC{0,24}", any::<u64>()).prop_map(|(name, i)| Message::Hello {
+                name,
+                incarnation: Incarnation(i)
+            }),
+            Just(Message::GetDescriptor),
+            descriptor().prop_map(Message::Descriptor),
+            (key(), any::<u64>(), side()).prop_map(|(key, epoch, side)| Message::ConnectQp {
+                key,
+                epoch,
+                side
+            }),
+            (key(), any::<u64>(), side()).prop_map(|(key, epoch, side)| {
+                Message::ConnectQpReply {
+                    key,
+                    epoch,
+                    result: Ok(side),
+                }
+            }),
+            (key(), any::<u64>(), "\\PC{0,40}").prop_map(|(key, epoch, reason)| {
+                Message::ConnectQpReply {
+                    key,
+                    epoch,
+                    result: Err(reason),
+                }
+            }),
+            prop::collection::vec(any::<u8>(), 0..128).prop_map(Message::Notify),
+            Just(Message::Bye),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn every_message_round_trips(message in message()) {
+            let frame = message.encode();
+            prop_assert_eq!(FrameDecoder::decode_frame(&frame), Ok(message));
+        }
+
+        #[test]
+        fn any_bytes_decode_to_a_message_or_an_error(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            if let Ok(message) = FrameDecoder::decode_frame(&bytes) {
+                prop_assert_eq!(message.encode(), bytes.clone(), "decoding is canonical");
+            }
+            let mut decoder = FrameDecoder::default();
+            decoder.push(&bytes);
+            let _ = decoder.next_message();
+        }
+
+        #[test]
+        fn any_body_of_any_type_decodes_or_errs(kind in 0u16..10, body in prop::collection::vec(any::<u8>(), 0..256)) {
+            let _ = Message::decode_body(kind, &body);
+        }
+
+        #[test]
+        fn every_truncation_asks_for_more_and_every_corruption_is_caught_or_harmless(
+            message in message(),
+            cut in any::<prop::sample::Index>(),
+            flip in any::<prop::sample::Index>(),
+            bits in 1u8..=255,
+        ) {
+            let frame = message.encode();
+            let cut = cut.index(frame.len());
+            let mut decoder = FrameDecoder::default();
+            decoder.push(&frame[..cut]);
+            prop_assert_eq!(decoder.next_message(), Ok(None));
+            decoder.push(&frame[cut..]);
+            prop_assert_eq!(decoder.next_message(), Ok(Some(message)));
+            let mut corrupt = frame.clone();
+            corrupt[flip.index(frame.len())] ^= bits;
+            if let Ok(decoded) = FrameDecoder::decode_frame(&corrupt) {
+                prop_assert_eq!(decoded.encode(), corrupt, "a corruption that decodes is canonical");
+            }
+        }
+    }
+
+    #[test]
+    fn an_oversized_length_is_refused_from_the_header_alone() {
+        let mut frame = Message::Bye.encode();
+        frame[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        let mut decoder = FrameDecoder::default();
+        decoder.push(&frame);
+        assert_eq!(
+            decoder.next_message(),
+            Err(WireError::TooLong { len: u32::MAX })
+        );
+    }
+
+    #[test]
+    fn a_list_count_larger_than_the_body_is_refused_before_allocating() {
+        let mut w = Writer::default();
+        w.string("peer");
+        w.u64(1);
+        w.string("127.0.0.1:1");
+        w.u32(u32::MAX); // rails
+        assert_eq!(
+            Message::decode_body(DESCRIPTOR, &w.0),
+            Err(WireError::Truncated {
+                field: "rail count"
+            })
+        );
+    }
+
+    #[test]
+    fn errors_name_what_is_wrong() {
+        let mut frame = Message::GetDescriptor.encode();
+        frame[4] = 9;
+        assert_eq!(
+            FrameDecoder::decode_frame(&frame),
+            Err(WireError::Version { found: 9 })
+        );
+        assert!(matches!(
+            FrameDecoder::decode_frame(b"GET / HTTP/1.1\r\n"),
+            Err(WireError::BadMagic { .. })
+        ));
+        let mut bye = Message::Bye.encode();
+        bye[6] = 99;
+        assert_eq!(
+            FrameDecoder::decode_frame(&bye),
+            Err(WireError::UnknownType { found: 99 })
+        );
+    }
+}
