@@ -956,6 +956,7 @@ impl<F: Fabric> Poller<F> {
             len: slice.len,
             imm: slice.imm,
             signaled: true,
+            epoch: slice.epoch,
         };
         if let Some(endpoint) = endpoint_mut(&mut self.endpoints, slice.endpoint) {
             endpoint.in_flight += 1;

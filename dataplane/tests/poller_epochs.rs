@@ -57,6 +57,10 @@ fn a_reconnect_reprepares_or_fails_every_stale_slice_and_posts_none() {
             rkey_for(posted.qp_epoch),
             "a slice was posted with keys of another epoch: {posted:?}"
         );
+        assert_eq!(
+            posted.request.epoch, posted.qp_epoch,
+            "a slice was posted on a queue pair of another epoch: {posted:?}"
+        );
     }
     let outcomes = in_flight.outcomes();
     for (request, outcome) in outcomes.iter().enumerate() {

@@ -79,6 +79,10 @@ pub struct WorkRequest {
     pub imm: u32,
     /// Whether a successful completion is reported (errors always are).
     pub signaled: bool,
+    /// The endpoint epoch the request was prepared for. Fabrics do not act on it; it lets an
+    /// observer at the fabric boundary check, independently of the poller, that nothing is
+    /// ever posted on a queue pair newer than what it was prepared for.
+    pub epoch: Epoch,
 }
 
 /// Completion statuses, as verbs names them.

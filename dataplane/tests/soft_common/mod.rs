@@ -84,6 +84,7 @@ pub fn request(
         len,
         imm: id as u32,
         signaled: true,
+        epoch: railyard_dataplane::Epoch::FIRST,
     }
 }
 
