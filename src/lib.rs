@@ -6,7 +6,10 @@
 //! layers that exist:
 //!
 //! - [`topology`]: hwloc discovery, rails and the poller placement plan.
-//! - [`dataplane`]: SPSC rings, epoch-tagged slices, pollers and batches.
+//! - [`dataplane`]: SPSC rings, epoch-tagged slices, pollers, batches and fabrics.
+//! - [`control`]: endpoint lifecycle, handshakes, directory and failure policy.
+//! - [`chaos`]: deterministic reproductions of the production failures railyard exists to
+//!   prevent (`railyard chaos`).
 //!
 //! # Thread safety
 //! Everything re-exported here documents its own thread safety.
@@ -17,5 +20,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod chaos;
+
+pub use railyard_control as control;
 pub use railyard_dataplane as dataplane;
 pub use railyard_topology as topology;

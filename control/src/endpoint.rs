@@ -189,6 +189,8 @@ pub struct Endpoint {
     state: State,
     /// The epoch of the newest queue pair asked for.
     epoch: Option<Epoch>,
+    /// The epoch of the first queue pair.
+    first_epoch: Epoch,
     /// Consecutive reconnects without a confirmed queue pair (the backoff exponent).
     attempt: u32,
     /// Flap times inside the window.
@@ -211,12 +213,22 @@ impl Endpoint {
             rng,
             state: State::Idle,
             epoch: None,
+            first_epoch: Epoch::FIRST,
             attempt: 0,
             flaps: VecDeque::new(),
             openings: 0,
             probation: false,
             outputs: VecDeque::new(),
             stats: EndpointStats::default(),
+        }
+    }
+
+    /// Makes the first queue pair's epoch `epoch` instead of [`Epoch::FIRST`]: an endpoint
+    /// that takes over the id of a retired one continues its epochs, so slices prepared for
+    /// the old one are always older. Only before the first queue pair is asked for.
+    pub fn start_at(&mut self, epoch: Epoch) {
+        if self.epoch.is_none() {
+            self.first_epoch = epoch;
         }
     }
 
@@ -356,7 +368,7 @@ impl Endpoint {
 
     /// Asks for a queue pair at the next epoch.
     fn create_qp(&mut self, now: Instant) {
-        let epoch = self.epoch.map_or(Epoch::FIRST, Epoch::next);
+        let epoch = self.epoch.map_or(self.first_epoch, Epoch::next);
         if self.epoch.is_some() {
             self.stats.reconnects += 1;
         }

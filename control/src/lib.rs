@@ -1,10 +1,15 @@
 //! railyard's control plane (DESIGN.md §6).
 //!
-//! This crate owns the endpoint lifecycle ([`endpoint`]: a sans-IO state machine driven by
-//! events and `now`) and its failure [`policy`]. It talks to pollers only by sending commands
-//! over rings; it must never touch a queue pair, completion queue or address handle itself,
-//! and its state machines must not read the clock, open sockets or draw randomness of their
-//! own.
+//! This crate owns:
+//! - the endpoint lifecycle ([`endpoint`]: a sans-IO state machine driven by events and
+//!   `now`) and its failure [`policy`];
+//! - the handshake [`wire`] format and segment [`descriptor`]s, with the p2p [`directory`];
+//! - the control thread ([`plane`]): listener, dialer, endpoints, passive queue pairs;
+//!   rate-limited warnings ([`warn`]); what it needs of a rail's fabric ([`rail`]).
+//!
+//! It talks to pollers only by sending commands over rings and reading their events; it
+//! never touches a queue pair a poller owns, and its state machines do not read the clock,
+//! open sockets or draw randomness of their own.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -12,11 +17,19 @@
 pub mod descriptor;
 pub mod directory;
 pub mod endpoint;
+pub mod plane;
 pub mod policy;
+pub mod rail;
+pub mod warn;
 pub mod wire;
 
 pub use descriptor::{RailDescriptor, RegionDescriptor, SegmentDescriptor};
 pub use directory::{Directory, P2pDirectory};
 pub use endpoint::{Endpoint, EndpointKey, EndpointStats, Incarnation, Input, Output, Phase};
+pub use plane::{
+    ControlConfig, ControlError, ControlPlane, ControlRail, ControlShared, ControlStats,
+    EndpointView,
+};
 pub use policy::Policy;
+pub use rail::RailFabric;
 pub use wire::{FrameDecoder, Message, WireError};

@@ -1,0 +1,1454 @@
+//! The control thread: one per engine. It owns the handshake listener and the dialed
+//! connections (non-blocking, polled with `poll(2)`), the endpoint state machines, the
+//! directory, and the passive queue pairs it answered ConnectQp with. It talks to pollers
+//! only through their command and event rings, and to the application through
+//! [`ControlPlane`] (a request channel plus a wake-up socket).
+//!
+//! # Endpoints and ids
+//! Endpoints are keyed by [`EndpointKey`] (peer incarnation and rails), never by address.
+//! Each gets a small [`EndpointId`] on its local rail; an id is reused only after the poller
+//! reports the previous endpoint drained, and its epochs continue from the previous
+//! occupant's, so a slice prepared for the old endpoint is always older than the new one:
+//! the re-prepare hook ([`ControlShared::reprepare_hook`]) refuses it instead of pointing
+//! it at a different peer.
+//!
+//! # Handshakes
+//! A dialer opens one TCP connection per peer address and sends Hello and GetDescriptor,
+//! then ConnectQp for each queue pair it needs; a reconnect fetches the descriptor again
+//! before its ConnectQp, so slices re-prepared at the new epoch see the peer's current keys.
+//! The listener answers ConnectQp idempotently: a request naming the same initiator
+//! incarnation, rails and queue-pair number as the passive queue pair it already has is
+//! answered with that queue pair's side and changes nothing. A Hello with a new
+//! incarnation for a known name retires everything of the old incarnation
+//! (`PeerRestarted`).
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use railyard_dataplane::ring::Consumer;
+use railyard_dataplane::rng::SplitMix64;
+use railyard_dataplane::{
+    Command, EndpointId, Epoch, Event, FailReason, PollerHandle, RepairCause, Reprepare, Slice,
+};
+
+use crate::descriptor::{RegionDescriptor, SegmentDescriptor};
+use crate::directory::{Directory, P2pDirectory};
+use crate::endpoint::{Endpoint, EndpointKey, Incarnation, Input, Output, Phase};
+use crate::policy::Policy;
+use crate::rail::RailFabric;
+use crate::warn::{RateLimiter, WarningKind};
+use crate::wire::{FrameDecoder, Message, QpSide, WireKey};
+
+/// How to run a control plane.
+#[derive(Clone, Debug)]
+pub struct ControlConfig {
+    /// This process's segment name.
+    pub name: String,
+    /// Where the handshake listener binds (port 0: any).
+    pub listen: SocketAddr,
+    /// Reconnect, flap and circuit policy.
+    pub policy: Policy,
+    /// Accepted connections that may be mid-handshake (before their Hello) at once; more
+    /// wait in the kernel's backlog.
+    pub max_handshakes: usize,
+    /// Seeds every endpoint's reconnect jitter.
+    pub seed: u64,
+    /// The incarnation; `None` draws a random one.
+    pub incarnation: Option<Incarnation>,
+    /// Warning lines of one kind per [`Self::warn_window`].
+    pub warn_burst: u32,
+    /// See [`Self::warn_burst`].
+    pub warn_window: Duration,
+    /// Whether to print admitted warnings on stderr (counted either way).
+    pub print_warnings: bool,
+}
+
+impl ControlConfig {
+    /// Defaults for a process named `name` listening on localhost, any port.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            policy: Policy::default(),
+            max_handshakes: 64,
+            seed: 0,
+            incarnation: None,
+            warn_burst: 5,
+            warn_window: Duration::from_secs(10),
+            print_warnings: true,
+        }
+    }
+}
+
+/// Why a control-plane call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlError {
+    /// The listener could not bind.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The control thread could not start.
+    #[error("cannot start the control thread: {0}")]
+    Thread(#[source] io::Error),
+    /// The control thread has stopped.
+    #[error("the control plane has stopped")]
+    Stopped,
+    /// No such local rail.
+    #[error("rail {rail} does not exist (this process has {rails})")]
+    UnknownRail {
+        /// The rail asked for.
+        rail: u16,
+        /// How many there are.
+        rails: usize,
+    },
+    /// The peer could not be reached or did not answer in time.
+    #[error("cannot reach the peer at {addr}: {reason}")]
+    Unreachable {
+        /// Its address.
+        addr: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// An endpoint as the application and the re-prepare hook see it.
+#[derive(Debug)]
+pub struct EndpointView {
+    /// Its id on its local rail's poller.
+    pub id: EndpointId,
+    /// Its key.
+    pub key: EndpointKey,
+    /// The peer's segment name.
+    pub peer_name: String,
+    /// The first epoch of this endpoint: older slices on this id were meant for a previous
+    /// occupant.
+    first_epoch: Epoch,
+    /// The epoch whose queue pair the poller has (0: none yet).
+    epoch: AtomicU64,
+    phase: AtomicU8,
+    descriptor: RwLock<Option<Arc<SegmentDescriptor>>>,
+}
+
+impl EndpointView {
+    /// The epoch slices should be prepared for now, once a queue pair was handed over.
+    pub fn epoch(&self) -> Option<Epoch> {
+        match self.epoch.load(Ordering::Acquire) {
+            0 => None,
+            n => Some(Epoch::new(n)),
+        }
+    }
+
+    /// Where the endpoint stands.
+    pub fn phase(&self) -> Phase {
+        match self.phase.load(Ordering::Acquire) {
+            0 => Phase::Idle,
+            1 => Phase::Connecting,
+            2 => Phase::Ready,
+            3 => Phase::Backoff,
+            4 => Phase::CircuitOpen,
+            _ => Phase::Retired,
+        }
+    }
+
+    /// The peer's newest descriptor.
+    pub fn descriptor(&self) -> Option<Arc<SegmentDescriptor>> {
+        self.descriptor
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Sleeps in 1 ms steps until the endpoint is ready or `deadline` passes.
+    pub fn wait_ready(&self, deadline: Instant) -> bool {
+        loop {
+            if self.phase() == Phase::Ready && self.epoch().is_some() {
+                return true;
+            }
+            if Instant::now() >= deadline || self.phase() == Phase::Retired {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn set_phase(&self, phase: Phase) {
+        let code = match phase {
+            Phase::Idle => 0,
+            Phase::Connecting => 1,
+            Phase::Ready => 2,
+            Phase::Backoff => 3,
+            Phase::CircuitOpen => 4,
+            Phase::Retired => 5,
+        };
+        self.phase.store(code, Ordering::Release);
+    }
+
+    fn set_descriptor(&self, descriptor: Arc<SegmentDescriptor>) {
+        *self
+            .descriptor
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Some(descriptor);
+    }
+}
+
+/// What the control plane has done, for reports and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ControlStats {
+    /// Queue pairs this side created as dialer.
+    pub active_qps: u64,
+    /// Active queue pairs created after an endpoint's first (reconnects).
+    pub reconnects: u64,
+    /// ConnectQp requests answered by creating a passive queue pair.
+    pub passive_qps: u64,
+    /// ConnectQp requests answered idempotently (same peer, same queue pair).
+    pub idempotent_replies: u64,
+    /// Passive queue pairs replaced or dropped, and endpoints retired: teardowns.
+    pub teardowns: u64,
+    /// Peers seen coming back as a new incarnation.
+    pub peer_restarts: u64,
+    /// Circuit openings.
+    pub circuit_openings: u64,
+    /// ConnectQp requests refused.
+    pub refused: u64,
+    /// Warning lines printed.
+    pub warnings_printed: u64,
+    /// Warning lines suppressed by the rate limit.
+    pub warnings_suppressed: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    active_qps: AtomicU64,
+    reconnects: AtomicU64,
+    passive_qps: AtomicU64,
+    idempotent_replies: AtomicU64,
+    teardowns: AtomicU64,
+    peer_restarts: AtomicU64,
+    circuit_openings: AtomicU64,
+    refused: AtomicU64,
+    warnings_printed: AtomicU64,
+    warnings_suppressed: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Per rail: the endpoints by id, read by the re-prepare hook.
+#[derive(Debug, Default)]
+struct RailShared {
+    endpoints: RwLock<Vec<Option<Arc<EndpointView>>>>,
+}
+
+/// What the control thread shares with pollers' re-prepare hooks and the application.
+/// Create it first, give each poller its hook, then start the [`ControlPlane`] with it.
+#[derive(Debug)]
+pub struct ControlShared {
+    rails: Vec<RailShared>,
+    counters: Counters,
+    regions: RwLock<(u64, Vec<RegionDescriptor>)>,
+}
+
+impl ControlShared {
+    /// Shared state for `rails` rails.
+    pub fn new(rails: usize) -> Arc<Self> {
+        Arc::new(Self {
+            rails: (0..rails).map(|_| RailShared::default()).collect(),
+            counters: Counters::default(),
+            regions: RwLock::new((0, Vec::new())),
+        })
+    }
+
+    /// The re-prepare hook for rail `rail`'s poller: rewrites a stale slice's rkey from the
+    /// peer's newest descriptor and stamps the current epoch; refuses slices meant for a
+    /// previous occupant of the endpoint id, or whose range the peer no longer registers.
+    pub fn reprepare_hook(self: &Arc<Self>, rail: u16) -> impl Reprepare + 'static {
+        let shared = self.clone();
+        move |slice: &mut Slice, current: Epoch, _cause: RepairCause| {
+            let view = shared
+                .view(rail, slice.endpoint)
+                .ok_or(FailReason::EndpointRetired)?;
+            if slice.epoch.is_older_than(view.first_epoch) {
+                return Err(FailReason::EndpointRetired);
+            }
+            let descriptor = view.descriptor().ok_or(FailReason::RemoteAccess)?;
+            let rkey = descriptor
+                .rkey_for(
+                    slice.remote_addr,
+                    u64::from(slice.len),
+                    view.key.remote_rail,
+                )
+                .ok_or(FailReason::RemoteAccess)?;
+            slice.rkey = rkey;
+            slice.epoch = current;
+            Ok(())
+        }
+    }
+
+    fn view(&self, rail: u16, id: EndpointId) -> Option<Arc<EndpointView>> {
+        self.rails
+            .get(usize::from(rail))?
+            .endpoints
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id.0 as usize)?
+            .clone()
+    }
+
+    /// Publishes this process's regions (a new generation of its descriptor).
+    pub fn set_regions(&self, regions: Vec<RegionDescriptor>) {
+        let mut guard = self.regions.write().unwrap_or_else(PoisonError::into_inner);
+        guard.0 += 1;
+        guard.1 = regions;
+    }
+
+    /// What the control plane has done so far.
+    pub fn stats(&self) -> ControlStats {
+        let c = &self.counters;
+        let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        ControlStats {
+            active_qps: get(&c.active_qps),
+            reconnects: get(&c.reconnects),
+            passive_qps: get(&c.passive_qps),
+            idempotent_replies: get(&c.idempotent_replies),
+            teardowns: get(&c.teardowns),
+            peer_restarts: get(&c.peer_restarts),
+            circuit_openings: get(&c.circuit_openings),
+            refused: get(&c.refused),
+            warnings_printed: get(&c.warnings_printed),
+            warnings_suppressed: get(&c.warnings_suppressed),
+        }
+    }
+}
+
+/// A rail as the control plane drives it.
+pub struct ControlRail<F: RailFabric> {
+    /// Creates and connects its queue pairs.
+    pub fabric: F,
+    /// Its poller.
+    pub poller: Arc<PollerHandle>,
+}
+
+enum Request {
+    Connect {
+        addr: SocketAddr,
+        local_rail: u16,
+        remote_rail: u16,
+        reply: Sender<Result<Arc<EndpointView>, ControlError>>,
+    },
+    Retire {
+        rail: u16,
+        id: EndpointId,
+    },
+    Shutdown,
+}
+
+/// The application's handle to the control thread. Dropping it stops the thread.
+pub struct ControlPlane {
+    shared: Arc<ControlShared>,
+    requests: Mutex<Sender<Request>>,
+    waker: UnixStream,
+    local_addr: SocketAddr,
+    incarnation: Incarnation,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("local_addr", &self.local_addr)
+            .field("incarnation", &self.incarnation)
+            .finish()
+    }
+}
+
+impl ControlPlane {
+    /// Binds the listener and starts the control thread over `rails`.
+    ///
+    /// # Errors
+    /// [`ControlError::Listen`] or [`ControlError::Thread`].
+    pub fn start<F: RailFabric>(
+        config: ControlConfig,
+        rails: Vec<ControlRail<F>>,
+        shared: Arc<ControlShared>,
+    ) -> Result<Self, ControlError> {
+        let listener = TcpListener::bind(config.listen).map_err(|source| ControlError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(ControlError::Thread)?;
+        let local_addr = listener.local_addr().map_err(ControlError::Thread)?;
+        let incarnation = config
+            .incarnation
+            .unwrap_or_else(|| Incarnation(random_u64()));
+        let (requests_tx, requests_rx) = mpsc::channel();
+        let (waker, wake_rx) = UnixStream::pair().map_err(ControlError::Thread)?;
+        waker.set_nonblocking(true).map_err(ControlError::Thread)?;
+        wake_rx
+            .set_nonblocking(true)
+            .map_err(ControlError::Thread)?;
+        let events = rails
+            .iter()
+            .map(|rail| rail.poller.take_events())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                ControlError::Thread(io::Error::other(
+                    "a poller's events were already taken by another control plane",
+                ))
+            })?;
+        let plane = Plane {
+            rng: SplitMix64::new(config.seed ^ incarnation.0),
+            warnings: RateLimiter::new(config.warn_window, config.warn_burst),
+            config,
+            incarnation,
+            local_addr,
+            shared: shared.clone(),
+            rails,
+            events,
+            listener,
+            requests: requests_rx,
+            wake: wake_rx,
+            conns: Vec::new(),
+            by_addr: HashMap::new(),
+            active: HashMap::new(),
+            by_key: HashMap::new(),
+            free_ids: Vec::new(),
+            next_epochs: HashMap::new(),
+            passive: HashMap::new(),
+            peer_names: HashMap::new(),
+            directory: P2pDirectory::new(),
+            waiting: Vec::new(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("railyard-control".into())
+            .spawn(move || plane.run())
+            .map_err(ControlError::Thread)?;
+        Ok(Self {
+            shared,
+            requests: Mutex::new(requests_tx),
+            waker,
+            local_addr,
+            incarnation,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Where the handshake listener is.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// This process's incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.incarnation
+    }
+
+    /// What the control plane has done so far.
+    pub fn stats(&self) -> ControlStats {
+        self.shared.stats()
+    }
+
+    fn request(&self, request: Request) -> Result<(), ControlError> {
+        self.requests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .send(request)
+            .map_err(|_| ControlError::Stopped)?;
+        let _ = (&self.waker).write(&[1]);
+        Ok(())
+    }
+
+    /// The endpoint from `local_rail` to rail `remote_rail` of the process listening at
+    /// `addr`: dials it if needed, learns its incarnation and descriptor, and starts
+    /// connecting a queue pair. Returns as soon as the endpoint exists (see
+    /// [`EndpointView::wait_ready`]); asking again for the same peer incarnation and rails
+    /// returns the same endpoint.
+    ///
+    /// # Errors
+    /// [`ControlError::UnknownRail`], [`ControlError::Unreachable`] after the connect
+    /// timeout, [`ControlError::Stopped`].
+    pub fn connect(
+        &self,
+        addr: SocketAddr,
+        local_rail: u16,
+        remote_rail: u16,
+    ) -> Result<Arc<EndpointView>, ControlError> {
+        let (reply, answer) = mpsc::channel();
+        self.request(Request::Connect {
+            addr,
+            local_rail,
+            remote_rail,
+            reply,
+        })?;
+        answer.recv().map_err(|_| ControlError::Stopped)?
+    }
+
+    /// Retires an endpoint: its slices fail with `EndpointRetired`.
+    ///
+    /// # Errors
+    /// [`ControlError::Stopped`].
+    pub fn retire(&self, view: &EndpointView) -> Result<(), ControlError> {
+        self.request(Request::Retire {
+            rail: view.key.local_rail,
+            id: view.id,
+        })
+    }
+
+    /// Stops the control thread (pollers keep running). Idempotent.
+    pub fn shutdown(&self) {
+        let _ = self.request(Request::Shutdown);
+        if let Some(thread) = self
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn random_u64() -> u64 {
+    let mut bytes = [0u8; 8];
+    // SAFETY:
+    // - `bytes` is writable for its length; getrandom writes at most that many bytes.
+    let filled = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if filled != bytes.len() as isize {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        return now ^ u64::from(std::process::id()) << 32;
+    }
+    u64::from_le_bytes(bytes)
+}
+
+/// One TCP connection, either direction.
+struct Conn {
+    stream: TcpStream,
+    addr: SocketAddr,
+    decoder: FrameDecoder,
+    out: Vec<u8>,
+    /// A non-blocking connect still in progress.
+    connecting: bool,
+    /// The peer's Hello, once received.
+    peer: Option<(String, Incarnation)>,
+    /// The peer's descriptor has been asked for and not yet received.
+    descriptor_pending: bool,
+    opened: Instant,
+    dialed: bool,
+    closed: bool,
+}
+
+impl Conn {
+    fn send(&mut self, message: &Message) {
+        self.out.extend_from_slice(&message.encode());
+    }
+}
+
+/// An application's connect waiting for the peer's Hello and descriptor.
+struct Waiting {
+    conn: usize,
+    local_rail: u16,
+    remote_rail: u16,
+    reply: Sender<Result<Arc<EndpointView>, ControlError>>,
+    deadline: Instant,
+}
+
+struct Active<Q> {
+    machine: Endpoint,
+    view: Arc<EndpointView>,
+    addr: SocketAddr,
+    /// The queue pair of the epoch being connected.
+    pending: Option<(Epoch, Q)>,
+}
+
+struct Passive<Q> {
+    /// Kept alive: the peer's queue pair is connected to it.
+    _qp: Q,
+    remote_qp_num: u32,
+    local: QpSide,
+}
+
+struct Plane<F: RailFabric> {
+    config: ControlConfig,
+    incarnation: Incarnation,
+    local_addr: SocketAddr,
+    shared: Arc<ControlShared>,
+    rails: Vec<ControlRail<F>>,
+    events: Vec<Consumer<Event>>,
+    listener: TcpListener,
+    requests: Receiver<Request>,
+    wake: UnixStream,
+    conns: Vec<Option<Conn>>,
+    by_addr: HashMap<SocketAddr, usize>,
+    active: HashMap<(u16, EndpointId), Active<F::Qp>>,
+    by_key: HashMap<EndpointKey, EndpointId>,
+    /// Ids whose endpoint drained, per rail.
+    free_ids: Vec<(u16, EndpointId)>,
+    /// The next first epoch of each id that was used (epochs continue across occupants).
+    next_epochs: HashMap<(u16, EndpointId), Epoch>,
+    passive: HashMap<WireKey, Passive<F::Qp>>,
+    /// What each peer name's newest incarnation is, from Hello in either direction.
+    peer_names: HashMap<String, Incarnation>,
+    directory: P2pDirectory,
+    waiting: Vec<Waiting>,
+    warnings: RateLimiter,
+    rng: SplitMix64,
+}
+
+/// Longest the control thread sleeps: pollers' events have no descriptor to wait on.
+const TICK: Duration = Duration::from_millis(1);
+
+impl<F: RailFabric> Plane<F> {
+    fn run(mut self) {
+        loop {
+            let now = Instant::now();
+            if !self.take_requests(now) {
+                self.say_goodbye();
+                return;
+            }
+            self.accept(now);
+            self.service_connections(now);
+            self.take_poller_events(now);
+            self.run_timers(now);
+            self.expire_waiting(now);
+            self.flush_connections();
+            self.sleep();
+        }
+    }
+
+    fn warn(&mut self, kind: WarningKind, message: String) {
+        let counters = &self.shared.counters;
+        match self.warnings.admit(kind, &message, Instant::now()) {
+            Some(line) => {
+                bump(&counters.warnings_printed);
+                if self.config.print_warnings {
+                    eprintln!("railyard[{}]: warning: {line}", self.config.name);
+                }
+            }
+            None => bump(&counters.warnings_suppressed),
+        }
+    }
+
+    /// Applies application requests; `false` on shutdown.
+    fn take_requests(&mut self, now: Instant) -> bool {
+        let mut drain = [0u8; 64];
+        while matches!((&self.wake).read(&mut drain), Ok(n) if n > 0) {}
+        while let Ok(request) = self.requests.try_recv() {
+            match request {
+                Request::Shutdown => return false,
+                Request::Retire { rail, id } => {
+                    if let Some(active) = self.active.get_mut(&(rail, id)) {
+                        active.machine.handle(Input::Retire, now);
+                        self.drive(rail, id, now);
+                    }
+                }
+                Request::Connect {
+                    addr,
+                    local_rail,
+                    remote_rail,
+                    reply,
+                } => {
+                    if usize::from(local_rail) >= self.rails.len() {
+                        let _ = reply.send(Err(ControlError::UnknownRail {
+                            rail: local_rail,
+                            rails: self.rails.len(),
+                        }));
+                        continue;
+                    }
+                    match self.conn_to(addr, now) {
+                        Ok(conn) => self.waiting.push(Waiting {
+                            conn,
+                            local_rail,
+                            remote_rail,
+                            reply,
+                            deadline: now + self.config.policy.connect_timeout,
+                        }),
+                        Err(error) => {
+                            let _ = reply.send(Err(ControlError::Unreachable {
+                                addr,
+                                reason: error.to_string(),
+                            }));
+                        }
+                    }
+                }
+            }
+        }
+        self.resolve_waiting(now);
+        true
+    }
+
+    /// The open connection to `addr`, dialing it (non-blocking) if there is none.
+    fn conn_to(&mut self, addr: SocketAddr, now: Instant) -> io::Result<usize> {
+        if let Some(&index) = self.by_addr.get(&addr) {
+            if self.conns[index].as_ref().is_some_and(|c| !c.closed) {
+                return Ok(index);
+            }
+        }
+        let socket = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            None,
+        )?;
+        socket.set_nonblocking(true)?;
+        socket.set_tcp_nodelay(true)?;
+        let connecting = match socket.connect(&addr.into()) {
+            Ok(()) => false,
+            Err(error) if error.raw_os_error() == Some(libc::EINPROGRESS) => true,
+            Err(error) => return Err(error),
+        };
+        let mut conn = Conn {
+            stream: socket.into(),
+            addr,
+            decoder: FrameDecoder::default(),
+            out: Vec::new(),
+            connecting,
+            peer: None,
+            descriptor_pending: true,
+            opened: now,
+            dialed: true,
+            closed: false,
+        };
+        conn.send(&Message::Hello {
+            name: self.config.name.clone(),
+            incarnation: self.incarnation,
+        });
+        conn.send(&Message::GetDescriptor);
+        let index = self.insert_conn(conn);
+        self.by_addr.insert(addr, index);
+        Ok(index)
+    }
+
+    fn insert_conn(&mut self, conn: Conn) -> usize {
+        if let Some(index) = self.conns.iter().position(Option::is_none) {
+            self.conns[index] = Some(conn);
+            index
+        } else {
+            self.conns.push(Some(conn));
+            self.conns.len() - 1
+        }
+    }
+
+    fn accept(&mut self, now: Instant) {
+        loop {
+            let handshaking = self
+                .conns
+                .iter()
+                .flatten()
+                .filter(|c| !c.dialed && c.peer.is_none() && !c.closed)
+                .count();
+            if handshaking >= self.config.max_handshakes {
+                return;
+            }
+            let Ok((stream, addr)) = self.listener.accept() else {
+                return;
+            };
+            if stream.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let _ = stream.set_nodelay(true);
+            self.insert_conn(Conn {
+                stream,
+                addr,
+                decoder: FrameDecoder::default(),
+                out: Vec::new(),
+                connecting: false,
+                peer: None,
+                descriptor_pending: false,
+                opened: now,
+                dialed: false,
+                closed: false,
+            });
+        }
+    }
+
+    /// Reads every connection and handles whole messages; closes broken ones.
+    fn service_connections(&mut self, now: Instant) {
+        for index in 0..self.conns.len() {
+            let mut messages = Vec::new();
+            let mut failed = None;
+            {
+                let Some(conn) = self.conns[index].as_mut() else {
+                    continue;
+                };
+                if conn.connecting {
+                    match conn.stream.take_error() {
+                        Ok(None) if conn.stream.peer_addr().is_ok() => conn.connecting = false,
+                        Ok(None) => {}
+                        Ok(Some(error)) | Err(error) => failed = Some(error.to_string()),
+                    }
+                }
+                let timed_out = conn.peer.is_none()
+                    && now.duration_since(conn.opened) > self.config.policy.connect_timeout;
+                if timed_out && failed.is_none() {
+                    failed = Some("no handshake within the connect timeout".into());
+                }
+                if failed.is_none() && !conn.connecting {
+                    let mut buffer = [0u8; 16 * 1024];
+                    loop {
+                        match conn.stream.read(&mut buffer) {
+                            Ok(0) => {
+                                failed = Some("the peer closed the connection".into());
+                                break;
+                            }
+                            Ok(n) => conn.decoder.push(&buffer[..n]),
+                            Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+                            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                            Err(error) => {
+                                failed = Some(error.to_string());
+                                break;
+                            }
+                        }
+                    }
+                    loop {
+                        match conn.decoder.next_message() {
+                            Ok(Some(message)) => messages.push(message),
+                            Ok(None) => break,
+                            Err(error) => {
+                                failed = Some(format!("malformed frame: {error}"));
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            for message in messages {
+                self.handle_message(index, message, now);
+            }
+            if let Some(reason) = failed {
+                self.close(index, &reason, now);
+            }
+        }
+    }
+
+    fn flush_connections(&mut self) {
+        let mut broken = Vec::new();
+        for (index, slot) in self.conns.iter_mut().enumerate() {
+            let Some(conn) = slot.as_mut() else { continue };
+            if conn.connecting || conn.out.is_empty() {
+                continue;
+            }
+            match conn.stream.write(&conn.out) {
+                Ok(n) => {
+                    conn.out.drain(..n);
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                Err(error) => broken.push((index, error.to_string())),
+            }
+        }
+        for (index, reason) in broken {
+            self.close(index, &reason, Instant::now());
+        }
+    }
+
+    /// Closes a connection: handshakes waiting on it fail.
+    fn close(&mut self, index: usize, reason: &str, now: Instant) {
+        let Some(conn) = self.conns[index].take() else {
+            return;
+        };
+        if self.by_addr.get(&conn.addr) == Some(&index) {
+            self.by_addr.remove(&conn.addr);
+        }
+        let mut still_waiting = Vec::new();
+        for waiting in std::mem::take(&mut self.waiting) {
+            if waiting.conn == index {
+                let _ = waiting.reply.send(Err(ControlError::Unreachable {
+                    addr: conn.addr,
+                    reason: reason.to_string(),
+                }));
+            } else {
+                still_waiting.push(waiting);
+            }
+        }
+        self.waiting = still_waiting;
+        if conn.dialed {
+            let failing: Vec<(u16, EndpointId, Epoch)> = self
+                .active
+                .iter()
+                .filter(|(_, a)| a.addr == conn.addr)
+                .filter_map(|(&(rail, id), a)| a.pending.as_ref().map(|(e, _)| (rail, id, *e)))
+                .collect();
+            for (rail, id, epoch) in failing {
+                self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
+            }
+        }
+    }
+
+    fn handle_message(&mut self, index: usize, message: Message, now: Instant) {
+        match message {
+            Message::Hello { name, incarnation } => self.on_hello(index, name, incarnation, now),
+            Message::GetDescriptor => {
+                let descriptor = self.local_descriptor();
+                if let Some(conn) = self.conns[index].as_mut() {
+                    conn.send(&Message::Descriptor(descriptor));
+                }
+            }
+            Message::Descriptor(descriptor) => self.on_descriptor(index, descriptor, now),
+            Message::ConnectQp { key, epoch, side } => self.on_connect_qp(index, key, epoch, side),
+            Message::ConnectQpReply { key, epoch, result } => {
+                self.on_connect_reply(key, epoch, result, now);
+            }
+            Message::Notify(_) => {}
+            Message::Bye => self.close(index, "the peer said goodbye", now),
+        }
+    }
+
+    fn local_descriptor(&self) -> SegmentDescriptor {
+        let regions = self
+            .shared
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        SegmentDescriptor {
+            name: self.config.name.clone(),
+            incarnation: self.incarnation,
+            handshake_addr: self.local_addr.to_string(),
+            rails: (0..self.rails.len())
+                .map(|i| crate::descriptor::RailDescriptor {
+                    name: format!("soft{i}"),
+                    fabric: crate::descriptor::fabric::SOFT,
+                })
+                .collect(),
+            regions: regions.1.clone(),
+        }
+    }
+
+    fn on_hello(&mut self, index: usize, name: String, incarnation: Incarnation, now: Instant) {
+        let Some(conn) = self.conns[index].as_mut() else {
+            return;
+        };
+        let first = conn.peer.is_none();
+        conn.peer = Some((name.clone(), incarnation));
+        if first && !conn.dialed {
+            conn.send(&Message::Hello {
+                name: self.config.name.clone(),
+                incarnation: self.incarnation,
+            });
+        }
+        if let Some(old) = self.peer_names.insert(name.clone(), incarnation) {
+            if old != incarnation {
+                self.peer_restarted(&name, old, now);
+            }
+        }
+        self.resolve_waiting(now);
+    }
+
+    /// Everything of `old` (a previous incarnation of `name`) goes: active endpoints fail
+    /// with `PeerRestarted`, passive queue pairs are dropped.
+    fn peer_restarted(&mut self, name: &str, old: Incarnation, now: Instant) {
+        bump(&self.shared.counters.peer_restarts);
+        self.warn(
+            WarningKind::Retire,
+            format!("peer {name} restarted ({old} is gone); retiring its endpoints"),
+        );
+        let stale: Vec<(u16, EndpointId)> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.machine.key().peer == old)
+            .map(|(&k, _)| k)
+            .collect();
+        for (rail, id) in stale {
+            self.handle_input(rail, id, Input::PeerRestarted, now);
+        }
+        let before = self.passive.len();
+        self.passive.retain(|key, _| key.initiator != old);
+        let dropped = (before - self.passive.len()) as u64;
+        self.shared
+            .counters
+            .teardowns
+            .fetch_add(dropped, Ordering::Relaxed);
+    }
+
+    fn on_descriptor(&mut self, index: usize, descriptor: SegmentDescriptor, now: Instant) {
+        if let Some(conn) = self.conns[index].as_mut() {
+            conn.descriptor_pending = false;
+        }
+        let name = descriptor.name.clone();
+        let incarnation = descriptor.incarnation;
+        if let Some(old) = self.directory.record(descriptor) {
+            if self.peer_names.get(&name) != Some(&old) {
+                self.peer_restarted(&name, old, now);
+            }
+        }
+        if let Some(fresh) = self.directory.lookup(&name) {
+            for active in self.active.values() {
+                if active.machine.key().peer == incarnation {
+                    active.view.set_descriptor(fresh.clone());
+                }
+            }
+        }
+        self.resolve_waiting(now);
+    }
+
+    /// Turns connects whose peer is known into endpoints.
+    fn resolve_waiting(&mut self, now: Instant) {
+        let mut still_waiting = Vec::new();
+        for waiting in std::mem::take(&mut self.waiting) {
+            let known = self.conns[waiting.conn].as_ref().and_then(|conn| {
+                let (name, incarnation) = conn.peer.clone()?;
+                (!conn.descriptor_pending).then_some((name, incarnation, conn.addr))
+            });
+            match known {
+                Some((name, incarnation, addr)) => {
+                    let view = self.endpoint_for(
+                        name,
+                        incarnation,
+                        addr,
+                        waiting.local_rail,
+                        waiting.remote_rail,
+                        now,
+                    );
+                    let _ = waiting.reply.send(Ok(view));
+                }
+                None => still_waiting.push(waiting),
+            }
+        }
+        self.waiting = still_waiting;
+    }
+
+    fn expire_waiting(&mut self, now: Instant) {
+        let (expired, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|w| now >= w.deadline);
+        self.waiting = kept;
+        for waiting in expired {
+            let addr = self.conns[waiting.conn]
+                .as_ref()
+                .map_or(self.local_addr, |c| c.addr);
+            let _ = waiting.reply.send(Err(ControlError::Unreachable {
+                addr,
+                reason: "no handshake within the connect timeout".into(),
+            }));
+        }
+    }
+
+    /// The endpoint for a peer incarnation and rails, created if new.
+    fn endpoint_for(
+        &mut self,
+        peer_name: String,
+        incarnation: Incarnation,
+        addr: SocketAddr,
+        local_rail: u16,
+        remote_rail: u16,
+        now: Instant,
+    ) -> Arc<EndpointView> {
+        let key = EndpointKey {
+            peer: incarnation,
+            local_rail,
+            remote_rail,
+        };
+        if let Some(id) = self.by_key.get(&key) {
+            if let Some(active) = self.active.get(&(local_rail, *id)) {
+                return active.view.clone();
+            }
+        }
+        let id = match self
+            .free_ids
+            .iter()
+            .position(|&(rail, _)| rail == local_rail)
+        {
+            Some(position) => self.free_ids.swap_remove(position).1,
+            None => {
+                let endpoints = self.shared.rails[usize::from(local_rail)]
+                    .endpoints
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .len();
+                EndpointId(endpoints as u32)
+            }
+        };
+        let first_epoch = self
+            .next_epochs
+            .get(&(local_rail, id))
+            .copied()
+            .unwrap_or(Epoch::FIRST);
+        let view = Arc::new(EndpointView {
+            id,
+            key,
+            peer_name: peer_name.clone(),
+            first_epoch,
+            epoch: AtomicU64::new(0),
+            phase: AtomicU8::new(0),
+            descriptor: RwLock::new(self.directory.lookup(&peer_name)),
+        });
+        {
+            let mut endpoints = self.shared.rails[usize::from(local_rail)]
+                .endpoints
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            let index = id.0 as usize;
+            if endpoints.len() <= index {
+                endpoints.resize(index + 1, None);
+            }
+            endpoints[index] = Some(view.clone());
+        }
+        let seed = self.rng.next_u64();
+        let mut machine = Endpoint::new(key, self.config.policy.clone(), SplitMix64::new(seed));
+        machine.start_at(first_epoch);
+        self.by_key.insert(key, id);
+        self.active.insert(
+            (local_rail, id),
+            Active {
+                machine,
+                view: view.clone(),
+                addr,
+                pending: None,
+            },
+        );
+        self.handle_input(local_rail, id, Input::ConnectWanted, now);
+        view
+    }
+
+    fn on_connect_qp(&mut self, index: usize, key: WireKey, epoch: u64, side: QpSide) {
+        let reply = self.answer_connect_qp(key, &side);
+        let message = Message::ConnectQpReply {
+            key,
+            epoch,
+            result: reply,
+        };
+        if let Some(conn) = self.conns[index].as_mut() {
+            conn.send(&message);
+        }
+    }
+
+    fn answer_connect_qp(&mut self, key: WireKey, side: &QpSide) -> Result<QpSide, String> {
+        let Some(rail) = self.rails.get(usize::from(key.target_rail)) else {
+            bump(&self.shared.counters.refused);
+            return Err(format!(
+                "rail {} does not exist (this process has {})",
+                key.target_rail,
+                self.rails.len()
+            ));
+        };
+        if let Some(existing) = self.passive.get(&key) {
+            if existing.remote_qp_num == side.info.qp_num {
+                bump(&self.shared.counters.idempotent_replies);
+                return Ok(existing.local.clone());
+            }
+        }
+        let (mut qp, local) = rail.fabric.create_qp()?;
+        if let Err(reason) = rail.fabric.connect_qp(&mut qp, side) {
+            bump(&self.shared.counters.refused);
+            return Err(reason);
+        }
+        bump(&self.shared.counters.passive_qps);
+        let replaced = self.passive.insert(
+            key,
+            Passive {
+                _qp: qp,
+                remote_qp_num: side.info.qp_num,
+                local: local.clone(),
+            },
+        );
+        if replaced.is_some() {
+            bump(&self.shared.counters.teardowns);
+        }
+        Ok(local)
+    }
+
+    fn on_connect_reply(
+        &mut self,
+        key: WireKey,
+        epoch: u64,
+        result: Result<QpSide, String>,
+        now: Instant,
+    ) {
+        if key.initiator != self.incarnation {
+            return;
+        }
+        if epoch == 0 {
+            return;
+        }
+        let epoch = Epoch::new(epoch);
+        let found = self.active.iter_mut().find(|(_, a)| {
+            a.machine.key().local_rail == key.initiator_rail
+                && a.machine.key().remote_rail == key.target_rail
+                && a.pending.as_ref().is_some_and(|(e, _)| *e == epoch)
+        });
+        let Some((&(rail, id), active)) = found else {
+            return;
+        };
+        let Some((_, mut qp)) = active.pending.take() else {
+            return;
+        };
+        let fabric = &self.rails[usize::from(rail)].fabric;
+        let outcome = result
+            .and_then(|side| fabric.connect_qp(&mut qp, &side))
+            .and_then(|()| fabric.stage(id, epoch, qp));
+        match outcome {
+            Ok(()) => self.handle_input(rail, id, Input::HandshakeDone { epoch }, now),
+            Err(reason) => {
+                let peer = active.view.peer_name.clone();
+                self.warn(
+                    WarningKind::Handshake,
+                    format!("queue pair for {peer} at {epoch} refused: {reason}"),
+                );
+                self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
+            }
+        }
+    }
+
+    fn take_poller_events(&mut self, now: Instant) {
+        for rail in 0..self.events.len() {
+            while let Some(event) = self.events[rail].pop() {
+                let rail = rail as u16;
+                match event {
+                    Event::QpFailed {
+                        endpoint,
+                        epoch,
+                        status,
+                    } => {
+                        self.handle_input(rail, endpoint, Input::QpError { epoch, status }, now);
+                    }
+                    Event::QpFatal { endpoint, epoch } => {
+                        self.handle_input(rail, endpoint, Input::QpFatal { epoch }, now);
+                    }
+                    Event::ConnectFailed {
+                        endpoint, epoch, ..
+                    } => {
+                        self.handle_input(rail, endpoint, Input::HandshakeFailed { epoch }, now);
+                    }
+                    Event::Confirmed { endpoint, epoch } => {
+                        self.handle_input(rail, endpoint, Input::Confirmed { epoch }, now);
+                    }
+                    Event::EndpointDrained { endpoint } => self.drained(rail, endpoint),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// A retired endpoint has nothing in flight: its id may be reused.
+    fn drained(&mut self, rail: u16, id: EndpointId) {
+        let Some(active) = self.active.get(&(rail, id)) else {
+            return;
+        };
+        if active.machine.phase() != Phase::Retired {
+            return;
+        }
+        let next = active.machine.epoch().map_or(Epoch::FIRST, Epoch::next);
+        let key = active.machine.key();
+        self.active.remove(&(rail, id));
+        if self.by_key.get(&key) == Some(&id) {
+            self.by_key.remove(&key);
+        }
+        self.next_epochs.insert((rail, id), next);
+        if let Some(slot) = self.shared.rails[usize::from(rail)]
+            .endpoints
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(id.0 as usize)
+        {
+            *slot = None;
+        }
+        self.free_ids.push((rail, id));
+    }
+
+    fn run_timers(&mut self, now: Instant) {
+        let due: Vec<(u16, EndpointId)> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.machine.next_timeout().is_some_and(|t| t <= now))
+            .map(|(&k, _)| k)
+            .collect();
+        for (rail, id) in due {
+            if let Some(active) = self.active.get_mut(&(rail, id)) {
+                active.machine.handle_timeout(now);
+            }
+            self.drive(rail, id, now);
+        }
+    }
+
+    fn handle_input(&mut self, rail: u16, id: EndpointId, input: Input, now: Instant) {
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        active.machine.handle(input, now);
+        self.drive(rail, id, now);
+    }
+
+    /// Carries out an endpoint's outputs.
+    fn drive(&mut self, rail: u16, id: EndpointId, now: Instant) {
+        loop {
+            let Some(active) = self.active.get_mut(&(rail, id)) else {
+                return;
+            };
+            active.view.set_phase(active.machine.phase());
+            let Some(output) = active.machine.poll_output() else {
+                return;
+            };
+            let poller = self.rails[usize::from(rail)].poller.clone();
+            match output {
+                Output::CreateQp { epoch } => self.create_qp(rail, id, epoch, now),
+                Output::ConnectQp { epoch } => {
+                    active.view.epoch.store(epoch.get(), Ordering::Release);
+                    let _ = poller.send(Command::AddEndpoint {
+                        endpoint: id,
+                        epoch,
+                    });
+                }
+                Output::RefreshDescriptor => {
+                    let (addr, name) = (active.addr, active.view.peer_name.clone());
+                    self.directory.invalidate(&name);
+                    if let Some(&index) = self.by_addr.get(&addr) {
+                        if let Some(conn) = self.conns[index].as_mut() {
+                            conn.descriptor_pending = true;
+                            conn.send(&Message::GetDescriptor);
+                        }
+                    }
+                }
+                Output::RetireEndpoint { reason } => {
+                    bump(&self.shared.counters.teardowns);
+                    let peer = active.view.peer_name.clone();
+                    let _ = poller.send(Command::RetireEndpoint {
+                        endpoint: id,
+                        reason,
+                    });
+                    self.warn(
+                        WarningKind::Retire,
+                        format!("endpoint {id:?} to {peer} retired: {reason}"),
+                    );
+                }
+                Output::OpenCircuit => {
+                    bump(&self.shared.counters.circuit_openings);
+                    let peer = active.view.peer_name.clone();
+                    let _ = poller.send(Command::SetCircuit {
+                        endpoint: id,
+                        open: true,
+                    });
+                    self.warn(
+                        WarningKind::Circuit,
+                        format!("circuit to {peer} opened: it fails fast with PeerUnavailable"),
+                    );
+                }
+                Output::CloseCircuit => {
+                    let _ = poller.send(Command::SetCircuit {
+                        endpoint: id,
+                        open: false,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Creates a queue pair for `epoch` and sends its ConnectQp (fetching the descriptor
+    /// first on a reconnect, on the same ordered connection).
+    fn create_qp(&mut self, rail: u16, id: EndpointId, epoch: Epoch, now: Instant) {
+        let Some(active) = self.active.get(&(rail, id)) else {
+            return;
+        };
+        let (addr, key, peer) = (
+            active.addr,
+            active.machine.key(),
+            active.view.peer_name.clone(),
+        );
+        let reconnect = epoch != active.view.first_epoch;
+        let conn = match self.conn_to(addr, now) {
+            Ok(conn) => conn,
+            Err(error) => {
+                self.warn(
+                    WarningKind::Handshake,
+                    format!("cannot dial {peer} at {addr}: {error}"),
+                );
+                return self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
+            }
+        };
+        let created = self.rails[usize::from(rail)].fabric.create_qp();
+        let (qp, side) = match created {
+            Ok(created) => created,
+            Err(reason) => {
+                self.warn(
+                    WarningKind::Handshake,
+                    format!("cannot create a queue pair for {peer}: {reason}"),
+                );
+                return self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
+            }
+        };
+        bump(&self.shared.counters.active_qps);
+        if reconnect {
+            bump(&self.shared.counters.reconnects);
+            self.warn(
+                WarningKind::Reconnect,
+                format!("reconnecting to {peer} at {epoch}"),
+            );
+        }
+        if let Some(conn) = self.conns[conn].as_mut() {
+            if reconnect {
+                conn.send(&Message::GetDescriptor);
+            }
+            conn.send(&Message::ConnectQp {
+                key: WireKey {
+                    initiator: self.incarnation,
+                    initiator_rail: key.local_rail,
+                    target_rail: key.remote_rail,
+                },
+                epoch: epoch.get(),
+                side,
+            });
+        }
+        if let Some(active) = self.active.get_mut(&(rail, id)) {
+            active.pending = Some((epoch, qp));
+        }
+    }
+
+    fn say_goodbye(&mut self) {
+        for conn in self.conns.iter_mut().flatten() {
+            conn.send(&Message::Bye);
+        }
+        self.flush_connections();
+    }
+
+    /// Waits for socket readiness, a wake-up, or the next tick.
+    fn sleep(&mut self) {
+        let mut fds = vec![
+            libc::pollfd {
+                fd: self.listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        for conn in self.conns.iter().flatten() {
+            let mut events = libc::POLLIN;
+            if conn.connecting || !conn.out.is_empty() {
+                events |= libc::POLLOUT;
+            }
+            fds.push(libc::pollfd {
+                fd: conn.stream.as_raw_fd(),
+                events,
+                revents: 0,
+            });
+        }
+        let timeout = TICK.as_millis() as libc::c_int;
+        // SAFETY:
+        // - `fds` is a valid array of `fds.len()` pollfd structs that lives across the call;
+        //   every descriptor in it is owned by this thread and open.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+    }
+}

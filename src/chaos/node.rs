@@ -1,0 +1,321 @@
+//! A process's worth of railyard for the scenarios: soft rails, their pollers, a control
+//! plane, and registered memory — the pieces the Engine API will own, wired by hand. Every
+//! poller's fabric is wrapped in an [`Observed`] fabric that checks, at the fabric boundary
+//! and independently of the poller, that no work request is posted on a queue pair newer
+//! than the epoch it was prepared for.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use railyard_control::{
+    ControlConfig, ControlPlane, ControlRail, ControlShared, Incarnation, Policy, RegionDescriptor,
+};
+use railyard_dataplane::fabric::soft::{FaultHandle, SoftBuffer, SoftConfig, SoftDevice};
+use railyard_dataplane::fabric::{
+    Access, AsyncEvent, Fabric, FabricError, MemoryRegion, PostError, QpNum, WcStatus,
+    WorkCompletion, WorkRequest,
+};
+use railyard_dataplane::{EndpointId, Epoch, IdleStrategy, PollerConfig, PollerHandle};
+
+/// What an [`Observed`] fabric saw.
+#[derive(Debug, Default)]
+pub struct Observations {
+    /// Work requests posted with an epoch older than their queue pair's.
+    pub stale_posts: AtomicU64,
+    /// Work requests posted.
+    pub posted: AtomicU64,
+    /// Queue pairs connected.
+    pub connects: AtomicU64,
+    /// Error completions by status (index: [`status_index`]).
+    pub errors: [AtomicU64; 7],
+}
+
+/// A dense index of a completion status.
+pub fn status_index(status: WcStatus) -> usize {
+    match status {
+        WcStatus::Success => 0,
+        WcStatus::LocLenErr => 1,
+        WcStatus::LocProtErr => 2,
+        WcStatus::RemAccessErr => 3,
+        WcStatus::RemInvReqErr => 4,
+        WcStatus::RetryExcErr => 5,
+        WcStatus::WrFlushErr => 6,
+    }
+}
+
+/// A fabric wrapper that records each queue pair's epoch at connect and checks every
+/// posted request against it.
+pub struct Observed<F> {
+    inner: F,
+    epochs: HashMap<QpNum, Epoch>,
+    seen: Arc<Observations>,
+}
+
+impl<F: Fabric> Observed<F> {
+    /// Wraps `inner`; what it sees goes to `seen`.
+    pub fn new(inner: F, seen: Arc<Observations>) -> Self {
+        Self {
+            inner,
+            epochs: HashMap::new(),
+            seen,
+        }
+    }
+}
+
+impl<F: Fabric> Fabric for Observed<F> {
+    fn connect(&mut self, endpoint: EndpointId, epoch: Epoch) -> Result<QpNum, FabricError> {
+        let qp = self.inner.connect(endpoint, epoch)?;
+        self.epochs.insert(qp, epoch);
+        self.seen.connects.fetch_add(1, Ordering::Relaxed);
+        Ok(qp)
+    }
+
+    fn post(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
+        if let Some(&qp_epoch) = self.epochs.get(&qp) {
+            let stale = requests
+                .iter()
+                .filter(|request| request.epoch.is_older_than(qp_epoch))
+                .count();
+            self.seen
+                .stale_posts
+                .fetch_add(stale as u64, Ordering::Relaxed);
+        }
+        self.seen
+            .posted
+            .fetch_add(requests.len() as u64, Ordering::Relaxed);
+        self.inner.post(qp, requests)
+    }
+
+    fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        let start = out.len();
+        let count = self.inner.poll(out, max);
+        for completion in &out[start..] {
+            if completion.status != WcStatus::Success {
+                self.seen.errors[status_index(completion.status)].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        count
+    }
+
+    fn retire(&mut self, qp: QpNum) {
+        self.epochs.remove(&qp);
+        self.inner.retire(qp);
+    }
+
+    fn poll_event(&mut self) -> Option<AsyncEvent> {
+        self.inner.poll_event()
+    }
+}
+
+/// A registered region of a node: one allocation, registered on every rail.
+pub struct NodeRegion {
+    /// The engine-allocated memory (registered on rail 0).
+    pub buffer: SoftBuffer,
+    /// Its registration on each rail.
+    pub regions: Vec<MemoryRegion>,
+    /// Bumped at each re-registration.
+    pub generation: u64,
+}
+
+/// One process's worth of railyard: see the module docs.
+pub struct Node {
+    /// Its segment name.
+    pub name: String,
+    /// One soft device per rail.
+    pub devices: Vec<SoftDevice>,
+    /// One poller per rail.
+    pub pollers: Vec<Arc<PollerHandle>>,
+    /// What each rail's fabric saw.
+    pub observations: Vec<Arc<Observations>>,
+    /// Its control plane.
+    pub control: ControlPlane,
+    /// Shared with the control plane and the pollers' hooks.
+    pub shared: Arc<ControlShared>,
+    /// Its registered regions.
+    pub regions: Vec<NodeRegion>,
+}
+
+impl Node {
+    /// Starts a node with `rails` soft rails listening on `listen`.
+    ///
+    /// # Errors
+    /// When a device, poller or the listener cannot start.
+    pub fn start(
+        name: &str,
+        rails: usize,
+        listen: SocketAddr,
+        seed: u64,
+        policy: Policy,
+        incarnation: Option<Incarnation>,
+    ) -> Result<Self> {
+        let shared = ControlShared::new(rails);
+        let mut devices = Vec::new();
+        let mut pollers = Vec::new();
+        let mut observations = Vec::new();
+        let mut control_rails = Vec::new();
+        for rail in 0..rails {
+            let device = SoftDevice::open(format!("{name}-soft{rail}"), SoftConfig::default())
+                .context("opening a soft device")?;
+            let seen = Arc::new(Observations::default());
+            let config = PollerConfig {
+                idle: IdleStrategy::SpinThenPark {
+                    spins: 256,
+                    park: Duration::from_millis(1),
+                },
+                ..PollerConfig::new(format!("{name}-rail{rail}"))
+            };
+            let poller = Arc::new(
+                PollerHandle::spawn(
+                    config,
+                    Observed::new(device.fabric(), seen.clone()),
+                    shared.reprepare_hook(rail as u16),
+                )
+                .context("starting a poller")?,
+            );
+            control_rails.push(ControlRail {
+                fabric: device.clone(),
+                poller: poller.clone(),
+            });
+            devices.push(device);
+            pollers.push(poller);
+            observations.push(seen);
+        }
+        let config = ControlConfig {
+            listen,
+            policy,
+            seed,
+            incarnation,
+            print_warnings: false,
+            ..ControlConfig::new(name)
+        };
+        let control = ControlPlane::start(config, control_rails, shared.clone())
+            .with_context(|| format!("starting the control plane of {name}"))?;
+        Ok(Self {
+            name: name.to_string(),
+            devices,
+            pollers,
+            observations,
+            control,
+            shared,
+            regions: Vec::new(),
+        })
+    }
+
+    /// Where its handshake listener is.
+    pub fn addr(&self) -> SocketAddr {
+        self.control.local_addr()
+    }
+
+    /// Allocates `len` bytes registered on every rail and publishes them; returns its index.
+    ///
+    /// # Errors
+    /// When memory cannot be allocated or registered.
+    pub fn alloc(&mut self, len: usize) -> Result<usize> {
+        let buffer = self.devices[0].alloc(len, Access::ALL)?;
+        let regions = self.register_everywhere(&buffer)?;
+        self.regions.push(NodeRegion {
+            buffer,
+            regions,
+            generation: 1,
+        });
+        self.publish();
+        Ok(self.regions.len() - 1)
+    }
+
+    fn register_everywhere(&self, buffer: &SoftBuffer) -> Result<Vec<MemoryRegion>> {
+        let mut regions = vec![buffer.region()];
+        for device in &self.devices[1..] {
+            // SAFETY:
+            // - The buffer outlives this registration: `reregister` and `Drop` of the node
+            //   deregister before the buffer can go.
+            let region = unsafe { device.register(buffer.as_ptr(), buffer.len(), Access::ALL) }?;
+            regions.push(region);
+        }
+        Ok(regions)
+    }
+
+    /// Registers region `index` again (new keys on every rail, old ones withdrawn) and
+    /// publishes the new generation — what a peer does when it rebuilds its cache pool.
+    ///
+    /// # Errors
+    /// When the new registration fails.
+    pub fn reregister(&mut self, index: usize) -> Result<()> {
+        let region = &self.regions[index];
+        let mut fresh = Vec::new();
+        for device in &self.devices {
+            // SAFETY:
+            // - As in `register_everywhere`: the buffer outlives every registration of it.
+            let registered = unsafe {
+                device.register(region.buffer.as_ptr(), region.buffer.len(), Access::ALL)
+            }?;
+            fresh.push(registered);
+        }
+        for (device, old) in self.devices.iter().zip(&region.regions) {
+            device.deregister(old)?;
+        }
+        let region = &mut self.regions[index];
+        region.regions = fresh;
+        region.generation += 1;
+        self.publish();
+        Ok(())
+    }
+
+    fn publish(&self) {
+        self.shared.set_regions(
+            self.regions
+                .iter()
+                .map(|region| RegionDescriptor {
+                    base: region.buffer.region().addr,
+                    len: region.buffer.len() as u64,
+                    rkeys: region.regions.iter().map(|r| r.rkey).collect(),
+                    generation: region.generation,
+                })
+                .collect(),
+        );
+    }
+
+    /// The fault plan of rail `rail`.
+    pub fn faults(&self, rail: usize) -> FaultHandle {
+        self.devices[rail].faults()
+    }
+
+    /// Stale posts seen on all rails.
+    pub fn stale_posts(&self) -> u64 {
+        self.observations
+            .iter()
+            .map(|o| o.stale_posts.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Error completions with `status` on all rails.
+    pub fn errors(&self, status: WcStatus) -> u64 {
+        self.observations
+            .iter()
+            .map(|o| o.errors[status_index(status)].load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Stops the control plane, then the pollers (every slice resolves).
+    pub fn stop(&self) {
+        self.control.shutdown();
+        for poller in &self.pollers {
+            poller.shutdown();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop();
+        // Registrations on rails other than the buffer's own go before the buffer does.
+        for region in &self.regions {
+            for (device, registered) in self.devices.iter().zip(&region.regions).skip(1) {
+                let _ = device.deregister(registered);
+            }
+        }
+    }
+}
