@@ -1,4 +1,5 @@
-//! The `railyard` command line: `railyard topology` today, `serve` and `bench` later.
+//! The `railyard` command line: `railyard topology`, `railyard chaos`; `serve` and `bench`
+//! come with the Engine API.
 
 mod cli;
 
@@ -9,7 +10,7 @@ use clap::Parser;
 fn main() -> ExitCode {
     let command = cli::Cli::parse();
     match command.run() {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(error) => {
             // One line: the error and its causes, never a backtrace.
             eprintln!("railyard: error: {error:#}");

@@ -1061,7 +1061,9 @@ impl<F: RailFabric> Plane<F> {
         };
         if let Some(id) = self.by_key.get(&key) {
             if let Some(active) = self.active.get(&(local_rail, *id)) {
-                return active.view.clone();
+                if active.machine.phase() != Phase::Retired {
+                    return active.view.clone();
+                }
             }
         }
         let id = match self
@@ -1134,6 +1136,13 @@ impl<F: RailFabric> Plane<F> {
     }
 
     fn answer_connect_qp(&mut self, key: WireKey, side: &QpSide) -> Result<QpSide, String> {
+        if key.target != self.incarnation {
+            bump(&self.shared.counters.refused);
+            return Err(format!(
+                "the queue pair is meant for incarnation {}, this process is {}",
+                key.target, self.incarnation
+            ));
+        }
         let Some(rail) = self.rails.get(usize::from(key.target_rail)) else {
             bump(&self.shared.counters.refused);
             return Err(format!(
@@ -1401,6 +1410,7 @@ impl<F: RailFabric> Plane<F> {
             conn.send(&Message::ConnectQp {
                 key: WireKey {
                     initiator: self.incarnation,
+                    target: key.peer,
                     initiator_rail: key.local_rail,
                     target_rail: key.remote_rail,
                 },

@@ -28,11 +28,15 @@ pub const MAX_STRING: usize = 4096;
 /// Longest fabric attachment.
 pub const MAX_ATTACHMENT: usize = 1024;
 
-/// Which endpoint a ConnectQp is for: the dialer's incarnation and the two rails.
+/// Which endpoint a ConnectQp is for: the dialer's incarnation, the listener incarnation the
+/// dialer means (a process that took over the address refuses what was meant for its
+/// predecessor), and the two rails.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct WireKey {
     /// The dialing process.
     pub initiator: Incarnation,
+    /// The listening process the dialer means.
+    pub target: Incarnation,
     /// The dialer's rail.
     pub initiator_rail: u16,
     /// The listener's rail.
@@ -174,6 +178,7 @@ impl Writer {
     }
     fn key(&mut self, key: &WireKey) {
         self.u64(key.initiator.0);
+        self.u64(key.target.0);
         self.u16(key.initiator_rail);
         self.u16(key.target_rail);
     }
@@ -248,6 +253,7 @@ impl<'a> Reader<'a> {
     fn key(&mut self) -> Result<WireKey, WireError> {
         Ok(WireKey {
             initiator: Incarnation(self.u64("initiator incarnation")?),
+            target: Incarnation(self.u64("target incarnation")?),
             initiator_rail: self.u16("initiator rail")?,
             target_rail: self.u16("target rail")?,
         })
@@ -519,8 +525,9 @@ mod tests {
     }
 
     fn key() -> impl Strategy<Value = WireKey> {
-        (any::<u64>(), any::<u16>(), any::<u16>()).prop_map(|(i, a, b)| WireKey {
+        (any::<u64>(), any::<u64>(), any::<u16>(), any::<u16>()).prop_map(|(i, t, a, b)| WireKey {
             initiator: Incarnation(i),
+            target: Incarnation(t),
             initiator_rail: a,
             target_rail: b,
         })

@@ -2,5 +2,149 @@
 //! fault plans: each scenario runs whole nodes (rails, pollers, control planes) in this
 //! process, injects its failure deterministically from a seed, and reports what happened
 //! as counts. `railyard chaos <scenario>` prints them; the integration tests assert them.
+//!
+//! | scenario | what it does | what must hold |
+//! |---|---|---|
+//! | [`storm`] `reconnect-storm` | a LOC_LEN_ERR with stale keys waiting behind it | no stale post, ≤ 1 reconnect, nothing lost |
+//! | [`race`] `teardown-race` | full-rate submitters while endpoints are retired and queue pairs fail thousands of times | no crash, nothing lost or resolved twice, no stale post |
+//! | [`churn`] `handshake-churn` | one peer repeats its handshake; two peers on one host | no teardown, no reconnect, bounded warnings |
+//! | [`replica`] `dead-replica` | one of four peers dies; a new process takes its port | live peers keep ≥ 80 % throughput, the dead one fails fast, nothing reaches the newcomer |
 
+pub mod churn;
 pub mod node;
+pub mod race;
+pub mod replica;
+pub mod storm;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use railyard_control::EndpointView;
+use railyard_dataplane::fabric::{MemoryRegion, Opcode};
+use railyard_dataplane::{Epoch, SliceSpec};
+
+/// Every wait in a scenario ends by this bound.
+pub const BOUND: Duration = Duration::from_secs(10);
+
+/// The scenarios, by their command-line names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scenario {
+    /// [`storm`].
+    ReconnectStorm,
+    /// [`race`].
+    TeardownRace,
+    /// [`churn`].
+    HandshakeChurn,
+    /// [`replica`].
+    DeadReplica,
+}
+
+impl Scenario {
+    /// Every scenario, in the order DESIGN.md lists the failures.
+    pub const ALL: [Self; 4] = [
+        Self::ReconnectStorm,
+        Self::TeardownRace,
+        Self::HandshakeChurn,
+        Self::DeadReplica,
+    ];
+
+    /// Its command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ReconnectStorm => "reconnect-storm",
+            Self::TeardownRace => "teardown-race",
+            Self::HandshakeChurn => "handshake-churn",
+            Self::DeadReplica => "dead-replica",
+        }
+    }
+
+    /// The scenario called `name`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.name() == name)
+    }
+}
+
+/// What a scenario reports: its counts as JSON, and what it promised but did not hold.
+#[derive(Debug)]
+pub struct Outcome {
+    /// The counts (field names are the contract).
+    pub counts: serde_json::Value,
+    /// Broken promises; empty when the scenario held.
+    pub violations: Vec<String>,
+}
+
+/// Runs `scenario` with `seed`.
+///
+/// # Errors
+/// When the scenario could not run at all (a node did not start, a peer never connected).
+pub fn run(scenario: Scenario, seed: u64) -> anyhow::Result<Outcome> {
+    fn outcome<R: serde::Serialize>(
+        report: &R,
+        violations: Vec<String>,
+    ) -> anyhow::Result<Outcome> {
+        Ok(Outcome {
+            counts: serde_json::to_value(report)?,
+            violations,
+        })
+    }
+    match scenario {
+        Scenario::ReconnectStorm => {
+            let report = storm::run(seed)?;
+            outcome(&report, report.violations())
+        }
+        Scenario::TeardownRace => {
+            let report = race::run(seed)?;
+            outcome(&report, report.violations())
+        }
+        Scenario::HandshakeChurn => {
+            let report = churn::run(seed)?;
+            outcome(&report, report.violations())
+        }
+        Scenario::DeadReplica => {
+            let report = replica::run(seed)?;
+            outcome(&report, report.violations())
+        }
+    }
+}
+
+fn any_port() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+/// Fills `bytes` with a pattern that depends on `seed` and the position.
+fn fill_pattern(bytes: &mut [u8], seed: u64) {
+    let mut state = railyard_dataplane::rng::SplitMix64::new(seed);
+    for chunk in bytes.chunks_mut(8) {
+        let word = state.next_u64().to_le_bytes();
+        chunk.copy_from_slice(&word[..chunk.len()]);
+    }
+}
+
+fn pattern_matches(landed: &[u8], sent: &[u8]) -> bool {
+    landed == sent
+}
+
+/// A WRITE slice of `len` bytes for request `request`: from `local` (region, offset) to
+/// `remote` (address, rkey) through `view`'s endpoint, prepared for `epoch`.
+fn write_slice(
+    view: &EndpointView,
+    epoch: Epoch,
+    request: u32,
+    local: (MemoryRegion, u64),
+    remote: (u64, u32),
+    len: usize,
+) -> SliceSpec {
+    SliceSpec {
+        rail: 0,
+        request,
+        opcode: Opcode::Write,
+        local_addr: local.0.addr + local.1,
+        lkey: local.0.lkey,
+        remote_addr: remote.0,
+        rkey: remote.1,
+        len: len as u32,
+        imm: 0,
+        endpoint: view.id,
+        epoch,
+    }
+}

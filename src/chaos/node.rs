@@ -32,6 +32,11 @@ pub struct Observations {
     pub connects: AtomicU64,
     /// Error completions by status (index: [`status_index`]).
     pub errors: [AtomicU64; 7],
+    /// QP-fatal events.
+    pub fatal_events: AtomicU64,
+    /// Error completions other than flushes on any queue pair but the first connected: a
+    /// queue pair taken down after a reconnect.
+    pub late_errors: AtomicU64,
 }
 
 /// A dense index of a completion status.
@@ -52,6 +57,7 @@ pub fn status_index(status: WcStatus) -> usize {
 pub struct Observed<F> {
     inner: F,
     epochs: HashMap<QpNum, Epoch>,
+    first_qp: Option<QpNum>,
     seen: Arc<Observations>,
 }
 
@@ -61,6 +67,7 @@ impl<F: Fabric> Observed<F> {
         Self {
             inner,
             epochs: HashMap::new(),
+            first_qp: None,
             seen,
         }
     }
@@ -70,6 +77,7 @@ impl<F: Fabric> Fabric for Observed<F> {
     fn connect(&mut self, endpoint: EndpointId, epoch: Epoch) -> Result<QpNum, FabricError> {
         let qp = self.inner.connect(endpoint, epoch)?;
         self.epochs.insert(qp, epoch);
+        self.first_qp.get_or_insert(qp);
         self.seen.connects.fetch_add(1, Ordering::Relaxed);
         Ok(qp)
     }
@@ -97,6 +105,12 @@ impl<F: Fabric> Fabric for Observed<F> {
             if completion.status != WcStatus::Success {
                 self.seen.errors[status_index(completion.status)].fetch_add(1, Ordering::Relaxed);
             }
+            if completion.status != WcStatus::Success
+                && completion.status != WcStatus::WrFlushErr
+                && self.first_qp != Some(completion.qp)
+            {
+                self.seen.late_errors.fetch_add(1, Ordering::Relaxed);
+            }
         }
         count
     }
@@ -107,7 +121,11 @@ impl<F: Fabric> Fabric for Observed<F> {
     }
 
     fn poll_event(&mut self) -> Option<AsyncEvent> {
-        self.inner.poll_event()
+        let event = self.inner.poll_event();
+        if event.is_some() {
+            self.seen.fatal_events.fetch_add(1, Ordering::Relaxed);
+        }
+        event
     }
 }
 
@@ -288,6 +306,22 @@ impl Node {
         self.observations
             .iter()
             .map(|o| o.stale_posts.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Non-flush error completions on queue pairs after each rail's first.
+    pub fn late_errors(&self) -> u64 {
+        self.observations
+            .iter()
+            .map(|o| o.late_errors.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Queue pairs that raised QP fatal, on all rails.
+    pub fn fatal_events(&self) -> u64 {
+        self.observations
+            .iter()
+            .map(|o| o.fatal_events.load(Ordering::Relaxed))
             .sum()
     }
 

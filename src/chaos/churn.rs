@@ -1,0 +1,232 @@
+//! `handshake-churn`: repeated handshakes from an unchanged peer change nothing, and two
+//! peer processes on one host are two peers.
+//!
+//! A raw peer (this module speaking the wire format with its own soft device) connects a
+//! queue pair to the target, then repeats the very same Hello and ConnectQp — same
+//! incarnation, same queue pair — on a new TCP connection each time, as a peer whose
+//! connections keep dropping would. Each answer must be the target's same queue pair.
+//! Meanwhile two initiator nodes on this host (two incarnations, two ports) connect to the
+//! target and write, and ask again for their endpoints. Elsewhere each repeat was a
+//! reconnect (address-vector churn, warning floods), and peers keyed by `host@nic` overwrote
+//! each other.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use railyard_control::wire::{FrameDecoder, Message, QpSide, WireKey};
+use railyard_control::{Incarnation, Policy, RailFabric};
+use railyard_dataplane::fabric::soft::{SoftConfig, SoftDevice};
+use railyard_dataplane::{RequestOutcome, Submitter};
+use serde::Serialize;
+
+use super::node::Node;
+use super::{BOUND, any_port, write_slice};
+
+/// What happened.
+#[derive(Debug, Serialize)]
+pub struct ChurnReport {
+    /// The seed.
+    pub seed: u64,
+    /// Handshakes the raw peer repeated.
+    pub repeated_handshakes: u64,
+    /// Passive queue pairs torn down or replaced, and endpoints retired, on every node.
+    pub teardowns: u64,
+    /// Queue pairs created after an endpoint's first, on every node.
+    pub reconnects: u64,
+    /// Passive queue pairs the target made (one per peer).
+    pub passive_qps: u64,
+    /// Repeats the target answered without change.
+    pub idempotent_replies: u64,
+    /// Repeats answered with a different queue pair than the first answer.
+    pub changed_answers: u64,
+    /// Warning lines printed by every node.
+    pub warning_lines: u64,
+    /// Whether both initiators on this host got distinct endpoints and their bytes arrived.
+    pub peers_distinct: bool,
+}
+
+/// Warning lines the scenario tolerates.
+pub const WARNING_BOUND: u64 = 10;
+
+impl ChurnReport {
+    /// Broken promises, empty when the run held.
+    pub fn violations(&self) -> Vec<String> {
+        let mut broken = Vec::new();
+        if self.teardowns != 0 {
+            broken.push(format!("teardowns = {} (must be 0)", self.teardowns));
+        }
+        if self.reconnects != 0 {
+            broken.push(format!("reconnects = {} (must be 0)", self.reconnects));
+        }
+        if self.changed_answers != 0 {
+            broken.push(format!(
+                "{} repeated handshakes were answered with another queue pair",
+                self.changed_answers
+            ));
+        }
+        if self.idempotent_replies + 1 < self.repeated_handshakes {
+            broken.push(format!(
+                "only {} of {} repeats were answered idempotently",
+                self.idempotent_replies, self.repeated_handshakes
+            ));
+        }
+        if self.warning_lines > WARNING_BOUND {
+            broken.push(format!(
+                "warning_lines = {} (bound {WARNING_BOUND})",
+                self.warning_lines
+            ));
+        }
+        if !self.peers_distinct {
+            broken.push("two peers on one host were not two endpoints".into());
+        }
+        broken
+    }
+}
+
+/// One Hello + ConnectQp exchange on a fresh connection; returns the target's side.
+fn handshake_once(
+    addr: SocketAddr,
+    name: &str,
+    incarnation: Incarnation,
+    key: WireKey,
+    side: &QpSide,
+) -> Result<QpSide> {
+    let mut stream = TcpStream::connect_timeout(&addr, BOUND)?;
+    stream.set_read_timeout(Some(BOUND))?;
+    stream.set_nodelay(true)?;
+    let mut frames = Message::Hello {
+        name: name.into(),
+        incarnation,
+    }
+    .encode();
+    frames.extend(
+        Message::ConnectQp {
+            key,
+            epoch: 1,
+            side: side.clone(),
+        }
+        .encode(),
+    );
+    stream.write_all(&frames)?;
+    let mut decoder = FrameDecoder::default();
+    let mut buffer = [0u8; 4096];
+    loop {
+        while let Some(message) = decoder.next_message()? {
+            if let Message::ConnectQpReply { result, .. } = message {
+                let _ = stream.write_all(&Message::Bye.encode());
+                return result.map_err(|reason| anyhow::anyhow!("refused: {reason}"));
+            }
+        }
+        let n = stream.read(&mut buffer)?;
+        if n == 0 {
+            bail!("the target closed the connection before answering");
+        }
+        decoder.push(&buffer[..n]);
+    }
+}
+
+/// Runs the scenario.
+///
+/// # Errors
+/// When the nodes cannot start or connect.
+pub fn run(seed: u64) -> Result<ChurnReport> {
+    let mut target = Node::start("decode-0", 1, any_port(), seed, Policy::default(), None)?;
+    let region = target.alloc(1 << 20)?;
+    let target_base = target.regions[region].buffer.region().addr;
+
+    // The raw peer: its own device and one queue pair, handshaken many times.
+    let device = SoftDevice::open("raw-peer", SoftConfig::default())?;
+    let (mut qp, side) = RailFabric::create_qp(&device).map_err(anyhow::Error::msg)?;
+    let incarnation = Incarnation(device.incarnation());
+    let key = WireKey {
+        initiator: incarnation,
+        target: target.control.incarnation(),
+        initiator_rail: 0,
+        target_rail: 0,
+    };
+    let first = handshake_once(target.addr(), "raw-peer", incarnation, key, &side)
+        .context("the raw peer's first handshake")?;
+    RailFabric::connect_qp(&device, &mut qp, &first).map_err(anyhow::Error::msg)?;
+    let repeated = 1000 + seed % 100;
+    let mut changed = 0;
+    for _ in 1..repeated {
+        let answer = handshake_once(target.addr(), "raw-peer", incarnation, key, &side)?;
+        if answer != first {
+            changed += 1;
+        }
+    }
+
+    // Two initiator processes on this host: two incarnations, two ports.
+    let mut initiators = Vec::new();
+    for (n, name) in ["prefill-0", "prefill-1"].into_iter().enumerate() {
+        let mut node = Node::start(
+            name,
+            1,
+            any_port(),
+            seed + n as u64,
+            Policy::default(),
+            None,
+        )?;
+        let source = node.alloc(1 << 16)?;
+        // SAFETY: nothing transfers yet.
+        unsafe { node.regions[source].buffer.as_mut_slice() }.fill(0xA0 + n as u8);
+        initiators.push((node, source));
+    }
+    let mut peers_distinct = true;
+    for (n, (node, source)) in initiators.iter().enumerate() {
+        let view = node.control.connect(target.addr(), 0, 0)?;
+        if !view.wait_ready(Instant::now() + BOUND) {
+            bail!("{} never connected: {:?}", node.name, view.phase());
+        }
+        for _ in 0..50 {
+            let again = node.control.connect(target.addr(), 0, 0)?;
+            peers_distinct &= again.id == view.id;
+        }
+        let descriptor = view.descriptor().context("descriptor")?;
+        let offset = n as u64 * (1 << 16);
+        let rkey = descriptor
+            .rkey_for(target_base + offset, 1 << 16, 0)
+            .context("target region")?;
+        let epoch = view.epoch().context("epoch")?;
+        let local = node.regions[*source].regions[0];
+        let spec = write_slice(
+            &view,
+            epoch,
+            0,
+            (local, 0),
+            (target_base + offset, rkey),
+            1 << 16,
+        );
+        let mut submitter = Submitter::new(&[&*node.pollers[0]], 16)?;
+        let batch = submitter.submit(1, &[spec], Instant::now() + BOUND)?;
+        batch.wait(Instant::now() + BOUND);
+        peers_distinct &= batch.outcome(0) == Some(RequestOutcome::Done);
+    }
+    // SAFETY: both writes completed (or the report says they did not).
+    let landed = unsafe { target.regions[region].buffer.as_slice() };
+    peers_distinct &= landed[..1 << 16].iter().all(|&b| b == 0xA0)
+        && landed[1 << 16..2 << 16].iter().all(|&b| b == 0xA1);
+
+    let stats = target.control.stats();
+    let mut report = ChurnReport {
+        seed,
+        repeated_handshakes: repeated,
+        teardowns: stats.teardowns,
+        reconnects: stats.reconnects,
+        passive_qps: stats.passive_qps,
+        idempotent_replies: stats.idempotent_replies,
+        changed_answers: changed,
+        warning_lines: stats.warnings_printed,
+        peers_distinct: peers_distinct && stats.passive_qps == 3,
+    };
+    for (node, _) in &initiators {
+        let stats = node.control.stats();
+        report.teardowns += stats.teardowns;
+        report.reconnects += stats.reconnects;
+        report.warning_lines += stats.warnings_printed;
+    }
+    drop(qp);
+    Ok(report)
+}

@@ -1,0 +1,273 @@
+//! `teardown-race`: tearing endpoints down while submitters post at full rate must never
+//! crash, lose a request, resolve one twice, or post a stale slice.
+//!
+//! Two rails. One submitter thread per rail keeps four batches in flight to the target at
+//! all times, preparing each from the endpoint's current view. A churn thread retires each
+//! rail's endpoint and connects a new one, over and over, while the fault plan kills every
+//! queue pair after a few hundred work requests (QP fatal) and fails others at random
+//! (RETRY_EXC_ERR), so queue pairs are re-handshaken constantly as well. Elsewhere a
+//! control-path teardown raced a data-path post on the same address vector and crashed:
+//! here only the poller ever touches its queue pairs, and teardown is a command on a ring.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use railyard_control::{EndpointView, Policy};
+use railyard_dataplane::fabric::WcStatus;
+use railyard_dataplane::fabric::soft::{Fault, FaultPlan, QpMatch};
+use railyard_dataplane::{Batch, PollerHandle, SliceSpec, Submitter};
+use serde::Serialize;
+
+use super::node::Node;
+use super::{BOUND, any_port, write_slice};
+
+/// What happened.
+#[derive(Debug, Default, Serialize)]
+pub struct RaceReport {
+    /// The seed.
+    pub seed: u64,
+    /// Requests submitted.
+    pub submitted: u64,
+    /// Requests resolved within the bound.
+    pub resolved: u64,
+    /// Requests done.
+    pub done: u64,
+    /// Requests failed (retired endpoints, dead queue pairs, open circuits).
+    pub failed: u64,
+    /// Requests never resolved.
+    pub lost: u64,
+    /// Slices resolved a second time.
+    pub double_resolved: u64,
+    /// Work requests posted on a queue pair newer than their epoch (seen at the fabric).
+    pub stale_posts: u64,
+    /// Endpoints retired while traffic flowed.
+    pub retirements: u64,
+    /// Queue pairs handed to pollers (re-handshakes included).
+    pub queue_pairs: u64,
+    /// Queue pairs killed by the fault plan (QP fatal or RETRY_EXC_ERR).
+    pub queue_pair_failures: u64,
+}
+
+impl RaceReport {
+    /// Broken promises, empty when the run held.
+    pub fn violations(&self) -> Vec<String> {
+        let mut broken = Vec::new();
+        if self.lost != 0 {
+            broken.push(format!("lost = {} (must be 0)", self.lost));
+        }
+        if self.double_resolved != 0 {
+            broken.push(format!(
+                "double_resolved = {} (must be 0)",
+                self.double_resolved
+            ));
+        }
+        if self.stale_posts != 0 {
+            broken.push(format!("stale_posts = {} (must be 0)", self.stale_posts));
+        }
+        if self.retirements < 2000 {
+            broken.push(format!(
+                "only {} retirements: the race was not run",
+                self.retirements
+            ));
+        }
+        broken
+    }
+}
+
+const RAILS: usize = 2;
+const SLICE_LEN: usize = 4096;
+const SLICES_PER_BATCH: u32 = 16;
+const RETIREMENTS_PER_RAIL: u64 = 1500;
+/// Longest the churn runs, whatever the count.
+const CHURN_BUDGET: Duration = Duration::from_secs(4);
+
+#[derive(Default)]
+struct Tally {
+    submitted: AtomicU64,
+    resolved: AtomicU64,
+    done: AtomicU64,
+    double_resolved: AtomicU64,
+}
+
+impl Tally {
+    fn settle(&self, batch: &Batch, requests: u64) {
+        batch.wait(Instant::now() + BOUND);
+        let outcomes = batch.outcomes();
+        let resolved = outcomes.iter().flatten().count() as u64;
+        let done = outcomes
+            .iter()
+            .filter(|o| **o == Some(railyard_dataplane::RequestOutcome::Done))
+            .count() as u64;
+        debug_assert!(resolved <= requests);
+        self.resolved.fetch_add(resolved, Ordering::Relaxed);
+        self.done.fetch_add(done, Ordering::Relaxed);
+        self.double_resolved
+            .fetch_add(batch.double_resolved() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Keeps four batches in flight on `rail` until `stop`.
+fn submit_loop(
+    rail: usize,
+    poller: &PollerHandle,
+    view: &Mutex<Arc<EndpointView>>,
+    source: railyard_dataplane::fabric::MemoryRegion,
+    target_base: u64,
+    tally: &Tally,
+    stop: &AtomicBool,
+) -> Result<()> {
+    let mut submitter = Submitter::new(&[poller], 1024)?;
+    let mut in_flight: VecDeque<Batch> = VecDeque::new();
+    let mut round = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let current = view.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let (Some(epoch), Some(descriptor)) = (current.epoch(), current.descriptor()) else {
+            std::thread::yield_now();
+            continue;
+        };
+        let specs: Vec<SliceSpec> = (0..SLICES_PER_BATCH)
+            .filter_map(|i| {
+                let offset =
+                    ((round * u64::from(SLICES_PER_BATCH) + u64::from(i)) % 256) * SLICE_LEN as u64;
+                let remote = target_base + offset;
+                let rkey = descriptor.rkey_for(remote, SLICE_LEN as u64, rail as u16)?;
+                Some(write_slice(
+                    &current,
+                    epoch,
+                    i,
+                    (source, offset),
+                    (remote, rkey),
+                    SLICE_LEN,
+                ))
+            })
+            .collect();
+        round += 1;
+        if specs.len() != SLICES_PER_BATCH as usize {
+            bail!("the target's descriptor lost its region");
+        }
+        let batch = submitter.submit(
+            SLICES_PER_BATCH as usize,
+            &specs,
+            Instant::now() + Duration::from_secs(2),
+        )?;
+        tally
+            .submitted
+            .fetch_add(u64::from(SLICES_PER_BATCH), Ordering::Relaxed);
+        in_flight.push_back(batch);
+        if in_flight.len() >= 4 {
+            if let Some(oldest) = in_flight.pop_front() {
+                tally.settle(&oldest, u64::from(SLICES_PER_BATCH));
+            }
+        }
+    }
+    for batch in in_flight {
+        tally.settle(&batch, u64::from(SLICES_PER_BATCH));
+    }
+    Ok(())
+}
+
+/// Runs the scenario.
+///
+/// # Errors
+/// When the nodes cannot start or connect.
+pub fn run(seed: u64) -> Result<RaceReport> {
+    let policy = Policy {
+        backoff_min: Duration::from_micros(100),
+        backoff_max: Duration::from_millis(5),
+        cooldown_min: Duration::from_millis(5),
+        cooldown_max: Duration::from_millis(50),
+        flap_after_ready: Duration::from_millis(1),
+        ..Policy::default()
+    };
+    let mut target = Node::start("decode-0", RAILS, any_port(), seed, policy.clone(), None)?;
+    let region = target.alloc(256 * SLICE_LEN)?;
+    let target_base = target.regions[region].buffer.region().addr;
+    let mut initiator = Node::start("prefill-0", RAILS, any_port(), seed, policy, None)?;
+    let source = initiator.alloc(256 * SLICE_LEN)?;
+    for rail in 0..RAILS {
+        initiator.faults(rail).set(
+            FaultPlan::new(seed ^ rail as u64)
+                .with(Fault::QpFatal {
+                    on: QpMatch::Any,
+                    after: 200 + seed % 200,
+                })
+                .with(Fault::Random {
+                    on: QpMatch::Any,
+                    per_million: 2_000,
+                    status: WcStatus::RetryExcErr,
+                }),
+        );
+    }
+    let views = (0..RAILS)
+        .map(|rail| {
+            let view = initiator
+                .control
+                .connect(target.addr(), rail as u16, rail as u16)?;
+            if !view.wait_ready(Instant::now() + BOUND) {
+                bail!("rail {rail} never connected: {:?}", view.phase());
+            }
+            Ok(Mutex::new(view))
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    let tally = Tally::default();
+    let stop = AtomicBool::new(false);
+    let mut retirements = 0u64;
+    std::thread::scope(|scope| -> Result<()> {
+        let submitters: Vec<_> = (0..RAILS)
+            .map(|rail| {
+                let (poller, view, tally, stop) =
+                    (&*initiator.pollers[rail], &views[rail], &tally, &stop);
+                let local = initiator.regions[source].regions[rail];
+                scope
+                    .spawn(move || submit_loop(rail, poller, view, local, target_base, tally, stop))
+            })
+            .collect();
+        let started = Instant::now();
+        let churn = (|| -> Result<()> {
+            while retirements < RETIREMENTS_PER_RAIL * RAILS as u64
+                && started.elapsed() < CHURN_BUDGET
+            {
+                for (rail, view) in views.iter().enumerate() {
+                    let old = view.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                    initiator.control.retire(&old)?;
+                    let fresh = initiator
+                        .control
+                        .connect(target.addr(), rail as u16, rail as u16)
+                        .context("reconnecting after a retirement")?;
+                    *view.lock().unwrap_or_else(PoisonError::into_inner) = fresh;
+                    retirements += 1;
+                }
+            }
+            Ok(())
+        })();
+        stop.store(true, Ordering::Relaxed);
+        for submitter in submitters {
+            submitter
+                .join()
+                .map_err(|_| anyhow::anyhow!("a submitter thread panicked"))??;
+        }
+        churn
+    })?;
+
+    let submitted = tally.submitted.load(Ordering::Relaxed);
+    let resolved = tally.resolved.load(Ordering::Relaxed);
+    let done = tally.done.load(Ordering::Relaxed);
+    let stats = initiator.control.stats();
+    Ok(RaceReport {
+        seed,
+        submitted,
+        resolved,
+        done,
+        failed: resolved - done,
+        lost: submitted - resolved,
+        double_resolved: tally.double_resolved.load(Ordering::Relaxed),
+        stale_posts: initiator.stale_posts(),
+        retirements,
+        queue_pairs: stats.active_qps,
+        queue_pair_failures: initiator.errors(WcStatus::RetryExcErr) + initiator.fatal_events(),
+    })
+}

@@ -1,0 +1,187 @@
+//! `reconnect-storm`: stale slices after a reconnect must never be posted.
+//!
+//! The target has two regions. The initiator prepares 256 slices at epoch e — the first K
+//! (K from the seed) into region A, the rest into region B — and submits them. Before they
+//! go, the target re-registers region B (new keys, old ones withdrawn), so every slice into
+//! B carries a stale key. The fault plan fails work request K with LOC_LEN_ERR on the first
+//! queue pair: it goes to ERR and flushes everything behind it. The endpoint must reconnect
+//! once, at e+1, with a fresh descriptor; every flushed or waiting slice is re-prepared at
+//! e+1 with B's new key; the slice that failed gets its one second chance. Elsewhere this is
+//! the storm: stale keys posted on the new queue pair fail it, which reconnects, which posts
+//! more stale keys.
+
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use railyard_control::Policy;
+use railyard_dataplane::fabric::WcStatus;
+use railyard_dataplane::fabric::soft::{Fault, FaultPlan, QpMatch};
+use railyard_dataplane::{RequestOutcome, Submitter};
+use serde::Serialize;
+
+use super::node::Node;
+use super::{BOUND, any_port, fill_pattern, pattern_matches, write_slice};
+
+/// What happened.
+#[derive(Debug, Serialize)]
+pub struct StormReport {
+    /// The seed.
+    pub seed: u64,
+    /// Requests submitted.
+    pub submitted: u64,
+    /// Requests resolved (done or failed) within the bound.
+    pub resolved: u64,
+    /// Requests done.
+    pub done: u64,
+    /// Requests failed.
+    pub failed: u64,
+    /// Requests never resolved.
+    pub lost: u64,
+    /// Work requests posted on a queue pair newer than their epoch (seen at the fabric).
+    pub stale_posts: u64,
+    /// Queue pairs created after the first.
+    pub reconnects: u64,
+    /// Error completions (not flushes) on the queue pair made by the reconnect.
+    pub new_qp_errors: u64,
+    /// Which work request the fault plan failed.
+    pub failed_work_request: u64,
+    /// Slices re-prepared by the poller.
+    pub reprepared: u64,
+    /// Whether every byte arrived where it was meant to.
+    pub bytes_verified: bool,
+}
+
+impl StormReport {
+    /// Broken promises, empty when the run held.
+    pub fn violations(&self) -> Vec<String> {
+        let mut broken = Vec::new();
+        if self.stale_posts != 0 {
+            broken.push(format!("stale_posts = {} (must be 0)", self.stale_posts));
+        }
+        if self.reconnects > 1 {
+            broken.push(format!("reconnects = {} (must be ≤ 1)", self.reconnects));
+        }
+        if self.resolved != self.submitted || self.lost != 0 {
+            broken.push(format!(
+                "resolved {} of {} submitted, lost {}",
+                self.resolved, self.submitted, self.lost
+            ));
+        }
+        if self.new_qp_errors != 0 {
+            broken.push(format!(
+                "the new queue pair saw {} error completions",
+                self.new_qp_errors
+            ));
+        }
+        if !self.bytes_verified {
+            broken.push("bytes did not arrive where they were meant to".into());
+        }
+        broken
+    }
+}
+
+const SLICES: u32 = 256;
+const SLICE_LEN: usize = 16 * 1024;
+const PER_REQUEST: u32 = 8;
+
+/// Runs the scenario.
+///
+/// # Errors
+/// When the nodes cannot start or connect.
+pub fn run(seed: u64) -> Result<StormReport> {
+    let mut target = Node::start("decode-0", 1, any_port(), seed, Policy::default(), None)?;
+    let region_a = target.alloc(SLICES as usize * SLICE_LEN)?;
+    let region_b = target.alloc(SLICES as usize * SLICE_LEN)?;
+    let mut initiator = Node::start("prefill-0", 1, any_port(), seed, Policy::default(), None)?;
+    let source = initiator.alloc(SLICES as usize * SLICE_LEN)?;
+    // SAFETY: nothing transfers yet.
+    fill_pattern(
+        unsafe { initiator.regions[source].buffer.as_mut_slice() },
+        seed,
+    );
+
+    let view = initiator.control.connect(target.addr(), 0, 0)?;
+    if !view.wait_ready(Instant::now() + BOUND) {
+        bail!("the endpoint did not become ready: {:?}", view.phase());
+    }
+    let Some(descriptor) = view.descriptor() else {
+        bail!("no descriptor after the handshake");
+    };
+    let epoch = view.epoch().unwrap_or(railyard_dataplane::Epoch::FIRST);
+    let failing = 8 + seed % 24;
+    let base_a = target.regions[region_a].buffer.region().addr;
+    let base_b = target.regions[region_b].buffer.region().addr;
+    let local = initiator.regions[source].regions[0];
+    // Slice i goes to region A for i < failing - 1, else to region B, at the same offset.
+    let mut specs = Vec::new();
+    for i in 0..SLICES {
+        let offset = u64::from(i) * SLICE_LEN as u64;
+        let remote = if u64::from(i) + 1 < failing {
+            base_a
+        } else {
+            base_b
+        };
+        let Some(rkey) = descriptor.rkey_for(remote + offset, SLICE_LEN as u64, 0) else {
+            bail!("the descriptor lacks the target's regions");
+        };
+        specs.push(write_slice(
+            &view,
+            epoch,
+            i / PER_REQUEST,
+            (local, offset),
+            (remote + offset, rkey),
+            SLICE_LEN,
+        ));
+    }
+    // The peer rebuilds region B: every slice into it now carries a withdrawn key.
+    target.reregister(region_b)?;
+    initiator
+        .faults(0)
+        .set(FaultPlan::new(seed).with(Fault::FailNth {
+            on: QpMatch::Ordinal(0),
+            nth: failing,
+            status: WcStatus::LocLenErr,
+        }));
+
+    let mut submitter = Submitter::new(&[&*initiator.pollers[0]], 1024)?;
+    let requests = SLICES / PER_REQUEST;
+    let batch = submitter.submit(requests as usize, &specs, Instant::now() + BOUND)?;
+    batch.wait(Instant::now() + BOUND);
+    let outcomes = batch.outcomes();
+    let resolved = outcomes.iter().flatten().count() as u64;
+    let done = outcomes
+        .iter()
+        .filter(|o| **o == Some(RequestOutcome::Done))
+        .count() as u64;
+
+    let (a, b) = (
+        // SAFETY: every transfer resolved or the bound passed; the report says which.
+        unsafe { target.regions[region_a].buffer.as_slice() },
+        // SAFETY: as above.
+        unsafe { target.regions[region_b].buffer.as_slice() },
+    );
+    // SAFETY: the source is only read by transfers.
+    let sent = unsafe { initiator.regions[source].buffer.as_slice() };
+    let split = (failing as usize - 1) * SLICE_LEN;
+    let bytes_verified = pattern_matches(&a[..split], &sent[..split])
+        && pattern_matches(&b[split..], &sent[split..]);
+
+    let counters = initiator.pollers[0].counters();
+    let report = StormReport {
+        seed,
+        submitted: u64::from(requests),
+        resolved,
+        done,
+        failed: resolved - done,
+        lost: u64::from(requests) - resolved,
+        stale_posts: initiator.stale_posts(),
+        reconnects: initiator.control.stats().reconnects,
+        new_qp_errors: initiator.late_errors(),
+        failed_work_request: failing,
+        reprepared: counters.reprepared,
+        bytes_verified,
+    };
+    drop(initiator);
+    drop(target);
+    Ok(report)
+}

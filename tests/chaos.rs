@@ -1,0 +1,124 @@
+//! The four failure reproductions, each with seeds of its own, through the library and
+//! through `railyard chaos --json`.
+
+use std::process::Command;
+use std::sync::{Mutex, PoisonError};
+
+use railyard::chaos::{self, Scenario};
+
+/// Scenarios measure throughput and timing: one at a time, so that they do not disturb
+/// each other on a small machine.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn held(scenario: Scenario, seed: u64) -> serde_json::Value {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+    let outcome = chaos::run(scenario, seed).expect("the scenario runs");
+    assert!(
+        outcome.violations.is_empty(),
+        "{} seed {seed}: {:?}\n{}",
+        scenario.name(),
+        outcome.violations,
+        outcome.counts
+    );
+    outcome.counts
+}
+
+#[test]
+fn reconnect_storm_posts_nothing_stale_and_reconnects_once() {
+    for seed in [1, 17] {
+        let counts = held(Scenario::ReconnectStorm, seed);
+        assert_eq!(counts["stale_posts"], 0);
+        assert_eq!(
+            counts["reconnects"], 1,
+            "the failure does cause one reconnect"
+        );
+        assert_eq!(counts["lost"], 0);
+        assert_eq!(counts["resolved"], counts["submitted"]);
+        assert_eq!(
+            counts["failed"], 0,
+            "every slice is re-prepared, none fails"
+        );
+        assert_eq!(counts["new_qp_errors"], 0);
+        assert!(counts["reprepared"].as_u64() > Some(200), "{counts}");
+    }
+}
+
+#[test]
+fn the_same_seed_gives_the_same_counts() {
+    for scenario in [Scenario::ReconnectStorm, Scenario::HandshakeChurn] {
+        assert_eq!(
+            held(scenario, 23),
+            held(scenario, 23),
+            "{}",
+            scenario.name()
+        );
+    }
+    assert_ne!(
+        held(Scenario::ReconnectStorm, 23)["failed_work_request"],
+        held(Scenario::ReconnectStorm, 24)["failed_work_request"],
+        "the seed chooses where the failure hits"
+    );
+}
+
+#[test]
+fn teardown_race_loses_nothing_and_resolves_nothing_twice() {
+    let counts = held(Scenario::TeardownRace, 5);
+    assert_eq!(counts["lost"], 0);
+    assert_eq!(counts["double_resolved"], 0);
+    assert_eq!(counts["stale_posts"], 0);
+    assert!(counts["retirements"].as_u64() >= Some(2000), "{counts}");
+    assert!(
+        counts["done"].as_u64() > Some(0),
+        "traffic flowed: {counts}"
+    );
+}
+
+#[test]
+fn handshake_churn_tears_nothing_down() {
+    let counts = held(Scenario::HandshakeChurn, 9);
+    assert_eq!(counts["teardowns"], 0);
+    assert_eq!(counts["reconnects"], 0);
+    assert_eq!(
+        counts["passive_qps"], 3,
+        "one per peer, two of them on this host"
+    );
+    assert_eq!(counts["changed_answers"], 0);
+}
+
+#[test]
+fn a_dead_replica_fails_fast_and_its_port_is_a_new_peer() {
+    let counts = held(Scenario::DeadReplica, 2);
+    assert!(
+        counts["live_throughput_ratio"].as_f64() >= Some(0.8),
+        "{counts}"
+    );
+    assert!(counts["dead_peer_max_fail_ms"].as_u64() <= counts["deadline_ms"].as_u64());
+    assert!(counts["dead_peer_unavailable"].as_u64() > Some(0));
+    assert_eq!(counts["misdirected"], 0);
+    assert_eq!(counts["newcomer_is_new_incarnation"], true);
+}
+
+#[test]
+fn the_cli_prints_the_counts_as_json_and_rejects_unknown_scenarios() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+    let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["chaos", "reconnect-storm", "--seed", "42", "--json"])
+        .output()
+        .expect("runs");
+    assert!(output.status.success(), "{output:?}");
+    let counts: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("one JSON object");
+    assert_eq!(counts["scenario"], "reconnect-storm");
+    assert_eq!(counts["passed"], true);
+    assert_eq!(counts["seed"], 42);
+    assert_eq!(counts["stale_posts"], 0);
+
+    let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["chaos", "meteor-strike"])
+        .output()
+        .expect("runs");
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("dead-replica"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1);
+}
