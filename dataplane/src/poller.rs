@@ -557,6 +557,46 @@ impl std::fmt::Debug for PollerHandle {
     }
 }
 
+/// What the epoch rule needs to know of an endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LinkState {
+    /// A queue pair at the endpoint's epoch carries traffic.
+    Up,
+    /// No queue pair: waiting for a newer epoch.
+    Down,
+    /// Its circuit is open: fail fast.
+    CircuitOpen,
+    /// Retired, for this reason.
+    Retired(FailReason),
+}
+
+/// What the epoch rule does with a slice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// Post it on the endpoint's queue pair.
+    Post,
+    /// Hold it in the endpoint's backlog until a newer epoch arrives.
+    Wait,
+    /// It is older than the endpoint: re-prepare it (or fail it) first.
+    Reprepare,
+    /// Fail it.
+    Fail(FailReason),
+}
+
+/// The epoch rule, as a pure function so that the poller and the loom model of the
+/// control/poller hand-off share it: never post a slice on a queue pair newer than the
+/// epoch it was prepared for; hold one that is ahead of the endpoint.
+pub(crate) fn epoch_rule(slice: Epoch, endpoint: Epoch, link: LinkState) -> Route {
+    match link {
+        LinkState::Retired(reason) => Route::Fail(reason),
+        LinkState::CircuitOpen => Route::Fail(FailReason::PeerUnavailable),
+        LinkState::Down => Route::Wait,
+        LinkState::Up if slice.is_newer_than(endpoint) => Route::Wait,
+        LinkState::Up if slice.is_older_than(endpoint) => Route::Reprepare,
+        LinkState::Up => Route::Post,
+    }
+}
+
 /// Where an endpoint's queue pair stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Link {
@@ -896,49 +936,50 @@ impl<F: Fabric> Poller<F> {
         let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
             return self.fail(slice, FailReason::UnknownEndpoint);
         };
-        let qp = match endpoint.link {
-            Link::Retired => {
-                let reason = endpoint.retired_reason;
-                return self.fail(slice, reason);
-            }
-            _ if endpoint.circuit_open => return self.fail(slice, FailReason::PeerUnavailable),
-            Link::Up(_) if slice.epoch.is_newer_than(endpoint.epoch) => None,
+        let state = match endpoint.link {
+            Link::Retired => LinkState::Retired(endpoint.retired_reason),
+            _ if endpoint.circuit_open => LinkState::CircuitOpen,
+            Link::Up(_) => LinkState::Up,
+            Link::Down => LinkState::Down,
+        };
+        let up = match endpoint.link {
             Link::Up(qp) => Some(qp),
-            Link::Down => None,
+            Link::Down | Link::Retired => None,
         };
-        let Some(qp) = qp else {
-            if endpoint.backlog.len() >= self.config.backlog_limit {
-                return self.fail(slice, FailReason::BacklogFull);
+        match (epoch_rule(slice.epoch, endpoint.epoch, state), up) {
+            (Route::Fail(reason), _) => self.fail(slice, reason),
+            (Route::Post, Some(qp)) => self.post(qp, slice),
+            (Route::Wait | Route::Post, _) => {
+                if endpoint.backlog.len() >= self.config.backlog_limit {
+                    return self.fail(slice, FailReason::BacklogFull);
+                }
+                endpoint.backlog.push_back(slice);
             }
-            endpoint.backlog.push_back(slice);
-            return;
-        };
-        if slice.epoch.is_older_than(endpoint.epoch) {
-            let current = endpoint.epoch;
-            let cause = if slice.flags & FLAG_WR_ERROR_SEEN != 0 {
-                RepairCause::AfterWorkRequestError
-            } else {
-                RepairCause::StaleEpoch
-            };
-            match self.reprepare.reprepare(&mut slice, current, cause) {
-                Ok(()) if !slice.epoch.is_older_than(current) => {
-                    self.shared.counters.reprepared.add(1);
+            (Route::Reprepare, _) => {
+                let current = endpoint.epoch;
+                let cause = if slice.flags & FLAG_WR_ERROR_SEEN != 0 {
+                    RepairCause::AfterWorkRequestError
+                } else {
+                    RepairCause::StaleEpoch
+                };
+                match self.reprepare.reprepare(&mut slice, current, cause) {
+                    Ok(()) if !slice.epoch.is_older_than(current) => {
+                        self.shared.counters.reprepared.add(1);
+                        // Through the rule again: a hook that knows of a newer epoch than
+                        // the poller has applied makes the slice wait for it.
+                        self.route(slice, now);
+                    }
+                    Ok(()) => {
+                        self.shared.counters.stale_dropped.add(1);
+                        self.fail(slice, FailReason::StaleEpoch);
+                    }
+                    Err(reason) => {
+                        self.shared.counters.stale_dropped.add(1);
+                        self.fail(slice, reason);
+                    }
                 }
-                Ok(()) => {
-                    self.shared.counters.stale_dropped.add(1);
-                    return self.fail(slice, FailReason::StaleEpoch);
-                }
-                Err(reason) => {
-                    self.shared.counters.stale_dropped.add(1);
-                    return self.fail(slice, reason);
-                }
-            }
-            if slice.epoch.is_newer_than(current) {
-                // The hook knows of a reconnect the poller has not applied: wait for it.
-                return self.route(slice, now);
             }
         }
-        self.post(qp, slice);
     }
 
     fn post(&mut self, qp: QpNum, slice: Slice) {
@@ -1199,5 +1240,93 @@ impl<F: Fabric> Poller<F> {
         for slice in abandoned {
             self.fail(slice, FailReason::Shutdown);
         }
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_models {
+    use std::collections::VecDeque;
+
+    use loom::thread;
+
+    use super::{LinkState, Route, epoch_rule};
+    use crate::Epoch;
+    use crate::ring::{self, Producer};
+    use crate::sync::{Arc, AtomicUsize, Ordering};
+
+    fn push(ring: &mut Producer<u64>, mut value: u64) {
+        while let Err(full) = ring.push(value) {
+            value = full.into_inner();
+            thread::yield_now();
+        }
+    }
+
+    /// The control/poller hand-off of a reconnect. The control thread publishes epoch 2 to
+    /// submitters (the endpoint view) and then sends BumpEpoch(2) over the poller's command
+    /// ring; a submitter prepares two slices from whatever epoch it reads; the poller takes
+    /// commands and slices in whatever order they arrive and applies the epoch rule (the
+    /// real one), with a re-prepare hook that stamps the current epoch. In every
+    /// interleaving each slice is posted exactly once, on a queue pair of exactly the epoch
+    /// it carries when posted, and nothing is left waiting.
+    #[test]
+    fn loom_epoch_hand_off_never_posts_a_stale_slice() {
+        loom::model(|| {
+            let view = Arc::new(AtomicUsize::new(1));
+            let (mut commands_tx, mut commands) = ring::channel::<u64>(2);
+            let (mut slices_tx, mut slices) = ring::channel::<u64>(2);
+            let control_view = view.clone();
+            let control = thread::spawn(move || {
+                control_view.store(2, Ordering::Release);
+                push(&mut commands_tx, 2);
+            });
+            let submitter = thread::spawn(move || {
+                for _ in 0..2 {
+                    let epoch = view.load(Ordering::Acquire) as u64;
+                    push(&mut slices_tx, epoch);
+                }
+            });
+            let mut endpoint = Epoch::FIRST;
+            let mut backlog: Vec<u64> = Vec::new();
+            let mut ready: VecDeque<u64> = VecDeque::new();
+            let mut posted: Vec<(Epoch, Epoch)> = Vec::new();
+            let mut bumped = false;
+            while posted.len() < 2 || !bumped {
+                if let Some(epoch) = commands.pop() {
+                    endpoint = Epoch::new(epoch);
+                    bumped = true;
+                    ready.extend(backlog.drain(..));
+                }
+                if let Some(epoch) = slices.pop() {
+                    ready.push_back(epoch);
+                }
+                while let Some(epoch) = ready.pop_front() {
+                    let mut slice = Epoch::new(epoch);
+                    loop {
+                        match epoch_rule(slice, endpoint, LinkState::Up) {
+                            Route::Post => {
+                                posted.push((slice, endpoint));
+                                break;
+                            }
+                            Route::Wait => {
+                                backlog.push(slice.get());
+                                break;
+                            }
+                            Route::Reprepare => slice = endpoint,
+                            Route::Fail(reason) => {
+                                panic!("an up endpoint failed a slice: {reason}")
+                            }
+                        }
+                    }
+                }
+                thread::yield_now();
+            }
+            control.join().unwrap();
+            submitter.join().unwrap();
+            assert!(backlog.is_empty(), "a slice was left waiting");
+            assert_eq!(posted.len(), 2);
+            for (slice, queue_pair) in posted {
+                assert_eq!(slice, queue_pair, "posted on a queue pair of another epoch");
+            }
+        });
     }
 }
