@@ -74,3 +74,51 @@ fn two_nodes_connect_and_move_bytes() {
     assert_eq!((stats.passive_qps, stats.teardowns), (1, 0));
     assert_eq!(initiator.stale_posts(), 0);
 }
+
+#[test]
+fn bad_input_gets_a_specific_error_and_breaks_nothing() {
+    use std::io::{Read, Write};
+
+    let mut target = Node::start("decode-0", 1, any_port(), 1, Policy::default(), None).unwrap();
+    target.alloc(1 << 16).unwrap();
+    let initiator = Node::start("prefill-0", 1, any_port(), 2, Policy::default(), None).unwrap();
+
+    // Garbage on the listener: that connection is closed, nothing else notices.
+    let mut garbage = std::net::TcpStream::connect(target.addr()).unwrap();
+    garbage.set_read_timeout(Some(BOUND)).unwrap();
+    garbage
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = garbage.read_to_end(&mut answer);
+    assert!(answer.is_empty(), "no reply to a non-railyard peer");
+
+    // An unknown local rail, and a remote rail the target does not have.
+    let unknown = initiator.control.connect(target.addr(), 7, 0).unwrap_err();
+    assert!(
+        unknown.to_string().contains("rail 7 does not exist"),
+        "{unknown}"
+    );
+    let view = initiator.control.connect(target.addr(), 0, 5).unwrap();
+    assert!(!view.wait_ready(Instant::now() + Duration::from_millis(300)));
+    assert!(target.control.stats().refused >= 1);
+
+    // A port nobody listens on.
+    let closed = {
+        let listener = std::net::TcpListener::bind(any_port()).unwrap();
+        listener.local_addr().unwrap()
+    };
+    let unreachable = initiator.control.connect(closed, 0, 0).unwrap_err();
+    assert!(
+        unreachable.to_string().contains("cannot reach the peer"),
+        "{unreachable}"
+    );
+
+    // The good path still works after all of that.
+    let good = initiator.control.connect(target.addr(), 0, 0).unwrap();
+    assert!(
+        good.wait_ready(Instant::now() + BOUND),
+        "{:?}",
+        good.phase()
+    );
+}

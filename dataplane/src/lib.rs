@@ -40,4 +40,4 @@ pub use poller::{
     PollerStopped, RepairCause, Reprepare, SpawnError,
 };
 pub use slice::{EndpointId, Slice, SliceSpec};
-pub use submitter::{SubmitError, Submitter};
+pub use submitter::{DEFAULT_DEADLINE, SubmitError, Submitter};

@@ -8,7 +8,7 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::thread;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::batch::{Batch, BatchState, FailReason};
 use crate::poller::{PollerHandle, PollerShared, PollerStopped};
@@ -55,10 +55,15 @@ struct Lane {
     poller: Arc<PollerShared>,
 }
 
+/// How long a batch submitted without a deadline may take: seconds, not a minute, so that
+/// a dead peer can never hold a caller for long (DESIGN.md §1).
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(5);
+
 /// One thread's way into the pollers. `Send`, not `Sync`.
 pub struct Submitter {
     lanes: Vec<Lane>,
     slices_per_request: Vec<u32>,
+    default_deadline: Duration,
 }
 
 impl Submitter {
@@ -78,7 +83,27 @@ impl Submitter {
         Ok(Self {
             lanes,
             slices_per_request: Vec::new(),
+            default_deadline: DEFAULT_DEADLINE,
         })
+    }
+
+    /// Changes the deadline [`Self::submit_now`] gives batches ([`DEFAULT_DEADLINE`] until
+    /// then).
+    pub fn set_default_deadline(&mut self, deadline: Duration) {
+        self.default_deadline = deadline;
+    }
+
+    /// [`Self::submit`] with the default deadline from now.
+    ///
+    /// # Errors
+    /// As [`Self::submit`].
+    pub fn submit_now(
+        &mut self,
+        requests: usize,
+        slices: &[SliceSpec],
+    ) -> Result<Batch, SubmitError> {
+        let deadline = Instant::now() + self.default_deadline;
+        self.submit(requests, slices, deadline)
     }
 
     /// Submits `requests` requests made of `slices`. A request with no slice is done at once.

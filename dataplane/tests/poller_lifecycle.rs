@@ -351,3 +351,24 @@ fn a_retired_endpoint_fails_with_the_reason_it_was_retired_for() {
     finish(&after);
     all_failed(&after, FailReason::PeerRestarted);
 }
+
+#[test]
+fn a_batch_without_a_deadline_gets_the_default_one() {
+    let (fabric, script) = ScriptedFabric::new();
+    let poller = poller_with_endpoint(fabric, FailStale);
+    let mut submitter = Submitter::new(&[&poller], 64).unwrap();
+    let before = Instant::now();
+    let batch = submitter.submit_now(1, &[write(0, Epoch::FIRST)]).unwrap();
+    let deadline = batch.deadline().duration_since(before);
+    assert!(
+        deadline >= railyard_dataplane::DEFAULT_DEADLINE
+            && deadline < railyard_dataplane::DEFAULT_DEADLINE + Duration::from_secs(1)
+    );
+    finish(&batch);
+
+    script.hold(true);
+    submitter.set_default_deadline(Duration::from_millis(30));
+    let held = submitter.submit_now(1, &[write(0, Epoch::FIRST)]).unwrap();
+    finish(&held);
+    all_failed(&held, FailReason::Timeout);
+}

@@ -89,7 +89,7 @@ const PEERS: usize = 4;
 const DEAD: usize = 3;
 const SLICE_LEN: usize = 64 * 1024;
 const SLICES_PER_BATCH: u32 = 8;
-const DEADLINE: Duration = Duration::from_secs(5);
+const DEADLINE: Duration = railyard_dataplane::DEFAULT_DEADLINE;
 const WINDOW: Duration = Duration::from_millis(500);
 
 /// Completed bytes of one peer's submitter, with when they completed.
