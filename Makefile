@@ -20,7 +20,8 @@ test: deps
 	$(CARGO) test --workspace --doc
 	$(MAKE) --no-print-directory loom
 
-# Loom models of the SPSC ring: the real ring code with loom's atomics (dataplane/src/sync.rs).
+# Loom models of the SPSC ring and of the control/poller epoch hand-off: the real ring code
+# with loom's atomics (dataplane/src/sync.rs).
 # A separate target dir keeps the --cfg loom build from invalidating the normal one.
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p railyard-dataplane --release --lib
