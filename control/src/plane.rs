@@ -299,7 +299,11 @@ impl ControlShared {
         }
     }
 
-    fn view(&self, rail: u16, id: EndpointId) -> Option<Arc<EndpointView>> {
+    /// The endpoint `id` of rail `rail`, while it exists: how a [`RequestFailure`]'s
+    /// endpoint is named as a peer.
+    ///
+    /// [`RequestFailure`]: railyard_dataplane::RequestFailure
+    pub fn view(&self, rail: u16, id: EndpointId) -> Option<Arc<EndpointView>> {
         self.rails
             .get(usize::from(rail))?
             .endpoints

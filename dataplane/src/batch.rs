@@ -7,8 +7,10 @@
 //! can sleep until it completes.
 
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
+
+use crate::{EndpointId, Epoch};
 
 use crate::fabric::WcStatus;
 
@@ -142,11 +144,40 @@ impl BatchStatus {
     }
 }
 
+/// Why a request failed, naming the range and the endpoint of the slice that failed first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestFailure {
+    /// The reason.
+    pub reason: FailReason,
+    /// The endpoint the slice went to (the owner of endpoints names its peer).
+    pub endpoint: EndpointId,
+    /// The endpoint epoch the slice was prepared for last.
+    pub epoch: Epoch,
+    /// Its local start address.
+    pub local_addr: u64,
+    /// Its remote start address.
+    pub remote_addr: u64,
+    /// Its length.
+    pub len: u32,
+}
+
+impl std::fmt::Display for RequestFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} bytes to remote {:#x} (from local {:#x}) through endpoint {} at {}",
+            self.reason, self.len, self.remote_addr, self.local_addr, self.endpoint.0, self.epoch
+        )
+    }
+}
+
 struct RequestState {
     /// Slices not yet resolved.
     remaining: AtomicU32,
     /// First failure code, 0 while none.
     failure: AtomicU8,
+    /// The first failure, set by the slice whose code won.
+    detail: OnceLock<RequestFailure>,
 }
 
 /// State shared between a [`Batch`] and the pollers resolving its slices.
@@ -177,6 +208,7 @@ impl BatchState {
                 .map(|&n| RequestState {
                     remaining: AtomicU32::new(n),
                     failure: AtomicU8::new(0),
+                    detail: OnceLock::new(),
                 })
                 .collect(),
             done: AtomicUsize::new(empty),
@@ -199,16 +231,22 @@ impl BatchState {
     ///
     /// # Panics
     /// In debug builds, when `request` has no unresolved slice left: a slice resolved twice.
-    pub(crate) fn resolve_slice(&self, request: u32, outcome: Result<(), FailReason>) -> bool {
+    pub(crate) fn resolve_slice(&self, request: u32, outcome: Result<(), RequestFailure>) -> bool {
         let state = &self.requests[request as usize];
-        if let Err(reason) = outcome {
+        if let Err(failure) = outcome {
             // Relaxed: ordered before the AcqRel decrement below, which publishes it.
-            let _ = state.failure.compare_exchange(
-                0,
-                reason as u8,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
+            let won = state
+                .failure
+                .compare_exchange(
+                    0,
+                    failure.reason as u8,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok();
+            if won {
+                let _ = state.detail.set(failure);
+            }
         }
         // AcqRel: the last resolver must see every other resolver's failure write.
         let before = state.remaining.fetch_sub(1, Ordering::AcqRel);
@@ -311,6 +349,15 @@ impl Batch {
         self.state.outcome(request)
     }
 
+    /// Why request `request` failed — the reason, and the range and endpoint of its first
+    /// failing slice — or `None` while it is pending or when it is done.
+    pub fn failure(&self, request: usize) -> Option<RequestFailure> {
+        match self.outcome(request)? {
+            RequestOutcome::Done => None,
+            RequestOutcome::Failed(_) => self.state.requests.get(request)?.detail.get().copied(),
+        }
+    }
+
     /// Every request's outcome, `None` for those still pending.
     pub fn outcomes(&self) -> Vec<Option<RequestOutcome>> {
         (0..self.state.requests.len())
@@ -344,6 +391,17 @@ mod tests {
     use std::thread;
     use std::time::Duration;
 
+    fn failed(reason: FailReason) -> Result<(), RequestFailure> {
+        Err(RequestFailure {
+            reason,
+            endpoint: EndpointId(3),
+            epoch: Epoch::FIRST,
+            local_addr: 0x1000,
+            remote_addr: 0x9000,
+            len: 64,
+        })
+    }
+
     fn batch(slices: &[u32]) -> (Arc<BatchState>, Batch) {
         let state = Arc::new(BatchState::new(
             slices,
@@ -356,12 +414,20 @@ mod tests {
     fn a_request_resolves_when_its_last_slice_does_with_the_first_failure() {
         let (state, batch) = batch(&[2, 1, 0]);
         assert_eq!(batch.outcomes(), [None, None, Some(RequestOutcome::Done)]);
-        assert!(!state.resolve_slice(0, Err(FailReason::RemoteAccess)));
+        assert!(!state.resolve_slice(0, failed(FailReason::RemoteAccess)));
         assert_eq!(batch.outcome(0), None);
-        assert!(!state.resolve_slice(0, Err(FailReason::Timeout)));
+        assert_eq!(batch.failure(0), None, "pending");
+        assert!(!state.resolve_slice(0, failed(FailReason::Timeout)));
         assert_eq!(
             batch.outcome(0),
             Some(RequestOutcome::Failed(FailReason::RemoteAccess))
+        );
+        let failure = batch.failure(0).expect("failed");
+        assert_eq!(failure.reason, FailReason::RemoteAccess);
+        assert_eq!(
+            failure.to_string(),
+            "remote access error (REM_ACCESS_ERR): 64 bytes to remote 0x9000 (from local \
+             0x1000) through endpoint 3 at epoch 1"
         );
         assert!(state.resolve_slice(1, Ok(())));
         assert_eq!(

@@ -33,7 +33,7 @@ mod slice;
 mod submitter;
 mod sync;
 
-pub use batch::{Batch, BatchStatus, FailReason, RequestOutcome};
+pub use batch::{Batch, BatchStatus, FailReason, RequestFailure, RequestOutcome};
 pub use epoch::Epoch;
 pub use poller::{
     Command, CounterSnapshot, Event, FailStale, IdleStrategy, PollerConfig, PollerHandle,

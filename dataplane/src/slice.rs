@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::Epoch;
-use crate::batch::{BatchState, FailReason};
+use crate::batch::{BatchState, FailReason, RequestFailure};
 use crate::fabric::Opcode;
 
 /// Identifies an endpoint (one peer rail) within a poller. Dense small numbers chosen by the
@@ -141,6 +141,14 @@ impl Slice {
     }
 
     fn resolve_in_place(&self, outcome: Result<(), FailReason>) {
+        let outcome = outcome.map_err(|reason| RequestFailure {
+            reason,
+            endpoint: self.endpoint,
+            epoch: self.epoch,
+            local_addr: self.local_addr,
+            remote_addr: self.remote_addr,
+            len: self.len,
+        });
         if self.state().resolve_slice(self.request, outcome) {
             // SAFETY:
             // - This was the batch's last unresolved slice (`resolve_slice` returns true

@@ -156,4 +156,13 @@ fn a_bad_work_request_takes_a_queue_pair_down_at_most_once() {
         [WcStatus::RemAccessErr, WcStatus::RemAccessErr]
     );
     assert_eq!(poller.counters().reprepared, 1);
+    // The error names the range and the endpoint, at the epoch it was re-prepared for.
+    let failure = batch.failure(0).expect("failed");
+    let spec = write(0, Epoch::FIRST);
+    assert_eq!(
+        (failure.remote_addr, failure.len, failure.endpoint),
+        (spec.remote_addr, spec.len, ENDPOINT)
+    );
+    assert_eq!(failure.epoch, Epoch::FIRST.next());
+    assert!(failure.to_string().contains("REM_ACCESS_ERR"), "{failure}");
 }
