@@ -992,7 +992,8 @@ impl<F: RailFabric> Plane<F> {
         let name = descriptor.name.clone();
         let incarnation = descriptor.incarnation;
         if let Some(old) = self.directory.record(descriptor) {
-            if self.peer_names.get(&name) != Some(&old) {
+            // A Hello usually told us first; a directory that learns it otherwise does here.
+            if self.peer_names.insert(name.clone(), incarnation) != Some(incarnation) {
                 self.peer_restarted(&name, old, now);
             }
         }
@@ -1316,11 +1317,14 @@ impl<F: RailFabric> Plane<F> {
             match output {
                 Output::CreateQp { epoch } => self.create_qp(rail, id, epoch, now),
                 Output::ConnectQp { epoch } => {
-                    active.view.epoch.store(epoch.get(), Ordering::Release);
+                    // The command before the epoch: a slice prepared for this epoch is then
+                    // always pushed after the command, and the poller (which drains
+                    // submissions before commands) finds the endpoint at that epoch.
                     let _ = poller.send(Command::AddEndpoint {
                         endpoint: id,
                         epoch,
                     });
+                    active.view.epoch.store(epoch.get(), Ordering::Release);
                 }
                 Output::RefreshDescriptor => {
                     let (addr, name) = (active.addr, active.view.peer_name.clone());

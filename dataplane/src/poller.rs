@@ -1,9 +1,12 @@
 //! The poller: one thread per rail, the only code that touches the rail's fabric queues and
 //! endpoints.
 //!
-//! Its loop: apply commands (add an endpoint, bump its epoch, retire it, shut down) → drain
-//! the submission rings → apply the epoch rule and post what passes, one doorbell per queue
-//! pair per round → poll completions and resolve slices → sweep deadlines → idle.
+//! Its loop: drain the submission rings → apply commands (add an endpoint, bump its epoch,
+//! retire it, open or close its circuit, shut down) → apply the epoch rule and post what
+//! passes, one doorbell per queue pair per round → poll completions and resolve slices →
+//! sweep deadlines → idle. Submissions are drained before commands so that a slice prepared
+//! for an epoch the control plane has announced always finds that epoch's command applied:
+//! the control plane sends the command first and publishes the epoch to submitters after.
 //!
 //! # The epoch rule
 //! A slice whose epoch is older than its endpoint's current epoch is never posted: it goes
@@ -709,12 +712,16 @@ impl<F: Fabric> Poller<F> {
     fn run(mut self) {
         let mut idle_rounds = 0u32;
         loop {
-            let (mut busy, shutdown) = self.apply_control();
+            // Submissions before commands: a slice prepared for an epoch the control plane
+            // announced was pushed after that epoch's command, so once the slice is here
+            // the command is visible too (see the loom model of the hand-off).
+            let mut busy = self.drain_submissions();
+            let (commands, shutdown) = self.apply_control();
             if shutdown {
                 self.shut_down();
                 return;
             }
-            busy |= self.drain_submissions();
+            busy |= commands;
             busy |= self.route_ready();
             busy |= self.poll_completions();
             busy |= self.poll_fabric_events();
@@ -1261,69 +1268,89 @@ mod loom_models {
         }
     }
 
-    /// The control/poller hand-off of a reconnect. The control thread publishes epoch 2 to
-    /// submitters (the endpoint view) and then sends BumpEpoch(2) over the poller's command
-    /// ring; a submitter prepares two slices from whatever epoch it reads; the poller takes
-    /// commands and slices in whatever order they arrive and applies the epoch rule (the
-    /// real one), with a re-prepare hook that stamps the current epoch. In every
-    /// interleaving each slice is posted exactly once, on a queue pair of exactly the epoch
-    /// it carries when posted, and nothing is left waiting.
+    /// The control/poller hand-off of a connect and a reconnect, in the order the control
+    /// plane uses: send the command (AddEndpoint at epoch 1, then BumpEpoch to 2) first,
+    /// then publish the epoch to submitters (the endpoint view). A submitter reads the view
+    /// twice and prepares a slice from each epoch it finds (none before the first); the
+    /// poller runs its real loop order (drain submissions, then apply commands, then route)
+    /// with the real epoch rule and a re-prepare hook that stamps the current epoch. In every
+    /// interleaving no slice meets an endpoint the poller does not know yet, each is posted
+    /// exactly once, on a queue pair of exactly the epoch it carries, and nothing is left
+    /// waiting. (Publishing the epoch before sending the command fails this model.)
     #[test]
     fn loom_epoch_hand_off_never_posts_a_stale_slice() {
-        loom::model(|| {
-            let view = Arc::new(AtomicUsize::new(1));
+        let mut model = loom::model::Builder::new();
+        model.preemption_bound = Some(3);
+        model.check(|| {
+            let view = Arc::new(AtomicUsize::new(0));
+            let finished = Arc::new(AtomicUsize::new(0));
             let (mut commands_tx, mut commands) = ring::channel::<u64>(2);
             let (mut slices_tx, mut slices) = ring::channel::<u64>(2);
-            let control_view = view.clone();
+            let (control_view, control_finished) = (view.clone(), finished.clone());
             let control = thread::spawn(move || {
-                control_view.store(2, Ordering::Release);
-                push(&mut commands_tx, 2);
-            });
-            let submitter = thread::spawn(move || {
-                for _ in 0..2 {
-                    let epoch = view.load(Ordering::Acquire) as u64;
-                    push(&mut slices_tx, epoch);
+                for epoch in [1, 2] {
+                    push(&mut commands_tx, epoch);
+                    control_view.store(epoch as usize, Ordering::Release);
                 }
+                control_finished.fetch_add(1, Ordering::Release);
             });
-            let mut endpoint = Epoch::FIRST;
+            let submitter_finished = finished.clone();
+            let submitter = thread::spawn(move || {
+                let mut sent = 0;
+                for _ in 0..2 {
+                    let epoch = view.load(Ordering::Acquire);
+                    if epoch != 0 {
+                        push(&mut slices_tx, epoch as u64);
+                        sent += 1;
+                    }
+                }
+                submitter_finished.fetch_add(1, Ordering::Release);
+                sent
+            });
+            let mut endpoint: Option<Epoch> = None;
             let mut backlog: Vec<u64> = Vec::new();
             let mut ready: VecDeque<u64> = VecDeque::new();
             let mut posted: Vec<(Epoch, Epoch)> = Vec::new();
-            let mut bumped = false;
-            while posted.len() < 2 || !bumped {
-                if let Some(epoch) = commands.pop() {
-                    endpoint = Epoch::new(epoch);
-                    bumped = true;
-                    ready.extend(backlog.drain(..));
-                }
-                if let Some(epoch) = slices.pop() {
+            loop {
+                let both_done = finished.load(Ordering::Acquire) == 2;
+                while let Some(epoch) = slices.pop() {
                     ready.push_back(epoch);
                 }
+                while let Some(epoch) = commands.pop() {
+                    endpoint = Some(Epoch::new(epoch));
+                    ready.extend(backlog.drain(..));
+                }
                 while let Some(epoch) = ready.pop_front() {
+                    let Some(current) = endpoint else {
+                        panic!("a slice reached the poller before its endpoint");
+                    };
                     let mut slice = Epoch::new(epoch);
                     loop {
-                        match epoch_rule(slice, endpoint, LinkState::Up) {
+                        match epoch_rule(slice, current, LinkState::Up) {
                             Route::Post => {
-                                posted.push((slice, endpoint));
+                                posted.push((slice, current));
                                 break;
                             }
                             Route::Wait => {
                                 backlog.push(slice.get());
                                 break;
                             }
-                            Route::Reprepare => slice = endpoint,
+                            Route::Reprepare => slice = current,
                             Route::Fail(reason) => {
                                 panic!("an up endpoint failed a slice: {reason}")
                             }
                         }
                     }
                 }
+                if both_done {
+                    break;
+                }
                 thread::yield_now();
             }
             control.join().unwrap();
-            submitter.join().unwrap();
+            let sent = submitter.join().unwrap();
             assert!(backlog.is_empty(), "a slice was left waiting");
-            assert_eq!(posted.len(), 2);
+            assert_eq!(posted.len(), sent);
             for (slice, queue_pair) in posted {
                 assert_eq!(slice, queue_pair, "posted on a queue pair of another epoch");
             }
