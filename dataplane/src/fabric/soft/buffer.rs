@@ -12,32 +12,89 @@ use super::sys::{self, Mapping};
 use super::{RegionError, SoftDevice, SoftError};
 use crate::fabric::{Access, MemoryRegion};
 
+/// What backs a [`SoftBuffer`]'s pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// 2 MiB pages from the hugetlb pool (`/proc/sys/vm/nr_hugepages`).
+    HugeTlb,
+    /// Normal pages with transparent huge pages requested (the kernel decides, per
+    /// `/sys/kernel/mm/transparent_hugepage/shmem_enabled`).
+    TransparentHugeAdvised,
+    /// Normal 4 KiB pages.
+    Normal,
+}
+
+impl Backing {
+    /// How a person would say it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::HugeTlb => "2 MiB huge pages (hugetlb)",
+            Self::TransparentHugeAdvised => "transparent huge pages (advised)",
+            Self::Normal => "normal pages",
+        }
+    }
+}
+
+/// Whether the kernel may back shared memory with transparent huge pages at all (the
+/// bracketed choice of `shmem_enabled` is neither `never` nor `deny`).
+fn shmem_thp_allowed() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .is_ok_and(|setting| !setting.contains("[never]") && !setting.contains("[deny]"))
+}
+
+/// Huge page size the allocator tries.
+const HUGE_PAGE: usize = 2 << 20;
+
 /// A registered buffer the device allocated. Deregistered, unmapped and closed on drop, in
 /// that order.
 ///
-/// Its pages are zero and are faulted in on first touch.
+/// Its pages are zero and are faulted in on first touch, or all at once by
+/// [`SoftBuffer::prefault`].
 #[derive(Debug)]
 pub struct SoftBuffer {
     region: MemoryRegion,
     device: SoftDevice,
     map: Mapping,
-    /// Kept open while registered: peers fetch it by number.
-    _memfd: OwnedFd,
+    memfd: OwnedFd,
+    backing: Backing,
 }
 
 impl SoftDevice {
-    /// Allocates and registers `len` bytes with `access`, shareable with same-host peers.
+    /// Allocates and registers `len` bytes with `access`, shareable with same-host peers:
+    /// 2 MiB huge pages when `len` is a multiple of 2 MiB and the hugetlb pool has room,
+    /// else normal pages with transparent huge pages advised (for 2 MiB or more), else
+    /// normal pages. [`SoftBuffer::backing`] says which.
     ///
     /// # Errors
     /// [`SoftError::Io`] when the memory cannot be created or mapped;
-    /// [`SoftError::Region`] when the region table is full.
+    /// [`SoftError::Region`] for zero bytes or when the region table is full.
     pub fn alloc(&self, len: usize, access: Access) -> Result<SoftBuffer, SoftError> {
         if len == 0 {
             return Err(RegionError::BadRange { addr: 0, len: 0 }.into());
         }
         let io = |what| move |source| SoftError::Io { what, source };
-        let memfd = sys::sealed_memfd("railyard-buffer", len).map_err(io("create a buffer"))?;
-        let map = Mapping::new(memfd.as_fd(), len, true).map_err(io("map a buffer"))?;
+        let huge = (len % HUGE_PAGE == 0)
+            .then(|| {
+                let memfd = sys::sealed_hugetlb_memfd("railyard-buffer", len).ok()?;
+                let map = Mapping::new(memfd.as_fd(), len, true).ok()?;
+                Some((memfd, map, Backing::HugeTlb))
+            })
+            .flatten();
+        let (memfd, map, backing) = match huge {
+            Some(huge) => huge,
+            None => {
+                let memfd =
+                    sys::sealed_memfd("railyard-buffer", len).map_err(io("create a buffer"))?;
+                let map = Mapping::new(memfd.as_fd(), len, true).map_err(io("map a buffer"))?;
+                let backing = if len >= HUGE_PAGE && shmem_thp_allowed() && map.advise_huge_pages()
+                {
+                    Backing::TransparentHugeAdvised
+                } else {
+                    Backing::Normal
+                };
+                (memfd, map, backing)
+            }
+        };
         let key = self
             .table()
             .register(map.addr(), len as u64, access, Some(memfd.as_raw_fd()))?;
@@ -51,7 +108,36 @@ impl SoftDevice {
             },
             device: self.clone(),
             map,
-            _memfd: memfd,
+            memfd,
+            backing,
+        })
+    }
+
+    /// Registers another device's buffer on this device too (one registration per rail),
+    /// keeping it shareable: peers map it through this device's table as well.
+    ///
+    /// # Safety
+    /// `buffer` must outlive this registration: deregister it here before dropping the
+    /// buffer.
+    ///
+    /// # Errors
+    /// [`SoftError::Region`] when the region table is full.
+    pub unsafe fn register_buffer(
+        &self,
+        buffer: &SoftBuffer,
+        access: Access,
+    ) -> Result<MemoryRegion, SoftError> {
+        let key = self.table().register(
+            buffer.region.addr,
+            buffer.region.len,
+            access,
+            Some(buffer.memfd.as_raw_fd()),
+        )?;
+        Ok(MemoryRegion {
+            lkey: key,
+            rkey: key,
+            access,
+            ..buffer.region
         })
     }
 }
@@ -60,6 +146,20 @@ impl SoftBuffer {
     /// Its registration.
     pub fn region(&self) -> MemoryRegion {
         self.region
+    }
+
+    /// What backs its pages.
+    pub fn backing(&self) -> Backing {
+        self.backing
+    }
+
+    /// Faults every page in now, so that no transfer takes a page fault later. Call it
+    /// before any transfer uses the buffer (and after binding it to a NUMA node, if at all).
+    pub fn prefault(&mut self) {
+        // SAFETY:
+        // - `&mut self`: no slice of this process borrows the buffer, and the contract of
+        //   this call is that no transfer uses it yet; each page keeps its contents.
+        unsafe { self.map.prefault() }
     }
 
     /// Its first byte.

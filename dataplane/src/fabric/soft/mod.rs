@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-pub use buffer::SoftBuffer;
+pub use buffer::{Backing, SoftBuffer};
 pub use fabric::SoftFabric;
 pub use faults::{Fault, FaultHandle, FaultPlan, QpMatch};
 pub use inbox::{INBOX_CAPACITY, InboxError, RecvCompletion, RecvQueue};

@@ -20,11 +20,24 @@ fn check(result: libc::c_int) -> io::Result<libc::c_int> {
 /// A new anonymous shared-memory file of `len` zero bytes, sealed so that it can never shrink
 /// or grow: a peer that maps it can never take a SIGBUS from the owner truncating it.
 pub(crate) fn sealed_memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
+    memfd(name, len, 0)
+}
+
+/// Like [`sealed_memfd`], backed by 2 MiB huge pages from the hugetlb pool (`len` must be a
+/// multiple of 2 MiB). Fails when the pool has too few pages.
+pub(crate) fn sealed_hugetlb_memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
+    memfd(name, len, libc::MFD_HUGETLB | libc::MFD_HUGE_2MB)
+}
+
+fn memfd(name: &str, len: usize, extra_flags: libc::c_uint) -> io::Result<OwnedFd> {
     let name = std::ffi::CString::new(name).map_err(|_| io::ErrorKind::InvalidInput)?;
     // SAFETY:
     // - `name` is a NUL-terminated string that outlives the call.
     let raw = check(unsafe {
-        libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        libc::memfd_create(
+            name.as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | extra_flags,
+        )
     })?;
     // SAFETY:
     // - memfd_create returned a new descriptor that nothing else owns.
@@ -113,6 +126,31 @@ impl Mapping {
     /// Bytes mapped.
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// Asks the kernel for transparent huge pages on this mapping. `false` when it refuses.
+    pub(crate) fn advise_huge_pages(&self) -> bool {
+        // SAFETY:
+        // - The range is exactly our live mapping; MADV_HUGEPAGE changes no contents.
+        unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_HUGEPAGE) == 0 }
+    }
+
+    /// Touches every page so that none faults later (on the data path).
+    ///
+    /// # Safety
+    /// Nothing else may be using the mapping: each page's first byte is written (with the
+    /// value it has).
+    pub(crate) unsafe fn prefault(&self) {
+        const PAGE: usize = 4096;
+        for offset in (0..self.len).step_by(PAGE) {
+            // SAFETY:
+            // - `offset < len`: inside the live, writable mapping (callers map writable
+            //   buffers only); the caller guarantees no concurrent user.
+            unsafe {
+                let byte = self.ptr.as_ptr().add(offset);
+                byte.write_volatile(byte.read_volatile());
+            }
+        }
     }
 
     /// The 8-byte word at `offset`, as an atomic. `None` when it is not inside the mapping
