@@ -11,9 +11,9 @@ deps:
 build: deps
 	$(CARGO) build --release --workspace
 
-# The main job. Until `railyard bench` exists it shows this machine's rails and plan.
+# The main job: `railyard bench` with its defaults (starts its own target; 5 s of KV-cache writes).
 run: build
-	./target/release/railyard topology
+	./target/release/railyard bench
 
 test: deps
 	$(CARGO) test --workspace --all-targets

@@ -8,6 +8,7 @@
 //! - [`topology`]: hwloc discovery, rails and the poller placement plan.
 //! - [`dataplane`]: SPSC rings, epoch-tagged slices, pollers, batches and fabrics.
 //! - [`control`]: endpoint lifecycle, handshakes, directory and failure policy.
+//! - [`engine`]: the Engine API — memory, peers, transfers, notifications, stats.
 //! - [`chaos`]: deterministic reproductions of the production failures railyard exists to
 //!   prevent (`railyard chaos`).
 //!
@@ -21,6 +22,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod chaos;
+pub mod engine;
 
 pub use railyard_control as control;
 pub use railyard_dataplane as dataplane;

@@ -5,10 +5,20 @@ mod cli;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::Parser as _;
 
 fn main() -> ExitCode {
-    let command = cli::Cli::parse();
+    let command = match cli::Cli::try_parse() {
+        Ok(command) => command,
+        Err(error) if !error.use_stderr() => error.exit(), // --help, --version
+        Err(error) => {
+            // One line, like every other error: clap's first line without its prefix.
+            let text = error.to_string();
+            let first = text.lines().next().unwrap_or_default();
+            eprintln!("railyard: error: {}", first.trim_start_matches("error: "));
+            return ExitCode::from(2);
+        }
+    };
     match command.run() {
         Ok(code) => code,
         Err(error) => {

@@ -22,7 +22,7 @@
 //! incarnation for a known name retires everything of the old incarnation
 //! (`PeerRestarted`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -36,7 +36,8 @@ use std::time::{Duration, Instant};
 use railyard_dataplane::ring::Consumer;
 use railyard_dataplane::rng::SplitMix64;
 use railyard_dataplane::{
-    Command, EndpointId, Epoch, Event, FailReason, PollerHandle, RepairCause, Reprepare, Slice,
+    Batch, Command, EndpointId, Epoch, Event, FailReason, PollerHandle, RepairCause, Reprepare,
+    Slice,
 };
 
 use crate::descriptor::{RegionDescriptor, SegmentDescriptor};
@@ -228,6 +229,12 @@ pub struct ControlStats {
     pub warnings_printed: u64,
     /// Warning lines suppressed by the rate limit.
     pub warnings_suppressed: u64,
+    /// Notifications sent.
+    pub notifications_sent: u64,
+    /// Notifications not sent because the batch they rode on failed.
+    pub notifications_dropped: u64,
+    /// Notifications received.
+    pub notifications_received: u64,
 }
 
 #[derive(Debug, Default)]
@@ -242,6 +249,9 @@ struct Counters {
     refused: AtomicU64,
     warnings_printed: AtomicU64,
     warnings_suppressed: AtomicU64,
+    notifications_sent: AtomicU64,
+    notifications_dropped: AtomicU64,
+    notifications_received: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -261,6 +271,7 @@ pub struct ControlShared {
     rails: Vec<RailShared>,
     counters: Counters,
     regions: RwLock<(u64, Vec<RegionDescriptor>)>,
+    notifications: Mutex<VecDeque<Notification>>,
 }
 
 impl ControlShared {
@@ -270,6 +281,7 @@ impl ControlShared {
             rails: (0..rails).map(|_| RailShared::default()).collect(),
             counters: Counters::default(),
             regions: RwLock::new((0, Vec::new())),
+            notifications: Mutex::new(VecDeque::new()),
         })
     }
 
@@ -320,6 +332,15 @@ impl ControlShared {
         guard.1 = regions;
     }
 
+    /// Takes the notifications peers sent, oldest first.
+    pub fn drain_notifications(&self) -> Vec<Notification> {
+        self.notifications
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain(..)
+            .collect()
+    }
+
     /// What the control plane has done so far.
     pub fn stats(&self) -> ControlStats {
         let c = &self.counters;
@@ -335,6 +356,9 @@ impl ControlShared {
             refused: get(&c.refused),
             warnings_printed: get(&c.warnings_printed),
             warnings_suppressed: get(&c.warnings_suppressed),
+            notifications_sent: get(&c.notifications_sent),
+            notifications_dropped: get(&c.notifications_dropped),
+            notifications_received: get(&c.notifications_received),
         }
     }
 }
@@ -358,8 +382,27 @@ enum Request {
         rail: u16,
         id: EndpointId,
     },
+    Notify {
+        addr: SocketAddr,
+        bytes: Vec<u8>,
+        after: Option<Batch>,
+    },
     Shutdown,
 }
+
+/// A notification a peer sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// The sender's segment name.
+    pub from: String,
+    /// The sender's incarnation.
+    pub incarnation: Incarnation,
+    /// What it said.
+    pub bytes: Vec<u8>,
+}
+
+/// Notifications kept for the application before the oldest are dropped.
+const NOTIFICATION_QUEUE: usize = 64 * 1024;
 
 /// The application's handle to the control thread. Dropping it stops the thread.
 pub struct ControlPlane {
@@ -438,6 +481,7 @@ impl ControlPlane {
             peer_names: HashMap::new(),
             directory: P2pDirectory::new(),
             waiting: Vec::new(),
+            pending_notifications: Vec::new(),
         };
         let thread = std::thread::Builder::new()
             .name("railyard-control".into())
@@ -512,6 +556,21 @@ impl ControlPlane {
             rail: view.key.local_rail,
             id: view.id,
         })
+    }
+
+    /// Sends `bytes` to the process listening at `addr`; with `after`, once that batch has
+    /// completed successfully (its data is in place before the notification leaves), and
+    /// not at all if it failed.
+    ///
+    /// # Errors
+    /// [`ControlError::Stopped`].
+    pub fn notify(
+        &self,
+        addr: SocketAddr,
+        bytes: Vec<u8>,
+        after: Option<Batch>,
+    ) -> Result<(), ControlError> {
+        self.request(Request::Notify { addr, bytes, after })
     }
 
     /// Stops the control thread (pollers keep running). Idempotent.
@@ -618,6 +677,8 @@ struct Plane<F: RailFabric> {
     peer_names: HashMap<String, Incarnation>,
     directory: P2pDirectory,
     waiting: Vec<Waiting>,
+    /// Notifications waiting for their batch.
+    pending_notifications: Vec<(SocketAddr, Vec<u8>, Batch)>,
     warnings: RateLimiter,
     rng: SplitMix64,
 }
@@ -638,6 +699,7 @@ impl<F: RailFabric> Plane<F> {
             self.take_poller_events(now);
             self.run_timers(now);
             self.expire_waiting(now);
+            self.release_notifications(now);
             self.flush_connections();
             self.sleep();
         }
@@ -669,6 +731,10 @@ impl<F: RailFabric> Plane<F> {
                         self.drive(rail, id, now);
                     }
                 }
+                Request::Notify { addr, bytes, after } => match after {
+                    Some(batch) => self.pending_notifications.push((addr, bytes, batch)),
+                    None => self.send_notification(addr, bytes, now),
+                },
                 Request::Connect {
                     addr,
                     local_rail,
@@ -702,6 +768,39 @@ impl<F: RailFabric> Plane<F> {
         }
         self.resolve_waiting(now);
         true
+    }
+
+    fn send_notification(&mut self, addr: SocketAddr, bytes: Vec<u8>, now: Instant) {
+        match self.conn_to(addr, now) {
+            Ok(index) => {
+                if let Some(conn) = self.conns[index].as_mut() {
+                    conn.send(&Message::Notify(bytes));
+                    bump(&self.shared.counters.notifications_sent);
+                }
+            }
+            Err(error) => {
+                bump(&self.shared.counters.notifications_dropped);
+                self.warn(
+                    WarningKind::Handshake,
+                    format!("cannot send a notification to {addr}: {error}"),
+                );
+            }
+        }
+    }
+
+    /// Sends notifications whose batch has completed; drops those whose batch failed.
+    fn release_notifications(&mut self, now: Instant) {
+        let (complete, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending_notifications)
+            .into_iter()
+            .partition(|(_, _, batch)| batch.poll().is_complete());
+        self.pending_notifications = waiting;
+        for (addr, bytes, batch) in complete {
+            if batch.poll().failed == 0 {
+                self.send_notification(addr, bytes, now);
+            } else {
+                bump(&self.shared.counters.notifications_dropped);
+            }
+        }
     }
 
     /// The open connection to `addr`, dialing it (non-blocking) if there is none.
@@ -914,7 +1013,27 @@ impl<F: RailFabric> Plane<F> {
             Message::ConnectQpReply { key, epoch, result } => {
                 self.on_connect_reply(key, epoch, result, now);
             }
-            Message::Notify(_) => {}
+            Message::Notify(bytes) => {
+                let Some((from, incarnation)) =
+                    self.conns[index].as_ref().and_then(|c| c.peer.clone())
+                else {
+                    return self.close(index, "a notification before Hello", now);
+                };
+                bump(&self.shared.counters.notifications_received);
+                let mut queue = self
+                    .shared
+                    .notifications
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                if queue.len() >= NOTIFICATION_QUEUE {
+                    queue.pop_front();
+                }
+                queue.push_back(Notification {
+                    from,
+                    incarnation,
+                    bytes,
+                });
+            }
             Message::Bye => self.close(index, "the peer said goodbye", now),
         }
     }

@@ -1,6 +1,9 @@
 //! Argument parsing and dispatch for the `railyard` binary.
 
+mod bench;
 mod chaos;
+mod serve;
+mod size;
 mod topology;
 
 use clap::{Parser, Subcommand};
@@ -22,6 +25,13 @@ enum Command {
     /// dead-replica) on the soft fabric and print what happened as counts. Exit status 1
     /// when the scenario breaks one of its promises.
     Chaos(chaos::ChaosArgs),
+    /// Serve a registered pool to peers (a transfer target) until stopped.
+    Serve(serve::ServeArgs),
+    /// The main job: KV-cache-shaped transfers to a target (started here unless --target is
+    /// given), measured beside this machine's memcpy ceiling. The default request is 64
+    /// blocks (32 layers × K and V) of 64 KiB (16 tokens × 16 KV heads × 128 dims × fp16)
+    /// at random slots of the target's pool, written as one batch.
+    Bench(bench::BenchArgs),
 }
 
 impl Cli {
@@ -31,6 +41,19 @@ impl Cli {
                 topology::run(&args).map(|()| std::process::ExitCode::SUCCESS)
             }
             Command::Chaos(args) => chaos::run(&args),
+            Command::Serve(args) => serve::run(&args).map(|()| std::process::ExitCode::SUCCESS),
+            Command::Bench(args) => bench::run(&args).map(|()| std::process::ExitCode::SUCCESS),
         }
+    }
+}
+
+/// `--fabric auto|soft|verbs`.
+fn parse_fabric(text: &str) -> Result<railyard::engine::FabricChoice, String> {
+    use railyard::engine::FabricChoice;
+    match text {
+        "auto" => Ok(FabricChoice::Auto),
+        "soft" => Ok(FabricChoice::Soft),
+        "verbs" => Ok(FabricChoice::Verbs),
+        other => Err(format!("{other:?} is not a fabric (auto, soft, verbs)")),
     }
 }

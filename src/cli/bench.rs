@@ -1,0 +1,675 @@
+//! `railyard bench`: the main job. KV-cache-shaped transfers to a target, measured beside
+//! the memcpy ceiling of this machine.
+
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader, IsTerminal};
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::{Args, ValueEnum};
+use railyard::dataplane::RequestOutcome;
+use railyard::dataplane::rng::SplitMix64;
+use railyard::engine::{Engine, FabricChoice, Op, Peer, RailChoice, Region, Transfer};
+
+use super::size::{format_size, parse_size};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum BenchOp {
+    Write,
+    Read,
+}
+
+/// The default workload is KV-cache shaped: one request is one sequence's KV cache, `--batch`
+/// blocks (default 64: 32 layers × K and V) of `--block-size` bytes (default 64 KiB: 16
+/// tokens × 16 KV heads × 128 dims × fp16), placed at random block slots of the target's
+/// pool and written (or read) as one batch per request.
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    /// A running `railyard serve` (host:port). Without it, bench starts one itself.
+    #[arg(long)]
+    target: Option<String>,
+    /// Direction of the transfers.
+    #[arg(long, value_enum, default_value = "write")]
+    op: BenchOp,
+    /// Bytes per block (one slice or more).
+    #[arg(long, value_parser = parse_size, default_value = "64KiB")]
+    block_size: u64,
+    /// Blocks per request (one batch per request).
+    #[arg(long, default_value_t = 64)]
+    batch: u64,
+    /// Submitting threads, each with one request in flight.
+    #[arg(long, default_value_t = 1)]
+    threads: u64,
+    /// Seconds to run.
+    #[arg(long, default_value_t = 5.0)]
+    duration: f64,
+    /// Software rails on both sides (default: one per NUMA node, from the topology plan).
+    #[arg(long)]
+    rails: Option<NonZeroUsize>,
+    /// auto, soft or verbs.
+    #[arg(long, value_parser = super::parse_fabric, default_value = "auto")]
+    fabric: FabricChoice,
+    /// Pool of the target bench starts (ignored with --target).
+    #[arg(long, value_parser = parse_size, default_value = "256MiB")]
+    pool: u64,
+    /// Verify every byte: each request's blocks are read back (writes) or compared with
+    /// what was written there first (reads), by checksum.
+    #[arg(long)]
+    check: bool,
+    /// Seeds the block placement.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print the results as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Largest block accepted.
+const MAX_BLOCK: u64 = 1 << 30;
+/// Most blocks per request.
+const MAX_BATCH: u64 = 1 << 16;
+/// Most threads.
+const MAX_THREADS: u64 = 256;
+
+fn validate(args: &BenchArgs) -> anyhow::Result<()> {
+    if args.block_size == 0 || args.block_size > MAX_BLOCK {
+        bail!(
+            "--block-size {} must be between 1 byte and {}",
+            args.block_size,
+            format_size(MAX_BLOCK)
+        );
+    }
+    if args.batch == 0 || args.batch > MAX_BATCH {
+        bail!("--batch {} must be between 1 and {MAX_BATCH}", args.batch);
+    }
+    if args.threads == 0 || args.threads > MAX_THREADS {
+        bail!(
+            "--threads {} must be between 1 and {MAX_THREADS}",
+            args.threads
+        );
+    }
+    if !(args.duration > 0.0 && args.duration <= 86_400.0) {
+        bail!(
+            "--duration {} must be between 0 and 86400 seconds",
+            args.duration
+        );
+    }
+    Ok(())
+}
+
+/// The target process bench started, stopped when dropped.
+struct TargetChild(Child);
+
+impl Drop for TargetChild {
+    fn drop(&mut self) {
+        drop(self.0.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if matches!(self.0.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_target(args: &BenchArgs) -> anyhow::Result<(TargetChild, SocketAddr)> {
+    let mut command = Command::new(std::env::current_exe().context("finding this binary")?);
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
+        .args(["--name", "railyard-bench-target"])
+        .args(["--pool", &args.pool.to_string()])
+        .args([
+            "--fabric",
+            match args.fabric {
+                FabricChoice::Auto => "auto",
+                FabricChoice::Soft => "soft",
+                FabricChoice::Verbs => "verbs",
+            },
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(rails) = args.rails {
+        command.args(["--rails", &rails.to_string()]);
+    }
+    let mut child = TargetChild(command.spawn().context("starting the target process")?);
+    let stdout = child.0.stdout.take().context("the target's stdout")?;
+    let (lines, first) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let ready = first.recv_timeout(Duration::from_secs(20)).ok();
+    let addr = ready
+        .as_deref()
+        .and_then(|line| line.strip_prefix("listening "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|addr| addr.parse().ok());
+    match addr {
+        Some(addr) => {
+            // Keep draining its output (notifications) so it never blocks on a full pipe.
+            std::thread::spawn(move || for _ in first {});
+            Ok((child, addr))
+        }
+        None => {
+            let _ = child.0.kill();
+            let mut stderr = String::new();
+            if let Some(mut pipe) = child.0.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
+            }
+            bail!(
+                "the target did not start: {}",
+                stderr.lines().last().unwrap_or("no output")
+            )
+        }
+    }
+}
+
+/// Fills a block with the check pattern of `tag`: one mixed 64-bit word per 8 bytes.
+fn fill(block: &mut [u8], tag: u64) {
+    let mut state = SplitMix64::new(tag);
+    let mut chunks = block.chunks_exact_mut(8);
+    for chunk in &mut chunks {
+        chunk.copy_from_slice(&state.next_u64().to_le_bytes());
+    }
+    let tail = chunks.into_remainder();
+    let last = state.next_u64().to_le_bytes();
+    tail.copy_from_slice(&last[..tail.len()]);
+}
+
+/// A checksum of `bytes`: 64-bit words folded with multiply-xor (fast; catches any
+/// misplaced or missing block of the pattern).
+fn checksum(bytes: &[u8]) -> u64 {
+    let mut sum = 0xcbf2_9ce4_8422_2325u64;
+    let mut chunks = bytes.chunks_exact(8);
+    for chunk in &mut chunks {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        sum = (sum ^ u64::from_le_bytes(word)).wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    for &byte in chunks.remainder() {
+        sum = (sum ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    sum
+}
+
+/// What one thread measured.
+#[derive(Default)]
+struct ThreadResult {
+    latencies: Vec<Duration>,
+    prepare: Duration,
+    post: Duration,
+    complete: Duration,
+    requests: u64,
+    failed_requests: u64,
+    verified: u64,
+    mismatches: u64,
+}
+
+struct Workload<'a> {
+    engine: &'a Engine,
+    peer: &'a Peer,
+    local: Region,
+    /// This thread's blocks start here in `local`; its check area follows them.
+    local_offset: u64,
+    remote_base: u64,
+    slots: u64,
+    block: u64,
+    batch: u64,
+    op: Op,
+    check: bool,
+    seed: u64,
+    stop: &'a AtomicBool,
+    moved: &'a AtomicU64,
+}
+
+/// The slot tag the check pattern of a read uses: what the setup pass wrote there.
+fn slot_tag(seed: u64, slot: u64) -> u64 {
+    seed.wrapping_mul(31).wrapping_add(slot)
+}
+
+fn local_slice(region: Region, offset: u64, len: u64) -> &'static mut [u8] {
+    // SAFETY:
+    // - `offset + len` lies inside the engine-allocated region (the bench sized it), which
+    //   lives until the engine drops, after every worker has joined.
+    // - Each worker touches only its own blocks, and only while no transfer of its own is
+    //   in flight (before submit and after completion).
+    unsafe { std::slice::from_raw_parts_mut((region.addr + offset) as *mut u8, len as usize) }
+}
+
+fn run_worker(work: &Workload<'_>) -> anyhow::Result<ThreadResult> {
+    let mut submitter = work.engine.submitter()?;
+    let mut rng = SplitMix64::new(work.seed);
+    let mut result = ThreadResult::default();
+    let mut slots = Vec::with_capacity(work.batch as usize);
+    let mut seen = HashSet::new();
+    let area = work.block * work.batch;
+    while !work.stop.load(Ordering::Relaxed) {
+        slots.clear();
+        seen.clear();
+        while (slots.len() as u64) < work.batch {
+            let slot = rng.below(work.slots);
+            if seen.insert(slot) {
+                slots.push(slot);
+            }
+        }
+        let tag = rng.next_u64();
+        if work.check && work.op == Op::Write {
+            for (j, _) in slots.iter().enumerate() {
+                let offset = work.local_offset + j as u64 * work.block;
+                fill(local_slice(work.local, offset, work.block), tag ^ j as u64);
+            }
+        }
+        let transfers: Vec<Transfer> = slots
+            .iter()
+            .enumerate()
+            .map(|(j, &slot)| Transfer {
+                op: work.op,
+                local: work.local,
+                local_offset: work.local_offset + j as u64 * work.block,
+                remote_addr: work.remote_base + slot * work.block,
+                len: work.block,
+            })
+            .collect();
+        let started = Instant::now();
+        let batch = submitter.submit(work.peer, &transfers)?;
+        let timing = submitter.last_timing();
+        let posted = Instant::now();
+        batch.wait(batch.deadline() + Duration::from_secs(1));
+        let done = Instant::now();
+        result.latencies.push(done - started);
+        result.prepare += timing.prepare;
+        result.post += timing.post;
+        result.complete += done - posted;
+        result.requests += 1;
+        let outcomes = batch.outcomes();
+        if outcomes.iter().any(|o| *o != Some(RequestOutcome::Done)) {
+            result.failed_requests += 1;
+            continue;
+        }
+        work.moved.fetch_add(area, Ordering::Relaxed);
+        if work.check {
+            verify(work, &mut submitter, &slots, tag, &mut result)?;
+        }
+    }
+    Ok(result)
+}
+
+/// Checks a completed request's blocks by checksum: writes are read back into the check
+/// area; reads are compared with what the setup pass wrote.
+fn verify(
+    work: &Workload<'_>,
+    submitter: &mut railyard::engine::EngineSubmitter,
+    slots: &[u64],
+    tag: u64,
+    result: &mut ThreadResult,
+) -> anyhow::Result<()> {
+    let area = work.block * work.batch;
+    let mut expected_block = vec![0u8; work.block as usize];
+    if work.op == Op::Write {
+        let transfers: Vec<Transfer> = slots
+            .iter()
+            .enumerate()
+            .map(|(j, &slot)| Transfer {
+                op: Op::Read,
+                local: work.local,
+                local_offset: work.local_offset + area + j as u64 * work.block,
+                remote_addr: work.remote_base + slot * work.block,
+                len: work.block,
+            })
+            .collect();
+        let batch = submitter.submit(work.peer, &transfers)?;
+        batch.wait(batch.deadline() + Duration::from_secs(1));
+        if batch
+            .outcomes()
+            .iter()
+            .any(|o| *o != Some(RequestOutcome::Done))
+        {
+            result.mismatches += slots.len() as u64;
+            return Ok(());
+        }
+    }
+    for (j, &slot) in slots.iter().enumerate() {
+        let (offset, expected_tag) = match work.op {
+            Op::Write => (
+                work.local_offset + area + j as u64 * work.block,
+                tag ^ j as u64,
+            ),
+            Op::Read => (
+                work.local_offset + j as u64 * work.block,
+                slot_tag(work.seed, slot),
+            ),
+        };
+        fill(&mut expected_block, expected_tag);
+        let landed = local_slice(work.local, offset, work.block);
+        if checksum(landed) == checksum(&expected_block) {
+            result.verified += work.block;
+        } else {
+            result.mismatches += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Writes the read-check pattern into every slot of the target's pool.
+fn seed_pool(
+    engine: &Engine,
+    peer: &Peer,
+    local: Region,
+    args: &BenchArgs,
+    remote_base: u64,
+    slots: u64,
+) -> anyhow::Result<()> {
+    let mut submitter = engine.submitter()?;
+    let block = args.block_size;
+    let per_round = args.batch;
+    let mut slot = 0;
+    while slot < slots {
+        let count = per_round.min(slots - slot);
+        for j in 0..count {
+            fill(
+                local_slice(local, j * block, block),
+                slot_tag(args.seed, slot + j),
+            );
+        }
+        let transfers: Vec<Transfer> = (0..count)
+            .map(|j| Transfer {
+                op: Op::Write,
+                local,
+                local_offset: j * block,
+                remote_addr: remote_base + (slot + j) * block,
+                len: block,
+            })
+            .collect();
+        let batch = submitter.submit(peer, &transfers)?;
+        batch.wait(batch.deadline() + Duration::from_secs(1));
+        if batch
+            .outcomes()
+            .iter()
+            .any(|o| *o != Some(RequestOutcome::Done))
+        {
+            bail!("writing the read-check pattern into the target failed");
+        }
+        slot += count;
+    }
+    Ok(())
+}
+
+/// Single-thread memcpy of `block`-sized blocks to random slots: this machine's ceiling for
+/// the copy the soft fabric does, measured over the same shape.
+fn memcpy_ceiling(block: u64, slots: u64, seed: u64) -> f64 {
+    let slots = slots.clamp(1, (256 << 20) / block.max(1)).max(1);
+    let source = vec![1u8; block as usize];
+    // Non-zero, so that every page is written (faulted in) before the clock starts.
+    let mut target = vec![2u8; (slots * block) as usize];
+    let mut rng = SplitMix64::new(seed);
+    let started = Instant::now();
+    let mut moved = 0u64;
+    while started.elapsed() < Duration::from_millis(500) {
+        for _ in 0..64 {
+            let slot = rng.below(slots);
+            let at = (slot * block) as usize;
+            target[at..at + block as usize].copy_from_slice(&source);
+            moved += block;
+        }
+    }
+    std::hint::black_box(&target);
+    moved as f64 / started.elapsed().as_secs_f64() / 1e9
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index.min(sorted.len() - 1)]
+}
+
+fn micros(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e7).round() / 10.0
+}
+
+pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    validate(args)?;
+    let request_bytes = args.block_size * args.batch;
+    let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
+    let engine = Engine::builder("railyard-bench")
+        .fabric(args.fabric)
+        .rails(rails)
+        .build()
+        .context("starting the engine")?;
+    let (_child, target) = match &args.target {
+        Some(target) => (None, target.clone()),
+        None => {
+            if args.pool / args.block_size < args.batch {
+                bail!(
+                    "--pool {} holds {} blocks of {}, but a request needs {} (--batch)",
+                    format_size(args.pool),
+                    args.pool / args.block_size,
+                    format_size(args.block_size),
+                    args.batch
+                );
+            }
+            let (child, addr) = start_target(args)?;
+            (Some(child), addr.to_string())
+        }
+    };
+    let peer = engine
+        .open(&target)
+        .with_context(|| format!("opening the target {target}"))?;
+    let descriptor = peer.descriptor();
+    let Some(pool) = descriptor.regions.iter().max_by_key(|r| r.len) else {
+        bail!("the target {target} has registered no memory");
+    };
+    let slots = pool.len / args.block_size;
+    if slots < args.batch {
+        bail!(
+            "the target's pool of {} holds {slots} blocks of {}, but a request needs {} (--batch)",
+            format_size(pool.len),
+            format_size(args.block_size),
+            args.batch
+        );
+    }
+    let remote_base = pool.base;
+    // Each thread: its request's blocks, then a check area as large.
+    let per_thread = request_bytes * 2;
+    let local = engine
+        .alloc(per_thread * args.threads, None)
+        .context("allocating the local buffers")?;
+    let op = match args.op {
+        BenchOp::Write => Op::Write,
+        BenchOp::Read => Op::Read,
+    };
+    if args.check && op == Op::Read {
+        seed_pool(&engine, &peer, local, args, remote_base, slots)?;
+    }
+
+    let stop = AtomicBool::new(false);
+    let moved = AtomicU64::new(0);
+    let duration = Duration::from_secs_f64(args.duration);
+    let tty = std::io::stderr().is_terminal() && !args.json;
+    let started = Instant::now();
+    let results = std::thread::scope(|scope| -> anyhow::Result<Vec<ThreadResult>> {
+        let workers: Vec<_> = (0..args.threads)
+            .map(|thread| {
+                let work = Workload {
+                    engine: &engine,
+                    peer: &peer,
+                    local,
+                    local_offset: thread * per_thread,
+                    remote_base,
+                    slots,
+                    block: args.block_size,
+                    batch: args.batch,
+                    op,
+                    check: args.check,
+                    seed: args.seed.wrapping_add(thread.wrapping_mul(0x9E37)),
+                    stop: &stop,
+                    moved: &moved,
+                };
+                scope.spawn(move || run_worker(&work))
+            })
+            .collect();
+        let mut last_line = Instant::now();
+        while started.elapsed() < duration {
+            std::thread::sleep(Duration::from_millis(100));
+            let elapsed = started.elapsed().min(duration);
+            let gbps = moved.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e9;
+            if tty {
+                let width = 30;
+                let filled =
+                    (width as f64 * elapsed.as_secs_f64() / duration.as_secs_f64()) as usize;
+                eprint!(
+                    "\r[{}{}] {:>5.1}/{:.1} s  {gbps:>7.2} GB/s",
+                    "=".repeat(filled),
+                    " ".repeat(width - filled.min(width)),
+                    elapsed.as_secs_f64(),
+                    duration.as_secs_f64()
+                );
+            } else if !args.json && last_line.elapsed() >= Duration::from_secs(1) {
+                eprintln!("{:>5.1} s  {gbps:.2} GB/s", elapsed.as_secs_f64());
+                last_line = Instant::now();
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        if tty {
+            eprintln!();
+        }
+        workers
+            .into_iter()
+            .map(|worker| {
+                worker
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("a worker thread panicked"))?
+            })
+            .collect()
+    })?;
+    let elapsed = started.elapsed();
+
+    let mut latencies: Vec<Duration> = results
+        .iter()
+        .flat_map(|r| r.latencies.iter().copied())
+        .collect();
+    latencies.sort();
+    let requests: u64 = results.iter().map(|r| r.requests).sum();
+    let failed: u64 = results.iter().map(|r| r.failed_requests).sum();
+    let bytes = moved.load(Ordering::Relaxed);
+    let gbps = bytes as f64 / elapsed.as_secs_f64() / 1e9;
+    let per_request = |total: Duration| {
+        if requests == 0 {
+            0.0
+        } else {
+            micros(total) / requests as f64
+        }
+    };
+    let prepare = per_request(results.iter().map(|r| r.prepare).sum());
+    let post = per_request(results.iter().map(|r| r.post).sum());
+    let complete = per_request(results.iter().map(|r| r.complete).sum());
+    let avg = if latencies.is_empty() {
+        Duration::ZERO
+    } else {
+        latencies.iter().sum::<Duration>() / latencies.len() as u32
+    };
+    let ceiling = memcpy_ceiling(args.block_size, slots, args.seed);
+    let verified: u64 = results.iter().map(|r| r.verified).sum();
+    let mismatches: u64 = results.iter().map(|r| r.mismatches).sum();
+    let backing = local.backing.map_or("user memory", |b| b.describe());
+    let report = serde_json::json!({
+        "op": match op { Op::Write => "write", Op::Read => "read" },
+        "target": target,
+        "fabric": "soft",
+        "rails": engine.rails(),
+        "threads": args.threads,
+        "block_size": args.block_size,
+        "batch": args.batch,
+        "request_bytes": request_bytes,
+        "duration_s": (elapsed.as_secs_f64() * 1000.0).round() / 1000.0,
+        "requests": requests,
+        "failed_requests": failed,
+        "bytes": bytes,
+        "gbps": (gbps * 1000.0).round() / 1000.0,
+        "requests_per_s": (requests as f64 / elapsed.as_secs_f64() * 10.0).round() / 10.0,
+        "latency_us": {
+            "avg": micros(avg),
+            "p50": micros(percentile(&latencies, 0.5)),
+            "p99": micros(percentile(&latencies, 0.99)),
+        },
+        "time_us": {
+            "prepare": (prepare * 10.0).round() / 10.0,
+            "post": (post * 10.0).round() / 10.0,
+            "complete": (complete * 10.0).round() / 10.0,
+        },
+        "ceiling_gbps": (ceiling * 1000.0).round() / 1000.0,
+        "ratio": ((gbps / ceiling) * 1000.0).round() / 1000.0,
+        "local_memory": backing,
+        "check": { "enabled": args.check, "verified_bytes": verified, "mismatches": mismatches },
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!(
+            "{:>10} {:>6} {:>9} {:>11} {:>10} {:>10} {:>10}   {:>8} {:>8} {:>9}",
+            "block",
+            "batch",
+            "GB/s",
+            "requests/s",
+            "avg us",
+            "p50 us",
+            "p99 us",
+            "prepare",
+            "post",
+            "complete"
+        );
+        println!(
+            "{:>10} {:>6} {:>9.2} {:>11.1} {:>10.1} {:>10.1} {:>10.1}   {:>8.1} {:>8.1} {:>9.1}",
+            format_size(args.block_size),
+            args.batch,
+            gbps,
+            requests as f64 / elapsed.as_secs_f64(),
+            micros(avg),
+            micros(percentile(&latencies, 0.5)),
+            micros(percentile(&latencies, 0.99)),
+            prepare,
+            post,
+            complete
+        );
+        println!(
+            "ceiling (single-thread memcpy of {} blocks): {ceiling:.2} GB/s; ratio {:.2}",
+            format_size(args.block_size),
+            gbps / ceiling
+        );
+        println!(
+            "{} requests ({} of {} each), {} thread(s), {} rail(s), local memory: {backing}",
+            requests,
+            if op == Op::Write { "writes" } else { "reads" },
+            format_size(request_bytes),
+            args.threads,
+            engine.rails()
+        );
+        if args.check {
+            println!(
+                "check: {} verified, {mismatches} mismatching block(s)",
+                format_size(verified)
+            );
+        }
+        if failed > 0 {
+            println!("{failed} request(s) failed");
+        }
+    }
+    if args.check && mismatches > 0 {
+        bail!("{mismatches} block(s) did not hold what was written");
+    }
+    Ok(())
+}

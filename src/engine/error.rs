@@ -1,0 +1,179 @@
+//! The Engine's errors: one enum per family of operations, each naming the offending
+//! range, peer or rail.
+
+use std::net::SocketAddr;
+
+use railyard_control::ControlError;
+
+/// Why an engine could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// The fabric asked for cannot run here.
+    #[error("the {fabric} fabric is not available: {reason}")]
+    FabricUnavailable {
+        /// The fabric.
+        fabric: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A rail's device could not open.
+    #[error("cannot open rail {rail}: {reason}")]
+    Rail {
+        /// The rail.
+        rail: usize,
+        /// Why.
+        reason: String,
+    },
+    /// A rail's poller could not start.
+    #[error("cannot start the poller of rail {rail}: {reason}")]
+    Poller {
+        /// The rail.
+        rail: usize,
+        /// Why.
+        reason: String,
+    },
+    /// The control plane could not start.
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    /// A setting is out of range.
+    #[error("invalid setting: {0}")]
+    Setting(String),
+}
+
+/// Why memory could not be allocated, registered or deregistered.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// Zero bytes, or a range that wraps.
+    #[error("cannot register {len} bytes at {addr:#x}: empty or wrapping range")]
+    BadRange {
+        /// Start asked for.
+        addr: u64,
+        /// Length asked for.
+        len: u64,
+    },
+    /// A rail refused the registration.
+    #[error("rail {rail} refused the registration of {len} bytes at {addr:#x}: {reason}")]
+    Register {
+        /// The rail.
+        rail: usize,
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+        /// Why.
+        reason: String,
+    },
+    /// The memory could not be allocated.
+    #[error("cannot allocate {len} bytes: {reason}")]
+    Alloc {
+        /// Length asked for.
+        len: u64,
+        /// Why.
+        reason: String,
+    },
+    /// The NUMA node does not exist or the memory could not be bound to it.
+    #[error("cannot bind {len} bytes to NUMA node {node}: {reason}")]
+    Bind {
+        /// The node.
+        node: u32,
+        /// Length.
+        len: u64,
+        /// Why.
+        reason: String,
+    },
+    /// No such region (never registered, or deregistered already).
+    #[error("region {id} is not registered with this engine")]
+    UnknownRegion {
+        /// The region's id.
+        id: u64,
+    },
+}
+
+/// Why a peer could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PeerError {
+    /// The peer could not be reached or did not answer its handshake.
+    #[error("cannot open peer {addr}: {reason}")]
+    Unreachable {
+        /// Its address.
+        addr: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+    /// The name does not parse as an address (the p2p directory knows peers by address).
+    #[error("{name:?} is not a peer address (host:port)")]
+    BadAddress {
+        /// What was given.
+        name: String,
+    },
+    /// The control plane stopped.
+    #[error(transparent)]
+    Control(#[from] ControlError),
+}
+
+/// Why a submission was refused. Nothing was queued.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    /// A transfer of zero bytes.
+    #[error("transfer {transfer} moves zero bytes")]
+    Empty {
+        /// Its index in the submission.
+        transfer: usize,
+    },
+    /// The local range is not inside its region.
+    #[error(
+        "transfer {transfer}: local range {offset:#x}+{len} is outside region {region} \
+         ({region_len} bytes)"
+    )]
+    LocalRange {
+        /// Its index in the submission.
+        transfer: usize,
+        /// The region's id.
+        region: u64,
+        /// Offset asked for.
+        offset: u64,
+        /// Length asked for.
+        len: u64,
+        /// The region's length.
+        region_len: u64,
+    },
+    /// The local region is not registered (any more).
+    #[error("transfer {transfer}: region {region} is not registered with this engine")]
+    UnknownRegion {
+        /// Its index in the submission.
+        transfer: usize,
+        /// The region's id.
+        region: u64,
+    },
+    /// The remote range is not inside one region the peer registered.
+    #[error(
+        "transfer {transfer}: remote range {addr:#x}+{len} is not inside one region of peer \
+         {peer}"
+    )]
+    RemoteRange {
+        /// Its index in the submission.
+        transfer: usize,
+        /// The peer's name.
+        peer: String,
+        /// Remote start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// No rail to the peer has a queue pair yet.
+    #[error("peer {peer} is not connected on any rail")]
+    NotConnected {
+        /// The peer's name.
+        peer: String,
+    },
+    /// A rail's poller stopped.
+    #[error("rail {rail}'s poller has stopped")]
+    PollerStopped {
+        /// The rail.
+        rail: usize,
+    },
+}

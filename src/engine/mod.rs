@@ -1,0 +1,785 @@
+//! The Engine: railyard as an application embeds it.
+//!
+//! ```no_run
+//! use railyard::engine::{Engine, Op, Transfer};
+//! # fn main() -> anyhow::Result<()> {
+//! let engine = Engine::builder("prefill-0").build()?;
+//! let pool = engine.alloc(64 << 20, None)?;
+//! let decode = engine.open("10.0.0.2:7400")?;
+//! let target = decode.descriptor().regions[0].base;
+//! let mut submitter = engine.submitter()?;
+//! let batch = submitter.submit(
+//!     &decode,
+//!     &[Transfer { op: Op::Write, local: pool, local_offset: 0, remote_addr: target, len: 1 << 20 }],
+//! )?;
+//! batch.wait(std::time::Instant::now() + std::time::Duration::from_secs(5));
+//! # Ok(()) }
+//! ```
+//!
+//! An engine owns its rails (one device and one pinned poller each), its control plane
+//! (handshake listener, endpoints, directory) and its registered memory. Memory is
+//! registered on every rail. A [`Peer`] is a remote process at one incarnation, with an
+//! endpoint on each local rail. A [`EngineSubmitter`] (one per thread) turns transfers into
+//! slices — validated, split at the slice size, striped across rails — and hands them to
+//! the pollers.
+//!
+//! # Thread safety
+//! [`Engine`] is `Send + Sync` and cheap to clone (an `Arc`). [`EngineSubmitter`] is `Send`,
+//! not `Sync`: one per thread. [`Batch`]es are `Send + Sync`.
+//!
+//! # Resource cleanup
+//! Dropping the last clone of an engine stops its control plane, then its pollers (every
+//! queued slice resolves with `Shutdown`), then deregisters and frees its memory. A
+//! [`Region`] handle does not keep memory alive: [`Engine::deregister`] (or the engine's
+//! end) does the freeing, and later transfers naming it fail with `UnknownRegion`.
+
+mod error;
+mod transfer;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use railyard_control::{
+    ControlConfig, ControlPlane, ControlRail, ControlShared, ControlStats, EndpointView,
+    Incarnation, Notification, Policy, RegionDescriptor, SegmentDescriptor,
+};
+use railyard_dataplane::fabric::soft::{Backing, SoftBuffer, SoftConfig, SoftDevice};
+use railyard_dataplane::fabric::{Access, MemoryRegion};
+use railyard_dataplane::{
+    Batch, CounterSnapshot, DEFAULT_DEADLINE, IdleStrategy, PollerConfig, PollerHandle,
+};
+use railyard_topology::{HostTopology, PlanOptions, RailKind};
+
+pub use error::{BuildError, MemoryError, PeerError, TransferError};
+pub use transfer::{EngineSubmitter, Op, SubmitTiming, Transfer};
+
+/// Which fabric moves the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FabricChoice {
+    /// Verbs when RDMA devices are rails, else the soft fabric.
+    Auto,
+    /// The soft fabric (shared memory and `process_vm_*` on one host).
+    Soft,
+    /// RDMA verbs.
+    Verbs,
+}
+
+/// How many rails, and where their pollers run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RailChoice {
+    /// From the topology plan: one software rail per NUMA node with CPUs, pollers pinned to
+    /// the plan's cores.
+    Plan,
+    /// This many software rails, pollers unpinned.
+    Count(NonZeroUsize),
+}
+
+/// Builds an [`Engine`].
+#[derive(Clone, Debug)]
+pub struct EngineBuilder {
+    name: String,
+    listen: SocketAddr,
+    fabric: FabricChoice,
+    rails: RailChoice,
+    idle: IdleStrategy,
+    slice_size: usize,
+    deadline: Duration,
+    policy: Policy,
+}
+
+/// Default largest slice: big enough that per-slice work is small beside the copy.
+pub const DEFAULT_SLICE_SIZE: usize = 256 * 1024;
+
+impl EngineBuilder {
+    /// Where the handshake listener binds (default `127.0.0.1:0`, any port).
+    #[must_use]
+    pub fn listen(mut self, addr: SocketAddr) -> Self {
+        self.listen = addr;
+        self
+    }
+
+    /// Which fabric (default [`FabricChoice::Auto`]).
+    #[must_use]
+    pub fn fabric(mut self, fabric: FabricChoice) -> Self {
+        self.fabric = fabric;
+        self
+    }
+
+    /// How many rails (default [`RailChoice::Plan`]).
+    #[must_use]
+    pub fn rails(mut self, rails: RailChoice) -> Self {
+        self.rails = rails;
+        self
+    }
+
+    /// What idle pollers do (default: spin, then yield).
+    #[must_use]
+    pub fn idle(mut self, idle: IdleStrategy) -> Self {
+        self.idle = idle;
+        self
+    }
+
+    /// Largest slice (default [`DEFAULT_SLICE_SIZE`]); transfers are split at it.
+    #[must_use]
+    pub fn slice_size(mut self, bytes: usize) -> Self {
+        self.slice_size = bytes;
+        self
+    }
+
+    /// Deadline of batches submitted without one (default [`DEFAULT_DEADLINE`], 5 s).
+    #[must_use]
+    pub fn default_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// Reconnect, flap and circuit policy.
+    #[must_use]
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Starts the engine: rails, pollers, control plane (directory: p2p).
+    ///
+    /// # Errors
+    /// [`BuildError`] naming the part that could not start.
+    pub fn build(self) -> Result<Engine, BuildError> {
+        if self.slice_size == 0 || self.slice_size > 1 << 30 {
+            return Err(BuildError::Setting(format!(
+                "slice size {} must be between 1 byte and 1 GiB",
+                self.slice_size
+            )));
+        }
+        let mut warnings = Vec::new();
+        let topology = HostTopology::live().ok().map(Arc::new);
+        let planned = match self.rails {
+            RailChoice::Count(count) => (0..count.get()).map(|_| (None, 0)).collect(),
+            RailChoice::Plan => match topology.as_ref().map(|t| t.plan(&PlanOptions::default())) {
+                Some(Ok(plan)) => {
+                    let rdma = plan
+                        .rails
+                        .iter()
+                        .filter(|r| r.kind == RailKind::Rdma)
+                        .count();
+                    if rdma > 0 {
+                        warnings.push(format!(
+                            "{rdma} RDMA rail(s) found, but the verbs fabric is not built yet: \
+                             using software rails"
+                        ));
+                    }
+                    let soft = plan
+                        .numa_nodes
+                        .iter()
+                        .filter(|node| !node.pus.is_empty())
+                        .count()
+                        .max(1);
+                    let software: Vec<_> = plan
+                        .rails
+                        .iter()
+                        .filter(|r| r.kind == RailKind::Software)
+                        .map(|r| (Some(r.poller_pu as usize), r.numa_node))
+                        .collect();
+                    if software.is_empty() {
+                        (0..soft).map(|_| (None, 0)).collect()
+                    } else {
+                        software
+                    }
+                }
+                other => {
+                    warnings.push(format!(
+                        "no topology plan ({}); one unpinned software rail",
+                        match other {
+                            Some(Err(error)) => error.to_string(),
+                            _ => "hwloc could not read this machine".to_string(),
+                        }
+                    ));
+                    vec![(None, 0)]
+                }
+            },
+        };
+        match self.fabric {
+            FabricChoice::Soft | FabricChoice::Auto => {}
+            FabricChoice::Verbs => {
+                return Err(BuildError::FabricUnavailable {
+                    fabric: "verbs",
+                    reason: "this build has no verbs fabric yet; use --fabric soft or auto".into(),
+                });
+            }
+        }
+        let shared = ControlShared::new(planned.len());
+        let mut devices = Vec::new();
+        let mut pollers = Vec::new();
+        let mut control_rails = Vec::new();
+        let mut rail_numa = Vec::new();
+        for (rail, &(pu, numa)) in planned.iter().enumerate() {
+            let device =
+                SoftDevice::open(format!("{}-soft{rail}", self.name), SoftConfig::default())
+                    .map_err(|error| BuildError::Rail {
+                        rail,
+                        reason: error.to_string(),
+                    })?;
+            let config = PollerConfig {
+                pin_pu: pu,
+                idle: self.idle,
+                ..PollerConfig::new(format!("railyard-soft{rail}"))
+            };
+            let spawn = |config: PollerConfig| {
+                PollerHandle::spawn(config, device.fabric(), shared.reprepare_hook(rail as u16))
+            };
+            let poller = match spawn(config.clone()) {
+                Ok(poller) => poller,
+                // A plan's core may not be ours to pin (containers, taskset): run unpinned.
+                Err(railyard_dataplane::SpawnError::Pin { pu, .. }) => {
+                    warnings.push(format!(
+                        "rail {rail}: cannot pin its poller to PU {pu}; unpinned"
+                    ));
+                    spawn(PollerConfig {
+                        pin_pu: None,
+                        ..config
+                    })
+                    .map_err(|error| BuildError::Poller {
+                        rail,
+                        reason: error.to_string(),
+                    })?
+                }
+                Err(error) => {
+                    return Err(BuildError::Poller {
+                        rail,
+                        reason: error.to_string(),
+                    });
+                }
+            };
+            let poller = Arc::new(poller);
+            control_rails.push(ControlRail {
+                fabric: device.clone(),
+                poller: poller.clone(),
+            });
+            devices.push(device);
+            pollers.push(poller);
+            rail_numa.push(numa);
+        }
+        let control = ControlPlane::start(
+            ControlConfig {
+                listen: self.listen,
+                policy: self.policy.clone(),
+                ..ControlConfig::new(self.name.clone())
+            },
+            control_rails,
+            shared.clone(),
+        )?;
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                name: self.name,
+                slice_size: self.slice_size,
+                deadline: self.deadline,
+                devices,
+                pollers,
+                control,
+                shared,
+                topology,
+                rail_numa,
+                regions: RwLock::new(Vec::new()),
+                next_region: AtomicU64::new(1),
+                warnings,
+                peers: transfer::PeerTable::default(),
+            }),
+        })
+    }
+}
+
+/// A registered region: what transfers name as their local side. Cheap to copy; it does not
+/// keep the memory alive (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    /// The engine's id for it.
+    pub id: u64,
+    /// First byte.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+    /// What backs it (engine-allocated memory only).
+    pub backing: Option<Backing>,
+    /// The NUMA node it is bound to, if any.
+    pub numa: Option<u32>,
+}
+
+/// What an engine holds for one region.
+struct RegionEntry {
+    region: Region,
+    /// Engine-allocated memory, registered on rail 0 by allocation.
+    buffer: Option<SoftBuffer>,
+    /// Its registration on each rail.
+    registrations: Vec<MemoryRegion>,
+}
+
+struct Inner {
+    name: String,
+    slice_size: usize,
+    deadline: Duration,
+    devices: Vec<SoftDevice>,
+    pollers: Vec<Arc<PollerHandle>>,
+    control: ControlPlane,
+    shared: Arc<ControlShared>,
+    topology: Option<Arc<HostTopology>>,
+    rail_numa: Vec<u32>,
+    regions: RwLock<Vec<RegionEntry>>,
+    next_region: AtomicU64,
+    warnings: Vec<String>,
+    peers: transfer::PeerTable,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.control.shutdown();
+        for poller in &self.pollers {
+            poller.shutdown();
+        }
+        let entries = std::mem::take(
+            self.regions
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for entry in entries {
+            deregister_everywhere(&self.devices, &entry);
+        }
+    }
+}
+
+/// Withdraws an entry's registrations (engine buffers last deregister themselves).
+fn deregister_everywhere(devices: &[SoftDevice], entry: &RegionEntry) {
+    let skip = usize::from(entry.buffer.is_some());
+    for (device, registration) in devices.iter().zip(&entry.registrations).skip(skip) {
+        let _ = device.deregister(registration);
+    }
+}
+
+/// A remote process at one incarnation, with an endpoint on each local rail.
+#[derive(Clone, Debug)]
+pub struct Peer {
+    addr: SocketAddr,
+    views: Vec<Arc<EndpointView>>,
+}
+
+impl Peer {
+    /// Its segment name.
+    pub fn name(&self) -> &str {
+        &self.views[0].peer_name
+    }
+
+    /// Its incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.views[0].key.peer
+    }
+
+    /// Where its handshake listener is.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Its newest descriptor (name, incarnation, rails, regions).
+    pub fn descriptor(&self) -> Arc<SegmentDescriptor> {
+        self.views
+            .iter()
+            .find_map(|view| view.descriptor())
+            .unwrap_or_else(|| {
+                Arc::new(SegmentDescriptor {
+                    name: self.name().to_string(),
+                    incarnation: self.incarnation(),
+                    handshake_addr: self.addr.to_string(),
+                    rails: Vec::new(),
+                    regions: Vec::new(),
+                })
+            })
+    }
+
+    pub(crate) fn views(&self) -> &[Arc<EndpointView>] {
+        &self.views
+    }
+}
+
+/// Counters of one rail.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RailStats {
+    /// The rail's name.
+    pub name: String,
+    /// Its poller's counters (posted, completed, failed by reason, re-prepared, stale
+    /// dropped…).
+    pub poller: CounterSnapshot,
+}
+
+/// Counters of one peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerStats {
+    /// Its name.
+    pub name: String,
+    /// Its incarnation.
+    pub incarnation: Incarnation,
+    /// Requests submitted to it.
+    pub requests: u64,
+    /// Slices submitted to it.
+    pub slices: u64,
+    /// Bytes submitted to it.
+    pub bytes: u64,
+}
+
+/// An engine's counters; cheap to read (atomics only).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Per rail.
+    pub rails: Vec<RailStats>,
+    /// Per peer submitted to.
+    pub peers: Vec<PeerStats>,
+    /// The control plane's (reconnects, handshakes, circuits, notifications…).
+    pub control: ControlStats,
+}
+
+/// railyard embedded in an application. See the module docs.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("name", &self.inner.name)
+            .field("addr", &self.addr())
+            .field("rails", &self.inner.devices.len())
+            .finish()
+    }
+}
+
+impl Engine {
+    /// A builder for an engine named `name` (its segment name, what peers see).
+    pub fn builder(name: impl Into<String>) -> EngineBuilder {
+        EngineBuilder {
+            name: name.into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            fabric: FabricChoice::Auto,
+            rails: RailChoice::Plan,
+            idle: IdleStrategy::SpinThenYield { spins: 1 << 14 },
+            slice_size: DEFAULT_SLICE_SIZE,
+            deadline: DEFAULT_DEADLINE,
+            policy: Policy::default(),
+        }
+    }
+
+    /// Its segment name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Where its handshake listener is.
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.control.local_addr()
+    }
+
+    /// Its incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.inner.control.incarnation()
+    }
+
+    /// How many rails it has.
+    pub fn rails(&self) -> usize {
+        self.inner.devices.len()
+    }
+
+    /// Compromises made while building (no topology, unpinned pollers, RDMA present but
+    /// unused), in words.
+    pub fn warnings(&self) -> &[String] {
+        &self.inner.warnings
+    }
+
+    /// Allocates `len` bytes registered on every rail: huge pages where it can (then
+    /// transparent huge pages, then normal pages: [`Region::backing`] says which), bound to
+    /// NUMA node `numa` (default: the first rail's), prefaulted.
+    ///
+    /// # Errors
+    /// [`MemoryError`] naming what failed.
+    pub fn alloc(&self, len: u64, numa: Option<u32>) -> Result<Region, MemoryError> {
+        let size = usize::try_from(len).ok().filter(|&l| l > 0);
+        let Some(size) = size else {
+            return Err(MemoryError::BadRange { addr: 0, len });
+        };
+        let mut buffer = self.inner.devices[0]
+            .alloc(size, Access::ALL)
+            .map_err(|error| MemoryError::Alloc {
+                len,
+                reason: error.to_string(),
+            })?;
+        let node = numa.or_else(|| self.inner.rail_numa.first().copied());
+        let mut bound = None;
+        if let (Some(node), Some(topology)) = (node, self.inner.topology.as_ref()) {
+            // SAFETY: the buffer is fresh; nothing transfers into it yet.
+            let area = unsafe { buffer.as_slice() };
+            match topology.bind_memory(area, node) {
+                Ok(()) => bound = Some(node),
+                Err(error) if numa.is_some() => {
+                    return Err(MemoryError::Bind {
+                        node,
+                        len,
+                        reason: error.to_string(),
+                    });
+                }
+                Err(_) => {}
+            }
+        }
+        buffer.prefault();
+        let mut registrations = vec![buffer.region()];
+        for (rail, device) in self.inner.devices.iter().enumerate().skip(1) {
+            // SAFETY:
+            // - The entry keeps the buffer until these registrations are withdrawn
+            //   (`deregister_everywhere` runs before the buffer drops).
+            let registered =
+                unsafe { device.register_buffer(&buffer, Access::ALL) }.map_err(|error| {
+                    MemoryError::Register {
+                        rail,
+                        addr: buffer.region().addr,
+                        len,
+                        reason: error.to_string(),
+                    }
+                });
+            match registered {
+                Ok(registration) => registrations.push(registration),
+                Err(error) => {
+                    for (device, done) in self.inner.devices.iter().zip(&registrations).skip(1) {
+                        let _ = device.deregister(done);
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        let region = Region {
+            id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
+            addr: buffer.region().addr,
+            len,
+            backing: Some(buffer.backing()),
+            numa: bound,
+        };
+        self.insert(RegionEntry {
+            region,
+            buffer: Some(buffer),
+            registrations,
+        });
+        Ok(region)
+    }
+
+    /// Registers memory the application owns, on every rail.
+    ///
+    /// # Safety
+    /// `len` bytes at `ptr` must stay mapped, readable and writable until
+    /// [`Self::deregister`] returns (or the engine ends): peers read and write them at any
+    /// time, as a NIC would.
+    ///
+    /// # Errors
+    /// [`MemoryError::BadRange`] for an empty, null or wrapping range;
+    /// [`MemoryError::Register`] when a rail refuses.
+    pub unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Region, MemoryError> {
+        let addr = ptr as u64;
+        if ptr.is_null() || len == 0 || addr.checked_add(len as u64).is_none() {
+            return Err(MemoryError::BadRange {
+                addr,
+                len: len as u64,
+            });
+        }
+        let mut registrations = Vec::new();
+        for (rail, device) in self.inner.devices.iter().enumerate() {
+            // SAFETY: the caller's contract is exactly the device's.
+            match unsafe { device.register(ptr, len, Access::ALL) } {
+                Ok(registration) => registrations.push(registration),
+                Err(error) => {
+                    for (device, done) in self.inner.devices.iter().zip(&registrations) {
+                        let _ = device.deregister(done);
+                    }
+                    return Err(MemoryError::Register {
+                        rail,
+                        addr,
+                        len: len as u64,
+                        reason: error.to_string(),
+                    });
+                }
+            }
+        }
+        let region = Region {
+            id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
+            addr,
+            len: len as u64,
+            backing: None,
+            numa: None,
+        };
+        self.insert(RegionEntry {
+            region,
+            buffer: None,
+            registrations,
+        });
+        Ok(region)
+    }
+
+    fn insert(&self, entry: RegionEntry) {
+        let mut regions = self
+            .inner
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        regions.push(entry);
+        self.publish(&regions);
+    }
+
+    fn publish(&self, regions: &[RegionEntry]) {
+        self.inner.shared.set_regions(
+            regions
+                .iter()
+                .map(|entry| RegionDescriptor {
+                    base: entry.region.addr,
+                    len: entry.region.len,
+                    rkeys: entry.registrations.iter().map(|r| r.rkey).collect(),
+                    generation: entry.region.id,
+                })
+                .collect(),
+        );
+    }
+
+    /// Withdraws a region from every rail (and frees it if the engine allocated it). Work
+    /// requests that name it afterwards fail; peers learn of it at their next descriptor
+    /// refresh.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownRegion`].
+    pub fn deregister(&self, region: Region) -> Result<(), MemoryError> {
+        let mut regions = self
+            .inner
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let index = regions
+            .iter()
+            .position(|entry| entry.region.id == region.id)
+            .ok_or(MemoryError::UnknownRegion { id: region.id })?;
+        let entry = regions.remove(index);
+        deregister_everywhere(&self.inner.devices, &entry);
+        self.publish(&regions);
+        drop(regions);
+        drop(entry);
+        Ok(())
+    }
+
+    /// The registrations of region `id` on each rail.
+    pub(crate) fn registrations(&self, id: u64) -> Option<(Region, Vec<MemoryRegion>)> {
+        self.inner
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|entry| entry.region.id == id)
+            .map(|entry| (entry.region, entry.registrations.clone()))
+    }
+
+    /// Connects to the engine listening at `addr` (`host:port`): an endpoint on every local
+    /// rail, its descriptor fetched. Waits for the queue pairs (up to the connect timeout).
+    ///
+    /// # Errors
+    /// [`PeerError`] when the address is bad or the peer cannot be reached in time.
+    pub fn open(&self, addr: &str) -> Result<Peer, PeerError> {
+        let addr = addr
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut addrs| addrs.next())
+            .ok_or_else(|| PeerError::BadAddress {
+                name: addr.to_string(),
+            })?;
+        let unreachable = |reason: String| PeerError::Unreachable { addr, reason };
+        let first = self
+            .inner
+            .control
+            .connect(addr, 0, 0)
+            .map_err(|error| unreachable(error.to_string()))?;
+        let deadline = Instant::now() + Policy::default().connect_timeout;
+        if !first.wait_ready(deadline) {
+            return Err(unreachable(format!(
+                "no queue pair within the connect timeout ({:?})",
+                first.phase()
+            )));
+        }
+        let remote_rails = first.descriptor().map_or(1, |d| d.rails.len().max(1));
+        let mut views = vec![first];
+        for rail in 1..self.rails() {
+            let view = self
+                .inner
+                .control
+                .connect(addr, rail as u16, (rail % remote_rails) as u16)
+                .map_err(|error| unreachable(error.to_string()))?;
+            if !view.wait_ready(deadline) {
+                return Err(unreachable(format!("rail {rail} did not connect")));
+            }
+            views.push(view);
+        }
+        Ok(Peer { addr, views })
+    }
+
+    /// A submitter for this thread.
+    ///
+    /// # Errors
+    /// [`TransferError::PollerStopped`] when a rail's poller has stopped.
+    pub fn submitter(&self) -> Result<EngineSubmitter, TransferError> {
+        EngineSubmitter::new(self.clone())
+    }
+
+    /// Sends `bytes` to `peer` now.
+    ///
+    /// # Errors
+    /// [`PeerError::Control`] when the control plane has stopped.
+    pub fn notify(&self, peer: &Peer, bytes: Vec<u8>) -> Result<(), PeerError> {
+        Ok(self.inner.control.notify(peer.addr, bytes, None)?)
+    }
+
+    pub(crate) fn notify_after(
+        &self,
+        peer: &Peer,
+        bytes: Vec<u8>,
+        batch: &Batch,
+    ) -> Result<(), PeerError> {
+        Ok(self
+            .inner
+            .control
+            .notify(peer.addr, bytes, Some(batch.clone()))?)
+    }
+
+    /// Takes the notifications peers sent, oldest first.
+    pub fn drain_notifications(&self) -> Vec<Notification> {
+        self.inner.shared.drain_notifications()
+    }
+
+    /// Counters per rail, per peer and of the control plane.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            rails: self
+                .inner
+                .pollers
+                .iter()
+                .enumerate()
+                .map(|(rail, poller)| RailStats {
+                    name: format!("soft{rail}"),
+                    poller: poller.counters(),
+                })
+                .collect(),
+            peers: transfer::peer_stats(self),
+            control: self.inner.control.stats(),
+        }
+    }
+
+    pub(crate) fn pollers(&self) -> &[Arc<PollerHandle>] {
+        &self.inner.pollers
+    }
+
+    pub(crate) fn slice_size(&self) -> usize {
+        self.inner.slice_size
+    }
+
+    pub(crate) fn default_deadline(&self) -> Duration {
+        self.inner.deadline
+    }
+}

@@ -1,0 +1,322 @@
+//! The Engine API across two processes: this test's engine and a `railyard serve` child.
+//! Writes, reads, notifications (alone and after a batch), byte-for-byte integrity, every
+//! documented error, and `railyard bench --json`'s shape.
+
+use std::io::{BufRead, BufReader};
+use std::num::NonZeroUsize;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+use railyard::dataplane::{IdleStrategy, RequestOutcome};
+use railyard::engine::{
+    Engine, MemoryError, Op, PeerError, RailChoice, Region, Transfer, TransferError,
+};
+
+const BOUND: Duration = Duration::from_secs(10);
+
+/// A `railyard serve` child; killed when dropped.
+struct Serve {
+    child: Child,
+    _stdin: ChildStdin,
+    lines: Receiver<String>,
+    addr: String,
+    pool_base: u64,
+    pool_len: u64,
+}
+
+impl Serve {
+    fn start(pool: &str) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
+            .args(["--pool", pool, "--rails", "1", "--name", "decode-test"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("railyard serve starts");
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        let (sender, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let first = lines
+            .recv_timeout(BOUND)
+            .expect("serve prints where it listens");
+        // listening ADDR incarnation INC pool 0xBASE LEN
+        let words: Vec<&str> = first.split_whitespace().collect();
+        assert_eq!(
+            (words[0], words[2], words[4]),
+            ("listening", "incarnation", "pool")
+        );
+        Self {
+            addr: words[1].to_string(),
+            pool_base: u64::from_str_radix(words[5].trim_start_matches("0x"), 16)
+                .expect("a hex pool address"),
+            pool_len: words[6].parse().expect("a pool length"),
+            child,
+            _stdin: stdin,
+            lines,
+        }
+    }
+
+    /// Waits (bounded) for an output line containing `needle`.
+    fn expect_line(&self, needle: &str) -> String {
+        let end = Instant::now() + BOUND;
+        while let Some(left) = end.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        panic!("serve never printed {needle:?}");
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn engine() -> Engine {
+    Engine::builder("prefill-test")
+        .rails(RailChoice::Count(NonZeroUsize::new(2).expect("two")))
+        .idle(IdleStrategy::gentle())
+        .slice_size(64 * 1024)
+        .build()
+        .expect("the engine starts")
+}
+
+fn bytes_of(region: Region) -> &'static mut [u8] {
+    // SAFETY: the tests touch a region only while no transfer of it is in flight, and the
+    // engine (which frees it) outlives every use.
+    unsafe { std::slice::from_raw_parts_mut(region.addr as *mut u8, region.len as usize) }
+}
+
+fn done(batch: &railyard::dataplane::Batch) -> bool {
+    batch.wait(Instant::now() + BOUND);
+    batch
+        .outcomes()
+        .iter()
+        .all(|o| *o == Some(RequestOutcome::Done))
+}
+
+#[test]
+fn two_processes_write_read_and_notify_with_every_byte_checked() {
+    let serve = Serve::start("16MiB");
+    let engine = engine();
+    let peer = engine.open(&serve.addr).expect("the target answers");
+    assert_eq!(peer.name(), "decode-test");
+    let descriptor = peer.descriptor();
+    assert_eq!(descriptor.regions[0].base, serve.pool_base);
+    assert_eq!(descriptor.regions[0].len, serve.pool_len);
+
+    let source = engine.alloc(4 << 20, None).unwrap();
+    let back = engine.alloc(4 << 20, None).unwrap();
+    assert!(source.backing.is_some());
+    for (i, byte) in bytes_of(source).iter_mut().enumerate() {
+        *byte = (i % 253) as u8;
+    }
+    // 16 transfers of 256 KiB at scattered slots, each split into 4 slices over 2 rails.
+    let slots: Vec<u64> = (0..16).map(|i| (i * 7 % 16) * (1 << 20)).collect();
+    let mut submitter = engine.submitter().unwrap();
+    let writes: Vec<Transfer> = slots
+        .iter()
+        .enumerate()
+        .map(|(i, &slot)| Transfer {
+            op: Op::Write,
+            local: source,
+            local_offset: i as u64 * (256 << 10),
+            remote_addr: serve.pool_base + slot,
+            len: 256 << 10,
+        })
+        .collect();
+    let batch = submitter
+        .submit_and_notify(&peer, &writes, b"kv ready".to_vec())
+        .unwrap();
+    assert!(done(&batch));
+    let line = serve.expect_line("notification from prefill-test");
+    assert!(line.ends_with("8 bytes 6b76207265616479"), "{line}");
+
+    let reads: Vec<Transfer> = writes
+        .iter()
+        .map(|w| Transfer {
+            op: Op::Read,
+            local: back,
+            ..*w
+        })
+        .collect();
+    let batch = submitter.submit(&peer, &reads).unwrap();
+    assert!(done(&batch));
+    assert_eq!(&bytes_of(back)[..4 << 20], &bytes_of(source)[..4 << 20]);
+
+    engine.notify(&peer, vec![0xAB; 3]).unwrap();
+    assert!(serve.expect_line("3 bytes abab").contains("prefill-test"));
+
+    let stats = engine.stats();
+    assert_eq!(stats.rails.len(), 2);
+    assert!(
+        stats.rails.iter().all(|r| r.poller.completed > 0),
+        "both rails carried slices"
+    );
+    assert_eq!(stats.peers[0].requests, 32);
+    assert_eq!(stats.peers[0].bytes, 2 * (4 << 20));
+    assert_eq!(stats.control.notifications_sent, 2);
+}
+
+#[test]
+fn every_documented_error_names_what_is_wrong_and_queues_nothing() {
+    let serve = Serve::start("8MiB");
+    let engine = engine();
+    let peer = engine.open(&serve.addr).unwrap();
+    let local = engine.alloc(1 << 20, None).unwrap();
+    let mut submitter = engine.submitter().unwrap();
+    let good = Transfer {
+        op: Op::Write,
+        local,
+        local_offset: 0,
+        remote_addr: serve.pool_base,
+        len: 4096,
+    };
+    let submit = |submitter: &mut railyard::engine::EngineSubmitter, t: Transfer| {
+        submitter.submit(&peer, &[good, t]).unwrap_err()
+    };
+
+    assert_eq!(
+        submit(&mut submitter, Transfer { len: 0, ..good }),
+        TransferError::Empty { transfer: 1 }
+    );
+    let outside = submit(
+        &mut submitter,
+        Transfer {
+            local_offset: (1 << 20) - 10,
+            ..good
+        },
+    );
+    assert!(matches!(
+        outside,
+        TransferError::LocalRange { transfer: 1, .. }
+    ));
+    assert!(outside.to_string().contains("outside region"), "{outside}");
+    let remote = submit(
+        &mut submitter,
+        Transfer {
+            remote_addr: serve.pool_base + serve.pool_len - 100,
+            ..good
+        },
+    );
+    assert!(remote.to_string().contains("peer decode-test"), "{remote}");
+
+    assert!(matches!(
+        engine.alloc(0, None),
+        Err(MemoryError::BadRange { len: 0, .. })
+    ));
+    // SAFETY: a null pointer is refused before anything touches it.
+    let null = unsafe { engine.register(std::ptr::null_mut(), 64) };
+    assert!(matches!(null, Err(MemoryError::BadRange { .. })));
+    engine.deregister(local).unwrap();
+    assert!(matches!(
+        engine.deregister(local),
+        Err(MemoryError::UnknownRegion { .. })
+    ));
+    assert!(matches!(
+        submitter.submit(&peer, &[good]),
+        Err(TransferError::UnknownRegion { .. })
+    ));
+
+    assert!(matches!(
+        engine.open("no-port-here"),
+        Err(PeerError::BadAddress { .. })
+    ));
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let unreachable = engine.open(&closed.to_string()).unwrap_err();
+    assert!(
+        matches!(unreachable, PeerError::Unreachable { .. }),
+        "{unreachable}"
+    );
+
+    // Nothing was queued by the refusals: the engine still moves bytes.
+    let fresh = engine.alloc(1 << 20, None).unwrap();
+    let batch = submitter
+        .submit(
+            &peer,
+            &[Transfer {
+                local: fresh,
+                ..good
+            }],
+        )
+        .unwrap();
+    assert!(done(&batch));
+    assert_eq!(
+        engine
+            .stats()
+            .rails
+            .iter()
+            .map(|r| r.poller.failed_total())
+            .sum::<u64>(),
+        0
+    );
+}
+
+#[test]
+fn bench_prints_its_results_as_json_and_checks_every_byte() {
+    let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["bench", "--duration", "0.5", "--json", "--check"])
+        .args(["--pool", "32MiB", "--batch", "8", "--rails", "1"])
+        .output()
+        .expect("runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one object");
+    for key in [
+        "op",
+        "block_size",
+        "batch",
+        "threads",
+        "rails",
+        "requests",
+        "bytes",
+        "gbps",
+        "requests_per_s",
+        "latency_us",
+        "time_us",
+        "ceiling_gbps",
+        "ratio",
+        "check",
+    ] {
+        assert!(report.get(key).is_some(), "missing {key}: {report}");
+    }
+    for key in ["avg", "p50", "p99"] {
+        assert!(report["latency_us"][key].as_f64().is_some());
+    }
+    for key in ["prepare", "post", "complete"] {
+        assert!(report["time_us"][key].as_f64().is_some());
+    }
+    assert_eq!(report["check"]["mismatches"], 0);
+    assert!(report["check"]["verified_bytes"].as_u64() > Some(0));
+    assert!(report["requests"].as_u64() > Some(0));
+    assert!(report["ratio"].as_f64() > Some(0.0));
+
+    let bad = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["bench", "--pool", "1MiB"])
+        .output()
+        .expect("runs");
+    assert_eq!(bad.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("a request needs 64"), "{stderr}");
+}
