@@ -320,3 +320,31 @@ fn bench_prints_its_results_as_json_and_checks_every_byte() {
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(stderr.contains("a request needs 64"), "{stderr}");
 }
+
+#[test]
+fn without_rdma_auto_falls_back_and_says_why_and_verbs_fails_with_the_reason() {
+    let engine = engine();
+    let verbs = railyard::dataplane::fabric::verbs::devices();
+    let fabric_warning = engine
+        .warnings()
+        .iter()
+        .find(|w| w.contains("soft fabric"))
+        .cloned();
+    match &verbs {
+        Err(unavailable) => {
+            let warning = fabric_warning.expect("auto says why it is not verbs");
+            assert!(warning.contains(&unavailable.reason), "{warning}");
+        }
+        Ok(devices) => assert!(!devices.is_empty()),
+    }
+    let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["bench", "--fabric", "verbs", "--duration", "0.1"])
+        .output()
+        .expect("runs");
+    if let Err(unavailable) = verbs {
+        assert_eq!(output.status.code(), Some(2));
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(&unavailable.reason), "{stderr}");
+    }
+}

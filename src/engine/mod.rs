@@ -201,12 +201,30 @@ impl EngineBuilder {
                 }
             },
         };
-        match self.fabric {
-            FabricChoice::Soft | FabricChoice::Auto => {}
-            FabricChoice::Verbs => {
+        let verbs = railyard_dataplane::fabric::verbs::devices();
+        match (self.fabric, verbs) {
+            (FabricChoice::Soft, _) => {}
+            (FabricChoice::Auto, Err(unavailable)) => warnings.push(format!(
+                "no verbs fabric ({unavailable}); using the soft fabric"
+            )),
+            (FabricChoice::Auto, Ok(devices)) => warnings.push(format!(
+                "RDMA devices {} found, but this build's verbs data path is not finished; \
+                 using the soft fabric",
+                devices.join(", ")
+            )),
+            (FabricChoice::Verbs, Err(unavailable)) => {
                 return Err(BuildError::FabricUnavailable {
                     fabric: "verbs",
-                    reason: "this build has no verbs fabric yet; use --fabric soft or auto".into(),
+                    reason: unavailable.reason,
+                });
+            }
+            (FabricChoice::Verbs, Ok(devices)) => {
+                return Err(BuildError::FabricUnavailable {
+                    fabric: "verbs",
+                    reason: format!(
+                        "devices {} found, but this build's verbs data path is not finished",
+                        devices.join(", ")
+                    ),
                 });
             }
         }

@@ -13,11 +13,13 @@
 //!
 //! Here: [`null::NullFabric`] (completes everything at once, for benchmarks),
 //! [`scripted::ScriptedFabric`] (completes chosen requests with chosen statuses, for tests) and
-//! [`soft`] (verbs semantics in software across processes, with a fault plan).
+//! [`soft`] (verbs semantics in software across processes, with a fault plan), and
+//! [`verbs`] (RDMA through rdma-sys; detection and the device-independent parts so far).
 
 pub mod null;
 pub mod scripted;
 pub mod soft;
+pub mod verbs;
 
 use crate::{EndpointId, Epoch};
 
