@@ -22,23 +22,16 @@ use railyard_dataplane::{Batch, PollerHandle, SliceSpec, Submitter};
 use serde::Serialize;
 
 use super::node::Node;
-use super::{BOUND, any_port, write_slice};
+use super::{BOUND, RequestTally, any_port, write_slice};
 
 /// What happened.
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Serialize)]
 pub struct RaceReport {
     /// The seed.
     pub seed: u64,
-    /// Requests submitted.
-    pub submitted: u64,
-    /// Requests resolved within the bound.
-    pub resolved: u64,
-    /// Requests done.
-    pub done: u64,
-    /// Requests failed (retired endpoints, dead queue pairs, open circuits).
-    pub failed: u64,
-    /// Requests never resolved.
-    pub lost: u64,
+    /// How the requests ended (most failures are retired endpoints, by design of the race).
+    #[serde(flatten)]
+    pub requests: RequestTally,
     /// Slices resolved a second time.
     pub double_resolved: u64,
     /// Work requests posted on a queue pair newer than their epoch (seen at the fabric).
@@ -55,8 +48,8 @@ impl RaceReport {
     /// Broken promises, empty when the run held.
     pub fn violations(&self) -> Vec<String> {
         let mut broken = Vec::new();
-        if self.lost != 0 {
-            broken.push(format!("lost = {} (must be 0)", self.lost));
+        if self.requests.lost != 0 {
+            broken.push(format!("lost = {} (must be 0)", self.requests.lost));
         }
         if self.double_resolved != 0 {
             broken.push(format!(
@@ -259,11 +252,7 @@ pub fn run(seed: u64) -> Result<RaceReport> {
     let stats = initiator.control.stats();
     Ok(RaceReport {
         seed,
-        submitted,
-        resolved,
-        done,
-        failed: resolved - done,
-        lost: submitted - resolved,
+        requests: RequestTally::new(submitted, resolved, done),
         double_resolved: tally.double_resolved.load(Ordering::Relaxed),
         stale_posts: initiator.stale_posts(),
         retirements,

@@ -20,23 +20,16 @@ use railyard_dataplane::{RequestOutcome, Submitter};
 use serde::Serialize;
 
 use super::node::Node;
-use super::{BOUND, any_port, fill_pattern, pattern_matches, write_slice};
+use super::{BOUND, RequestTally, any_port, fill_pattern, pattern_matches, write_slice};
 
 /// What happened.
 #[derive(Debug, Serialize)]
 pub struct StormReport {
     /// The seed.
     pub seed: u64,
-    /// Requests submitted.
-    pub submitted: u64,
-    /// Requests resolved (done or failed) within the bound.
-    pub resolved: u64,
-    /// Requests done.
-    pub done: u64,
-    /// Requests failed.
-    pub failed: u64,
-    /// Requests never resolved.
-    pub lost: u64,
+    /// How the requests ended.
+    #[serde(flatten)]
+    pub requests: RequestTally,
     /// Work requests posted on a queue pair newer than their epoch (seen at the fabric).
     pub stale_posts: u64,
     /// Queue pairs created after the first.
@@ -61,10 +54,11 @@ impl StormReport {
         if self.reconnects > 1 {
             broken.push(format!("reconnects = {} (must be ≤ 1)", self.reconnects));
         }
-        if self.resolved != self.submitted || self.lost != 0 {
+        let requests = self.requests;
+        if requests.resolved != requests.submitted || requests.lost != 0 {
             broken.push(format!(
                 "resolved {} of {} submitted, lost {}",
-                self.resolved, self.submitted, self.lost
+                requests.resolved, requests.submitted, requests.lost
             ));
         }
         if self.new_qp_errors != 0 {
@@ -169,11 +163,7 @@ pub fn run(seed: u64) -> Result<StormReport> {
     let counters = initiator.pollers[0].counters();
     let report = StormReport {
         seed,
-        submitted: u64::from(requests),
-        resolved,
-        done,
-        failed: resolved - done,
-        lost: u64::from(requests) - resolved,
+        requests: RequestTally::new(u64::from(requests), resolved, done),
         stale_posts: initiator.stale_posts(),
         reconnects: initiator.control.stats().reconnects,
         new_qp_errors: initiator.late_errors(),
