@@ -3,7 +3,7 @@
 
 CARGO ?= cargo
 
-.PHONY: deps build run test loom bench lint fmt clean
+.PHONY: deps build run test test-rdma loom bench lint fmt clean
 
 deps:
 	@scripts/deps.sh
@@ -19,6 +19,11 @@ test: deps
 	$(CARGO) test --workspace --all-targets
 	$(CARGO) test --workspace --doc
 	$(MAKE) --no-print-directory loom
+
+# The verbs data path on real hardware: RAILYARD_TEST_VERBS_DEVICE=<device> make test-rdma
+# (a NIC, or SoftRoCE: `rdma link add rxe0 type rxe netdev <if>`).
+test-rdma: deps
+	$(CARGO) test -p railyard-dataplane --test verbs_hardware -- --include-ignored
 
 # Loom models of the SPSC ring and of the control/poller epoch hand-off: the real ring code
 # with loom's atomics (dataplane/src/sync.rs).

@@ -593,7 +593,8 @@ impl Drop for ControlPlane {
     }
 }
 
-fn random_u64() -> u64 {
+/// 64 random bits from the kernel (incarnations, first PSNs).
+pub(crate) fn random_u64() -> u64 {
     let mut bytes = [0u8; 8];
     // SAFETY:
     // - `bytes` is writable for its length; getrandom writes at most that many bytes.
@@ -672,7 +673,7 @@ struct Plane<F: RailFabric> {
     free_ids: Vec<(u16, EndpointId)>,
     /// The next first epoch of each id that was used (epochs continue across occupants).
     next_epochs: HashMap<(u16, EndpointId), Epoch>,
-    passive: HashMap<WireKey, Passive<F::Qp>>,
+    passive: HashMap<WireKey, Passive<F::Connected>>,
     /// What each peer name's newest incarnation is, from Hello in either direction.
     peer_names: HashMap<String, Incarnation>,
     directory: P2pDirectory,
@@ -1281,11 +1282,14 @@ impl<F: RailFabric> Plane<F> {
                 return Ok(existing.local.clone());
             }
         }
-        let (mut qp, local) = rail.fabric.create_qp()?;
-        if let Err(reason) = rail.fabric.connect_qp(&mut qp, side) {
-            bump(&self.shared.counters.refused);
-            return Err(reason);
-        }
+        let (qp, local) = rail.fabric.create_qp()?;
+        let qp = match rail.fabric.connect_qp(qp, side) {
+            Ok(connected) => connected,
+            Err(reason) => {
+                bump(&self.shared.counters.refused);
+                return Err(reason);
+            }
+        };
         bump(&self.shared.counters.passive_qps);
         let replaced = self.passive.insert(
             key,
@@ -1323,13 +1327,13 @@ impl<F: RailFabric> Plane<F> {
         let Some((&(rail, id), active)) = found else {
             return;
         };
-        let Some((_, mut qp)) = active.pending.take() else {
+        let Some((_, qp)) = active.pending.take() else {
             return;
         };
         let fabric = &self.rails[usize::from(rail)].fabric;
         let outcome = result
-            .and_then(|side| fabric.connect_qp(&mut qp, &side))
-            .and_then(|()| fabric.stage(id, epoch, qp));
+            .and_then(|side| fabric.connect_qp(qp, &side))
+            .and_then(|connected| fabric.stage(id, epoch, connected));
         match outcome {
             Ok(()) => self.handle_input(rail, id, Input::HandshakeDone { epoch }, now),
             Err(reason) => {

@@ -1,18 +1,26 @@
 //! What the control plane needs from a rail's fabric to connect queue pairs — create one,
-//! connect it to the peer's side, hand it to the poller — and the soft fabric's answer.
-//! The verbs fabric will answer the same three questions.
+//! connect it to the peer's side, hand it to the poller — and the soft and verbs fabrics'
+//! answers.
+
+use std::sync::Arc;
 
 use railyard_dataplane::fabric::Access;
 use railyard_dataplane::fabric::soft::{SoftAttachment, SoftDevice, SoftQp};
+use railyard_dataplane::fabric::verbs::VerbsRail;
+use railyard_dataplane::fabric::verbs::ffi::{PreparedQp, QueuePair};
 use railyard_dataplane::{EndpointId, Epoch};
 
 use crate::wire::QpSide;
 
 /// A rail's fabric, as the control thread drives it. Never touches a queue pair the poller
 /// already owns: `stage` hands it over and that is the end of the control plane's part.
+/// Set-up is a typestate: a created queue pair ([`Self::Qp`]) becomes a connected one
+/// ([`Self::Connected`]).
 pub trait RailFabric: Send + Sync + 'static {
-    /// A queue pair before it is handed over.
+    /// A queue pair in INIT.
     type Qp: Send + 'static;
+    /// A queue pair in RTS, not yet handed over.
+    type Connected: Send + 'static;
 
     /// A new queue pair in INIT, and what the peer needs to connect to it.
     ///
@@ -24,18 +32,19 @@ pub trait RailFabric: Send + Sync + 'static {
     ///
     /// # Errors
     /// Why it could not connect (malformed side, unreachable peer).
-    fn connect_qp(&self, qp: &mut Self::Qp, remote: &QpSide) -> Result<(), String>;
+    fn connect_qp(&self, qp: Self::Qp, remote: &QpSide) -> Result<Self::Connected, String>;
 
     /// Hands a connected queue pair to the rail's poller: its next connect for `endpoint` at
     /// `epoch` adopts it.
     ///
     /// # Errors
-    /// When the queue pair is not connected.
-    fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: Self::Qp) -> Result<(), String>;
+    /// When the fabric refuses it.
+    fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: Self::Connected) -> Result<(), String>;
 }
 
 impl RailFabric for SoftDevice {
     type Qp = SoftQp;
+    type Connected = SoftQp;
 
     fn create_qp(&self) -> Result<(SoftQp, QpSide), String> {
         // Access is governed per registration; the queue pair itself allows everything.
@@ -48,13 +57,41 @@ impl RailFabric for SoftDevice {
         Ok((qp, side))
     }
 
-    fn connect_qp(&self, qp: &mut SoftQp, remote: &QpSide) -> Result<(), String> {
+    fn connect_qp(&self, mut qp: SoftQp, remote: &QpSide) -> Result<SoftQp, String> {
         let attachment = SoftAttachment::decode(&remote.attachment)?;
         qp.connect(&remote.info, &attachment)
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        Ok(qp)
     }
 
     fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: SoftQp) -> Result<(), String> {
         SoftDevice::stage(self, endpoint, epoch, qp).map_err(|e| e.to_string())
+    }
+}
+
+impl RailFabric for Arc<VerbsRail> {
+    type Qp = PreparedQp;
+    type Connected = QueuePair;
+
+    fn create_qp(&self) -> Result<(PreparedQp, QpSide), String> {
+        // A random first PSN per queue pair, as verbs expects.
+        let psn = crate::plane::random_u64() as u32;
+        let (qp, info) = VerbsRail::create_qp(self, psn).map_err(|e| e.to_string())?;
+        Ok((
+            qp,
+            QpSide {
+                info,
+                attachment: Vec::new(),
+            },
+        ))
+    }
+
+    fn connect_qp(&self, qp: PreparedQp, remote: &QpSide) -> Result<QueuePair, String> {
+        self.connect(qp, &remote.info).map_err(|e| e.to_string())
+    }
+
+    fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: QueuePair) -> Result<(), String> {
+        VerbsRail::stage(self, endpoint, epoch, qp);
+        Ok(())
     }
 }

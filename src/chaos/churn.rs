@@ -138,7 +138,7 @@ pub fn run(seed: u64) -> Result<ChurnReport> {
 
     // The raw peer: its own device and one queue pair, handshaken many times.
     let device = SoftDevice::open("raw-peer", SoftConfig::default())?;
-    let (mut qp, side) = RailFabric::create_qp(&device).map_err(anyhow::Error::msg)?;
+    let (qp, side) = RailFabric::create_qp(&device).map_err(anyhow::Error::msg)?;
     let incarnation = Incarnation(device.incarnation());
     let key = WireKey {
         initiator: incarnation,
@@ -148,7 +148,7 @@ pub fn run(seed: u64) -> Result<ChurnReport> {
     };
     let first = handshake_once(target.addr(), "raw-peer", incarnation, key, &side)
         .context("the raw peer's first handshake")?;
-    RailFabric::connect_qp(&device, &mut qp, &first).map_err(anyhow::Error::msg)?;
+    let qp = RailFabric::connect_qp(&device, qp, &first).map_err(anyhow::Error::msg)?;
     let repeated = 1000 + seed % 100;
     let mut changed = 0;
     for _ in 1..repeated {

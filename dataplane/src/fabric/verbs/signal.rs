@@ -49,17 +49,23 @@ impl Outstanding {
     }
 
     /// A completion for `wr_id` arrived: appends to `implied` the unsignaled requests posted
-    /// before it (they succeeded), and forgets them and it. A completion for an id this
-    /// queue pair does not hold changes nothing.
-    pub fn complete(&mut self, wr_id: WrId, implied: &mut Vec<PostedRequest>) {
-        let Some(position) = self.queue.iter().position(|r| r.wr_id == wr_id) else {
-            return;
-        };
+    /// before it (they succeeded), forgets them and it, and returns it. A completion for an
+    /// id this queue pair does not hold changes nothing.
+    pub fn complete(
+        &mut self,
+        wr_id: WrId,
+        implied: &mut Vec<PostedRequest>,
+    ) -> Option<PostedRequest> {
+        let position = self.queue.iter().position(|r| r.wr_id == wr_id)?;
+        let mut completed = None;
         for earlier in self.queue.drain(..=position) {
-            if earlier.wr_id != wr_id && !earlier.signaled {
+            if earlier.wr_id == wr_id {
+                completed = Some(earlier);
+            } else if !earlier.signaled {
                 implied.push(earlier);
             }
         }
+        completed
     }
 }
 
@@ -103,7 +109,8 @@ mod tests {
             outstanding.push(request(n, n % 4 == 3));
         }
         let mut implied = Vec::new();
-        outstanding.complete(WrId::new(3, 1), &mut implied);
+        let completed = outstanding.complete(WrId::new(3, 1), &mut implied);
+        assert_eq!(completed.map(|r| r.signaled), Some(true));
         let ids: Vec<u32> = implied.iter().map(|r| r.wr_id.slot()).collect();
         assert_eq!(ids, [0, 1, 2]);
         assert_eq!(outstanding.len(), 4);
@@ -115,7 +122,7 @@ mod tests {
             [4]
         );
         implied.clear();
-        outstanding.complete(WrId::new(99, 1), &mut implied);
+        assert_eq!(outstanding.complete(WrId::new(99, 1), &mut implied), None);
         assert!(implied.is_empty() && outstanding.len() == 2);
     }
 }
