@@ -122,3 +122,9 @@ fn the_cli_prints_the_counts_as_json_and_rejects_unknown_scenarios() {
     assert!(stderr.contains("dead-replica"), "{stderr}");
     assert_eq!(stderr.lines().count(), 1);
 }
+
+#[test]
+fn the_largest_seed_is_a_seed_like_any_other() {
+    let counts = held(Scenario::HandshakeChurn, u64::MAX);
+    assert_eq!(counts["seed"], u64::MAX);
+}

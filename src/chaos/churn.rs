@@ -165,7 +165,7 @@ pub fn run(seed: u64) -> Result<ChurnReport> {
             name,
             1,
             any_port(),
-            seed + n as u64,
+            seed.wrapping_add(n as u64),
             Policy::default(),
             None,
         )?;

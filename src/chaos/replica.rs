@@ -200,7 +200,7 @@ pub fn run(seed: u64) -> Result<ReplicaReport> {
             &format!("decode-{n}"),
             1,
             any_port(),
-            seed + n as u64,
+            seed.wrapping_add(n as u64),
             Policy::default(),
             None,
         )?;
