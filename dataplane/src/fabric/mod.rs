@@ -337,16 +337,17 @@ impl WorkCompletion {
     /// The completion of `request` on `qp` with `status`: a successful one carries the
     /// request's length, a failed one none.
     pub fn of(request: &WorkRequest, qp: QpNum, status: WcStatus) -> Self {
+        Self::ended(request.wr_id, request.opcode, request.len, qp, status)
+    }
+
+    /// The completion of request `wr_id` (`opcode`, `len` bytes) on `qp` with `status`.
+    pub fn ended(wr_id: WrId, opcode: Opcode, len: u32, qp: QpNum, status: WcStatus) -> Self {
         Self {
-            wr_id: request.wr_id,
+            wr_id,
             qp,
             status,
-            opcode: request.opcode,
-            byte_len: if status == WcStatus::Success {
-                request.len
-            } else {
-                0
-            },
+            opcode,
+            byte_len: if status == WcStatus::Success { len } else { 0 },
             imm: None,
         }
     }

@@ -93,18 +93,13 @@ impl VerbsFabric {
     }
 
     fn completion(qp: u32, request: &PostedRequest, status: WcStatus) -> WorkCompletion {
-        WorkCompletion {
-            wr_id: request.wr_id,
-            qp: QpNum(qp),
+        WorkCompletion::ended(
+            request.wr_id,
+            request.opcode,
+            request.len,
+            QpNum(qp),
             status,
-            opcode: request.opcode,
-            byte_len: if status == WcStatus::Success {
-                request.len
-            } else {
-                0
-            },
-            imm: None,
-        }
+        )
     }
 
     fn read_events(&mut self) {
