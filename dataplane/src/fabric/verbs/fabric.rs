@@ -7,12 +7,13 @@
 //! poller sees exactly one completion per request, as from the other fabrics. Retiring a
 //! queue pair moves it to ERR; it is destroyed once its flush completions are in.
 //! Asynchronous events are read without blocking (the context's event descriptor is
-//! non-blocking) and turned into [`AsyncEvent::QpFatal`] for the queue pairs they name
+//! non-blocking), at most once a millisecond, and turned into [`AsyncEvent::QpFatal`] for the queue pairs they name
 //! (all of them for a port or device failure).
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::RawFd;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rdma_sys::{ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc, ibv_wr_opcode};
 
@@ -45,7 +46,12 @@ pub struct VerbsFabric {
     implied: Vec<PostedRequest>,
     ready: VecDeque<WorkCompletion>,
     events: VecDeque<AsyncEvent>,
+    /// Asynchronous events cost a system call to look for: at most once per interval.
+    next_event_check: Instant,
 }
+
+/// How often `poll` looks for asynchronous events.
+const EVENT_CHECK_INTERVAL: Duration = Duration::from_millis(1);
 
 impl std::fmt::Debug for VerbsFabric {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -89,6 +95,7 @@ impl VerbsFabric {
             implied: Vec::new(),
             ready: VecDeque::new(),
             events: VecDeque::new(),
+            next_event_check: Instant::now(),
         }
     }
 
@@ -260,7 +267,11 @@ impl Fabric for VerbsFabric {
     }
 
     fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
-        self.read_events();
+        let now = Instant::now();
+        if now >= self.next_event_check {
+            self.next_event_check = now + EVENT_CHECK_INTERVAL;
+            self.read_events();
+        }
         let start = out.len();
         while out.len() - start < max {
             let Some(completion) = self.ready.pop_front() else {
