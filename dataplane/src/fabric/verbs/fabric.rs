@@ -109,6 +109,15 @@ impl VerbsFabric {
         )
     }
 
+    /// Reads asynchronous events if the interval has passed since the last look.
+    fn look_for_events(&mut self) {
+        let now = Instant::now();
+        if now >= self.next_event_check {
+            self.next_event_check = now + EVENT_CHECK_INTERVAL;
+            self.read_events();
+        }
+    }
+
     fn read_events(&mut self) {
         loop {
             // SAFETY: `ibv_async_event` is plain old data; all-zero is valid.
@@ -267,11 +276,7 @@ impl Fabric for VerbsFabric {
     }
 
     fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
-        let now = Instant::now();
-        if now >= self.next_event_check {
-            self.next_event_check = now + EVENT_CHECK_INTERVAL;
-            self.read_events();
-        }
+        self.look_for_events();
         let start = out.len();
         while out.len() - start < max {
             let Some(completion) = self.ready.pop_front() else {
@@ -324,6 +329,7 @@ impl Fabric for VerbsFabric {
     }
 
     fn poll_event(&mut self) -> Option<AsyncEvent> {
+        self.look_for_events();
         self.events.pop_front()
     }
 }
