@@ -294,6 +294,7 @@ impl EngineBuilder {
                 name: self.name,
                 slice_size: self.slice_size,
                 deadline: self.deadline,
+                connect_timeout: self.policy.connect_timeout,
                 devices,
                 pollers,
                 control,
@@ -338,6 +339,7 @@ struct Inner {
     name: String,
     slice_size: usize,
     deadline: Duration,
+    connect_timeout: Duration,
     devices: Vec<SoftDevice>,
     pollers: Vec<Arc<PollerHandle>>,
     control: ControlPlane,
@@ -715,7 +717,7 @@ impl Engine {
             .control
             .connect(addr, 0, 0)
             .map_err(|error| unreachable(error.to_string()))?;
-        let deadline = Instant::now() + Policy::default().connect_timeout;
+        let deadline = Instant::now() + self.inner.connect_timeout;
         if !first.wait_ready(deadline) {
             return Err(unreachable(format!(
                 "no queue pair within the connect timeout ({:?})",
