@@ -96,6 +96,11 @@ fn a_dead_replica_fails_fast_and_its_port_is_a_new_peer() {
     assert!(counts["dead_peer_unavailable"].as_u64() > Some(0));
     assert_eq!(counts["misdirected"], 0);
     assert_eq!(counts["newcomer_is_new_incarnation"], true);
+    assert!(counts["newcomer_refused"].as_u64() >= Some(1), "{counts}");
+    assert_eq!(
+        counts["newcomer_endpoints"], 1,
+        "a fresh endpoint to the new incarnation replaced the retired one"
+    );
 }
 
 #[test]

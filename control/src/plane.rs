@@ -1073,28 +1073,35 @@ impl<F: RailFabric> Plane<F> {
         }
         if let Some(old) = self.peer_names.insert(name.clone(), incarnation) {
             if old != incarnation {
-                self.peer_restarted(&name, old, now);
+                self.peer_restarted(&name, old, incarnation, now);
             }
         }
         self.resolve_waiting(now);
     }
 
     /// Everything of `old` (a previous incarnation of `name`) goes: active endpoints fail
-    /// with `PeerRestarted`, passive queue pairs are dropped.
-    fn peer_restarted(&mut self, name: &str, old: Incarnation, now: Instant) {
+    /// with `PeerRestarted`, passive queue pairs are dropped. Fresh endpoints to `new`, on
+    /// the same rails and at the same address, take the retired ones' place (an application
+    /// that asks for the peer again gets them; nothing meant for `old` ever reaches them).
+    fn peer_restarted(&mut self, name: &str, old: Incarnation, new: Incarnation, now: Instant) {
         bump(&self.shared.counters.peer_restarts);
         self.warn(
             WarningKind::Retire,
-            format!("peer {name} restarted ({old} is gone); retiring its endpoints"),
+            format!(
+                "peer {name} restarted ({old} is gone, {new} replaces it); retiring its endpoints"
+            ),
         );
-        let stale: Vec<(u16, EndpointId)> = self
+        let stale: Vec<(u16, EndpointId, u16, SocketAddr)> = self
             .active
             .iter()
-            .filter(|(_, a)| a.machine.key().peer == old)
-            .map(|(&k, _)| k)
+            .filter(|(_, a)| a.machine.key().peer == old && a.machine.phase() != Phase::Retired)
+            .map(|(&(rail, id), a)| (rail, id, a.machine.key().remote_rail, a.addr))
             .collect();
-        for (rail, id) in stale {
+        for &(rail, id, _, _) in &stale {
             self.handle_input(rail, id, Input::PeerRestarted, now);
+        }
+        for (rail, _, remote_rail, addr) in stale {
+            self.endpoint_for(name.to_string(), new, addr, rail, remote_rail, now);
         }
         let before = self.passive.len();
         self.passive.retain(|key, _| key.initiator != old);
@@ -1114,7 +1121,7 @@ impl<F: RailFabric> Plane<F> {
         if let Some(old) = self.directory.record(descriptor) {
             // A Hello usually told us first; a directory that learns it otherwise does here.
             if self.peer_names.insert(name.clone(), incarnation) != Some(incarnation) {
-                self.peer_restarted(&name, old, now);
+                self.peer_restarted(&name, old, incarnation, now);
             }
         }
         if let Some(fresh) = self.directory.lookup(&name) {

@@ -9,7 +9,8 @@
 //! fail with `PeerUnavailable`. Then a new process with a new incarnation takes the port and
 //! registers memory of its own; when the endpoint's cooldown ends it dials the newcomer,
 //! which refuses the queue pair meant for its predecessor, and the endpoint is retired with
-//! `PeerRestarted`. Elsewhere every client kept sending to the dead endpoint, transfers hung
+//! `PeerRestarted` (a fresh endpoint to the newcomer takes its place; nothing submitted for
+//! the old process can use it). Elsewhere every client kept sending to the dead endpoint, transfers hung
 //! for 60 s, and a process that reused the port was taken for the dead one.
 
 use std::net::SocketAddr;
@@ -47,9 +48,11 @@ pub struct ReplicaReport {
     pub dead_peer_other_failures: u64,
     /// Whether the newcomer is a new incarnation.
     pub newcomer_is_new_incarnation: bool,
-    /// Queue pairs the newcomer accepted, and bytes of its memory written, meant for the
-    /// dead process.
+    /// Bytes of the newcomer's memory written by transfers meant for the dead process.
     pub misdirected: u64,
+    /// Queue pairs the newcomer accepted: the initiator's fresh endpoints to the new
+    /// incarnation, which carry nothing meant for the old one.
+    pub newcomer_endpoints: u64,
     /// Queue-pair requests the newcomer refused (meant for its predecessor).
     pub newcomer_refused: u64,
     /// Times the initiator's circuit to the dead peer opened.
@@ -329,7 +332,8 @@ pub fn run(seed: u64) -> Result<ReplicaReport> {
         dead_peer_restarted: restarted,
         dead_peer_other_failures: failures.len() as u64 - unavailable - restarted,
         newcomer_is_new_incarnation: is_new,
-        misdirected: accepted + newcomer_written.load(Ordering::Relaxed),
+        misdirected: newcomer_written.load(Ordering::Relaxed),
+        newcomer_endpoints: accepted,
         newcomer_refused: refused,
         circuit_openings: initiator.control.stats().circuit_openings,
     })
