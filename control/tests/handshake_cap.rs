@@ -1,0 +1,75 @@
+//! The control thread caps connections that are mid-handshake: more wait in the kernel's
+//! backlog until one says Hello or times out, so a flood of silent connections cannot
+//! exhaust it.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use railyard_control::wire::{FrameDecoder, Message};
+use railyard_control::{
+    ControlConfig, ControlPlane, ControlRail, ControlShared, Incarnation, Policy,
+};
+use railyard_dataplane::fabric::soft::SoftDevice;
+
+#[test]
+fn silent_connections_beyond_the_cap_wait_and_then_time_out() {
+    let config = ControlConfig {
+        max_handshakes: 2,
+        policy: Policy {
+            connect_timeout: Duration::from_millis(300),
+            ..Policy::default()
+        },
+        print_warnings: false,
+        ..ControlConfig::new("capped")
+    };
+    let rails: Vec<ControlRail<SoftDevice>> = Vec::new();
+    let plane = ControlPlane::start(config, rails, ControlShared::new(0)).expect("starts");
+    let silent: Vec<TcpStream> = (0..2)
+        .map(|_| TcpStream::connect(plane.local_addr()).expect("connects"))
+        .collect();
+    std::thread::sleep(Duration::from_millis(50)); // both accepted, both silent
+
+    let started = Instant::now();
+    let mut speaker = TcpStream::connect(plane.local_addr()).expect("queued by the kernel");
+    speaker
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let hello = Message::Hello {
+        name: "speaker".into(),
+        incarnation: Incarnation(7),
+    };
+    speaker.write_all(&hello.encode()).expect("writes");
+    let mut decoder = FrameDecoder::default();
+    let mut buffer = [0u8; 512];
+    let answer = loop {
+        if let Some(message) = decoder.next_message().expect("well-formed") {
+            break message;
+        }
+        let n = speaker
+            .read(&mut buffer)
+            .expect("an answer within the bound");
+        assert!(n > 0, "the control thread closed the connection");
+        decoder.push(&buffer[..n]);
+    };
+    let waited = started.elapsed();
+    assert!(
+        matches!(answer, Message::Hello { ref name, .. } if name == "capped"),
+        "{answer:?}"
+    );
+    assert!(
+        waited >= Duration::from_millis(200),
+        "answered after {waited:?}: the cap did not hold the third connection back"
+    );
+    // The silent ones were closed for saying nothing.
+    for mut connection in silent {
+        connection
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let mut byte = [0u8; 1];
+        assert_eq!(
+            connection.read(&mut byte).expect("closed, not timed out"),
+            0
+        );
+    }
+}
