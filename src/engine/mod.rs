@@ -514,7 +514,7 @@ impl Engine {
         &self.inner.warnings
     }
 
-    /// Allocates `len` bytes registered on every rail: huge pages where it can (then
+    /// Allocates `len` bytes registered on every rail (the rails in parallel): huge pages where it can (then
     /// transparent huge pages, then normal pages: [`Region::backing`] says which), bound to
     /// NUMA node `numa` (default: the first rail's), prefaulted.
     ///
@@ -550,29 +550,14 @@ impl Engine {
         }
         buffer.prefault();
         let mut registrations = vec![buffer.region()];
-        for (rail, device) in self.inner.devices.iter().enumerate().skip(1) {
-            // SAFETY:
-            // - The entry keeps the buffer until these registrations are withdrawn
-            //   (`deregister_everywhere` runs before the buffer drops).
-            let registered =
-                unsafe { device.register_buffer(&buffer, Access::ALL) }.map_err(|error| {
-                    MemoryError::Register {
-                        rail,
-                        addr: buffer.region().addr,
-                        len,
-                        reason: error.to_string(),
-                    }
-                });
-            match registered {
-                Ok(registration) => registrations.push(registration),
-                Err(error) => {
-                    for (device, done) in self.inner.devices.iter().zip(&registrations).skip(1) {
-                        let _ = device.deregister(done);
-                    }
-                    return Err(error);
-                }
-            }
-        }
+        registrations.extend(
+            self.register_on_rails(1, buffer.region().addr, len, |device| {
+                // SAFETY:
+                // - The entry keeps the buffer until these registrations are withdrawn
+                //   (`deregister_everywhere` runs before the buffer drops).
+                unsafe { device.register_buffer(&buffer, Access::ALL) }
+            })?,
+        );
         let region = Region {
             id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
             addr: buffer.region().addr,
@@ -588,7 +573,7 @@ impl Engine {
         Ok(region)
     }
 
-    /// Registers memory the application owns, on every rail.
+    /// Registers memory the application owns, on every rail (in parallel).
     ///
     /// # Safety
     /// `len` bytes at `ptr` must stay mapped, readable and writable until
@@ -606,24 +591,10 @@ impl Engine {
                 len: len as u64,
             });
         }
-        let mut registrations = Vec::new();
-        for (rail, device) in self.inner.devices.iter().enumerate() {
+        let registrations = self.register_on_rails(0, addr, len as u64, |device| {
             // SAFETY: the caller's contract is exactly the device's.
-            match unsafe { device.register(ptr, len, Access::ALL) } {
-                Ok(registration) => registrations.push(registration),
-                Err(error) => {
-                    for (device, done) in self.inner.devices.iter().zip(&registrations) {
-                        let _ = device.deregister(done);
-                    }
-                    return Err(MemoryError::Register {
-                        rail,
-                        addr,
-                        len: len as u64,
-                        reason: error.to_string(),
-                    });
-                }
-            }
-        }
+            unsafe { device.register(addr as *mut u8, len, Access::ALL) }
+        })?;
         let region = Region {
             id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
             addr,
@@ -637,6 +608,60 @@ impl Engine {
             registrations,
         });
         Ok(region)
+    }
+
+    /// Registers one range on every rail from `first` on, the rails in parallel; in rail
+    /// order. On any failure the registrations made are withdrawn and the first error (by
+    /// rail) is returned.
+    fn register_on_rails(
+        &self,
+        first: usize,
+        addr: u64,
+        len: u64,
+        register: impl Fn(
+            &SoftDevice,
+        ) -> Result<MemoryRegion, railyard_dataplane::fabric::soft::SoftError>
+        + Sync,
+    ) -> Result<Vec<MemoryRegion>, MemoryError> {
+        let rails = &self.inner.devices[first.min(self.inner.devices.len())..];
+        let results: Vec<_> = std::thread::scope(|scope| {
+            let register = &register;
+            let running: Vec<_> = rails
+                .iter()
+                .map(|device| scope.spawn(move || register(device)))
+                .collect();
+            running
+                .into_iter()
+                .map(|thread| {
+                    thread
+                        .join()
+                        .map_err(|_| "registration thread panicked".to_string())
+                })
+                .collect()
+        });
+        let mut registrations = Vec::new();
+        let mut failure = None;
+        for (offset, result) in results.into_iter().enumerate() {
+            let result = result.and_then(|registered| registered.map_err(|e| e.to_string()));
+            match result {
+                Ok(registration) => registrations.push((offset, registration)),
+                Err(reason) => {
+                    failure.get_or_insert(MemoryError::Register {
+                        rail: first + offset,
+                        addr,
+                        len,
+                        reason,
+                    });
+                }
+            }
+        }
+        if let Some(error) = failure {
+            for (offset, registration) in &registrations {
+                let _ = rails[*offset].deregister(registration);
+            }
+            return Err(error);
+        }
+        Ok(registrations.into_iter().map(|(_, r)| r).collect())
     }
 
     fn insert(&self, entry: RegionEntry) {
