@@ -24,6 +24,7 @@ test: deps
 # (a NIC, or SoftRoCE: `rdma link add rxe0 type rxe netdev <if>`).
 test-rdma: deps
 	$(CARGO) test -p railyard-dataplane --test verbs_hardware -- --include-ignored
+	$(CARGO) test --test engine -- --include-ignored two_processes_over_the_verbs_fabric
 
 # Loom models of the SPSC ring and of the control/poller epoch hand-off: the real ring code
 # with loom's atomics (dataplane/src/sync.rs).

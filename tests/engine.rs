@@ -27,9 +27,14 @@ struct Serve {
 
 impl Serve {
     fn start(pool: &str) -> Self {
+        Self::start_with(pool, &["--rails", "1"])
+    }
+
+    fn start_with(pool: &str, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
             .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
-            .args(["--pool", pool, "--rails", "1", "--name", "decode-test"])
+            .args(["--pool", pool, "--name", "decode-test"])
+            .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -347,4 +352,47 @@ fn without_rdma_auto_falls_back_and_says_why_and_verbs_fails_with_the_reason() {
         assert_eq!(stderr.lines().count(), 1, "{stderr}");
         assert!(stderr.contains(&unavailable.reason), "{stderr}");
     }
+}
+
+#[test]
+#[ignore = "requires an RDMA device that the topology plan makes a rail (make test-rdma)"]
+fn two_processes_over_the_verbs_fabric() {
+    let serve = Serve::start_with("64MiB", &["--fabric", "verbs"]);
+    let engine = Engine::builder("prefill-rdma")
+        .fabric(railyard::engine::FabricChoice::Verbs)
+        .idle(IdleStrategy::gentle())
+        .build()
+        .expect("an engine on the verbs fabric");
+    assert_eq!(engine.fabric(), "verbs");
+    let peer = engine.open(&serve.addr).expect("the target answers");
+    let source = engine
+        .alloc(8 << 20, None)
+        .expect("registered on every rail");
+    let back = engine
+        .alloc(8 << 20, None)
+        .expect("registered on every rail");
+    for (i, byte) in bytes_of(source).iter_mut().enumerate() {
+        *byte = (i % 241) as u8;
+    }
+    let mut submitter = engine.submitter().expect("pollers run");
+    let writes: Vec<Transfer> = (0..32u64)
+        .map(|i| Transfer {
+            op: Op::Write,
+            local: source,
+            local_offset: i * (256 << 10),
+            remote_addr: serve.pool_base + ((i * 13) % 32) * (256 << 10),
+            len: 256 << 10,
+        })
+        .collect();
+    assert!(done(&submitter.submit(&peer, &writes).expect("valid")));
+    let reads: Vec<Transfer> = writes
+        .iter()
+        .map(|w| Transfer {
+            op: Op::Read,
+            local: back,
+            ..*w
+        })
+        .collect();
+    assert!(done(&submitter.submit(&peer, &reads).expect("valid")));
+    assert_eq!(&bytes_of(back)[..8 << 20], &bytes_of(source)[..8 << 20]);
 }

@@ -1049,11 +1049,10 @@ impl<F: RailFabric> Plane<F> {
             name: self.config.name.clone(),
             incarnation: self.incarnation,
             handshake_addr: self.local_addr.to_string(),
-            rails: (0..self.rails.len())
-                .map(|i| crate::descriptor::RailDescriptor {
-                    name: format!("soft{i}"),
-                    fabric: crate::descriptor::fabric::SOFT,
-                })
+            rails: self
+                .rails
+                .iter()
+                .map(|rail| rail.fabric.describe())
                 .collect(),
             regions: regions.1.clone(),
         }

@@ -10,6 +10,7 @@ use railyard_dataplane::fabric::verbs::VerbsRail;
 use railyard_dataplane::fabric::verbs::ffi::{PreparedQp, QueuePair};
 use railyard_dataplane::{EndpointId, Epoch};
 
+use crate::descriptor::{RailDescriptor, fabric};
 use crate::wire::QpSide;
 
 /// A rail's fabric, as the control thread drives it. Never touches a queue pair the poller
@@ -40,6 +41,9 @@ pub trait RailFabric: Send + Sync + 'static {
     /// # Errors
     /// When the fabric refuses it.
     fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: Self::Connected) -> Result<(), String>;
+
+    /// How the rail appears in this process's segment descriptor.
+    fn describe(&self) -> RailDescriptor;
 }
 
 impl RailFabric for SoftDevice {
@@ -67,6 +71,13 @@ impl RailFabric for SoftDevice {
     fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: SoftQp) -> Result<(), String> {
         SoftDevice::stage(self, endpoint, epoch, qp).map_err(|e| e.to_string())
     }
+
+    fn describe(&self) -> RailDescriptor {
+        RailDescriptor {
+            name: self.name().to_string(),
+            fabric: fabric::SOFT,
+        }
+    }
 }
 
 impl RailFabric for Arc<VerbsRail> {
@@ -93,5 +104,12 @@ impl RailFabric for Arc<VerbsRail> {
     fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: QueuePair) -> Result<(), String> {
         VerbsRail::stage(self, endpoint, epoch, qp);
         Ok(())
+    }
+
+    fn describe(&self) -> RailDescriptor {
+        RailDescriptor {
+            name: self.name().to_string(),
+            fabric: fabric::VERBS,
+        }
     }
 }

@@ -589,7 +589,7 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let report = serde_json::json!({
         "op": match op { Op::Write => "write", Op::Read => "read" },
         "target": target,
-        "fabric": "soft",
+        "fabric": engine.fabric(),
         "rails": engine.rails(),
         "threads": args.threads,
         "block_size": args.block_size,

@@ -16,7 +16,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! An engine owns its rails (one device and one pinned poller each), its control plane
+//! An engine owns its rails (one device and one pinned poller each, all on the soft fabric
+//! or all on the verbs fabric: [`FabricChoice`]), its control plane
 //! (handshake listener, endpoints, directory) and its registered memory. Memory is
 //! registered on every rail. A [`Peer`] is a remote process at one incarnation, with an
 //! endpoint on each local rail. A [`EngineSubmitter`] (one per thread) turns transfers into
@@ -34,6 +35,8 @@
 //! end) does the freeing, and later transfers naming it fail with `UnknownRegion`.
 
 mod error;
+mod memory;
+mod rails;
 mod transfer;
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -43,17 +46,16 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use railyard_control::{
-    ControlConfig, ControlPlane, ControlRail, ControlShared, ControlStats, EndpointView,
-    Incarnation, Notification, Policy, RegionDescriptor, SegmentDescriptor,
+    ControlConfig, ControlPlane, ControlShared, ControlStats, EndpointView, Incarnation,
+    Notification, Policy, RegionDescriptor, SegmentDescriptor,
 };
-use railyard_dataplane::fabric::soft::{Backing, SoftBuffer, SoftConfig, SoftDevice};
-use railyard_dataplane::fabric::{Access, MemoryRegion};
-use railyard_dataplane::{
-    Batch, CounterSnapshot, DEFAULT_DEADLINE, IdleStrategy, PollerConfig, PollerHandle,
-};
+use railyard_dataplane::fabric::MemoryRegion;
+use railyard_dataplane::fabric::soft::Backing;
+use railyard_dataplane::{Batch, CounterSnapshot, DEFAULT_DEADLINE, IdleStrategy, PollerHandle};
 use railyard_topology::{HostTopology, PlanOptions, RailKind};
 
 pub use error::{BuildError, MemoryError, PeerError, TransferError};
+use rails::{Memory, PlannedRail, Rails};
 pub use transfer::{EngineSubmitter, Op, SubmitTiming, Transfer};
 
 /// Which fabric moves the bytes.
@@ -156,148 +158,138 @@ impl EngineBuilder {
         }
         let mut warnings = Vec::new();
         let topology = HostTopology::live().ok().map(Arc::new);
-        let planned = match self.rails {
-            RailChoice::Count(count) => (0..count.get()).map(|_| (None, 0)).collect(),
-            RailChoice::Plan => match topology.as_ref().map(|t| t.plan(&PlanOptions::default())) {
-                Some(Ok(plan)) => {
-                    let rdma = plan
-                        .rails
-                        .iter()
-                        .filter(|r| r.kind == RailKind::Rdma)
-                        .count();
-                    if rdma > 0 {
-                        warnings.push(format!(
-                            "{rdma} RDMA rail(s) found, but the verbs fabric is not built yet: \
-                             using software rails"
-                        ));
-                    }
-                    let soft = plan
-                        .numa_nodes
-                        .iter()
-                        .filter(|node| !node.pus.is_empty())
-                        .count()
-                        .max(1);
-                    let software: Vec<_> = plan
-                        .rails
-                        .iter()
-                        .filter(|r| r.kind == RailKind::Software)
-                        .map(|r| (Some(r.poller_pu as usize), r.numa_node))
-                        .collect();
-                    if software.is_empty() {
-                        (0..soft).map(|_| (None, 0)).collect()
-                    } else {
-                        software
-                    }
-                }
-                other => {
-                    warnings.push(format!(
-                        "no topology plan ({}); one unpinned software rail",
-                        match other {
-                            Some(Err(error)) => error.to_string(),
-                            _ => "hwloc could not read this machine".to_string(),
-                        }
-                    ));
-                    vec![(None, 0)]
+        let plan = match (self.rails, topology.as_ref()) {
+            (RailChoice::Plan, Some(topology)) => match topology.plan(&PlanOptions::default()) {
+                Ok(plan) => Some(plan),
+                Err(error) => {
+                    warnings.push(format!("no topology plan ({error}); one unpinned rail"));
+                    None
                 }
             },
+            (RailChoice::Plan, None) => {
+                warnings.push("hwloc could not read this machine; one unpinned rail".into());
+                None
+            }
+            (RailChoice::Count(_), _) => None,
+        };
+        let rdma: Vec<PlannedRail> = plan
+            .iter()
+            .flat_map(|plan| plan.rails.iter())
+            .filter(|rail| rail.kind == RailKind::Rdma)
+            .map(|rail| PlannedRail {
+                device: Some(rail.name.clone()),
+                port: rail.port.and_then(|p| u8::try_from(p).ok()),
+                pu: Some(rail.poller_pu as usize),
+                numa: rail.numa_node,
+            })
+            .collect();
+        let software: Vec<PlannedRail> = match (self.rails, &plan) {
+            (RailChoice::Count(count), _) => (0..count.get())
+                .map(|_| PlannedRail {
+                    device: None,
+                    port: None,
+                    pu: None,
+                    numa: 0,
+                })
+                .collect(),
+            (RailChoice::Plan, Some(plan)) => {
+                let planned: Vec<PlannedRail> = plan
+                    .rails
+                    .iter()
+                    .filter(|rail| rail.kind == RailKind::Software)
+                    .map(|rail| PlannedRail {
+                        device: None,
+                        port: None,
+                        pu: Some(rail.poller_pu as usize),
+                        numa: rail.numa_node,
+                    })
+                    .collect();
+                // A host whose plan chose RDMA rails has no software rails planned: one
+                // per RDMA rail, on the same cores, if the soft fabric is used after all.
+                if planned.is_empty() {
+                    rdma.iter()
+                        .map(|rail| PlannedRail {
+                            device: None,
+                            port: None,
+                            ..rail.clone()
+                        })
+                        .collect()
+                } else {
+                    planned
+                }
+            }
+            (RailChoice::Plan, None) => vec![PlannedRail {
+                device: None,
+                port: None,
+                pu: None,
+                numa: 0,
+            }],
         };
         let verbs = railyard_dataplane::fabric::verbs::devices();
-        match (self.fabric, verbs) {
-            (FabricChoice::Soft, _) => {}
-            (FabricChoice::Auto, Err(unavailable)) => warnings.push(format!(
-                "no verbs fabric ({unavailable}); using the soft fabric"
-            )),
-            (FabricChoice::Auto, Ok(devices)) => warnings.push(format!(
-                "RDMA devices {} found, but this build's verbs data path is not finished; \
-                 using the soft fabric",
-                devices.join(", ")
-            )),
+        let use_verbs = match (self.fabric, &verbs) {
+            (FabricChoice::Soft, _) => false,
+            (FabricChoice::Auto, Err(unavailable)) => {
+                warnings.push(format!(
+                    "no verbs fabric ({unavailable}); using the soft fabric"
+                ));
+                false
+            }
+            (FabricChoice::Auto, Ok(_)) if rdma.is_empty() => {
+                warnings.push(
+                    "RDMA devices exist but none is a rail of the plan (or --rails asked for \
+                     software rails); using the soft fabric"
+                        .into(),
+                );
+                false
+            }
+            (FabricChoice::Auto, Ok(_)) => true,
             (FabricChoice::Verbs, Err(unavailable)) => {
                 return Err(BuildError::FabricUnavailable {
                     fabric: "verbs",
-                    reason: unavailable.reason,
+                    reason: unavailable.reason.clone(),
                 });
             }
-            (FabricChoice::Verbs, Ok(devices)) => {
+            (FabricChoice::Verbs, Ok(devices)) if rdma.is_empty() => {
                 return Err(BuildError::FabricUnavailable {
                     fabric: "verbs",
                     reason: format!(
-                        "devices {} found, but this build's verbs data path is not finished",
+                        "devices {} exist but none is a rail of the topology plan (see \
+                         `railyard topology`)",
                         devices.join(", ")
                     ),
                 });
             }
-        }
+            (FabricChoice::Verbs, Ok(_)) => true,
+        };
+        let planned = if use_verbs { rdma } else { software };
         let shared = ControlShared::new(planned.len());
-        let mut devices = Vec::new();
-        let mut pollers = Vec::new();
-        let mut control_rails = Vec::new();
-        let mut rail_numa = Vec::new();
-        for (rail, &(pu, numa)) in planned.iter().enumerate() {
-            let device =
-                SoftDevice::open(format!("{}-soft{rail}", self.name), SoftConfig::default())
-                    .map_err(|error| BuildError::Rail {
-                        rail,
-                        reason: error.to_string(),
-                    })?;
-            let config = PollerConfig {
-                pin_pu: pu,
-                idle: self.idle,
-                ..PollerConfig::new(format!("railyard-soft{rail}"))
-            };
-            let spawn = |config: PollerConfig| {
-                PollerHandle::spawn(config, device.fabric(), shared.reprepare_hook(rail as u16))
-            };
-            let poller = match spawn(config.clone()) {
-                Ok(poller) => poller,
-                // A plan's core may not be ours to pin (containers, taskset): run unpinned.
-                Err(railyard_dataplane::SpawnError::Pin { pu, .. }) => {
-                    warnings.push(format!(
-                        "rail {rail}: cannot pin its poller to PU {pu}; unpinned"
-                    ));
-                    spawn(PollerConfig {
-                        pin_pu: None,
-                        ..config
-                    })
-                    .map_err(|error| BuildError::Poller {
-                        rail,
-                        reason: error.to_string(),
-                    })?
-                }
-                Err(error) => {
-                    return Err(BuildError::Poller {
-                        rail,
-                        reason: error.to_string(),
-                    });
-                }
-            };
-            let poller = Arc::new(poller);
-            control_rails.push(ControlRail {
-                fabric: device.clone(),
-                poller: poller.clone(),
-            });
-            devices.push(device);
-            pollers.push(poller);
-            rail_numa.push(numa);
-        }
-        let control = ControlPlane::start(
-            ControlConfig {
-                listen: self.listen,
-                policy: self.policy.clone(),
-                ..ControlConfig::new(self.name.clone())
-            },
-            control_rails,
-            shared.clone(),
-        )?;
+        let control_config = ControlConfig {
+            listen: self.listen,
+            policy: self.policy.clone(),
+            ..ControlConfig::new(self.name.clone())
+        };
+        let started = if use_verbs {
+            Rails::start_verbs(&planned, self.idle, control_config, &shared, &mut warnings)?
+        } else {
+            Rails::start_soft(
+                &self.name,
+                &planned,
+                self.idle,
+                control_config,
+                &shared,
+                &mut warnings,
+            )?
+        };
+        let rail_numa = planned.iter().map(|rail| rail.numa).collect();
         Ok(Engine {
             inner: Arc::new(Inner {
                 name: self.name,
                 slice_size: self.slice_size,
                 deadline: self.deadline,
                 connect_timeout: self.policy.connect_timeout,
-                devices,
-                pollers,
-                control,
+                rails: started.rails,
+                pollers: started.pollers,
+                control: started.control,
                 shared,
                 topology,
                 rail_numa,
@@ -329,8 +321,8 @@ pub struct Region {
 /// What an engine holds for one region.
 struct RegionEntry {
     region: Region,
-    /// Engine-allocated memory, registered on rail 0 by allocation.
-    buffer: Option<SoftBuffer>,
+    /// Engine-allocated memory (`None`: the application's).
+    memory: Option<Memory>,
     /// Its registration on each rail.
     registrations: Vec<MemoryRegion>,
 }
@@ -340,7 +332,7 @@ struct Inner {
     slice_size: usize,
     deadline: Duration,
     connect_timeout: Duration,
-    devices: Vec<SoftDevice>,
+    rails: Rails,
     pollers: Vec<Arc<PollerHandle>>,
     control: ControlPlane,
     shared: Arc<ControlShared>,
@@ -364,16 +356,16 @@ impl Drop for Inner {
                 .unwrap_or_else(PoisonError::into_inner),
         );
         for entry in entries {
-            deregister_everywhere(&self.devices, &entry);
+            self.rails
+                .deregister(&entry.registrations, entry.registers_itself());
         }
     }
 }
 
-/// Withdraws an entry's registrations (engine buffers last deregister themselves).
-fn deregister_everywhere(devices: &[SoftDevice], entry: &RegionEntry) {
-    let skip = usize::from(entry.buffer.is_some());
-    for (device, registration) in devices.iter().zip(&entry.registrations).skip(skip) {
-        let _ = device.deregister(registration);
+impl RegionEntry {
+    /// Whether its first registration is withdrawn by its memory's own drop.
+    fn registers_itself(&self) -> bool {
+        self.memory.as_ref().is_some_and(Memory::registers_itself)
     }
 }
 
@@ -468,7 +460,8 @@ impl std::fmt::Debug for Engine {
         f.debug_struct("Engine")
             .field("name", &self.inner.name)
             .field("addr", &self.addr())
-            .field("rails", &self.inner.devices.len())
+            .field("rails", &self.inner.rails.len())
+            .field("fabric", &self.inner.rails.fabric())
             .finish()
     }
 }
@@ -505,7 +498,12 @@ impl Engine {
 
     /// How many rails it has.
     pub fn rails(&self) -> usize {
-        self.inner.devices.len()
+        self.inner.rails.len()
+    }
+
+    /// The fabric its rails run: `soft` or `verbs`.
+    pub fn fabric(&self) -> &'static str {
+        self.inner.rails.fabric()
     }
 
     /// Compromises made while building (no topology, unpinned pollers, RDMA present but
@@ -521,21 +519,15 @@ impl Engine {
     /// # Errors
     /// [`MemoryError`] naming what failed.
     pub fn alloc(&self, len: u64, numa: Option<u32>) -> Result<Region, MemoryError> {
-        let size = usize::try_from(len).ok().filter(|&l| l > 0);
-        let Some(size) = size else {
+        if len == 0 {
             return Err(MemoryError::BadRange { addr: 0, len });
-        };
-        let mut buffer = self.inner.devices[0]
-            .alloc(size, Access::ALL)
-            .map_err(|error| MemoryError::Alloc {
-                len,
-                reason: error.to_string(),
-            })?;
+        }
+        let mut memory = self.inner.rails.allocate(len)?;
         let node = numa.or_else(|| self.inner.rail_numa.first().copied());
         let mut bound = None;
         if let (Some(node), Some(topology)) = (node, self.inner.topology.as_ref()) {
-            // SAFETY: the buffer is fresh; nothing transfers into it yet.
-            let area = unsafe { buffer.as_slice() };
+            // SAFETY: the memory is fresh; nothing transfers into it yet.
+            let area = unsafe { memory.as_slice() };
             match topology.bind_memory(area, node) {
                 Ok(()) => bound = Some(node),
                 Err(error) if numa.is_some() => {
@@ -548,26 +540,18 @@ impl Engine {
                 Err(_) => {}
             }
         }
-        buffer.prefault();
-        let mut registrations = vec![buffer.region()];
-        registrations.extend(
-            self.register_on_rails(1, buffer.region().addr, len, |device| {
-                // SAFETY:
-                // - The entry keeps the buffer until these registrations are withdrawn
-                //   (`deregister_everywhere` runs before the buffer drops).
-                unsafe { device.register_buffer(&buffer, Access::ALL) }
-            })?,
-        );
+        memory.prefault();
+        let registrations = self.inner.rails.register_memory(&memory, len)?;
         let region = Region {
             id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
-            addr: buffer.region().addr,
+            addr: memory.addr(),
             len,
-            backing: Some(buffer.backing()),
+            backing: Some(memory.backing()),
             numa: bound,
         };
         self.insert(RegionEntry {
             region,
-            buffer: Some(buffer),
+            memory: Some(memory),
             registrations,
         });
         Ok(region)
@@ -591,10 +575,8 @@ impl Engine {
                 len: len as u64,
             });
         }
-        let registrations = self.register_on_rails(0, addr, len as u64, |device| {
-            // SAFETY: the caller's contract is exactly the device's.
-            unsafe { device.register(addr as *mut u8, len, Access::ALL) }
-        })?;
+        // SAFETY: the caller's contract is the rails'.
+        let registrations = unsafe { self.inner.rails.register_user(addr, len as u64) }?;
         let region = Region {
             id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
             addr,
@@ -604,64 +586,10 @@ impl Engine {
         };
         self.insert(RegionEntry {
             region,
-            buffer: None,
+            memory: None,
             registrations,
         });
         Ok(region)
-    }
-
-    /// Registers one range on every rail from `first` on, the rails in parallel; in rail
-    /// order. On any failure the registrations made are withdrawn and the first error (by
-    /// rail) is returned.
-    fn register_on_rails(
-        &self,
-        first: usize,
-        addr: u64,
-        len: u64,
-        register: impl Fn(
-            &SoftDevice,
-        ) -> Result<MemoryRegion, railyard_dataplane::fabric::soft::SoftError>
-        + Sync,
-    ) -> Result<Vec<MemoryRegion>, MemoryError> {
-        let rails = &self.inner.devices[first.min(self.inner.devices.len())..];
-        let results: Vec<_> = std::thread::scope(|scope| {
-            let register = &register;
-            let running: Vec<_> = rails
-                .iter()
-                .map(|device| scope.spawn(move || register(device)))
-                .collect();
-            running
-                .into_iter()
-                .map(|thread| {
-                    thread
-                        .join()
-                        .map_err(|_| "registration thread panicked".to_string())
-                })
-                .collect()
-        });
-        let mut registrations = Vec::new();
-        let mut failure = None;
-        for (offset, result) in results.into_iter().enumerate() {
-            let result = result.and_then(|registered| registered.map_err(|e| e.to_string()));
-            match result {
-                Ok(registration) => registrations.push((offset, registration)),
-                Err(reason) => {
-                    failure.get_or_insert(MemoryError::Register {
-                        rail: first + offset,
-                        addr,
-                        len,
-                        reason,
-                    });
-                }
-            }
-        }
-        if let Some(error) = failure {
-            for (offset, registration) in &registrations {
-                let _ = rails[*offset].deregister(registration);
-            }
-            return Err(error);
-        }
-        Ok(registrations.into_iter().map(|(_, r)| r).collect())
     }
 
     fn insert(&self, entry: RegionEntry) {
@@ -705,7 +633,9 @@ impl Engine {
             .position(|entry| entry.region.id == region.id)
             .ok_or(MemoryError::UnknownRegion { id: region.id })?;
         let entry = regions.remove(index);
-        deregister_everywhere(&self.inner.devices, &entry);
+        self.inner
+            .rails
+            .deregister(&entry.registrations, entry.registers_itself());
         self.publish(&regions);
         drop(regions);
         drop(entry);
@@ -807,7 +737,7 @@ impl Engine {
                 .iter()
                 .enumerate()
                 .map(|(rail, poller)| RailStats {
-                    name: format!("soft{rail}"),
+                    name: self.inner.rails.name(rail),
                     poller: poller.counters(),
                 })
                 .collect(),

@@ -15,8 +15,8 @@
 //!   [`status`] (verbs statuses onto the model), [`gid`], [`signal`].
 //!
 //! The data path has not run on hardware in this repository's CI (no device);
-//! `make test-rdma` runs it on a machine with a NIC or SoftRoCE. The Engine does not use
-//! this fabric yet: `--fabric verbs` reports why.
+//! `make test-rdma` runs it on a machine with a NIC or SoftRoCE. The Engine uses it when the
+//! topology plan has RDMA rails (`--fabric auto` or `verbs`).
 
 pub mod attrs;
 pub mod device;

@@ -1,0 +1,421 @@
+//! The engine's rails, whichever fabric runs them: starting them (devices, pollers pinned as
+//! planned, the control plane), and registering memory on all of them in parallel.
+
+use std::sync::Arc;
+
+use railyard_control::{ControlConfig, ControlPlane, ControlRail, ControlShared, RailFabric};
+use railyard_dataplane::fabric::soft::{SoftBuffer, SoftConfig, SoftDevice};
+use railyard_dataplane::fabric::verbs::{RailConfig, VerbsFabric, VerbsRail};
+use railyard_dataplane::fabric::{Access, Fabric, MemoryRegion};
+use railyard_dataplane::{IdleStrategy, PollerConfig, PollerHandle, SpawnError};
+
+use super::memory::HostMemory;
+use super::{BuildError, MemoryError};
+
+/// A rail before it starts: an RDMA device (verbs) or a software rail, and where its
+/// poller runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PlannedRail {
+    /// The RDMA device (verbs rails only).
+    pub(crate) device: Option<String>,
+    /// The device port, when the plan names one.
+    pub(crate) port: Option<u8>,
+    /// The PU its poller is pinned to.
+    pub(crate) pu: Option<usize>,
+    /// Its NUMA node.
+    pub(crate) numa: u32,
+}
+
+/// The rails of one engine: all of one fabric.
+pub(crate) enum Rails {
+    Soft(Vec<SoftDevice>),
+    Verbs(Vec<Arc<VerbsRail>>),
+}
+
+/// Memory the engine allocated.
+pub(crate) enum Memory {
+    /// A soft buffer (registered on rail 0 by allocation; peers can map it).
+    Soft(SoftBuffer),
+    /// An anonymous mapping (registered on every rail by the engine).
+    Host(HostMemory),
+}
+
+/// What starting the rails gives the engine.
+pub(crate) struct Started {
+    pub(crate) rails: Rails,
+    pub(crate) pollers: Vec<Arc<PollerHandle>>,
+    pub(crate) control: ControlPlane,
+}
+
+/// Spawns a rail's poller, pinned as planned, unpinned (with a warning) if the OS refuses.
+fn spawn_poller<F: Fabric + 'static>(
+    rail: usize,
+    planned: &PlannedRail,
+    idle: IdleStrategy,
+    shared: &Arc<ControlShared>,
+    fabric: impl Fn() -> F,
+    warnings: &mut Vec<String>,
+) -> Result<Arc<PollerHandle>, BuildError> {
+    let config = PollerConfig {
+        pin_pu: planned.pu,
+        idle,
+        ..PollerConfig::new(format!("railyard-rail{rail}"))
+    };
+    let spawn = |config: PollerConfig| {
+        PollerHandle::spawn(config, fabric(), shared.reprepare_hook(rail as u16))
+    };
+    let failed = |error: SpawnError| BuildError::Poller {
+        rail,
+        reason: error.to_string(),
+    };
+    let poller = match spawn(config.clone()) {
+        Ok(poller) => poller,
+        // A plan's core may not be ours to pin (containers, taskset): run unpinned.
+        Err(SpawnError::Pin { pu, .. }) => {
+            warnings.push(format!(
+                "rail {rail}: cannot pin its poller to PU {pu}; unpinned"
+            ));
+            spawn(PollerConfig {
+                pin_pu: None,
+                ..config
+            })
+            .map_err(failed)?
+        }
+        Err(error) => return Err(failed(error)),
+    };
+    Ok(Arc::new(poller))
+}
+
+/// Rails of one fabric, their pollers and the control plane over them.
+type StartedRails<R> = (Vec<R>, Vec<Arc<PollerHandle>>, ControlPlane);
+
+/// Starts one rail per plan entry on fabric `F`, then the control plane over them.
+fn start_all<R: RailFabric + Clone, F: Fabric + 'static>(
+    planned: &[PlannedRail],
+    idle: IdleStrategy,
+    control: ControlConfig,
+    shared: &Arc<ControlShared>,
+    open: impl Fn(usize, &PlannedRail) -> Result<R, String>,
+    fabric: impl Fn(&R) -> F,
+    warnings: &mut Vec<String>,
+) -> Result<StartedRails<R>, BuildError> {
+    let mut rails = Vec::new();
+    let mut pollers = Vec::new();
+    let mut control_rails = Vec::new();
+    for (index, plan) in planned.iter().enumerate() {
+        let rail = open(index, plan).map_err(|reason| BuildError::Rail {
+            rail: index,
+            reason,
+        })?;
+        let poller = spawn_poller(index, plan, idle, shared, || fabric(&rail), warnings)?;
+        control_rails.push(ControlRail {
+            fabric: rail.clone(),
+            poller: poller.clone(),
+        });
+        rails.push(rail);
+        pollers.push(poller);
+    }
+    let control = ControlPlane::start(control, control_rails, shared.clone())?;
+    Ok((rails, pollers, control))
+}
+
+impl Rails {
+    /// Starts the planned rails on the soft fabric.
+    pub(crate) fn start_soft(
+        name: &str,
+        planned: &[PlannedRail],
+        idle: IdleStrategy,
+        control: ControlConfig,
+        shared: &Arc<ControlShared>,
+        warnings: &mut Vec<String>,
+    ) -> Result<Started, BuildError> {
+        let (rails, pollers, control) = start_all(
+            planned,
+            idle,
+            control,
+            shared,
+            |index, _| {
+                SoftDevice::open(format!("{name}-soft{index}"), SoftConfig::default())
+                    .map_err(|e| e.to_string())
+            },
+            SoftDevice::fabric,
+            warnings,
+        )?;
+        Ok(Started {
+            rails: Self::Soft(rails),
+            pollers,
+            control,
+        })
+    }
+
+    /// Starts the planned RDMA rails on the verbs fabric.
+    pub(crate) fn start_verbs(
+        planned: &[PlannedRail],
+        idle: IdleStrategy,
+        control: ControlConfig,
+        shared: &Arc<ControlShared>,
+        warnings: &mut Vec<String>,
+    ) -> Result<Started, BuildError> {
+        let (rails, pollers, control) = start_all(
+            planned,
+            idle,
+            control,
+            shared,
+            |index, plan| {
+                let device = plan
+                    .device
+                    .as_deref()
+                    .ok_or_else(|| format!("rail {index} has no RDMA device"))?;
+                let config = RailConfig {
+                    port: plan.port,
+                    ..RailConfig::default()
+                };
+                VerbsRail::open(device, config).map_err(|e| e.to_string())
+            },
+            |rail: &Arc<VerbsRail>| VerbsFabric::new(rail.clone()),
+            warnings,
+        )?;
+        Ok(Started {
+            rails: Self::Verbs(rails),
+            pollers,
+            control,
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::Soft(rails) => rails.len(),
+            Self::Verbs(rails) => rails.len(),
+        }
+    }
+
+    /// The fabric's name.
+    pub(crate) fn fabric(&self) -> &'static str {
+        match self {
+            Self::Soft(_) => "soft",
+            Self::Verbs(_) => "verbs",
+        }
+    }
+
+    /// Rail `index`'s name.
+    pub(crate) fn name(&self, index: usize) -> String {
+        match self {
+            Self::Soft(rails) => rails
+                .get(index)
+                .map_or(String::new(), |r| r.name().to_string()),
+            Self::Verbs(rails) => rails
+                .get(index)
+                .map_or(String::new(), |r| r.name().to_string()),
+        }
+    }
+
+    /// Allocates `len` bytes of the kind this fabric registers best.
+    pub(crate) fn allocate(&self, len: u64) -> Result<Memory, MemoryError> {
+        let failed = |reason: String| MemoryError::Alloc { len, reason };
+        let size = usize::try_from(len).map_err(|_| failed("too large for this host".into()))?;
+        match self {
+            Self::Soft(rails) => rails[0]
+                .alloc(size, Access::ALL)
+                .map(Memory::Soft)
+                .map_err(|e| failed(e.to_string())),
+            Self::Verbs(_) => HostMemory::new(size)
+                .map(Memory::Host)
+                .map_err(|e| failed(e.to_string())),
+        }
+    }
+
+    /// Registers allocated memory on every rail (in parallel).
+    pub(crate) fn register_memory(
+        &self,
+        memory: &Memory,
+        len: u64,
+    ) -> Result<Vec<MemoryRegion>, MemoryError> {
+        match (self, memory) {
+            (Self::Soft(rails), Memory::Soft(buffer)) => {
+                let mut registrations = vec![buffer.region()];
+                registrations.extend(register_all(
+                    &rails[1..],
+                    1,
+                    buffer.region().addr,
+                    len,
+                    |rail| {
+                        // SAFETY: the engine keeps the buffer until these registrations are
+                        // withdrawn (`deregister` runs before the memory drops).
+                        unsafe { rail.register_buffer(buffer, Access::ALL) }
+                            .map_err(|e| e.to_string())
+                    },
+                    |rail, region| {
+                        let _ = rail.deregister(region);
+                    },
+                )?);
+                Ok(registrations)
+            }
+            (Self::Verbs(_), Memory::Host(host)) => {
+                // SAFETY: the engine keeps the mapping until these registrations go.
+                unsafe { self.register_user(host.addr(), len) }
+            }
+            _ => Err(MemoryError::Alloc {
+                len,
+                reason: "memory of another fabric".into(),
+            }),
+        }
+    }
+
+    /// Registers `len` bytes at `addr` on every rail (in parallel).
+    ///
+    /// # Safety
+    /// The memory stays mapped until [`Self::deregister`] has withdrawn the registrations.
+    pub(crate) unsafe fn register_user(
+        &self,
+        addr: u64,
+        len: u64,
+    ) -> Result<Vec<MemoryRegion>, MemoryError> {
+        let size = len as usize;
+        match self {
+            Self::Soft(rails) => register_all(
+                rails,
+                0,
+                addr,
+                len,
+                |rail| {
+                    // SAFETY: forwarded from the caller.
+                    unsafe { rail.register(addr as *const u8, size, Access::ALL) }
+                        .map_err(|e| e.to_string())
+                },
+                |rail, region| {
+                    let _ = rail.deregister(region);
+                },
+            ),
+            Self::Verbs(rails) => register_all(
+                rails,
+                0,
+                addr,
+                len,
+                |rail| {
+                    // SAFETY: forwarded from the caller.
+                    let (lkey, rkey) = unsafe { rail.register(addr as *mut u8, size) }
+                        .map_err(|e| e.to_string())?;
+                    Ok(MemoryRegion {
+                        addr,
+                        len,
+                        lkey,
+                        rkey,
+                        access: Access::ALL,
+                    })
+                },
+                |rail, region| {
+                    rail.deregister(region.rkey);
+                },
+            ),
+        }
+    }
+
+    /// Withdraws registrations made by [`Self::register_memory`] or
+    /// [`Self::register_user`]; `skip_first` for a soft buffer's own (its drop withdraws it).
+    pub(crate) fn deregister(&self, registrations: &[MemoryRegion], skip_first: bool) {
+        let skip = usize::from(skip_first);
+        match self {
+            Self::Soft(rails) => {
+                for (rail, region) in rails.iter().zip(registrations).skip(skip) {
+                    let _ = rail.deregister(region);
+                }
+            }
+            Self::Verbs(rails) => {
+                for (rail, region) in rails.iter().zip(registrations).skip(skip) {
+                    rail.deregister(region.rkey);
+                }
+            }
+        }
+    }
+}
+
+impl Memory {
+    pub(crate) fn addr(&self) -> u64 {
+        match self {
+            Self::Soft(buffer) => buffer.region().addr,
+            Self::Host(host) => host.addr(),
+        }
+    }
+
+    pub(crate) fn backing(&self) -> railyard_dataplane::fabric::soft::Backing {
+        match self {
+            Self::Soft(buffer) => buffer.backing(),
+            Self::Host(host) => host.backing(),
+        }
+    }
+
+    /// The bytes, for NUMA binding before anything touches them.
+    ///
+    /// # Safety
+    /// Nothing may write the memory while the slice lives.
+    pub(crate) unsafe fn as_slice(&self) -> &[u8] {
+        match self {
+            // SAFETY: forwarded from the caller.
+            Self::Soft(buffer) => unsafe { buffer.as_slice() },
+            // SAFETY: forwarded from the caller.
+            Self::Host(host) => unsafe { host.as_slice() },
+        }
+    }
+
+    pub(crate) fn prefault(&mut self) {
+        match self {
+            Self::Soft(buffer) => buffer.prefault(),
+            Self::Host(host) => host.prefault(),
+        }
+    }
+
+    /// Whether its first registration is its own (a soft buffer's).
+    pub(crate) fn registers_itself(&self) -> bool {
+        matches!(self, Self::Soft(_))
+    }
+}
+
+/// Registers one range on each of `rails` in parallel, in rail order; `first` is the index
+/// of `rails[0]` (for errors). On any failure the registrations made are withdrawn and the
+/// first error (by rail) is returned.
+fn register_all<R: Sync>(
+    rails: &[R],
+    first: usize,
+    addr: u64,
+    len: u64,
+    register: impl Fn(&R) -> Result<MemoryRegion, String> + Sync,
+    deregister: impl Fn(&R, &MemoryRegion),
+) -> Result<Vec<MemoryRegion>, MemoryError> {
+    let results: Vec<Result<MemoryRegion, String>> = std::thread::scope(|scope| {
+        let register = &register;
+        let running: Vec<_> = rails
+            .iter()
+            .map(|rail| scope.spawn(move || register(rail)))
+            .collect();
+        running
+            .into_iter()
+            .map(|thread| {
+                thread
+                    .join()
+                    .unwrap_or_else(|_| Err("the registration thread panicked".to_string()))
+            })
+            .collect()
+    });
+    let mut done = Vec::new();
+    let mut failure = None;
+    for (offset, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(region) => done.push((offset, region)),
+            Err(reason) => {
+                failure.get_or_insert(MemoryError::Register {
+                    rail: first + offset,
+                    addr,
+                    len,
+                    reason,
+                });
+            }
+        }
+    }
+    if let Some(error) = failure {
+        for (offset, region) in &done {
+            deregister(&rails[*offset], region);
+        }
+        return Err(error);
+    }
+    Ok(done.into_iter().map(|(_, region)| region).collect())
+}
