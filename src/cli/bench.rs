@@ -67,6 +67,8 @@ pub(crate) struct BenchArgs {
     /// Print the results as one JSON object.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    verbs: super::VerbsArgs,
 }
 
 /// Largest block accepted.
@@ -139,6 +141,12 @@ fn start_target(args: &BenchArgs) -> anyhow::Result<(TargetChild, SocketAddr)> {
         .stderr(Stdio::piped());
     if let Some(rails) = args.rails {
         command.args(["--rails", &rails.to_string()]);
+    }
+    if let Some(port) = args.verbs.ib_port {
+        command.args(["--ib-port", &port.to_string()]);
+    }
+    if let Some(index) = args.verbs.gid_index {
+        command.args(["--gid-index", &index.to_string()]);
     }
     let mut child = TargetChild(command.spawn().context("starting the target process")?);
     let stdout = child.0.stdout.take().context("the target's stdout")?;
@@ -448,6 +456,7 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let engine = Engine::builder("railyard-bench")
         .fabric(args.fabric)
         .rails(rails)
+        .verbs(args.verbs.config())
         .build()
         .context("starting the engine")?;
     let (_child, target) = match &args.target {

@@ -57,3 +57,24 @@ fn parse_fabric(text: &str) -> Result<railyard::engine::FabricChoice, String> {
         other => Err(format!("{other:?} is not a fabric (auto, soft, verbs)")),
     }
 }
+
+/// Verbs rail settings shared by `serve` and `bench` (ignored on the soft fabric).
+#[derive(Debug, clap::Args)]
+pub(crate) struct VerbsArgs {
+    /// RDMA port of every rail (default: the first ACTIVE one).
+    #[arg(long, value_name = "N")]
+    pub(crate) ib_port: Option<u8>,
+    /// GID index of every rail (default: RoCE v2 IPv4-mapped GID on Ethernet, none on IB).
+    #[arg(long, value_name = "N")]
+    pub(crate) gid_index: Option<u8>,
+}
+
+impl VerbsArgs {
+    pub(crate) fn config(&self) -> railyard::engine::RailConfig {
+        railyard::engine::RailConfig {
+            port: self.ib_port,
+            gid_index: self.gid_index,
+            ..railyard::engine::RailConfig::default()
+        }
+    }
+}

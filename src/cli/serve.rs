@@ -31,6 +31,8 @@ pub(crate) struct ServeArgs {
     /// Exit when standard input closes (how `railyard bench` stops the target it starts).
     #[arg(long)]
     until_stdin_closes: bool,
+    #[command(flatten)]
+    verbs: super::VerbsArgs,
 }
 
 pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
@@ -42,6 +44,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         .listen(args.listen)
         .fabric(args.fabric)
         .rails(rails)
+        .verbs(args.verbs.config())
         .idle(railyard::dataplane::IdleStrategy::gentle())
         .build()
         .context("starting the engine")?;

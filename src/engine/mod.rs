@@ -51,6 +51,7 @@ use railyard_control::{
 };
 use railyard_dataplane::fabric::MemoryRegion;
 use railyard_dataplane::fabric::soft::Backing;
+pub use railyard_dataplane::fabric::verbs::RailConfig;
 use railyard_dataplane::{Batch, CounterSnapshot, DEFAULT_DEADLINE, IdleStrategy, PollerHandle};
 use railyard_topology::{HostTopology, PlanOptions, RailKind};
 
@@ -90,6 +91,7 @@ pub struct EngineBuilder {
     slice_size: usize,
     deadline: Duration,
     policy: Policy,
+    verbs: RailConfig,
 }
 
 /// Default largest slice: big enough that per-slice work is small beside the copy.
@@ -142,6 +144,16 @@ impl EngineBuilder {
     #[must_use]
     pub fn policy(mut self, policy: Policy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// How verbs rails are set up: port and GID index (`None`: chosen per rail — first
+    /// ACTIVE port, RoCE v2 IPv4-mapped GID), queue-pair capacities, timeout, retry and RNR
+    /// retry counts, signaling interval. Defaults: [`RailConfig::default`]. A port set here
+    /// wins over the plan's.
+    #[must_use]
+    pub fn verbs(mut self, config: RailConfig) -> Self {
+        self.verbs = config;
         self
     }
 
@@ -269,7 +281,14 @@ impl EngineBuilder {
             ..ControlConfig::new(self.name.clone())
         };
         let started = if use_verbs {
-            Rails::start_verbs(&planned, self.idle, control_config, &shared, &mut warnings)?
+            Rails::start_verbs(
+                &planned,
+                self.verbs,
+                self.idle,
+                control_config,
+                &shared,
+                &mut warnings,
+            )?
         } else {
             Rails::start_soft(
                 &self.name,
@@ -478,6 +497,7 @@ impl Engine {
             slice_size: DEFAULT_SLICE_SIZE,
             deadline: DEFAULT_DEADLINE,
             policy: Policy::default(),
+            verbs: RailConfig::default(),
         }
     }
 

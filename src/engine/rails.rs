@@ -151,6 +151,7 @@ impl Rails {
     /// Starts the planned RDMA rails on the verbs fabric.
     pub(crate) fn start_verbs(
         planned: &[PlannedRail],
+        verbs: RailConfig,
         idle: IdleStrategy,
         control: ControlConfig,
         shared: &Arc<ControlShared>,
@@ -167,8 +168,8 @@ impl Rails {
                     .as_deref()
                     .ok_or_else(|| format!("rail {index} has no RDMA device"))?;
                 let config = RailConfig {
-                    port: plan.port,
-                    ..RailConfig::default()
+                    port: verbs.port.or(plan.port),
+                    ..verbs
                 };
                 VerbsRail::open(device, config).map_err(|e| e.to_string())
             },
