@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use railyard_control::Incarnation;
 use railyard_dataplane::fabric::{MemoryRegion, Opcode};
-use railyard_dataplane::{Batch, SliceSpec, Submitter};
+use railyard_dataplane::{Batch, EndpointId, Epoch, SliceSpec, Submitter};
 
 use super::{Engine, Peer, PeerStats, Region, TransferError};
 
@@ -94,6 +94,11 @@ pub struct EngineSubmitter {
     timing: SubmitTiming,
     /// The last region looked up, to spare the lock for runs of transfers from one region.
     last_region: Option<(Region, Vec<MemoryRegion>)>,
+    /// Scratch: the rails connected to the peer of the submission being prepared (rail,
+    /// endpoint, remote rail, epoch).
+    connected: Vec<(usize, EndpointId, u16, Epoch)>,
+    /// Counters of the peers this submitter has submitted to.
+    counters: HashMap<Incarnation, Arc<PeerCounters>>,
 }
 
 impl std::fmt::Debug for EngineSubmitter {
@@ -119,6 +124,8 @@ impl EngineSubmitter {
             next_rail: 0,
             timing: SubmitTiming::default(),
             last_region: None,
+            connected: Vec::new(),
+            counters: HashMap::new(),
         })
     }
 
@@ -181,10 +188,10 @@ impl EngineSubmitter {
         Ok(batch)
     }
 
-    fn count(&self, peer: &Peer, transfers: &[Transfer]) {
-        let counters = {
-            let mut table = self
-                .engine
+    fn count(&mut self, peer: &Peer, transfers: &[Transfer]) {
+        let engine = &self.engine;
+        let counters = self.counters.entry(peer.incarnation()).or_insert_with(|| {
+            let mut table = engine
                 .inner
                 .peers
                 .lock()
@@ -198,7 +205,7 @@ impl EngineSubmitter {
                     Arc::new(counters)
                 })
                 .clone()
-        };
+        });
         counters
             .requests
             .fetch_add(transfers.len() as u64, Ordering::Relaxed);
@@ -211,57 +218,49 @@ impl EngineSubmitter {
         );
     }
 
-    fn region(
-        &mut self,
-        transfer: usize,
-        id: u64,
-    ) -> Result<(Region, &[MemoryRegion]), TransferError> {
-        let cached = self
-            .last_region
-            .as_ref()
-            .is_some_and(|(region, _)| region.id == id);
-        if !cached {
-            let found = self
-                .engine
-                .registrations(id)
-                .ok_or(TransferError::UnknownRegion {
-                    transfer,
-                    region: id,
-                })?;
-            self.last_region = Some(found);
-        }
-        match &self.last_region {
-            Some((region, registrations)) => Ok((*region, registrations)),
-            None => Err(TransferError::UnknownRegion {
-                transfer,
-                region: id,
-            }),
-        }
-    }
-
-    /// Validates every transfer and fills `specs`.
+    /// Validates every transfer and fills `specs`. Allocates nothing in steady state: the
+    /// rails, the last region's keys and the specs live in the submitter between calls.
     fn prepare(&mut self, peer: &Peer, transfers: &[Transfer]) -> Result<(), TransferError> {
-        self.specs.clear();
-        self.last_region = None;
+        let Self {
+            engine,
+            specs,
+            next_rail,
+            last_region,
+            connected,
+            ..
+        } = self;
+        specs.clear();
+        *last_region = None;
         let descriptor = peer.descriptor();
-        let rails: Vec<_> = peer
-            .views()
-            .iter()
-            .enumerate()
-            .filter_map(|(rail, view)| view.epoch().map(|epoch| (rail, view.clone(), epoch)))
-            .collect();
-        if rails.is_empty() {
+        connected.clear();
+        connected.extend(peer.views().iter().enumerate().filter_map(|(rail, view)| {
+            view.epoch()
+                .map(|epoch| (rail, view.id, view.key.remote_rail, epoch))
+        }));
+        if connected.is_empty() {
             return Err(TransferError::NotConnected {
                 peer: peer.name().to_string(),
             });
         }
-        let slice_size = self.engine.slice_size() as u64;
+        let slice_size = engine.slice_size() as u64;
         for (index, transfer) in transfers.iter().enumerate() {
             if transfer.len == 0 {
                 return Err(TransferError::Empty { transfer: index });
             }
-            let (region, registrations) = self.region(index, transfer.local.id)?;
-            let registrations = registrations.to_vec();
+            if last_region
+                .as_ref()
+                .is_none_or(|(region, _)| region.id != transfer.local.id)
+            {
+                *last_region = Some(engine.registrations(transfer.local.id).ok_or(
+                    TransferError::UnknownRegion {
+                        transfer: index,
+                        region: transfer.local.id,
+                    },
+                )?);
+            }
+            let Some((region, registrations)) = last_region.as_ref() else {
+                continue;
+            };
             if transfer
                 .local_offset
                 .checked_add(transfer.len)
@@ -291,24 +290,24 @@ impl EngineSubmitter {
             let mut offset = 0;
             while offset < transfer.len {
                 let len = slice_size.min(transfer.len - offset);
-                let (rail, view, epoch) = &rails[self.next_rail % rails.len()];
-                self.next_rail = self.next_rail.wrapping_add(1);
+                let (rail, endpoint, remote_rail, epoch) = connected[*next_rail % connected.len()];
+                *next_rail = next_rail.wrapping_add(1);
                 let rkey = *remote
                     .rkeys
-                    .get(usize::from(view.key.remote_rail))
+                    .get(usize::from(remote_rail))
                     .ok_or_else(remote_range)?;
-                self.specs.push(SliceSpec {
-                    rail: *rail,
+                specs.push(SliceSpec {
+                    rail,
                     request: index as u32,
                     opcode,
                     local_addr: region.addr + transfer.local_offset + offset,
-                    lkey: registrations[*rail].lkey,
+                    lkey: registrations[rail].lkey,
                     remote_addr: transfer.remote_addr + offset,
                     rkey,
                     len: len as u32,
                     imm: 0,
-                    endpoint: view.id,
-                    epoch: *epoch,
+                    endpoint,
+                    epoch,
                 });
                 offset += len;
             }
