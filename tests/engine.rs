@@ -106,6 +106,18 @@ fn bytes_of(region: Region) -> &'static mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(region.addr as *mut u8, region.len as usize) }
 }
 
+/// The READs that bring `writes`' remote ranges back into `into`, at the same offsets.
+fn read_back(writes: &[Transfer], into: Region) -> Vec<Transfer> {
+    writes
+        .iter()
+        .map(|w| Transfer {
+            op: Op::Read,
+            local: into,
+            ..*w
+        })
+        .collect()
+}
+
 fn done(batch: &railyard::dataplane::Batch) -> bool {
     batch.wait(Instant::now() + BOUND);
     batch
@@ -151,14 +163,7 @@ fn two_processes_write_read_and_notify_with_every_byte_checked() {
     let line = serve.expect_line("notification from prefill-test");
     assert!(line.ends_with("8 bytes 6b76207265616479"), "{line}");
 
-    let reads: Vec<Transfer> = writes
-        .iter()
-        .map(|w| Transfer {
-            op: Op::Read,
-            local: back,
-            ..*w
-        })
-        .collect();
+    let reads = read_back(&writes, back);
     let batch = submitter.submit(&peer, &reads).unwrap();
     assert!(done(&batch));
     assert_eq!(&bytes_of(back)[..4 << 20], &bytes_of(source)[..4 << 20]);
@@ -385,14 +390,7 @@ fn two_processes_over_the_verbs_fabric() {
         })
         .collect();
     assert!(done(&submitter.submit(&peer, &writes).expect("valid")));
-    let reads: Vec<Transfer> = writes
-        .iter()
-        .map(|w| Transfer {
-            op: Op::Read,
-            local: back,
-            ..*w
-        })
-        .collect();
+    let reads = read_back(&writes, back);
     assert!(done(&submitter.submit(&peer, &reads).expect("valid")));
     assert_eq!(&bytes_of(back)[..8 << 20], &bytes_of(source)[..8 << 20]);
 }
