@@ -1,5 +1,6 @@
 //! The Engine API across two processes: this test's engine and a `railyard serve` child.
-//! Writes, reads, notifications (alone and after a batch), byte-for-byte integrity, every
+//! Writes, reads, notifications (alone, after a batch, as an immediate on the data path),
+//! byte-for-byte integrity, every
 //! documented error, and `railyard bench --json`'s shape.
 
 use std::io::{BufRead, BufReader};
@@ -8,6 +9,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
+use railyard::control::NotificationBody;
 use railyard::dataplane::{IdleStrategy, RequestOutcome};
 use railyard::engine::{
     Engine, MemoryError, Op, PeerError, RailChoice, Region, Transfer, TransferError,
@@ -171,15 +173,110 @@ fn two_processes_write_read_and_notify_with_every_byte_checked() {
     engine.notify(&peer, vec![0xAB; 3]).unwrap();
     assert!(serve.expect_line("3 bytes abab").contains("prefill-test"));
 
+    // The same writes with an immediate riding the data path instead of the control
+    // connection: it reaches the other process's inbox and is printed.
+    let batch = submitter
+        .submit_and_signal(&peer, &writes, 0xC0FF_EE01)
+        .unwrap();
+    assert!(done(&batch));
+    let line = serve.expect_line("immediate from prefill-test");
+    assert!(line.ends_with(": 0xc0ffee01"), "{line}");
+
     let stats = engine.stats();
     assert_eq!(stats.rails.len(), 2);
     assert!(
         stats.rails.iter().all(|r| r.poller.completed > 0),
         "both rails carried slices"
     );
-    assert_eq!(stats.peers[0].requests, 32);
-    assert_eq!(stats.peers[0].bytes, 2 * (4 << 20));
-    assert_eq!(stats.control.notifications_sent, 2);
+    assert_eq!(stats.peers[0].requests, 48);
+    assert_eq!(stats.peers[0].bytes, 3 * (4 << 20));
+    let end = Instant::now() + BOUND;
+    while engine.stats().control.notifications_sent < 3 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(engine.stats().control.notifications_sent, 3);
+}
+
+/// Waits (bounded) for the next immediate `engine` receives.
+fn next_immediate(engine: &Engine) -> Option<(String, u32)> {
+    let end = Instant::now() + BOUND;
+    while Instant::now() < end {
+        for notification in engine.drain_notifications() {
+            if let NotificationBody::Immediate(value) = notification.body {
+                return Some((notification.from, value));
+            }
+        }
+        std::thread::yield_now();
+    }
+    None
+}
+
+#[test]
+fn an_immediate_arrives_after_its_batch_data_on_every_rail_and_never_for_a_failed_batch() {
+    let target = Engine::builder("decode-imm")
+        .rails(RailChoice::Count(NonZeroUsize::new(2).expect("two")))
+        .idle(IdleStrategy::gentle())
+        .build()
+        .unwrap();
+    let pool = target.alloc(32 << 20, None).unwrap();
+    let engine = engine();
+    let peer = engine.open(&target.addr().to_string()).unwrap();
+    let source = engine.alloc(32 << 20, None).unwrap();
+    let mut submitter = engine.submitter().unwrap();
+    // 16 transfers of 2 MiB, 32 slices each over 2 rails; the target checks the whole pool
+    // the moment it sees the round's immediate.
+    let writes: Vec<Transfer> = (0..16)
+        .map(|i| Transfer {
+            op: Op::Write,
+            local: source,
+            local_offset: i * (2 << 20),
+            remote_addr: pool.addr + (i * 5 % 16) * (2 << 20),
+            len: 2 << 20,
+        })
+        .collect();
+    for round in 1..=8u32 {
+        bytes_of(source).fill(round as u8);
+        let batch = submitter.submit_and_signal(&peer, &writes, round).unwrap();
+        assert_eq!(
+            next_immediate(&target),
+            Some(("prefill-test".to_string(), round))
+        );
+        // The last byte of each slice first (fast, while a premature immediate would still
+        // race the data), then every byte.
+        let pool_bytes = bytes_of(pool);
+        assert!(
+            pool_bytes
+                .iter()
+                .skip(64 * 1024 - 1)
+                .step_by(64 * 1024)
+                .all(|&b| b == round as u8),
+            "round {round}: the immediate came before all of its batch's data"
+        );
+        assert!(pool_bytes.iter().all(|&b| b == round as u8));
+        assert!(done(&batch));
+    }
+    assert_eq!(target.stats().control.notifications_received, 8);
+
+    // A batch that fails (the target no longer registers the range) sends no immediate.
+    target.deregister(pool).unwrap();
+    let dropped_before = engine.stats().control.notifications_dropped;
+    let batch = submitter.submit_and_signal(&peer, &writes, 99).unwrap();
+    assert!(!done(&batch));
+    let end = Instant::now() + BOUND;
+    while engine.stats().control.notifications_dropped == dropped_before && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        engine.stats().control.notifications_dropped,
+        dropped_before + 1
+    );
+    assert!(
+        target
+            .drain_notifications()
+            .iter()
+            .all(|n| !matches!(n.body, NotificationBody::Immediate(_))),
+        "no immediate for a failed batch"
+    );
 }
 
 #[test]
@@ -389,7 +486,12 @@ fn two_processes_over_the_verbs_fabric() {
             len: 256 << 10,
         })
         .collect();
-    assert!(done(&submitter.submit(&peer, &writes).expect("valid")));
+    let batch = submitter
+        .submit_and_signal(&peer, &writes, 0x5EED_0001)
+        .expect("valid");
+    assert!(done(&batch));
+    let line = serve.expect_line("immediate from");
+    assert!(line.ends_with(": 0x5eed0001"), "{line}");
     let reads = read_back(&writes, back);
     assert!(done(&submitter.submit(&peer, &reads).expect("valid")));
     assert_eq!(&bytes_of(back)[..8 << 20], &bytes_of(source)[..8 << 20]);

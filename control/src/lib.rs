@@ -28,7 +28,7 @@ pub use directory::{Directory, P2pDirectory};
 pub use endpoint::{Endpoint, EndpointKey, EndpointStats, Incarnation, Input, Output, Phase};
 pub use plane::{
     ControlConfig, ControlError, ControlPlane, ControlRail, ControlShared, ControlStats,
-    EndpointView, Notification,
+    EndpointView, Notification, NotificationBody,
 };
 pub use policy::Policy;
 pub use rail::RailFabric;

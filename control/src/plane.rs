@@ -21,6 +21,13 @@
 //! answered with that queue pair's side and changes nothing. A Hello with a new
 //! incarnation for a known name retires everything of the old incarnation
 //! (`PeerRestarted`).
+//!
+//! # Notifications
+//! Bytes go over the control connection ([`ControlPlane::notify`]). A 32-bit value can
+//! instead ride the data path ([`ControlPlane::signal`]): once its batch has completed, the
+//! control thread posts a zero-length WRITE_WITH_IMM through its own rings to the pollers,
+//! and the target's control thread takes the immediate from the passive queue pair it owns
+//! (verbs: that queue pair's receive completion queue; soft: its inbox).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
@@ -33,11 +40,12 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use railyard_dataplane::fabric::Opcode;
 use railyard_dataplane::ring::Consumer;
 use railyard_dataplane::rng::SplitMix64;
 use railyard_dataplane::{
     Batch, Command, EndpointId, Epoch, Event, FailReason, PollerHandle, RepairCause, Reprepare,
-    Slice,
+    Slice, SliceSpec, Submitter,
 };
 
 use crate::descriptor::{RegionDescriptor, SegmentDescriptor};
@@ -286,8 +294,9 @@ impl ControlShared {
     }
 
     /// The re-prepare hook for rail `rail`'s poller: rewrites a stale slice's rkey from the
-    /// peer's newest descriptor and stamps the current epoch; refuses slices meant for a
-    /// previous occupant of the endpoint id, or whose range the peer no longer registers.
+    /// peer's newest descriptor (unless it is zero-length) and stamps the current epoch;
+    /// refuses slices meant for a previous occupant of the endpoint id, or whose range the
+    /// peer no longer registers.
     pub fn reprepare_hook(self: &Arc<Self>, rail: u16) -> impl Reprepare + 'static {
         let shared = self.clone();
         move |slice: &mut Slice, current: Epoch, _cause: RepairCause| {
@@ -296,6 +305,11 @@ impl ControlShared {
                 .ok_or(FailReason::EndpointRetired)?;
             if slice.epoch.is_older_than(view.first_epoch) {
                 return Err(FailReason::EndpointRetired);
+            }
+            if slice.len == 0 {
+                // Names no memory (a bare immediate): only the epoch changes.
+                slice.epoch = current;
+                return Ok(());
             }
             let descriptor = view.descriptor().ok_or(FailReason::RemoteAccess)?;
             let rkey = descriptor
@@ -387,6 +401,11 @@ enum Request {
         bytes: Vec<u8>,
         after: Option<Batch>,
     },
+    Signal {
+        views: Vec<Arc<EndpointView>>,
+        imm: u32,
+        after: Batch,
+    },
     Shutdown,
 }
 
@@ -398,8 +417,21 @@ pub struct Notification {
     /// The sender's incarnation.
     pub incarnation: Incarnation,
     /// What it said.
-    pub bytes: Vec<u8>,
+    pub body: NotificationBody,
 }
+
+/// What a notification carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NotificationBody {
+    /// Bytes sent on the control connection ([`ControlPlane::notify`]).
+    Bytes(Vec<u8>),
+    /// A 32-bit value that arrived as a WRITE_WITH_IMM's immediate on a rail
+    /// ([`ControlPlane::signal`]).
+    Immediate(u32),
+}
+
+/// Slots of the control thread's ring to each poller (for immediates).
+const SIGNAL_RING_CAPACITY: usize = 256;
 
 /// Notifications kept for the application before the oldest are dropped.
 const NOTIFICATION_QUEUE: usize = 64 * 1024;
@@ -450,6 +482,12 @@ impl ControlPlane {
         wake_rx
             .set_nonblocking(true)
             .map_err(ControlError::Thread)?;
+        let pollers: Vec<&PollerHandle> = rails.iter().map(|rail| &*rail.poller).collect();
+        let signals = Submitter::new(&pollers, SIGNAL_RING_CAPACITY).map_err(|error| {
+            ControlError::Thread(io::Error::other(format!(
+                "cannot open rings to the pollers: {error}"
+            )))
+        })?;
         let events = rails
             .iter()
             .map(|rail| rail.poller.take_events())
@@ -482,6 +520,10 @@ impl ControlPlane {
             directory: P2pDirectory::new(),
             waiting: Vec::new(),
             pending_notifications: Vec::new(),
+            pending_signals: Vec::new(),
+            signals_in_flight: Vec::new(),
+            signals,
+            immediates: Vec::new(),
         };
         let thread = std::thread::Builder::new()
             .name("railyard-control".into())
@@ -573,6 +615,22 @@ impl ControlPlane {
         self.request(Request::Notify { addr, bytes, after })
     }
 
+    /// Sends `imm` to the peer of `views` (one endpoint per local rail, as connected) as the
+    /// immediate of a zero-length WRITE_WITH_IMM on one of its rails, once `after` has
+    /// completed successfully: posted only then, so every rail's data is in place when the
+    /// peer sees it. Dropped (and counted) if the batch fails or no rail is connected.
+    ///
+    /// # Errors
+    /// [`ControlError::Stopped`].
+    pub fn signal(
+        &self,
+        views: Vec<Arc<EndpointView>>,
+        imm: u32,
+        after: Batch,
+    ) -> Result<(), ControlError> {
+        self.request(Request::Signal { views, imm, after })
+    }
+
     /// Stops the control thread (pollers keep running). Idempotent.
     pub fn shutdown(&self) {
         let _ = self.request(Request::Shutdown);
@@ -649,8 +707,8 @@ struct Active<Q> {
 }
 
 struct Passive<Q> {
-    /// Kept alive: the peer's queue pair is connected to it.
-    _qp: Q,
+    /// The peer's queue pair is connected to it; immediates arrive on it.
+    qp: Q,
     remote_qp_num: u32,
     local: QpSide,
 }
@@ -680,6 +738,14 @@ struct Plane<F: RailFabric> {
     waiting: Vec<Waiting>,
     /// Notifications waiting for their batch.
     pending_notifications: Vec<(SocketAddr, Vec<u8>, Batch)>,
+    /// Immediates waiting for their batch.
+    pending_signals: Vec<(Vec<Arc<EndpointView>>, u32, Batch)>,
+    /// Immediates posted, waiting for their own completion (to count them).
+    signals_in_flight: Vec<Batch>,
+    /// This thread's rings to the pollers, for immediates.
+    signals: Submitter,
+    /// Scratch for immediates taken from passive queue pairs.
+    immediates: Vec<u32>,
     warnings: RateLimiter,
     rng: SplitMix64,
 }
@@ -701,6 +767,8 @@ impl<F: RailFabric> Plane<F> {
             self.run_timers(now);
             self.expire_waiting(now);
             self.release_notifications(now);
+            self.release_signals();
+            self.take_immediates();
             self.flush_connections();
             self.sleep();
         }
@@ -736,6 +804,9 @@ impl<F: RailFabric> Plane<F> {
                     Some(batch) => self.pending_notifications.push((addr, bytes, batch)),
                     None => self.send_notification(addr, bytes, now),
                 },
+                Request::Signal { views, imm, after } => {
+                    self.pending_signals.push((views, imm, after));
+                }
                 Request::Connect {
                     addr,
                     local_rail,
@@ -801,6 +872,109 @@ impl<F: RailFabric> Plane<F> {
             } else {
                 bump(&self.shared.counters.notifications_dropped);
             }
+        }
+    }
+
+    /// Posts the immediates whose batch has completed successfully (drops those whose batch
+    /// failed) and counts the ones whose own write has completed.
+    fn release_signals(&mut self) {
+        let counters = &self.shared.counters;
+        self.signals_in_flight.retain(|batch| {
+            let progress = batch.poll();
+            if !progress.is_complete() {
+                return true;
+            }
+            bump(if progress.failed == 0 {
+                &counters.notifications_sent
+            } else {
+                &counters.notifications_dropped
+            });
+            false
+        });
+        let (complete, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending_signals)
+            .into_iter()
+            .partition(|(_, _, batch)| batch.poll().is_complete());
+        self.pending_signals = waiting;
+        for (views, imm, batch) in complete {
+            let connected = views
+                .iter()
+                .enumerate()
+                .find_map(|(rail, view)| view.epoch().map(|epoch| (rail, view, epoch)));
+            let (true, Some((rail, view, epoch))) = (batch.poll().failed == 0, connected) else {
+                bump(&counters.notifications_dropped);
+                continue;
+            };
+            let spec = SliceSpec {
+                rail,
+                request: 0,
+                opcode: Opcode::WriteWithImm,
+                local_addr: 0,
+                lkey: 0,
+                remote_addr: 0,
+                rkey: 0,
+                len: 0,
+                imm,
+                endpoint: view.id,
+                epoch,
+            };
+            match self.signals.submit_now(1, &[spec]) {
+                Ok(sent) => self.signals_in_flight.push(sent),
+                Err(_) => bump(&counters.notifications_dropped),
+            }
+        }
+    }
+
+    /// Turns the immediates that arrived on passive queue pairs into notifications.
+    fn take_immediates(&mut self) {
+        let mut broken = Vec::new();
+        for (key, passive) in &mut self.passive {
+            let Some(rail) = self.rails.get(usize::from(key.target_rail)) else {
+                continue;
+            };
+            self.immediates.clear();
+            if let Err(reason) = rail
+                .fabric
+                .take_immediates(&mut passive.qp, &mut self.immediates)
+            {
+                broken.push((*key, reason));
+            }
+            if self.immediates.is_empty() {
+                continue;
+            }
+            let from = self
+                .peer_names
+                .iter()
+                .find(|(_, incarnation)| **incarnation == key.initiator)
+                .map_or_else(String::new, |(name, _)| name.clone());
+            let counters = &self.shared.counters;
+            let mut queue = self
+                .shared
+                .notifications
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            for &imm in &self.immediates {
+                bump(&counters.notifications_received);
+                if queue.len() >= NOTIFICATION_QUEUE {
+                    queue.pop_front();
+                }
+                queue.push_back(Notification {
+                    from: from.clone(),
+                    incarnation: key.initiator,
+                    body: NotificationBody::Immediate(imm),
+                });
+            }
+        }
+        for (key, reason) in broken {
+            // The initiator sees its queue pair fail and reconnects with a new one.
+            self.passive.remove(&key);
+            bump(&self.shared.counters.teardowns);
+            self.warn(
+                WarningKind::Handshake,
+                format!(
+                    "dropping the queue pair for {} rail {}: {reason}",
+                    key.initiator, key.initiator_rail
+                ),
+            );
         }
     }
 
@@ -1032,7 +1206,7 @@ impl<F: RailFabric> Plane<F> {
                 queue.push_back(Notification {
                     from,
                     incarnation,
-                    bytes,
+                    body: NotificationBody::Bytes(bytes),
                 });
             }
             Message::Bye => self.close(index, "the peer said goodbye", now),
@@ -1288,7 +1462,7 @@ impl<F: RailFabric> Plane<F> {
                 return Ok(existing.local.clone());
             }
         }
-        let (qp, local) = rail.fabric.create_qp()?;
+        let (qp, local) = rail.fabric.create_target_qp()?;
         let qp = match rail.fabric.connect_qp(qp, side) {
             Ok(connected) => connected,
             Err(reason) => {
@@ -1300,7 +1474,7 @@ impl<F: RailFabric> Plane<F> {
         let replaced = self.passive.insert(
             key,
             Passive {
-                _qp: qp,
+                qp,
                 remote_qp_num: side.info.qp_num,
                 local: local.clone(),
             },

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use railyard_dataplane::fabric::Access;
 use railyard_dataplane::fabric::soft::{SoftAttachment, SoftDevice, SoftQp};
 use railyard_dataplane::fabric::verbs::VerbsRail;
 use railyard_dataplane::fabric::verbs::ffi::{PreparedQp, QueuePair};
+use railyard_dataplane::fabric::{Access, QpInfo};
 use railyard_dataplane::{EndpointId, Epoch};
 
 use crate::descriptor::{RailDescriptor, fabric};
@@ -28,6 +28,20 @@ pub trait RailFabric: Send + Sync + 'static {
     /// # Errors
     /// Why the fabric could not make one.
     fn create_qp(&self) -> Result<(Self::Qp, QpSide), String>;
+
+    /// A new queue pair in INIT for the target's side of a connection, ready to take
+    /// WRITE_WITH_IMM immediates once connected ([`Self::take_immediates`]).
+    ///
+    /// # Errors
+    /// Why the fabric could not make one.
+    fn create_target_qp(&self) -> Result<(Self::Qp, QpSide), String>;
+
+    /// Appends the immediates that arrived on a target's connected queue pair since the
+    /// last call to `out`, oldest first, and re-arms its receives.
+    ///
+    /// # Errors
+    /// Why it cannot take any (the queue pair is in error).
+    fn take_immediates(&self, qp: &mut Self::Connected, out: &mut Vec<u32>) -> Result<(), String>;
 
     /// Connects `qp` (INIT → RTR → RTS) to the peer's `remote` side.
     ///
@@ -61,6 +75,16 @@ impl RailFabric for SoftDevice {
         Ok((qp, side))
     }
 
+    fn create_target_qp(&self) -> Result<(SoftQp, QpSide), String> {
+        // Every soft queue pair has its inbox.
+        RailFabric::create_qp(self)
+    }
+
+    fn take_immediates(&self, qp: &mut SoftQp, out: &mut Vec<u32>) -> Result<(), String> {
+        qp.take_immediates(out);
+        Ok(())
+    }
+
     fn connect_qp(&self, mut qp: SoftQp, remote: &QpSide) -> Result<SoftQp, String> {
         let attachment = SoftAttachment::decode(&remote.attachment)?;
         qp.connect(&remote.info, &attachment)
@@ -88,13 +112,17 @@ impl RailFabric for Arc<VerbsRail> {
         // A random first PSN per queue pair, as verbs expects.
         let psn = crate::plane::random_u64() as u32;
         let (qp, info) = VerbsRail::create_qp(self, psn).map_err(|e| e.to_string())?;
-        Ok((
-            qp,
-            QpSide {
-                info,
-                attachment: Vec::new(),
-            },
-        ))
+        Ok((qp, verbs_side(info)))
+    }
+
+    fn create_target_qp(&self) -> Result<(PreparedQp, QpSide), String> {
+        let psn = crate::plane::random_u64() as u32;
+        let (qp, info) = VerbsRail::create_target_qp(self, psn).map_err(|e| e.to_string())?;
+        Ok((qp, verbs_side(info)))
+    }
+
+    fn take_immediates(&self, qp: &mut QueuePair, out: &mut Vec<u32>) -> Result<(), String> {
+        qp.take_immediates(out).map_err(|e| e.to_string())
     }
 
     fn connect_qp(&self, qp: PreparedQp, remote: &QpSide) -> Result<QueuePair, String> {
@@ -111,5 +139,12 @@ impl RailFabric for Arc<VerbsRail> {
             name: self.name().to_string(),
             fabric: fabric::VERBS,
         }
+    }
+}
+
+fn verbs_side(info: QpInfo) -> QpSide {
+    QpSide {
+        info,
+        attachment: Vec::new(),
     }
 }

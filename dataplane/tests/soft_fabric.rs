@@ -123,6 +123,36 @@ fn write_read_and_write_with_imm_move_the_bytes() {
 }
 
 #[test]
+fn a_zero_length_write_with_imm_is_a_bare_notification_and_checks_no_key() {
+    let mut rig = rig();
+    // No memory named, so neither key matters (as in verbs).
+    let bare = railyard_dataplane::fabric::WorkRequest {
+        opcode: Opcode::WriteWithImm,
+        imm: 0xC0DE,
+        lkey: 0,
+        rkey: 0,
+        local_addr: 0,
+        remote_addr: 0,
+        ..rig.write(1, 0, 0)
+    };
+    assert_eq!(rig.post_one(bare).status, WcStatus::Success);
+    let mut immediates = Vec::new();
+    rig.responder.take_immediates(&mut immediates);
+    assert_eq!(immediates, [0xC0DE]);
+    rig.responder.take_immediates(&mut immediates);
+    assert_eq!(immediates, [0xC0DE], "each immediate is taken once");
+    // A zero-length plain write with a bad key also succeeds and delivers nothing.
+    let plain = railyard_dataplane::fabric::WorkRequest {
+        opcode: Opcode::Write,
+        ..bare
+    };
+    assert_eq!(rig.post_one(plain).status, WcStatus::Success);
+    immediates.clear();
+    rig.responder.take_immediates(&mut immediates);
+    assert!(immediates.is_empty());
+}
+
+#[test]
 fn unsignaled_successes_are_silent_but_errors_always_report() {
     let mut rig = rig();
     let quiet = |id| railyard_dataplane::fabric::WorkRequest {

@@ -51,9 +51,9 @@ fn loopback_write_read_and_selective_signaling_on_a_device() {
     // SAFETY: as above.
     let (_, rkey) = unsafe { rail.register(target.as_mut_ptr(), target.len()) }.expect("reg");
     let (a, info_a) = rail.create_qp(0x111).expect("qp");
-    let (b, info_b) = rail.create_qp(0x222).expect("qp");
+    let (b, info_b) = rail.create_target_qp(0x222).expect("qp");
     let a = rail.connect(a, &info_b).expect("a connects");
-    let _b = rail.connect(b, &info_a).expect("b connects");
+    let mut b = rail.connect(b, &info_a).expect("b connects");
     rail.stage(EndpointId(0), Epoch::FIRST, a);
     let mut fabric = VerbsFabric::new(rail.clone());
     let qp = fabric.connect(EndpointId(0), Epoch::FIRST).expect("staged");
@@ -79,6 +79,35 @@ fn loopback_write_read_and_selective_signaling_on_a_device() {
         "{done:?}"
     );
     assert_eq!(&target[..40 * 16384], &source[..40 * 16384]);
+    // A write with an immediate, then a zero-length one (a bare notification, no keys):
+    // the target's queue pair takes both immediates, in order.
+    let with_imm = WorkRequest {
+        wr_id: WrId::new(40, 1),
+        opcode: Opcode::WriteWithImm,
+        imm: 0xFEED,
+        ..writes[0]
+    };
+    let bare = WorkRequest {
+        wr_id: WrId::new(41, 1),
+        len: 0,
+        lkey: 0,
+        rkey: 0,
+        imm: 0xC0DE,
+        ..with_imm
+    };
+    fabric.post(qp, &[with_imm, bare]).expect("posted");
+    assert!(
+        drain(&mut fabric, 2)
+            .iter()
+            .all(|c| c.status == WcStatus::Success)
+    );
+    let mut immediates = Vec::new();
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while immediates.len() < 2 && std::time::Instant::now() < end {
+        b.take_immediates(&mut immediates)
+            .expect("receives complete");
+    }
+    assert_eq!(immediates, [0xFEED, 0xC0DE]);
     // A bad rkey: REM_ACCESS_ERR, then the queue pair is in ERR.
     let bad = WorkRequest {
         rkey: rkey ^ 0x5a5a,

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::Args;
+use railyard::control::NotificationBody;
 use railyard::engine::{Engine, FabricChoice, RailChoice};
 
 use super::size::{format_size, parse_size};
@@ -84,17 +85,16 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
     }
     loop {
         for notification in engine.drain_notifications() {
-            let hex: String = notification
-                .bytes
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
-            println!(
-                "notification from {} ({}): {} bytes {hex}",
-                notification.from,
-                notification.incarnation,
-                notification.bytes.len()
-            );
+            let from = format!("{} ({})", notification.from, notification.incarnation);
+            match notification.body {
+                NotificationBody::Bytes(bytes) => {
+                    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+                    println!("notification from {from}: {} bytes {hex}", bytes.len());
+                }
+                NotificationBody::Immediate(value) => {
+                    println!("immediate from {from}: {value:#010x}");
+                }
+            }
         }
         if stdin_closed.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(());

@@ -743,6 +743,18 @@ impl Engine {
             .notify(peer.addr, bytes, Some(batch.clone()))?)
     }
 
+    pub(crate) fn signal_after(
+        &self,
+        peer: &Peer,
+        value: u32,
+        batch: &Batch,
+    ) -> Result<(), PeerError> {
+        Ok(self
+            .inner
+            .control
+            .signal(peer.views.clone(), value, batch.clone())?)
+    }
+
     /// Takes the notifications peers sent, oldest first.
     pub fn drain_notifications(&self) -> Vec<Notification> {
         self.inner.shared.drain_notifications()

@@ -163,6 +163,30 @@ impl EngineSubmitter {
         Ok(batch)
     }
 
+    /// [`Self::submit`], then, once the batch has completed successfully, sends `value` to
+    /// the peer as the immediate of a zero-length RDMA WRITE_WITH_IMM on one of its rails:
+    /// the peer's [`Engine::drain_notifications`] yields it as
+    /// [`NotificationBody::Immediate`] after all of the batch's data (on every rail) is in
+    /// place, and never if the batch fails. Unlike [`Self::submit_and_notify`] it takes
+    /// no trip through the control connection.
+    ///
+    /// [`NotificationBody::Immediate`]: railyard_control::NotificationBody::Immediate
+    ///
+    /// # Errors
+    /// As [`Self::submit`].
+    pub fn submit_and_signal(
+        &mut self,
+        peer: &Peer,
+        transfers: &[Transfer],
+        value: u32,
+    ) -> Result<Batch, TransferError> {
+        let batch = self.submit(peer, transfers)?;
+        self.engine
+            .signal_after(peer, value, &batch)
+            .map_err(|_| TransferError::PollerStopped { rail: 0 })?;
+        Ok(batch)
+    }
+
     /// [`Self::submit`] with an explicit deadline.
     ///
     /// # Errors

@@ -63,6 +63,9 @@ fn check_and_copy(
     if request.len > MAX_MESSAGE {
         return fail(WcStatus::LocLenErr);
     }
+    if len == 0 {
+        return check_zero_length(peer, request);
+    }
     let Some(local_region) = local.lookup(request.lkey) else {
         return fail(WcStatus::LocProtErr);
     };
@@ -88,9 +91,6 @@ fn check_and_copy(
     }
     if request.opcode == Opcode::WriteWithImm && !peer.inbox.has_room() {
         return Err(Execution::ReceiverNotReady);
-    }
-    if len == 0 {
-        return Ok(());
     }
     if peer.same_process {
         let (from, to) = match direction {
@@ -138,6 +138,22 @@ fn check_and_copy(
         Ok(()) => Ok(()),
         Err(error) => fail(copy_error_status(&error)),
     }
+}
+
+/// A zero-length request names no memory, so neither key is checked (as in verbs): only
+/// the queue pair's access and, for WRITE_WITH_IMM (a bare notification), the inbox.
+fn check_zero_length(peer: &Peer, request: &WorkRequest) -> Result<(), Execution> {
+    let needed = match request.opcode {
+        Opcode::Write | Opcode::WriteWithImm => Access::REMOTE_WRITE,
+        Opcode::Read => Access::REMOTE_READ,
+    };
+    if !peer.access.contains(needed) {
+        return Err(Execution::Completed(WcStatus::RemInvReqErr));
+    }
+    if request.opcode == Opcode::WriteWithImm && !peer.inbox.has_room() {
+        return Err(Execution::ReceiverNotReady);
+    }
+    Ok(())
 }
 
 /// The completion status of a failed cross-process copy.

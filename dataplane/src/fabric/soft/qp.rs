@@ -324,6 +324,18 @@ impl SoftQp {
         self.recv.take()
     }
 
+    /// Appends the immediates of the WRITE_WITH_IMM requests that arrived since the last
+    /// call to `out`, oldest first (none once the receive side was handed out).
+    pub fn take_immediates(&mut self, out: &mut Vec<u32>) {
+        let Some(recv) = self.recv.as_mut() else {
+            return;
+        };
+        let mut arrived = Vec::new();
+        while recv.poll(&mut arrived, 256) > 0 {
+            out.extend(arrived.drain(..).map(|completion| completion.imm));
+        }
+    }
+
     pub(crate) fn inbox_fd(&self) -> &OwnedFd {
         &self.inbox_fd
     }

@@ -212,7 +212,9 @@ impl Fabric for VerbsFabric {
         for (index, request) in requests.iter().enumerate() {
             let mut wr: ibv_send_wr = zeroed();
             wr.wr_id = request.wr_id.0;
-            wr.num_sge = 1;
+            // A zero-length request names no memory: an entry of length 0 would mean 2 GiB
+            // to some devices.
+            wr.num_sge = i32::from(request.len > 0);
             wr.opcode = match request.opcode {
                 Opcode::Write => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
                 Opcode::Read => ibv_wr_opcode::IBV_WR_RDMA_READ,
@@ -222,7 +224,7 @@ impl Fabric for VerbsFabric {
             if is_signaled(index, requests.len(), every) {
                 flags |= ibv_send_flags::IBV_SEND_SIGNALED;
             }
-            if request.opcode != Opcode::Read && request.len <= inline_max {
+            if request.opcode != Opcode::Read && request.len > 0 && request.len <= inline_max {
                 flags |= ibv_send_flags::IBV_SEND_INLINE;
             }
             wr.send_flags = flags.0;

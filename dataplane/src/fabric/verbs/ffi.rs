@@ -285,7 +285,8 @@ impl Drop for MemoryRegion {
     }
 }
 
-/// A completion queue: one per rail, polled by its poller only.
+/// A completion queue: one per rail for sends, polled by its poller only; one per
+/// target-side queue pair for its receives, polled by the control thread that owns it.
 #[derive(Debug)]
 pub struct CompletionQueue {
     cq: NonNull<ibv_cq>,
@@ -347,7 +348,8 @@ impl Drop for CompletionQueue {
 struct RawQp {
     qp: NonNull<ibv_qp>,
     _pd: Arc<ProtectionDomain>,
-    _cq: Arc<CompletionQueue>,
+    _send_cq: Arc<CompletionQueue>,
+    recv_cq: Arc<CompletionQueue>,
 }
 
 // SAFETY: a queue pair is created and connected on the control thread, then moved to its
@@ -372,6 +374,33 @@ impl RawQp {
     fn num(&self) -> u32 {
         // SAFETY: the queue pair is live; its number never changes.
         unsafe { self.qp.as_ref().qp_num }
+    }
+
+    /// Posts `count` receive requests without scatter/gather entries: enough for
+    /// WRITE_WITH_IMM, whose data goes to the address the writer names and whose
+    /// immediate arrives in the receive's completion.
+    fn post_receives(&self, count: usize) -> Result<(), VerbsError> {
+        if count == 0 {
+            return Ok(());
+        }
+        // SAFETY: `ibv_recv_wr` is plain old data; all-zero (no entries, no next) is valid.
+        let mut wrs: Vec<rdma_sys::ibv_recv_wr> =
+            (0..count).map(|_| unsafe { std::mem::zeroed() }).collect();
+        let base = wrs.as_mut_ptr();
+        for index in 0..count - 1 {
+            // SAFETY: `index` and `index + 1` are inside `wrs`, which does not move until
+            // the post below returns.
+            unsafe { (*base.add(index)).next = base.add(index + 1) };
+        }
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the queue pair is live and at least in INIT; the list is linked above,
+        // its requests carry no scatter/gather entries, and `wrs` outlives the call.
+        let code = unsafe { rdma_sys::ibv_post_recv(self.qp.as_ptr(), base, &mut bad) };
+        if code == 0 {
+            Ok(())
+        } else {
+            Err(failed_with("ibv_post_recv", code))
+        }
     }
 }
 
@@ -399,20 +428,22 @@ pub struct QueuePair {
 }
 
 impl PreparedQp {
-    /// Creates an RC queue pair on `pd` completing into `cq`, and moves it to INIT.
+    /// Creates an RC queue pair on `pd` whose sends complete into `send_cq` and receives
+    /// into `recv_cq`, and moves it to INIT.
     ///
     /// # Errors
     /// When the device refuses.
     pub fn new(
         pd: &Arc<ProtectionDomain>,
-        cq: &Arc<CompletionQueue>,
+        send_cq: &Arc<CompletionQueue>,
+        recv_cq: &Arc<CompletionQueue>,
         config: QpConfig,
         psn: u32,
     ) -> Result<Self, VerbsError> {
         // SAFETY: `ibv_qp_init_attr` is plain old data; all-zero is valid.
         let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
-        init.send_cq = cq.cq.as_ptr();
-        init.recv_cq = cq.cq.as_ptr();
+        init.send_cq = send_cq.cq.as_ptr();
+        init.recv_cq = recv_cq.cq.as_ptr();
         init.qp_type = ibv_qp_type::IBV_QPT_RC;
         init.sq_sig_all = 0;
         init.cap.max_send_wr = config.caps.max_send_wr;
@@ -426,7 +457,8 @@ impl PreparedQp {
         let raw = RawQp {
             qp,
             _pd: pd.clone(),
-            _cq: cq.clone(),
+            _send_cq: send_cq.clone(),
+            recv_cq: recv_cq.clone(),
         };
         raw.modify(attrs::init(&config), "ibv_modify_qp(INIT)")?;
         Ok(Self {
@@ -444,6 +476,14 @@ impl PreparedQp {
     /// Its first PSN.
     pub fn psn(&self) -> u32 {
         self.psn
+    }
+
+    /// Posts `count` receives (before RTR, so that no WRITE_WITH_IMM ever finds none).
+    ///
+    /// # Errors
+    /// When the device refuses.
+    pub fn post_receives(&self, count: usize) -> Result<(), VerbsError> {
+        self.raw.post_receives(count)
     }
 
     /// INIT → RTR → RTS towards `remote` at `mtu` (already negotiated).
@@ -487,6 +527,46 @@ impl QueuePair {
             Ok(())
         } else {
             Err((bad, failed_with("ibv_post_send", code)))
+        }
+    }
+
+    /// Appends the immediates of the WRITE_WITH_IMM requests that arrived since the last
+    /// call to `out`, oldest first, and posts a receive for each one consumed. Only for a
+    /// queue pair with a receive completion queue of its own ([`PreparedQp::new`] with a
+    /// `recv_cq` no other queue pair uses).
+    ///
+    /// # Errors
+    /// When polling or re-posting fails (a queue pair in ERR flushes its receives and
+    /// takes no new ones).
+    pub fn take_immediates(&mut self, out: &mut Vec<u32>) -> Result<(), VerbsError> {
+        const BATCH: usize = 32;
+        // SAFETY: `ibv_wc` is plain old data; all-zero is valid.
+        let mut wcs: [rdma_sys::ibv_wc; BATCH] = unsafe { std::mem::zeroed() };
+        loop {
+            let taken = self.raw.recv_cq.poll(&mut wcs)?;
+            let mut consumed = 0;
+            for wc in &wcs[..taken] {
+                if wc.status != rdma_sys::ibv_wc_status::IBV_WC_SUCCESS {
+                    return Err(VerbsError {
+                        call: "receive completion",
+                        source: io::Error::other(format!(
+                            "{:?} on queue pair {}",
+                            super::status::map_status(wc.status),
+                            wc.qp_num
+                        )),
+                    });
+                }
+                consumed += 1;
+                if wc.opcode == rdma_sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
+                    // SAFETY: a RECV_RDMA_WITH_IMM completion carries an immediate.
+                    let imm = unsafe { wc.imm_data_invalidated_rkey_union.imm_data };
+                    out.push(u32::from_be(imm));
+                }
+            }
+            self.raw.post_receives(consumed)?;
+            if taken < BATCH {
+                return Ok(());
+            }
         }
     }
 

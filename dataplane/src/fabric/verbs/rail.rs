@@ -170,12 +170,32 @@ impl VerbsRail {
             .is_some()
     }
 
-    /// A queue pair in INIT and what the peer needs to connect to it.
+    /// An initiator's queue pair in INIT and what the peer needs to connect to it. It
+    /// takes no receives: both its queues complete into the rail's (the poller's) queue.
     ///
     /// # Errors
     /// When the device refuses.
     pub fn create_qp(&self, psn: u32) -> Result<(PreparedQp, QpInfo), VerbsError> {
-        let prepared = PreparedQp::new(&self.pd, &self.cq, self.config.qp, psn)?;
+        let prepared = PreparedQp::new(&self.pd, &self.cq, &self.cq, self.config.qp, psn)?;
+        Ok(self.with_info(prepared))
+    }
+
+    /// A target's queue pair in INIT: its receives complete into a queue of its own, for
+    /// whoever owns it to take WRITE_WITH_IMM immediates from
+    /// ([`QueuePair::take_immediates`]), and its receive queue is already full, so a writer
+    /// never waits for a receive.
+    ///
+    /// # Errors
+    /// When the device refuses.
+    pub fn create_target_qp(&self, psn: u32) -> Result<(PreparedQp, QpInfo), VerbsError> {
+        let receives = self.config.qp.caps.max_recv_wr;
+        let recv_cq = CompletionQueue::new(&self.context, receives as i32)?;
+        let prepared = PreparedQp::new(&self.pd, &self.cq, &recv_cq, self.config.qp, psn)?;
+        prepared.post_receives(receives as usize)?;
+        Ok(self.with_info(prepared))
+    }
+
+    fn with_info(&self, prepared: PreparedQp) -> (PreparedQp, QpInfo) {
         let info = QpInfo {
             qp_num: prepared.num(),
             lid: self.port_info.lid,
@@ -183,7 +203,7 @@ impl VerbsRail {
             psn: prepared.psn(),
             path_mtu: self.port_info.mtu.bytes(),
         };
-        Ok((prepared, info))
+        (prepared, info)
     }
 
     /// Connects a prepared queue pair to the peer's `remote` side at the smaller MTU.
