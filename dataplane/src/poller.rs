@@ -724,6 +724,7 @@ impl<F: Fabric> Poller<F> {
             busy |= commands;
             busy |= self.route_ready();
             busy |= self.poll_completions();
+            busy |= self.fabric.serve();
             busy |= self.poll_fabric_events();
             self.sweep_deadlines();
             if busy {

@@ -16,9 +16,11 @@
 //! [`soft`] (verbs semantics in software across processes, with a fault plan), and
 //! [`verbs`] (RDMA through rdma-sys; detection and the device-independent parts so far).
 
+pub mod host;
 pub mod null;
 pub mod scripted;
 pub mod soft;
+pub mod tcp;
 pub mod verbs;
 
 use crate::{EndpointId, Epoch};
@@ -417,6 +419,13 @@ pub trait Fabric: Send {
     /// Moves `qp` to the error state: every outstanding request completes with
     /// [`WcStatus::WrFlushErr`], then the queue pair is destroyed.
     fn retire(&mut self, qp: QpNum);
+
+    /// Work the fabric does for its peers in this poller — serving their requests to this
+    /// rail's memory, for fabrics whose target side runs here (TCP) — and its own progress.
+    /// Called every round, busy or not; true when anything moved. Others keep the default.
+    fn serve(&mut self) -> bool {
+        false
+    }
 
     /// The next asynchronous event, if any. Fabrics without them keep the default.
     fn poll_event(&mut self) -> Option<AsyncEvent> {

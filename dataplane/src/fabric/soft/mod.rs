@@ -58,6 +58,11 @@ use crate::fabric::{Access, MemoryRegion, QpInfo, QpNum, QpState};
 use crate::{EndpointId, Epoch};
 use regions::RegionTable;
 
+/// A random 64-bit value from the kernel.
+pub(crate) fn random_u64() -> u64 {
+    sys::random_u64()
+}
+
 /// How a soft device behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SoftConfig {
@@ -256,7 +261,9 @@ impl SoftDevice {
     /// # Errors
     /// [`SoftError::Io`] when its inbox cannot be created.
     pub fn create_qp(&self, access: Access) -> Result<SoftQp, SoftError> {
-        let num = self.0.next_qp.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
+        // 23 bits: numbers with bit 23 set are the TCP fabric's.
+        let num =
+            self.0.next_qp.fetch_add(1, Ordering::Relaxed) & (crate::fabric::tcp::TCP_QP_BIT - 1);
         let info = QpInfo {
             qp_num: num.max(1),
             lid: 0,

@@ -1,0 +1,1166 @@
+//! [`TcpFabric`]: a TCP device as its rail's poller drives it — the initiators' connections
+//! (sending requests, taking replies) and the connections it serves as a target (applying
+//! requests to this rail's memory, answering them), all non-blocking, found ready with one
+//! `epoll_wait(0)` per round.
+//!
+//! Initiator: `post` queues work requests; each round judges the next ones (fault plan, then
+//! the local key and range), sends as many as the socket takes in one vectored send (headers
+//! and WRITE payloads straight from registered memory), and reads exactly the reply headers
+//! it expects — never into a READ's data, which is received straight into its destination.
+//! A request the fault plan or a local check fails stops the sending; once everything before
+//! it is answered, it completes with its status and the queue pair goes to ERR.
+//!
+//! Target: each served connection reads a request header, checks it against the live region
+//! table, receives a WRITE's payload straight into the region (or discards it and answers
+//! REM_ACCESS_ERR), delivers a WRITE_WITH_IMM's immediate to the [`TcpTarget`](super::TcpTarget)
+//! owner (waiting while its queue is full, as a receiver-not-ready), and queues the reply;
+//! READ data is sent straight from the region.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io::{self, ErrorKind};
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::sys::{self, Epoll};
+use super::wire::{
+    HELLO_LEN, Hello, REPLY_LEN, REQUEST_LEN, ReplyHeader, RequestHeader, RequestOp,
+};
+use super::{TargetShared, TcpDevice, TcpQp};
+use crate::fabric::soft::faults::{FaultView, QpFaultState, Verdict};
+use crate::fabric::{
+    Access, AsyncEvent, Fabric, FabricError, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
+    WorkRequest,
+};
+use crate::ring::Producer;
+use crate::{EndpointId, Epoch};
+
+/// Largest message, as verbs allows.
+const MAX_MESSAGE: u32 = 1 << 31;
+/// Bytes one round moves (sent plus received) before it returns to the poller.
+const BYTES_PER_ROUND: usize = 16 << 20;
+/// Requests one vectored send carries at most (two entries each).
+const REQUESTS_PER_SEND: usize = 64;
+/// Replies a target queues before it stops reading requests (the initiator is not reading).
+const MAX_QUEUED_REPLIES: usize = 4096;
+/// Reply headers read in one receive at most.
+const REPLIES_PER_RECEIVE: usize = 256;
+
+const LISTENER: u64 = u64::MAX;
+const INITIATOR_TOKEN: u64 = 1 << 32;
+const SERVED_TOKEN: u64 = 2 << 32;
+
+/// Why a request stops the sending before it goes out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Doom {
+    /// It completes with this error status.
+    Fail(WcStatus),
+    /// The queue pair raises QP_FATAL.
+    Fatal,
+}
+
+/// A posted request with its header, and once judged, the delay of its completion.
+#[derive(Clone, Copy, Debug)]
+struct Queued {
+    request: WorkRequest,
+    header: [u8; REQUEST_LEN],
+    delay: Duration,
+}
+
+impl Queued {
+    /// Bytes it puts on the wire.
+    fn wire_len(&self) -> usize {
+        REQUEST_LEN + self.payload_len()
+    }
+
+    fn payload_len(&self) -> usize {
+        match self.request.opcode {
+            Opcode::Read => 0,
+            Opcode::Write | Opcode::WriteWithImm => self.request.len as usize,
+        }
+    }
+}
+
+/// The initiator's side of one queue pair.
+#[derive(Debug)]
+struct Initiator {
+    num: QpNum,
+    stream: TcpStream,
+    live: bool,
+    /// Posted and not yet fully sent, in order.
+    queued: VecDeque<Queued>,
+    /// How many of `queued`, from the front, passed judgement.
+    judged: usize,
+    /// The verdict on `queued[judged]`, which stops the sending.
+    doom: Option<Doom>,
+    /// Bytes of `queued[0]` already sent.
+    head_sent: usize,
+    /// Sent, waiting for their replies, in order.
+    inflight: VecDeque<Queued>,
+    /// Reply-header bytes received so far.
+    replies: Vec<u8>,
+    /// A READ's data being received: destination and bytes left.
+    read_data: Option<(u64, usize)>,
+    /// When the peer last took or sent a byte (or work became outstanding).
+    last_progress: Instant,
+    /// Completions not visible yet (fault-plan delays), in order.
+    delayed: VecDeque<(Instant, WorkCompletion)>,
+    faults: QpFaultState,
+    readable: bool,
+    retired: bool,
+}
+
+/// What an accepted connection is.
+#[derive(Debug)]
+enum Role {
+    /// Waiting for its hello.
+    Hello {
+        bytes: [u8; HELLO_LEN],
+        got: usize,
+        deadline: Instant,
+    },
+    /// Serving a target queue pair.
+    Target {
+        shared: Arc<TargetShared>,
+        immediates: Producer<u32>,
+    },
+    /// A raw stream, read and discarded.
+    Sink,
+}
+
+/// Where a served connection is in its current request.
+#[derive(Clone, Copy, Debug)]
+enum Incoming {
+    /// Reading a header.
+    Header,
+    /// Receiving a WRITE's payload into the region.
+    Payload {
+        addr: u64,
+        left: usize,
+        header: RequestHeader,
+    },
+    /// Discarding a refused WRITE's payload; then answering `status`.
+    Discard {
+        left: usize,
+        header: RequestHeader,
+        status: WcStatus,
+    },
+    /// An applied WRITE_WITH_IMM whose immediate waits for room.
+    Immediate { header: RequestHeader },
+}
+
+/// One reply, with a READ's data.
+#[derive(Clone, Copy, Debug)]
+struct Reply {
+    header: [u8; REPLY_LEN],
+    data_addr: u64,
+    data_len: usize,
+}
+
+impl Reply {
+    fn wire_len(&self) -> usize {
+        REPLY_LEN + self.data_len
+    }
+}
+
+/// A connection this fabric accepted.
+#[derive(Debug)]
+struct Served {
+    stream: TcpStream,
+    role: Role,
+    header: [u8; REQUEST_LEN],
+    header_got: usize,
+    incoming: Incoming,
+    replies: VecDeque<Reply>,
+    /// Bytes of `replies[0]` already sent.
+    reply_sent: usize,
+    readable: bool,
+    closed: bool,
+}
+
+/// The TCP device's connections for one poller. See the module docs.
+pub struct TcpFabric {
+    device: TcpDevice,
+    epoll: Epoll,
+    ready: Vec<u64>,
+    /// By number; ordered so that work order never depends on hashing.
+    initiators: BTreeMap<u32, Initiator>,
+    served: Vec<Option<Served>>,
+    adopted: u32,
+    faults: FaultView,
+    completions: VecDeque<WorkCompletion>,
+    events: VecDeque<AsyncEvent>,
+    /// Where discarded and sink bytes go.
+    scratch: Vec<u8>,
+    /// Scratch for vectored sends (rebuilt every send).
+    iov: Vec<libc::iovec>,
+    /// A round ran since the last `poll` (so `poll` need not run another).
+    progressed: bool,
+}
+
+impl std::fmt::Debug for TcpFabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpFabric")
+            .field("device", &self.device.name())
+            .field("initiators", &self.initiators.len())
+            .field("served", &self.served.iter().flatten().count())
+            .finish()
+    }
+}
+
+// SAFETY:
+// - `iov` holds raw pointers only during one send and is rebuilt before the next; the
+//   fabric as a whole moves to its poller thread and stays there.
+unsafe impl Send for TcpFabric {}
+
+fn would_block(error: &io::Error) -> bool {
+    error.kind() == ErrorKind::WouldBlock || error.kind() == ErrorKind::Interrupted
+}
+
+impl TcpFabric {
+    pub(crate) fn new(device: TcpDevice) -> io::Result<Self> {
+        let epoll = Epoll::new()?;
+        epoll.add(device.0.listener.as_raw_fd(), LISTENER)?;
+        let faults = FaultView::new(device.faults());
+        Ok(Self {
+            device,
+            epoll,
+            ready: Vec::new(),
+            initiators: BTreeMap::new(),
+            served: Vec::new(),
+            adopted: 0,
+            faults,
+            completions: VecDeque::new(),
+            events: VecDeque::new(),
+            scratch: vec![0; 256 * 1024],
+            iov: Vec::with_capacity(2 * REQUESTS_PER_SEND),
+            progressed: false,
+        })
+    }
+
+    /// Takes over a connected queue pair, for `endpoint` when it serves one (fault rules can
+    /// name endpoints).
+    ///
+    /// # Errors
+    /// When its descriptor cannot be watched.
+    pub fn adopt(&mut self, endpoint: Option<EndpointId>, qp: TcpQp) -> io::Result<QpNum> {
+        let TcpQp { num, stream } = qp;
+        self.epoll
+            .add(stream.as_raw_fd(), INITIATOR_TOKEN | u64::from(num.0))?;
+        let ordinal = self.adopted;
+        self.adopted += 1;
+        self.initiators.insert(
+            num.0,
+            Initiator {
+                num,
+                stream,
+                live: true,
+                queued: VecDeque::new(),
+                judged: 0,
+                doom: None,
+                head_sent: 0,
+                inflight: VecDeque::new(),
+                replies: Vec::with_capacity(REPLIES_PER_RECEIVE * REPLY_LEN),
+                read_data: None,
+                last_progress: Instant::now(),
+                delayed: VecDeque::new(),
+                faults: QpFaultState::new(self.faults.plan.seed, ordinal, endpoint),
+                readable: false,
+                retired: false,
+            },
+        );
+        Ok(num)
+    }
+
+    /// One round: accept, read what is ready, send what is queued, time out the silent,
+    /// release delayed completions. True when anything moved.
+    fn progress(&mut self) -> bool {
+        self.progressed = true;
+        self.faults.refresh();
+        let now = Instant::now();
+        let mut moved = false;
+        self.epoll.ready(&mut self.ready);
+        for token in std::mem::take(&mut self.ready).drain(..) {
+            match token {
+                LISTENER => moved |= self.accept(now),
+                _ if token & SERVED_TOKEN != 0 => {
+                    if let Some(Some(served)) = self.served.get_mut((token & 0xffff_ffff) as usize)
+                    {
+                        served.readable = true;
+                    }
+                }
+                _ => {
+                    if let Some(initiator) =
+                        self.initiators.get_mut(&((token & 0xffff_ffff) as u32))
+                    {
+                        initiator.readable = true;
+                    }
+                }
+            }
+        }
+        let mut budget = BYTES_PER_ROUND;
+        let mut io = ServeIo {
+            device: &self.device,
+            scratch: &mut self.scratch,
+            iov: &mut self.iov,
+            budget: &mut budget,
+            now,
+        };
+        for entry in &mut self.served {
+            if let Some(served) = entry {
+                moved |= served.serve(&mut io);
+                if served.closed {
+                    // Closing the descriptor also stops epoll watching it.
+                    *entry = None;
+                }
+            }
+        }
+        while matches!(self.served.last(), Some(None)) {
+            self.served.pop();
+        }
+        let mut round = Round {
+            plan: &self.faults.plan,
+            device: &self.device,
+            cq: &mut self.completions,
+            events: &mut self.events,
+            iov: &mut self.iov,
+            now,
+        };
+        for initiator in self.initiators.values_mut() {
+            moved |= initiator.step(&mut round, &mut budget);
+        }
+        self.initiators
+            .retain(|_, i| !(i.retired && i.delayed.is_empty()));
+        moved
+    }
+
+    /// Accepts every waiting connection; true if there was one.
+    fn accept(&mut self, now: Instant) -> bool {
+        let mut accepted = false;
+        loop {
+            let stream = match self.device.0.listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(error) if would_block(&error) => return accepted,
+                Err(_) => return accepted,
+            };
+            accepted = true;
+            if stream.set_nonblocking(true).is_err()
+                || sys::tune(&stream, self.device.config().socket_buffer).is_err()
+            {
+                continue;
+            }
+            let slot = self
+                .served
+                .iter()
+                .position(Option::is_none)
+                .unwrap_or(self.served.len());
+            if self
+                .epoll
+                .add(stream.as_raw_fd(), SERVED_TOKEN | slot as u64)
+                .is_err()
+            {
+                continue;
+            }
+            let served = Served {
+                stream,
+                role: Role::Hello {
+                    bytes: [0; HELLO_LEN],
+                    got: 0,
+                    deadline: now + self.device.config().connect_timeout,
+                },
+                header: [0; REQUEST_LEN],
+                header_got: 0,
+                incoming: Incoming::Header,
+                replies: VecDeque::new(),
+                reply_sent: 0,
+                readable: true,
+                closed: false,
+            };
+            if slot == self.served.len() {
+                self.served.push(Some(served));
+            } else {
+                self.served[slot] = Some(served);
+            }
+        }
+    }
+}
+
+/// What one round's served connections share.
+struct ServeIo<'a> {
+    device: &'a TcpDevice,
+    scratch: &'a mut [u8],
+    iov: &'a mut Vec<libc::iovec>,
+    budget: &'a mut usize,
+    now: Instant,
+}
+
+/// What one round's initiators share.
+struct Round<'a> {
+    plan: &'a crate::fabric::soft::FaultPlan,
+    device: &'a TcpDevice,
+    cq: &'a mut VecDeque<WorkCompletion>,
+    events: &'a mut VecDeque<AsyncEvent>,
+    iov: &'a mut Vec<libc::iovec>,
+    now: Instant,
+}
+
+impl Initiator {
+    fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    fn outstanding(&self) -> bool {
+        !self.inflight.is_empty() || !self.queued.is_empty()
+    }
+
+    /// Sends, receives, resolves a doomed head, times out; true when anything moved.
+    fn step(&mut self, round: &mut Round<'_>, budget: &mut usize) -> bool {
+        self.release_delayed(round.now, round.cq);
+        if !self.live {
+            return false;
+        }
+        let mut moved = false;
+        if self.readable {
+            self.readable = false;
+            match self.receive(round, budget) {
+                Ok(progress) => moved |= progress,
+                Err(()) => return true,
+            }
+        }
+        match self.send(round, budget) {
+            Ok(progress) => moved |= progress,
+            Err(()) => return true,
+        }
+        if moved {
+            self.last_progress = round.now;
+        }
+        if let Some(doom) = self
+            .doom
+            .filter(|_| self.judged == 0 && self.inflight.is_empty())
+        {
+            match doom {
+                Doom::Fail(status) => self.fail_head(status, round),
+                Doom::Fatal => {
+                    self.go_to_error(round);
+                    round.events.push_back(AsyncEvent::QpFatal { qp: self.num });
+                }
+            }
+            return true;
+        }
+        if self.outstanding()
+            && round.now.duration_since(self.last_progress) >= round.device.config().peer_timeout
+        {
+            self.fail_head(WcStatus::RetryExcErr, round);
+            return true;
+        }
+        moved
+    }
+
+    /// The fault plan's verdict, then the local checks a NIC makes.
+    fn judge(&mut self, index: usize, round: &Round<'_>) -> Result<Duration, Doom> {
+        let request = self.queued[index].request;
+        let delay = match self.faults.judge(round.plan) {
+            Verdict::Execute { delay } => delay,
+            Verdict::Fail(status) => return Err(Doom::Fail(status)),
+            Verdict::Fatal => return Err(Doom::Fatal),
+        };
+        if request.len > MAX_MESSAGE {
+            return Err(Doom::Fail(WcStatus::LocLenErr));
+        }
+        if request.len == 0 {
+            return Ok(delay);
+        }
+        let table = round.device.soft().table();
+        let Some(local) = table.lookup(request.lkey) else {
+            return Err(Doom::Fail(WcStatus::LocProtErr));
+        };
+        if request.opcode == Opcode::Read && !local.access.contains(Access::LOCAL_WRITE) {
+            return Err(Doom::Fail(WcStatus::LocProtErr));
+        }
+        if !local.covers(request.local_addr, u64::from(request.len)) {
+            return Err(Doom::Fail(WcStatus::LocLenErr));
+        }
+        Ok(delay)
+    }
+
+    /// Sends judged requests until the socket is full or the budget is spent.
+    fn send(&mut self, round: &mut Round<'_>, budget: &mut usize) -> Result<bool, ()> {
+        let mut moved = false;
+        while *budget > 0 {
+            while self.doom.is_none()
+                && self.judged < self.queued.len()
+                && self.judged < REQUESTS_PER_SEND
+            {
+                match self.judge(self.judged, round) {
+                    Ok(delay) => {
+                        self.queued[self.judged].delay = delay;
+                        self.judged += 1;
+                    }
+                    Err(doom) => self.doom = Some(doom),
+                }
+            }
+            if self.judged == 0 {
+                return Ok(moved);
+            }
+            round.iov.clear();
+            for (index, queued) in self.queued.iter().take(self.judged).enumerate() {
+                let skip = if index == 0 { self.head_sent } else { 0 };
+                if skip < REQUEST_LEN {
+                    round.iov.push(libc::iovec {
+                        iov_base: queued.header[skip..].as_ptr().cast_mut().cast(),
+                        iov_len: REQUEST_LEN - skip,
+                    });
+                }
+                let payload = queued.payload_len();
+                let payload_skip = skip.saturating_sub(REQUEST_LEN);
+                if payload > payload_skip {
+                    round.iov.push(libc::iovec {
+                        iov_base: (queued.request.local_addr + payload_skip as u64) as *mut _,
+                        iov_len: payload - payload_skip,
+                    });
+                }
+            }
+            // SAFETY: headers live in `queued`, untouched until the call returns; payloads
+            // lie inside live registrations of this process (judged just now), valid for
+            // reads by the registration contract.
+            let sent = match unsafe { sys::send_vectored(self.fd(), round.iov) } {
+                Ok(sent) => sent,
+                Err(error) if would_block(&error) => return Ok(moved),
+                Err(_) => {
+                    self.connection_failed(round);
+                    return Err(());
+                }
+            };
+            round.iov.clear();
+            moved = true;
+            *budget = budget.saturating_sub(sent);
+            self.advance(sent);
+        }
+        Ok(moved)
+    }
+
+    /// Accounts `sent` bytes: fully sent requests move to `inflight`.
+    fn advance(&mut self, mut sent: usize) {
+        while sent > 0 {
+            let Some(front) = self.queued.front() else {
+                return;
+            };
+            let left = front.wire_len() - self.head_sent;
+            if sent < left {
+                self.head_sent += sent;
+                return;
+            }
+            sent -= left;
+            self.head_sent = 0;
+            self.judged -= 1;
+            if let Some(done) = self.queued.pop_front() {
+                self.inflight.push_back(done);
+            }
+        }
+    }
+
+    /// Takes replies (and READ data) until the socket is empty or the budget is spent.
+    fn receive(&mut self, round: &mut Round<'_>, budget: &mut usize) -> Result<bool, ()> {
+        let mut moved = false;
+        while *budget > 0 {
+            if let Some((addr, left)) = self.read_data {
+                // SAFETY: the destination lies inside a live registration of this process
+                // allowing local writes (judged before the READ was sent), valid for writes
+                // by the registration contract.
+                match unsafe { sys::recv_into(self.fd(), addr, left) } {
+                    Ok(0) => return self.broken(round),
+                    Ok(got) => {
+                        moved = true;
+                        *budget = budget.saturating_sub(got);
+                        if got == left {
+                            self.read_data = None;
+                            self.complete_front(WcStatus::Success, round);
+                        } else {
+                            self.read_data = Some((addr + got as u64, left - got));
+                        }
+                        continue;
+                    }
+                    Err(error) if would_block(&error) => return Ok(moved),
+                    Err(_) => return self.broken(round),
+                }
+            }
+            if self.inflight.is_empty() {
+                // Nothing is expected: only an orderly close or a broken peer reads here.
+                let mut probe = [0u8; 1];
+                // SAFETY: `probe` is writable for one byte.
+                return match unsafe { sys::recv_into(self.fd(), probe.as_mut_ptr() as u64, 1) } {
+                    Err(error) if would_block(&error) => Ok(moved),
+                    _ => self.broken(round),
+                };
+            }
+            // Exactly the headers expected: one if a READ is next (its data follows),
+            // else one per WRITE up to the next READ.
+            let expected = match self.inflight.front() {
+                Some(front) if front.request.opcode == Opcode::Read => 1,
+                _ => self
+                    .inflight
+                    .iter()
+                    .take(REPLIES_PER_RECEIVE)
+                    .take_while(|q| q.request.opcode != Opcode::Read)
+                    .count(),
+            };
+            let have = self.replies.len();
+            let want = expected * REPLY_LEN;
+            if have >= want {
+                return self.broken(round);
+            }
+            self.replies.resize(want, 0);
+            // SAFETY: `replies[have..want]` is writable; it is not touched until the call
+            // returns.
+            let got = match unsafe {
+                sys::recv_into(
+                    self.fd(),
+                    self.replies[have..].as_mut_ptr() as u64,
+                    want - have,
+                )
+            } {
+                Ok(0) => {
+                    self.replies.truncate(have);
+                    return self.broken(round);
+                }
+                Ok(got) => got,
+                Err(error) => {
+                    self.replies.truncate(have);
+                    if would_block(&error) {
+                        return Ok(moved);
+                    }
+                    return self.broken(round);
+                }
+            };
+            moved = true;
+            self.replies.truncate(have + got);
+            let whole = self.replies.len() / REPLY_LEN;
+            for index in 0..whole {
+                let mut bytes = [0; REPLY_LEN];
+                bytes.copy_from_slice(&self.replies[index * REPLY_LEN..(index + 1) * REPLY_LEN]);
+                let Ok(reply) = ReplyHeader::decode(&bytes) else {
+                    return self.broken(round);
+                };
+                let Some(front) = self.inflight.front() else {
+                    return self.broken(round);
+                };
+                if reply.wr_id != front.request.wr_id.0 {
+                    return self.broken(round);
+                }
+                if reply.status != WcStatus::Success {
+                    self.replies.clear();
+                    self.fail_head(reply.status, round);
+                    return Err(());
+                }
+                if front.request.opcode == Opcode::Read && front.request.len > 0 {
+                    if reply.len != front.request.len {
+                        return self.broken(round);
+                    }
+                    self.read_data = Some((front.request.local_addr, front.request.len as usize));
+                } else {
+                    self.complete_front(WcStatus::Success, round);
+                }
+            }
+            self.replies.drain(..whole * REPLY_LEN);
+        }
+        Ok(moved)
+    }
+
+    /// The front in-flight request completed with `status` (successes only when signaled).
+    fn complete_front(&mut self, status: WcStatus, round: &mut Round<'_>) {
+        if let Some(done) = self.inflight.pop_front() {
+            if done.request.signaled || status != WcStatus::Success {
+                let completion = WorkCompletion::of(&done.request, self.num, status);
+                self.emit(completion, round.now + done.delay, round.cq);
+            }
+        }
+    }
+
+    /// The connection broke, or the peer spoke out of turn (a reply that is not the next
+    /// one expected): either way it cannot go on.
+    fn broken(&mut self, round: &mut Round<'_>) -> Result<bool, ()> {
+        self.connection_failed(round);
+        Err(())
+    }
+
+    /// The connection broke or the peer spoke nonsense: RETRY_EXC_ERR for the oldest
+    /// outstanding request, or, with none, QP_FATAL so the owner reconnects early.
+    fn connection_failed(&mut self, round: &mut Round<'_>) {
+        if self.outstanding() {
+            self.fail_head(WcStatus::RetryExcErr, round);
+        } else {
+            self.go_to_error(round);
+            round.events.push_back(AsyncEvent::QpFatal { qp: self.num });
+        }
+    }
+
+    /// The oldest outstanding request completes with `status`; the queue pair goes to ERR.
+    fn fail_head(&mut self, status: WcStatus, round: &mut Round<'_>) {
+        let head = self.inflight.pop_front().or_else(|| {
+            self.head_sent = 0;
+            self.judged = self.judged.saturating_sub(1);
+            self.queued.pop_front()
+        });
+        if let Some(head) = head {
+            let failed = WorkCompletion::of(&head.request, self.num, status);
+            self.emit(failed, round.now, round.cq);
+        }
+        self.go_to_error(round);
+    }
+
+    /// ERR: everything outstanding completes with WR_FLUSH_ERR; the connection closes.
+    fn go_to_error(&mut self, round: &mut Round<'_>) {
+        self.live = false;
+        self.doom = None;
+        self.judged = 0;
+        self.head_sent = 0;
+        self.read_data = None;
+        self.replies.clear();
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        let num = self.num;
+        let flushed: Vec<_> = self
+            .inflight
+            .drain(..)
+            .chain(self.queued.drain(..))
+            .collect();
+        for queued in flushed {
+            let completion = WorkCompletion::of(&queued.request, num, WcStatus::WrFlushErr);
+            self.emit(completion, round.now, round.cq);
+        }
+    }
+
+    /// Queues a completion to become visible at `at`, never before an earlier one.
+    fn emit(&mut self, completion: WorkCompletion, at: Instant, cq: &mut VecDeque<WorkCompletion>) {
+        match self.delayed.back() {
+            None if at <= Instant::now() => cq.push_back(completion),
+            Some(&(last, _)) => self.delayed.push_back((at.max(last), completion)),
+            None => self.delayed.push_back((at, completion)),
+        }
+    }
+
+    fn release_delayed(&mut self, now: Instant, cq: &mut VecDeque<WorkCompletion>) {
+        while let Some(&(at, completion)) = self.delayed.front() {
+            if at > now {
+                break;
+            }
+            cq.push_back(completion);
+            self.delayed.pop_front();
+        }
+    }
+}
+
+impl Served {
+    fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    /// Sends queued replies, then reads requests; true when anything moved.
+    fn serve(&mut self, io: &mut ServeIo<'_>) -> bool {
+        let now = io.now;
+        if let Role::Target { shared, .. } = &self.role {
+            // Relaxed: the handle's drop needs no ordering with anything else here.
+            if shared.dropped.load(Ordering::Relaxed) {
+                self.closed = true;
+                return true;
+            }
+        }
+        if let Role::Hello { deadline, .. } = self.role {
+            if now >= deadline {
+                self.closed = true;
+                return true;
+            }
+        }
+        let mut moved = self.send_replies(io.iov, io.budget);
+        let waiting_immediate = matches!(self.incoming, Incoming::Immediate { .. });
+        if (self.readable || waiting_immediate) && !self.closed {
+            self.readable = false;
+            moved |= self.read(io);
+            // Replies to what was just read go out in this round.
+            moved |= self.send_replies(io.iov, io.budget);
+        }
+        moved
+    }
+
+    fn send_replies(&mut self, iov: &mut Vec<libc::iovec>, budget: &mut usize) -> bool {
+        let mut moved = false;
+        while !self.replies.is_empty() && *budget > 0 && !self.closed {
+            iov.clear();
+            for (index, reply) in self.replies.iter().take(REQUESTS_PER_SEND).enumerate() {
+                let skip = if index == 0 { self.reply_sent } else { 0 };
+                if skip < REPLY_LEN {
+                    iov.push(libc::iovec {
+                        iov_base: reply.header[skip..].as_ptr().cast_mut().cast(),
+                        iov_len: REPLY_LEN - skip,
+                    });
+                }
+                let data_skip = skip.saturating_sub(REPLY_LEN);
+                if reply.data_len > data_skip {
+                    iov.push(libc::iovec {
+                        iov_base: (reply.data_addr + data_skip as u64) as *mut _,
+                        iov_len: reply.data_len - data_skip,
+                    });
+                }
+            }
+            // SAFETY: headers live in `replies`, untouched until the call returns; READ data
+            // lies inside a registration of this process that was live when the request was
+            // checked (see the module docs' caveat).
+            let result = unsafe { sys::send_vectored(self.fd(), iov) };
+            iov.clear();
+            let mut sent = match result {
+                Ok(sent) => sent,
+                Err(error) if would_block(&error) => return moved,
+                Err(_) => {
+                    self.closed = true;
+                    return true;
+                }
+            };
+            moved = true;
+            *budget = budget.saturating_sub(sent);
+            while sent > 0 {
+                let Some(front) = self.replies.front() else {
+                    break;
+                };
+                let left = front.wire_len() - self.reply_sent;
+                if sent < left {
+                    self.reply_sent += sent;
+                    break;
+                }
+                sent -= left;
+                self.reply_sent = 0;
+                self.replies.pop_front();
+            }
+        }
+        moved
+    }
+
+    /// Reads the hello, requests and payloads until the socket is empty, the budget is
+    /// spent, or the initiator stops reading replies.
+    fn read(&mut self, io: &mut ServeIo<'_>) -> bool {
+        let mut moved = false;
+        while *io.budget > 0 && !self.closed && self.replies.len() < MAX_QUEUED_REPLIES {
+            let result = match self.role {
+                Role::Hello { .. } => self.read_hello(io.device),
+                Role::Sink => {
+                    let len = io.scratch.len().min(*io.budget);
+                    // SAFETY: `scratch[..len]` is writable.
+                    unsafe { sys::recv_into(self.fd(), io.scratch.as_mut_ptr() as u64, len) }
+                }
+                Role::Target { .. } => self.read_request(io),
+            };
+            match result {
+                Ok(0) => {
+                    self.closed = true;
+                    return true;
+                }
+                Ok(got) => {
+                    moved = true;
+                    *io.budget = io.budget.saturating_sub(got);
+                }
+                Err(error) if error.kind() == ErrorKind::WouldBlock => return moved,
+                Err(error) if error.kind() == ErrorKind::Interrupted => {}
+                Err(_) => {
+                    self.closed = true;
+                    return true;
+                }
+            }
+        }
+        moved
+    }
+
+    /// Reads the hello; once whole, becomes what it asks for (a target queue pair only if
+    /// its token is pending on this device).
+    fn read_hello(&mut self, device: &TcpDevice) -> io::Result<usize> {
+        let fd = self.fd();
+        let Role::Hello { bytes, got, .. } = &mut self.role else {
+            return Ok(0);
+        };
+        let at = *got;
+        // SAFETY: `bytes[at..]` is writable.
+        let read = unsafe { sys::recv_into(fd, bytes[at..].as_mut_ptr() as u64, HELLO_LEN - at) }?;
+        *got += read;
+        if *got < HELLO_LEN {
+            return Ok(read);
+        }
+        match Hello::decode(bytes) {
+            Ok(Hello::Sink) => self.role = Role::Sink,
+            Ok(Hello::QueuePair { token }) => match device.pending().remove(&token) {
+                Some(pending) => {
+                    self.role = Role::Target {
+                        shared: pending.shared,
+                        immediates: pending.immediates,
+                    };
+                }
+                None => self.closed = true,
+            },
+            Err(_) => self.closed = true,
+        }
+        Ok(read)
+    }
+
+    /// Checks a request's header against the live region table and starts it.
+    fn start(&mut self, header: RequestHeader, device: &TcpDevice) {
+        let len = u64::from(header.len);
+        if header.len > MAX_MESSAGE {
+            self.closed = true;
+            return;
+        }
+        let needed = match header.op {
+            RequestOp::Read => Access::REMOTE_READ,
+            RequestOp::Write | RequestOp::WriteWithImm => Access::REMOTE_WRITE,
+        };
+        // A zero-length request names no memory: no key is checked (as in verbs).
+        let allowed = len == 0
+            || device
+                .soft()
+                .table()
+                .lookup(header.rkey)
+                .is_some_and(|region| {
+                    region.access.contains(needed) && region.covers(header.remote_addr, len)
+                });
+        self.incoming = Incoming::Header;
+        match header.op {
+            RequestOp::Read if allowed => self.replies.push_back(Reply {
+                header: ReplyHeader {
+                    status: WcStatus::Success,
+                    len: header.len,
+                    wr_id: header.wr_id,
+                }
+                .encode(),
+                data_addr: header.remote_addr,
+                data_len: header.len as usize,
+            }),
+            RequestOp::Read => self.answer(header, WcStatus::RemAccessErr),
+            _ if !allowed => {
+                self.incoming = Incoming::Discard {
+                    left: header.len as usize,
+                    header,
+                    status: WcStatus::RemAccessErr,
+                };
+            }
+            _ if len == 0 => self.applied(header),
+            _ => {
+                self.incoming = Incoming::Payload {
+                    addr: header.remote_addr,
+                    left: header.len as usize,
+                    header,
+                };
+            }
+        }
+    }
+
+    /// A WRITE's payload is in place: deliver its immediate (or wait for room), answer.
+    fn applied(&mut self, header: RequestHeader) {
+        if header.op == RequestOp::WriteWithImm {
+            let Role::Target { immediates, .. } = &mut self.role else {
+                return;
+            };
+            if immediates.push(header.imm).is_err() {
+                self.incoming = Incoming::Immediate { header };
+                return;
+            }
+        }
+        self.incoming = Incoming::Header;
+        self.answer(header, WcStatus::Success);
+    }
+
+    /// Queues the reply to a request that carries no data back.
+    fn answer(&mut self, header: RequestHeader, status: WcStatus) {
+        self.replies.push_back(Reply {
+            header: ReplyHeader {
+                status,
+                len: if status == WcStatus::Success {
+                    header.len
+                } else {
+                    0
+                },
+                wr_id: header.wr_id,
+            }
+            .encode(),
+            data_addr: 0,
+            data_len: 0,
+        });
+    }
+
+    /// One step of the current request: `Ok(bytes)` moved (a completed step with no bytes,
+    /// such as delivering an immediate, counts as 1), `WouldBlock` to stop.
+    fn read_request(&mut self, io: &mut ServeIo<'_>) -> io::Result<usize> {
+        let fd = self.fd();
+        let scratch = &mut *io.scratch;
+        match self.incoming {
+            Incoming::Header => {
+                let at = self.header_got;
+                // SAFETY: `header[at..]` is writable.
+                let got = unsafe {
+                    sys::recv_into(fd, self.header[at..].as_mut_ptr() as u64, REQUEST_LEN - at)
+                }?;
+                self.header_got += got;
+                if got > 0 && self.header_got == REQUEST_LEN {
+                    self.header_got = 0;
+                    match RequestHeader::decode(&self.header) {
+                        Ok(header) => self.start(header, io.device),
+                        Err(_) => self.closed = true,
+                    }
+                }
+                Ok(got)
+            }
+            Incoming::Payload { addr, left, header } => {
+                // SAFETY: `[addr, addr + left)` lies inside a live registration of this
+                // process allowing remote writes (checked when the header arrived), valid for
+                // writes by the registration contract.
+                let got = unsafe { sys::recv_into(fd, addr, left) }?;
+                if got == left {
+                    self.applied(header);
+                } else if got > 0 {
+                    self.incoming = Incoming::Payload {
+                        addr: addr + got as u64,
+                        left: left - got,
+                        header,
+                    };
+                }
+                Ok(got)
+            }
+            Incoming::Discard {
+                left,
+                header,
+                status,
+            } => {
+                let len = left.min(scratch.len());
+                // SAFETY: `scratch[..len]` is writable.
+                let got = unsafe { sys::recv_into(fd, scratch.as_mut_ptr() as u64, len) }?;
+                if got == left {
+                    self.answer(header, status);
+                    self.incoming = Incoming::Header;
+                } else if got > 0 {
+                    self.incoming = Incoming::Discard {
+                        left: left - got,
+                        header,
+                        status,
+                    };
+                }
+                Ok(got)
+            }
+            Incoming::Immediate { header } => {
+                self.applied(header);
+                if matches!(self.incoming, Incoming::Immediate { .. }) {
+                    Err(ErrorKind::WouldBlock.into())
+                } else {
+                    Ok(1)
+                }
+            }
+        }
+    }
+}
+
+impl Fabric for TcpFabric {
+    /// Adopts the queue pair the control plane connected and staged for `endpoint` at
+    /// `epoch` ([`TcpDevice::stage`]).
+    fn connect(&mut self, endpoint: EndpointId, epoch: Epoch) -> Result<QpNum, FabricError> {
+        let qp = self
+            .device
+            .take_staged(endpoint, epoch)
+            .ok_or_else(|| FabricError::Connect {
+                endpoint,
+                epoch,
+                reason: format!(
+                    "no connected queue pair is staged on {} at {epoch}",
+                    self.device.name()
+                ),
+            })?;
+        self.adopt(Some(endpoint), qp)
+            .map_err(|error| FabricError::Connect {
+                endpoint,
+                epoch,
+                reason: error.to_string(),
+            })
+    }
+
+    fn post(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
+        let depth = self.device.config().send_queue_depth;
+        let Some(initiator) = self.initiators.get_mut(&qp.0).filter(|i| !i.retired) else {
+            return Err(PostError {
+                posted: 0,
+                error: FabricError::UnknownQp { qp },
+            });
+        };
+        let now = Instant::now();
+        if !initiator.live {
+            for request in requests {
+                let flushed = WorkCompletion::of(request, qp, WcStatus::WrFlushErr);
+                initiator.emit(flushed, now, &mut self.completions);
+            }
+            return Ok(());
+        }
+        if !initiator.outstanding() {
+            initiator.last_progress = now;
+        }
+        let room = depth.saturating_sub(initiator.queued.len() + initiator.inflight.len());
+        initiator
+            .queued
+            .extend(requests.iter().take(room).map(|request| {
+                Queued {
+                    request: *request,
+                    header: RequestHeader {
+                        op: match request.opcode {
+                            Opcode::Write => RequestOp::Write,
+                            Opcode::WriteWithImm => RequestOp::WriteWithImm,
+                            Opcode::Read => RequestOp::Read,
+                        },
+                        len: request.len,
+                        wr_id: request.wr_id.0,
+                        remote_addr: request.remote_addr,
+                        rkey: request.rkey,
+                        imm: request.imm,
+                    }
+                    .encode(),
+                    delay: Duration::ZERO,
+                }
+            }));
+        if requests.len() > room {
+            return Err(PostError {
+                posted: room,
+                error: FabricError::SendQueueFull { qp },
+            });
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        if !std::mem::take(&mut self.progressed) && self.completions.len() < max {
+            self.progress();
+            self.progressed = false;
+        }
+        let count = max.min(self.completions.len());
+        out.extend(self.completions.drain(..count));
+        count
+    }
+
+    fn retire(&mut self, qp: QpNum) {
+        if let Some(initiator) = self.initiators.get_mut(&qp.0) {
+            if initiator.live {
+                let mut round = Round {
+                    plan: &self.faults.plan,
+                    device: &self.device,
+                    cq: &mut self.completions,
+                    events: &mut self.events,
+                    iov: &mut self.iov,
+                    now: Instant::now(),
+                };
+                initiator.go_to_error(&mut round);
+            }
+            initiator.retired = true;
+            self.epoll.remove(initiator.stream.as_raw_fd());
+        }
+        self.initiators
+            .retain(|_, i| !(i.retired && i.delayed.is_empty()));
+    }
+
+    fn poll_event(&mut self) -> Option<AsyncEvent> {
+        self.events.pop_front()
+    }
+
+    fn serve(&mut self) -> bool {
+        self.progress()
+    }
+}
