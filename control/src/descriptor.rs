@@ -20,6 +20,8 @@ pub struct RailDescriptor {
     pub name: String,
     /// Its fabric ([`fabric`]).
     pub fabric: u8,
+    /// Its TCP fabric data port, when it takes TCP queue pairs (0: it does not).
+    pub tcp_port: u16,
 }
 
 /// One registered region of a segment.

@@ -5,7 +5,8 @@
 //!   `now`) and its failure [`policy`];
 //! - the handshake [`wire`] format and segment [`descriptor`]s, with the p2p [`directory`];
 //! - the control thread ([`plane`]): listener, dialer, endpoints, passive queue pairs;
-//!   rate-limited warnings ([`warn`]); what it needs of a rail's fabric ([`rail`]).
+//!   rate-limited warnings ([`warn`]); what it needs of a rail's fabric ([`rail`]), and
+//!   which host a peer is on ([`host`]), which decides the fabric that reaches it.
 //!
 //! It talks to pollers only by sending commands over rings and reading their events; it
 //! never touches a queue pair a poller owns, and its state machines do not read the clock,
@@ -17,6 +18,7 @@
 pub mod descriptor;
 pub mod directory;
 pub mod endpoint;
+pub mod host;
 pub mod plane;
 pub mod policy;
 pub mod rail;
@@ -26,10 +28,11 @@ pub mod wire;
 pub use descriptor::{RailDescriptor, RegionDescriptor, SegmentDescriptor};
 pub use directory::{Directory, P2pDirectory};
 pub use endpoint::{Endpoint, EndpointKey, EndpointStats, Incarnation, Input, Output, Phase};
+pub use host::HostId;
 pub use plane::{
     ControlConfig, ControlError, ControlPlane, ControlRail, ControlShared, ControlStats,
     EndpointView, Notification, NotificationBody,
 };
 pub use policy::Policy;
-pub use rail::RailFabric;
+pub use rail::{HostMode, HostRail, PeerLink, RailFabric};
 pub use wire::{FrameDecoder, Message, WireError};

@@ -51,8 +51,9 @@ use railyard_dataplane::{
 use crate::descriptor::{RegionDescriptor, SegmentDescriptor};
 use crate::directory::{Directory, P2pDirectory};
 use crate::endpoint::{Endpoint, EndpointKey, Incarnation, Input, Output, Phase};
+use crate::host::HostId;
 use crate::policy::Policy;
-use crate::rail::RailFabric;
+use crate::rail::{PeerLink, RailFabric};
 use crate::warn::{RateLimiter, WarningKind};
 use crate::wire::{FrameDecoder, Message, QpSide, WireKey};
 
@@ -517,6 +518,8 @@ impl ControlPlane {
             next_epochs: HashMap::new(),
             passive: HashMap::new(),
             peer_names: HashMap::new(),
+            peer_hosts: HashMap::new(),
+            host: HostId::this_process(),
             directory: P2pDirectory::new(),
             waiting: Vec::new(),
             pending_notifications: Vec::new(),
@@ -734,6 +737,10 @@ struct Plane<F: RailFabric> {
     passive: HashMap<WireKey, Passive<F::Connected>>,
     /// What each peer name's newest incarnation is, from Hello in either direction.
     peer_names: HashMap<String, Incarnation>,
+    /// Which host each peer incarnation said it runs on.
+    peer_hosts: HashMap<Incarnation, HostId>,
+    /// This process's host.
+    host: HostId,
     directory: P2pDirectory,
     waiting: Vec<Waiting>,
     /// Notifications waiting for their batch.
@@ -1012,6 +1019,7 @@ impl<F: RailFabric> Plane<F> {
         conn.send(&Message::Hello {
             name: self.config.name.clone(),
             incarnation: self.incarnation,
+            host: self.host,
         });
         conn.send(&Message::GetDescriptor);
         let index = self.insert_conn(conn);
@@ -1176,7 +1184,11 @@ impl<F: RailFabric> Plane<F> {
 
     fn handle_message(&mut self, index: usize, message: Message, now: Instant) {
         match message {
-            Message::Hello { name, incarnation } => self.on_hello(index, name, incarnation, now),
+            Message::Hello {
+                name,
+                incarnation,
+                host,
+            } => self.on_hello(index, name, incarnation, host, now),
             Message::GetDescriptor => {
                 let descriptor = self.local_descriptor();
                 if let Some(conn) = self.conns[index].as_mut() {
@@ -1232,7 +1244,14 @@ impl<F: RailFabric> Plane<F> {
         }
     }
 
-    fn on_hello(&mut self, index: usize, name: String, incarnation: Incarnation, now: Instant) {
+    fn on_hello(
+        &mut self,
+        index: usize,
+        name: String,
+        incarnation: Incarnation,
+        host: HostId,
+        now: Instant,
+    ) {
         let Some(conn) = self.conns[index].as_mut() else {
             return;
         };
@@ -1242,8 +1261,10 @@ impl<F: RailFabric> Plane<F> {
             conn.send(&Message::Hello {
                 name: self.config.name.clone(),
                 incarnation: self.incarnation,
+                host: self.host,
             });
         }
+        self.peer_hosts.insert(incarnation, host);
         if let Some(old) = self.peer_names.insert(name.clone(), incarnation) {
             if old != incarnation {
                 self.peer_restarted(&name, old, incarnation, now);
@@ -1276,6 +1297,7 @@ impl<F: RailFabric> Plane<F> {
         for (rail, _, remote_rail, addr) in stale {
             self.endpoint_for(name.to_string(), new, addr, rail, remote_rail, now);
         }
+        self.peer_hosts.remove(&old);
         let before = self.passive.len();
         self.passive.retain(|key, _| key.initiator != old);
         let dropped = (before - self.passive.len()) as u64;
@@ -1428,8 +1450,24 @@ impl<F: RailFabric> Plane<F> {
         view
     }
 
+    /// What is known of the peer `incarnation` reached over connection `conn`.
+    fn link(&self, conn: usize, incarnation: Incarnation) -> PeerLink {
+        let local_ip = self.conns[conn]
+            .as_ref()
+            .and_then(|c| c.stream.local_addr().ok())
+            .map_or(self.local_addr.ip(), |addr| addr.ip());
+        PeerLink {
+            same_host: self
+                .peer_hosts
+                .get(&incarnation)
+                .is_some_and(|host| host.same_host_as(&self.host)),
+            local_ip,
+        }
+    }
+
     fn on_connect_qp(&mut self, index: usize, key: WireKey, epoch: u64, side: QpSide) {
-        let reply = self.answer_connect_qp(key, &side);
+        let link = self.link(index, key.initiator);
+        let reply = self.answer_connect_qp(key, &side, &link);
         let message = Message::ConnectQpReply {
             key,
             epoch,
@@ -1440,7 +1478,12 @@ impl<F: RailFabric> Plane<F> {
         }
     }
 
-    fn answer_connect_qp(&mut self, key: WireKey, side: &QpSide) -> Result<QpSide, String> {
+    fn answer_connect_qp(
+        &mut self,
+        key: WireKey,
+        side: &QpSide,
+        link: &PeerLink,
+    ) -> Result<QpSide, String> {
         if key.target != self.incarnation {
             bump(&self.shared.counters.refused);
             return Err(format!(
@@ -1462,7 +1505,7 @@ impl<F: RailFabric> Plane<F> {
                 return Ok(existing.local.clone());
             }
         }
-        let (qp, local) = rail.fabric.create_target_qp()?;
+        let (qp, local) = rail.fabric.create_target_qp(link, side)?;
         let qp = match rail.fabric.connect_qp(qp, side) {
             Ok(connected) => connected,
             Err(reason) => {
@@ -1695,7 +1738,8 @@ impl<F: RailFabric> Plane<F> {
                 return self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
             }
         };
-        let created = self.rails[usize::from(rail)].fabric.create_qp();
+        let link = self.link(conn, key.peer);
+        let created = self.rails[usize::from(rail)].fabric.create_qp(&link);
         let (qp, side) = match created {
             Ok(created) => created,
             Err(reason) => {

@@ -1,10 +1,14 @@
 //! What the control plane needs from a rail's fabric to connect queue pairs — create one,
-//! connect it to the peer's side, hand it to the poller — and the soft and verbs fabrics'
-//! answers.
+//! connect it to the peer's side, hand it to the poller — and the answers of the soft,
+//! host (soft or TCP per peer) and verbs rails.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use railyard_dataplane::fabric::soft::{SoftAttachment, SoftDevice, SoftQp};
+use railyard_dataplane::fabric::tcp::{
+    TcpAttachment, TcpDevice, TcpPreparedQp, TcpQp, TcpTarget, is_unspecified,
+};
 use railyard_dataplane::fabric::verbs::VerbsRail;
 use railyard_dataplane::fabric::verbs::ffi::{PreparedQp, QueuePair};
 use railyard_dataplane::fabric::{Access, QpInfo};
@@ -12,6 +16,16 @@ use railyard_dataplane::{EndpointId, Epoch};
 
 use crate::descriptor::{RailDescriptor, fabric};
 use crate::wire::QpSide;
+
+/// What the control thread knows of the peer a queue pair is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerLink {
+    /// The peer runs on this host, in this PID namespace (from its Hello).
+    pub same_host: bool,
+    /// The local address the peer's control connection reached (where a target's fabric
+    /// port is advertised when it listens on every address).
+    pub local_ip: IpAddr,
+}
 
 /// A rail's fabric, as the control thread drives it. Never touches a queue pair the poller
 /// already owns: `stage` hands it over and that is the end of the control plane's part.
@@ -23,18 +37,24 @@ pub trait RailFabric: Send + Sync + 'static {
     /// A queue pair in RTS, not yet handed over.
     type Connected: Send + 'static;
 
-    /// A new queue pair in INIT, and what the peer needs to connect to it.
+    /// A new queue pair in INIT to initiate towards the peer of `link`, and what the peer
+    /// needs to connect to it.
     ///
     /// # Errors
-    /// Why the fabric could not make one.
-    fn create_qp(&self) -> Result<(Self::Qp, QpSide), String>;
+    /// Why the fabric could not make one (or cannot reach that peer).
+    fn create_qp(&self, link: &PeerLink) -> Result<(Self::Qp, QpSide), String>;
 
-    /// A new queue pair in INIT for the target's side of a connection, ready to take
-    /// WRITE_WITH_IMM immediates once connected ([`Self::take_immediates`]).
+    /// A new queue pair in INIT for the target's side of a connection that the peer of
+    /// `link` initiates with `initiator`, ready to take WRITE_WITH_IMM immediates once
+    /// connected ([`Self::take_immediates`]).
     ///
     /// # Errors
     /// Why the fabric could not make one.
-    fn create_target_qp(&self) -> Result<(Self::Qp, QpSide), String>;
+    fn create_target_qp(
+        &self,
+        link: &PeerLink,
+        initiator: &QpSide,
+    ) -> Result<(Self::Qp, QpSide), String>;
 
     /// Appends the immediates that arrived on a target's connected queue pair since the
     /// last call to `out`, oldest first, and re-arms its receives.
@@ -60,24 +80,47 @@ pub trait RailFabric: Send + Sync + 'static {
     fn describe(&self) -> RailDescriptor;
 }
 
+const NOT_SAME_HOST: &str = "the soft fabric reaches only processes on this host (same boot \
+     id and PID namespace), and this peer is not one (use --fabric tcp or auto)";
+
+/// A soft queue pair in INIT and its side.
+fn soft_qp(device: &SoftDevice) -> Result<(SoftQp, QpSide), String> {
+    // Access is governed per registration; the queue pair itself allows everything.
+    let mut qp = device.create_qp(Access::ALL).map_err(|e| e.to_string())?;
+    qp.modify_to_init().map_err(|e| e.to_string())?;
+    let side = QpSide {
+        info: qp.info(),
+        attachment: qp.attachment().encode().to_vec(),
+    };
+    Ok((qp, side))
+}
+
+/// Connects a soft queue pair to the peer's `remote` side.
+fn connect_soft(mut qp: SoftQp, remote: &QpSide) -> Result<SoftQp, String> {
+    let attachment = SoftAttachment::decode(&remote.attachment)?;
+    qp.connect(&remote.info, &attachment)
+        .map_err(|e| e.to_string())?;
+    Ok(qp)
+}
+
 impl RailFabric for SoftDevice {
     type Qp = SoftQp;
     type Connected = SoftQp;
 
-    fn create_qp(&self) -> Result<(SoftQp, QpSide), String> {
-        // Access is governed per registration; the queue pair itself allows everything.
-        let mut qp = SoftDevice::create_qp(self, Access::ALL).map_err(|e| e.to_string())?;
-        qp.modify_to_init().map_err(|e| e.to_string())?;
-        let side = QpSide {
-            info: qp.info(),
-            attachment: qp.attachment().encode().to_vec(),
-        };
-        Ok((qp, side))
+    fn create_qp(&self, link: &PeerLink) -> Result<(SoftQp, QpSide), String> {
+        if !link.same_host {
+            return Err(NOT_SAME_HOST.into());
+        }
+        soft_qp(self)
     }
 
-    fn create_target_qp(&self) -> Result<(SoftQp, QpSide), String> {
+    fn create_target_qp(
+        &self,
+        _link: &PeerLink,
+        _initiator: &QpSide,
+    ) -> Result<(SoftQp, QpSide), String> {
         // Every soft queue pair has its inbox.
-        RailFabric::create_qp(self)
+        soft_qp(self)
     }
 
     fn take_immediates(&self, qp: &mut SoftQp, out: &mut Vec<u32>) -> Result<(), String> {
@@ -85,11 +128,8 @@ impl RailFabric for SoftDevice {
         Ok(())
     }
 
-    fn connect_qp(&self, mut qp: SoftQp, remote: &QpSide) -> Result<SoftQp, String> {
-        let attachment = SoftAttachment::decode(&remote.attachment)?;
-        qp.connect(&remote.info, &attachment)
-            .map_err(|e| e.to_string())?;
-        Ok(qp)
+    fn connect_qp(&self, qp: SoftQp, remote: &QpSide) -> Result<SoftQp, String> {
+        connect_soft(qp, remote)
     }
 
     fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: SoftQp) -> Result<(), String> {
@@ -100,6 +140,152 @@ impl RailFabric for SoftDevice {
         RailDescriptor {
             name: self.name().to_string(),
             fabric: fabric::SOFT,
+            tcp_port: 0,
+        }
+    }
+}
+
+/// Which fabric a host rail initiates with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostMode {
+    /// The soft fabric for a peer on this host, TCP for one on another.
+    Auto,
+    /// The soft fabric only (peers on this host).
+    Soft,
+    /// TCP for every peer, even on this host.
+    Tcp,
+}
+
+/// A rail of a host without RDMA: its soft device and the TCP device serving the same
+/// registrations. It initiates per [`HostMode`]; as a target it answers with the fabric
+/// the initiator chose.
+#[derive(Clone, Debug)]
+pub struct HostRail {
+    /// The soft device (the registrations live in its table).
+    pub soft: SoftDevice,
+    /// The TCP device serving the same registrations.
+    pub tcp: TcpDevice,
+    /// How it initiates.
+    pub mode: HostMode,
+}
+
+/// A host rail's queue pair in INIT.
+#[derive(Debug)]
+pub enum HostQp {
+    /// On the soft fabric.
+    Soft(SoftQp),
+    /// A TCP initiator, to dial once the target answers.
+    Tcp(TcpPreparedQp),
+    /// A TCP target, waiting for its initiator's connection.
+    TcpTarget(TcpTarget),
+}
+
+/// A host rail's connected queue pair.
+#[derive(Debug)]
+pub enum HostConnected {
+    /// On the soft fabric.
+    Soft(SoftQp),
+    /// A TCP initiator's connection, for the poller.
+    Tcp(TcpQp),
+    /// A TCP target the rail's poller serves; the control thread keeps this handle.
+    TcpTarget(TcpTarget),
+}
+
+impl HostRail {
+    fn uses_tcp(&self, link: &PeerLink) -> bool {
+        match self.mode {
+            HostMode::Auto => !link.same_host,
+            HostMode::Soft => false,
+            HostMode::Tcp => true,
+        }
+    }
+}
+
+impl RailFabric for HostRail {
+    type Qp = HostQp;
+    type Connected = HostConnected;
+
+    fn create_qp(&self, link: &PeerLink) -> Result<(HostQp, QpSide), String> {
+        if self.uses_tcp(link) {
+            let (qp, info) = self.tcp.create_qp();
+            let attachment = TcpAttachment::Initiator.encode();
+            return Ok((HostQp::Tcp(qp), QpSide { info, attachment }));
+        }
+        let (qp, side) = RailFabric::create_qp(&self.soft, link)?;
+        Ok((HostQp::Soft(qp), side))
+    }
+
+    fn create_target_qp(
+        &self,
+        link: &PeerLink,
+        initiator: &QpSide,
+    ) -> Result<(HostQp, QpSide), String> {
+        if !TcpAttachment::is_tcp(&initiator.attachment) {
+            let (qp, side) = soft_qp(&self.soft)?;
+            return Ok((HostQp::Soft(qp), side));
+        }
+        let bound = self.tcp.local_addr().ip();
+        let advertise = if is_unspecified(bound) {
+            link.local_ip
+        } else {
+            bound
+        };
+        let (target, info, attachment) = self.tcp.create_target(advertise);
+        let side = QpSide {
+            info,
+            attachment: attachment.encode(),
+        };
+        Ok((HostQp::TcpTarget(target), side))
+    }
+
+    fn take_immediates(&self, qp: &mut HostConnected, out: &mut Vec<u32>) -> Result<(), String> {
+        match qp {
+            HostConnected::Soft(qp) => qp.take_immediates(out),
+            HostConnected::TcpTarget(target) => target.take_immediates(out),
+            HostConnected::Tcp(_) => {}
+        }
+        Ok(())
+    }
+
+    fn connect_qp(&self, qp: HostQp, remote: &QpSide) -> Result<HostConnected, String> {
+        match qp {
+            HostQp::Soft(qp) => connect_soft(qp, remote).map(HostConnected::Soft),
+            HostQp::Tcp(prepared) => {
+                let attachment =
+                    TcpAttachment::decode(&remote.attachment).map_err(|e| e.to_string())?;
+                self.tcp
+                    .connect(prepared, &attachment)
+                    .map(HostConnected::Tcp)
+                    .map_err(|e| e.to_string())
+            }
+            // The initiator dials; the poller serves the connection once it says hello.
+            HostQp::TcpTarget(target) => Ok(HostConnected::TcpTarget(target)),
+        }
+    }
+
+    fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: HostConnected) -> Result<(), String> {
+        match qp {
+            HostConnected::Soft(qp) => {
+                SoftDevice::stage(&self.soft, endpoint, epoch, qp).map_err(|e| e.to_string())
+            }
+            HostConnected::Tcp(qp) => {
+                self.tcp.stage(endpoint, epoch, qp);
+                Ok(())
+            }
+            HostConnected::TcpTarget(_) => {
+                Err("a target's queue pair is served, never staged for an endpoint".into())
+            }
+        }
+    }
+
+    fn describe(&self) -> RailDescriptor {
+        RailDescriptor {
+            name: self.soft.name().to_string(),
+            fabric: match self.mode {
+                HostMode::Tcp => fabric::TCP,
+                HostMode::Auto | HostMode::Soft => fabric::SOFT,
+            },
+            tcp_port: self.tcp.local_addr().port(),
         }
     }
 }
@@ -108,14 +294,18 @@ impl RailFabric for Arc<VerbsRail> {
     type Qp = PreparedQp;
     type Connected = QueuePair;
 
-    fn create_qp(&self) -> Result<(PreparedQp, QpSide), String> {
+    fn create_qp(&self, _link: &PeerLink) -> Result<(PreparedQp, QpSide), String> {
         // A random first PSN per queue pair, as verbs expects.
         let psn = crate::plane::random_u64() as u32;
         let (qp, info) = VerbsRail::create_qp(self, psn).map_err(|e| e.to_string())?;
         Ok((qp, verbs_side(info)))
     }
 
-    fn create_target_qp(&self) -> Result<(PreparedQp, QpSide), String> {
+    fn create_target_qp(
+        &self,
+        _link: &PeerLink,
+        _initiator: &QpSide,
+    ) -> Result<(PreparedQp, QpSide), String> {
         let psn = crate::plane::random_u64() as u32;
         let (qp, info) = VerbsRail::create_target_qp(self, psn).map_err(|e| e.to_string())?;
         Ok((qp, verbs_side(info)))
@@ -138,6 +328,7 @@ impl RailFabric for Arc<VerbsRail> {
         RailDescriptor {
             name: self.name().to_string(),
             fabric: fabric::VERBS,
+            tcp_port: 0,
         }
     }
 }

@@ -14,11 +14,12 @@ use railyard_dataplane::fabric::QpInfo;
 
 use crate::descriptor::{RailDescriptor, RegionDescriptor, SegmentDescriptor};
 use crate::endpoint::Incarnation;
+use crate::host::HostId;
 
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RYCP";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Header bytes.
 pub const HEADER_LEN: usize = 12;
 /// Largest body accepted.
@@ -56,12 +57,14 @@ pub struct QpSide {
 /// One handshake message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
-    /// Who is speaking: the process's name and incarnation.
+    /// Who is speaking: the process's name, incarnation and host.
     Hello {
         /// Segment name.
         name: String,
         /// Process incarnation.
         incarnation: Incarnation,
+        /// Its host and PID namespace (which fabric can reach it).
+        host: HostId,
     },
     /// Asks for the listener's segment descriptor.
     GetDescriptor,
@@ -277,6 +280,7 @@ fn write_descriptor(w: &mut Writer, d: &SegmentDescriptor) {
     for rail in &d.rails {
         w.string(&rail.name);
         w.u8(rail.fabric);
+        w.u16(rail.tcp_port);
     }
     w.u32(d.regions.len() as u32);
     for region in &d.regions {
@@ -294,12 +298,13 @@ fn read_descriptor(r: &mut Reader<'_>) -> Result<SegmentDescriptor, WireError> {
     let name = r.string("segment name")?;
     let incarnation = Incarnation(r.u64("incarnation")?);
     let handshake_addr = r.string("handshake address")?;
-    let rail_count = r.count(5, "rail count")?;
+    let rail_count = r.count(7, "rail count")?;
     let mut rails = Vec::with_capacity(rail_count);
     for _ in 0..rail_count {
         rails.push(RailDescriptor {
             name: r.string("rail name")?,
             fabric: r.u8("rail fabric")?,
+            tcp_port: r.u16("rail TCP port")?,
         });
     }
     let region_count = r.count(28, "region count")?;
@@ -340,9 +345,17 @@ impl Message {
     pub fn encode(&self) -> Vec<u8> {
         let mut body = Writer::default();
         let kind = match self {
-            Self::Hello { name, incarnation } => {
+            Self::Hello {
+                name,
+                incarnation,
+                host,
+            } => {
                 body.string(name);
                 body.u64(incarnation.0);
+                for byte in host.boot_id {
+                    body.u8(byte);
+                }
+                body.u64(host.pid_namespace);
                 HELLO
             }
             Self::GetDescriptor => GET_DESCRIPTOR,
@@ -396,6 +409,10 @@ impl Message {
             HELLO => Self::Hello {
                 name: r.string("name")?,
                 incarnation: Incarnation(r.u64("incarnation")?),
+                host: HostId {
+                    boot_id: r.array("boot id")?,
+                    pid_namespace: r.u64("pid namespace")?,
+                },
             },
             GET_DESCRIPTOR => Self::GetDescriptor,
             DESCRIPTOR => Self::Descriptor(read_descriptor(&mut r)?),
@@ -534,8 +551,14 @@ mod tests {
     }
 
     fn descriptor() -> impl Strategy<Value = SegmentDescriptor> {
-        let rail = ("[a-z0-9_]{0,12}", any::<u8>())
-            .prop_map(|(name, fabric)| RailDescriptor { name, fabric });
+        let rail =
+            ("[a-z0-9_]{0,12}", any::<u8>(), any::<u16>()).prop_map(|(name, fabric, tcp_port)| {
+                RailDescriptor {
+                    name,
+                    fabric,
+                    tcp_port,
+                }
+            });
         let region = (
             0u64..1 << 47,
             0u64..1 << 40,
@@ -568,10 +591,16 @@ mod tests {
 
     fn message() -> impl Strategy<Value = Message> {
         prop_oneof![
-            ("\\PC{0,24}", any::<u64>()).prop_map(|(name, i)| Message::Hello {
-                name,
-                incarnation: Incarnation(i)
-            }),
+            ("\\PC{0,24}", any::<u64>(), any::<[u8; 16]>(), any::<u64>()).prop_map(
+                |(name, i, boot_id, pid_namespace)| Message::Hello {
+                    name,
+                    incarnation: Incarnation(i),
+                    host: HostId {
+                        boot_id,
+                        pid_namespace,
+                    },
+                }
+            ),
             Just(Message::GetDescriptor),
             descriptor().prop_map(Message::Descriptor),
             (key(), any::<u64>(), side()).prop_map(|(key, epoch, side)| Message::ConnectQp {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use railyard_control::wire::{FrameDecoder, Message};
 use railyard_control::{
-    ControlConfig, ControlPlane, ControlRail, ControlShared, Incarnation, Policy,
+    ControlConfig, ControlPlane, ControlRail, ControlShared, HostId, Incarnation, Policy,
 };
 use railyard_dataplane::fabric::soft::SoftDevice;
 
@@ -38,6 +38,7 @@ fn silent_connections_beyond_the_cap_wait_and_then_time_out() {
     let hello = Message::Hello {
         name: "speaker".into(),
         incarnation: Incarnation(7),
+        host: HostId::this_process(),
     };
     speaker.write_all(&hello.encode()).expect("writes");
     let mut decoder = FrameDecoder::default();

@@ -49,7 +49,8 @@ pub enum IdleStrategy {
         spins: u32,
     },
     /// Spin `spins` rounds, then park for at most `park` (a submitter or command wakes it
-    /// earlier). Parks only with nothing in flight; otherwise it yields.
+    /// earlier). Parks only with nothing in flight and no peer to serve; otherwise it
+    /// yields.
     SpinThenPark {
         /// Idle rounds spent spinning before parking.
         spins: u32,
@@ -750,7 +751,7 @@ impl<F: Fabric> Poller<F> {
             IdleStrategy::SpinThenPark { spins, park } => {
                 if idle_rounds < spins {
                     std::hint::spin_loop();
-                } else if self.inflight.busy > 0 {
+                } else if self.inflight.busy > 0 || self.fabric.serving() {
                     thread::yield_now();
                 } else {
                     self.shared.parked.store(true, Ordering::Relaxed);

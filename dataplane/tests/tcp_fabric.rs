@@ -73,15 +73,20 @@ fn rig_with(config: TcpConfig, target_access: Access, serve: bool) -> Rig {
     let target_soft = device("target0");
     let source = register(&initiator_soft, 1 << 20, 0xAB, Access::LOCAL_WRITE);
     let target = register(&target_soft, 1 << 20, 0, target_access);
-    let initiator = TcpDevice::open(&initiator_soft, LOCALHOST, config.clone()).expect("loopback set-up");
+    let initiator =
+        TcpDevice::open(&initiator_soft, LOCALHOST, config.clone()).expect("loopback set-up");
     let target_device = TcpDevice::open(&target_soft, LOCALHOST, config).expect("loopback set-up");
     let (handle, _, attachment) = target_device.create_target(LOCALHOST);
     let (prepared, _) = initiator.create_qp();
-    let connected = initiator.connect(prepared, &attachment).expect("loopback set-up");
+    let connected = initiator
+        .connect(prepared, &attachment)
+        .expect("loopback set-up");
     let target_fabric = target_device.fabric().expect("loopback set-up");
     let target_poller = serve.then(|| TargetPoller::start(target_fabric));
     let mut fabric = initiator.fabric().expect("loopback set-up");
-    let qp = fabric.adopt(Some(EndpointId(0)), connected).expect("loopback set-up");
+    let qp = fabric
+        .adopt(Some(EndpointId(0)), connected)
+        .expect("loopback set-up");
     Rig {
         source,
         target,

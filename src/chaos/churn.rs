@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use railyard_control::wire::{FrameDecoder, Message, QpSide, WireKey};
-use railyard_control::{Incarnation, Policy, RailFabric};
+use railyard_control::{HostId, Incarnation, PeerLink, Policy, RailFabric};
 use railyard_dataplane::fabric::soft::{SoftConfig, SoftDevice};
 use railyard_dataplane::{RequestOutcome, Submitter};
 use serde::Serialize;
@@ -99,6 +99,7 @@ fn handshake_once(
     let mut frames = Message::Hello {
         name: name.into(),
         incarnation,
+        host: HostId::this_process(),
     }
     .encode();
     frames.extend(
@@ -138,7 +139,11 @@ pub fn run(seed: u64) -> Result<ChurnReport> {
 
     // The raw peer: its own device and one queue pair, handshaken many times.
     let device = SoftDevice::open("raw-peer", SoftConfig::default())?;
-    let (qp, side) = RailFabric::create_qp(&device).map_err(anyhow::Error::msg)?;
+    let link = PeerLink {
+        same_host: true,
+        local_ip: target.addr().ip(),
+    };
+    let (qp, side) = RailFabric::create_qp(&device, &link).map_err(anyhow::Error::msg)?;
     let incarnation = Incarnation(device.incarnation());
     let key = WireKey {
         initiator: incarnation,

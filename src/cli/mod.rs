@@ -53,8 +53,11 @@ fn parse_fabric(text: &str) -> Result<railyard::engine::FabricChoice, String> {
     match text {
         "auto" => Ok(FabricChoice::Auto),
         "soft" => Ok(FabricChoice::Soft),
+        "tcp" => Ok(FabricChoice::Tcp),
         "verbs" => Ok(FabricChoice::Verbs),
-        other => Err(format!("{other:?} is not a fabric (auto, soft, verbs)")),
+        other => Err(format!(
+            "{other:?} is not a fabric (auto, soft, tcp, verbs)"
+        )),
     }
 }
 

@@ -46,7 +46,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use railyard_control::{
-    ControlConfig, ControlPlane, ControlShared, ControlStats, EndpointView, Incarnation,
+    ControlConfig, ControlPlane, ControlShared, ControlStats, EndpointView, HostMode, Incarnation,
     Notification, Policy, RegionDescriptor, SegmentDescriptor,
 };
 use railyard_dataplane::fabric::MemoryRegion;
@@ -62,10 +62,13 @@ pub use transfer::{EngineSubmitter, Op, SubmitTiming, Transfer};
 /// Which fabric moves the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FabricChoice {
-    /// Verbs when RDMA devices are rails, else the soft fabric.
+    /// Verbs when RDMA devices are rails; else, per peer, the soft fabric for a process on
+    /// this host and TCP for one on another (told apart by boot id and PID namespace).
     Auto,
     /// The soft fabric (shared memory and `process_vm_*` on one host).
     Soft,
+    /// TCP, for every peer.
+    Tcp,
     /// RDMA verbs.
     Verbs,
 }
@@ -239,17 +242,19 @@ impl EngineBuilder {
         };
         let verbs = railyard_dataplane::fabric::verbs::devices();
         let use_verbs = match (self.fabric, &verbs) {
-            (FabricChoice::Soft, _) => false,
+            (FabricChoice::Soft | FabricChoice::Tcp, _) => false,
             (FabricChoice::Auto, Err(unavailable)) => {
                 warnings.push(format!(
-                    "no verbs fabric ({unavailable}); using the soft fabric"
+                    "no verbs fabric ({unavailable}); using the soft fabric for peers on this \
+                     host and TCP for peers on others"
                 ));
                 false
             }
             (FabricChoice::Auto, Ok(_)) if rdma.is_empty() => {
                 warnings.push(
                     "RDMA devices exist but none is a rail of the plan (or --rails asked for \
-                     software rails); using the soft fabric"
+                     software rails); using the soft fabric for peers on this host and TCP \
+                     for peers on others"
                         .into(),
                 );
                 false
@@ -290,9 +295,16 @@ impl EngineBuilder {
                 &mut warnings,
             )?
         } else {
-            Rails::start_soft(
+            let mode = match self.fabric {
+                FabricChoice::Soft => HostMode::Soft,
+                FabricChoice::Tcp => HostMode::Tcp,
+                FabricChoice::Auto | FabricChoice::Verbs => HostMode::Auto,
+            };
+            Rails::start_host(
                 &self.name,
                 &planned,
+                mode,
+                self.listen.ip(),
                 self.idle,
                 control_config,
                 &shared,

@@ -3,8 +3,14 @@
 
 use std::sync::Arc;
 
-use railyard_control::{ControlConfig, ControlPlane, ControlRail, ControlShared, RailFabric};
+use std::net::IpAddr;
+
+use railyard_control::{
+    ControlConfig, ControlPlane, ControlRail, ControlShared, HostMode, HostRail, RailFabric,
+};
+use railyard_dataplane::fabric::host::HostFabric;
 use railyard_dataplane::fabric::soft::{SoftBuffer, SoftConfig, SoftDevice};
+use railyard_dataplane::fabric::tcp::{TcpConfig, TcpDevice};
 use railyard_dataplane::fabric::verbs::{RailConfig, VerbsFabric, VerbsRail};
 use railyard_dataplane::fabric::{Access, Fabric, MemoryRegion};
 use railyard_dataplane::{IdleStrategy, PollerConfig, PollerHandle, SpawnError};
@@ -26,9 +32,9 @@ pub(crate) struct PlannedRail {
     pub(crate) numa: u32,
 }
 
-/// The rails of one engine: all of one fabric.
+/// The rails of one engine: all RDMA (verbs) or all host rails (soft and TCP).
 pub(crate) enum Rails {
-    Soft(Vec<SoftDevice>),
+    Host(Vec<HostRail>),
     Verbs(Vec<Arc<VerbsRail>>),
 }
 
@@ -53,7 +59,7 @@ fn spawn_poller<F: Fabric + 'static>(
     planned: &PlannedRail,
     idle: IdleStrategy,
     shared: &Arc<ControlShared>,
-    fabric: impl Fn() -> F,
+    fabric: impl Fn() -> Result<F, String>,
     warnings: &mut Vec<String>,
 ) -> Result<Arc<PollerHandle>, BuildError> {
     let config = PollerConfig {
@@ -61,27 +67,28 @@ fn spawn_poller<F: Fabric + 'static>(
         idle,
         ..PollerConfig::new(format!("railyard-rail{rail}"))
     };
-    let spawn = |config: PollerConfig| {
-        PollerHandle::spawn(config, fabric(), shared.reprepare_hook(rail as u16))
-    };
     let failed = |error: SpawnError| BuildError::Poller {
         rail,
         reason: error.to_string(),
     };
+    let spawn = |config: PollerConfig| {
+        let fabric = fabric().map_err(|reason| BuildError::Rail { rail, reason })?;
+        PollerHandle::spawn(config, fabric, shared.reprepare_hook(rail as u16)).map_err(failed)
+    };
     let poller = match spawn(config.clone()) {
         Ok(poller) => poller,
         // A plan's core may not be ours to pin (containers, taskset): run unpinned.
-        Err(SpawnError::Pin { pu, .. }) => {
+        Err(BuildError::Poller { .. }) if config.pin_pu.is_some() => {
+            let pu = config.pin_pu.unwrap_or_default();
             warnings.push(format!(
                 "rail {rail}: cannot pin its poller to PU {pu}; unpinned"
             ));
             spawn(PollerConfig {
                 pin_pu: None,
                 ..config
-            })
-            .map_err(failed)?
+            })?
         }
-        Err(error) => return Err(failed(error)),
+        Err(error) => return Err(error),
     };
     Ok(Arc::new(poller))
 }
@@ -96,7 +103,7 @@ fn start_all<R: RailFabric + Clone, F: Fabric + 'static>(
     control: ControlConfig,
     shared: &Arc<ControlShared>,
     open: impl Fn(usize, &PlannedRail) -> Result<R, String>,
-    fabric: impl Fn(&R) -> F,
+    fabric: impl Fn(&R) -> Result<F, String>,
     warnings: &mut Vec<String>,
 ) -> Result<StartedRails<R>, BuildError> {
     let mut rails = Vec::new();
@@ -120,10 +127,13 @@ fn start_all<R: RailFabric + Clone, F: Fabric + 'static>(
 }
 
 impl Rails {
-    /// Starts the planned rails on the soft fabric.
-    pub(crate) fn start_soft(
+    /// Starts the planned rails as host rails: the soft fabric and TCP on one poller each,
+    /// TCP data ports on `bind`, initiating per `mode`.
+    pub(crate) fn start_host(
         name: &str,
         planned: &[PlannedRail],
+        mode: HostMode,
+        bind: IpAddr,
         idle: IdleStrategy,
         control: ControlConfig,
         shared: &Arc<ControlShared>,
@@ -135,14 +145,17 @@ impl Rails {
             control,
             shared,
             |index, _| {
-                SoftDevice::open(format!("{name}-soft{index}"), SoftConfig::default())
-                    .map_err(|e| e.to_string())
+                let soft = SoftDevice::open(format!("{name}-soft{index}"), SoftConfig::default())
+                    .map_err(|e| e.to_string())?;
+                let tcp = TcpDevice::open(&soft, bind, TcpConfig::default())
+                    .map_err(|e| e.to_string())?;
+                Ok(HostRail { soft, tcp, mode })
             },
-            SoftDevice::fabric,
+            |rail: &HostRail| HostFabric::new(&rail.soft, &rail.tcp).map_err(|e| e.to_string()),
             warnings,
         )?;
         Ok(Started {
-            rails: Self::Soft(rails),
+            rails: Self::Host(rails),
             pollers,
             control,
         })
@@ -173,7 +186,7 @@ impl Rails {
                 };
                 VerbsRail::open(device, config).map_err(|e| e.to_string())
             },
-            |rail: &Arc<VerbsRail>| VerbsFabric::new(rail.clone()),
+            |rail: &Arc<VerbsRail>| Ok(VerbsFabric::new(rail.clone())),
             warnings,
         )?;
         Ok(Started {
@@ -185,7 +198,7 @@ impl Rails {
 
     pub(crate) fn len(&self) -> usize {
         match self {
-            Self::Soft(rails) => rails.len(),
+            Self::Host(rails) => rails.len(),
             Self::Verbs(rails) => rails.len(),
         }
     }
@@ -193,7 +206,11 @@ impl Rails {
     /// The fabric's name.
     pub(crate) fn fabric(&self) -> &'static str {
         match self {
-            Self::Soft(_) => "soft",
+            Self::Host(rails) => match rails.first().map(|rail| rail.mode) {
+                Some(HostMode::Soft) => "soft",
+                Some(HostMode::Tcp) => "tcp",
+                Some(HostMode::Auto) | None => "soft+tcp",
+            },
             Self::Verbs(_) => "verbs",
         }
     }
@@ -201,9 +218,9 @@ impl Rails {
     /// Rail `index`'s name.
     pub(crate) fn name(&self, index: usize) -> String {
         match self {
-            Self::Soft(rails) => rails
+            Self::Host(rails) => rails
                 .get(index)
-                .map_or(String::new(), |r| r.name().to_string()),
+                .map_or(String::new(), |r| r.soft.name().to_string()),
             Self::Verbs(rails) => rails
                 .get(index)
                 .map_or(String::new(), |r| r.name().to_string()),
@@ -215,7 +232,8 @@ impl Rails {
         let failed = |reason: String| MemoryError::Alloc { len, reason };
         let size = usize::try_from(len).map_err(|_| failed("too large for this host".into()))?;
         match self {
-            Self::Soft(rails) => rails[0]
+            Self::Host(rails) => rails[0]
+                .soft
                 .alloc(size, Access::ALL)
                 .map(Memory::Soft)
                 .map_err(|e| failed(e.to_string())),
@@ -232,7 +250,7 @@ impl Rails {
         len: u64,
     ) -> Result<Vec<MemoryRegion>, MemoryError> {
         match (self, memory) {
-            (Self::Soft(rails), Memory::Soft(buffer)) => {
+            (Self::Host(rails), Memory::Soft(buffer)) => {
                 let mut registrations = vec![buffer.region()];
                 registrations.extend(register_all(
                     &rails[1..],
@@ -242,11 +260,11 @@ impl Rails {
                     |rail| {
                         // SAFETY: the engine keeps the buffer until these registrations are
                         // withdrawn (`deregister` runs before the memory drops).
-                        unsafe { rail.register_buffer(buffer, Access::ALL) }
+                        unsafe { rail.soft.register_buffer(buffer, Access::ALL) }
                             .map_err(|e| e.to_string())
                     },
                     |rail, region| {
-                        let _ = rail.deregister(region);
+                        let _ = rail.soft.deregister(region);
                     },
                 )?);
                 Ok(registrations)
@@ -273,18 +291,18 @@ impl Rails {
     ) -> Result<Vec<MemoryRegion>, MemoryError> {
         let size = len as usize;
         match self {
-            Self::Soft(rails) => register_all(
+            Self::Host(rails) => register_all(
                 rails,
                 0,
                 addr,
                 len,
                 |rail| {
                     // SAFETY: forwarded from the caller.
-                    unsafe { rail.register(addr as *const u8, size, Access::ALL) }
+                    unsafe { rail.soft.register(addr as *const u8, size, Access::ALL) }
                         .map_err(|e| e.to_string())
                 },
                 |rail, region| {
-                    let _ = rail.deregister(region);
+                    let _ = rail.soft.deregister(region);
                 },
             ),
             Self::Verbs(rails) => register_all(
@@ -316,9 +334,9 @@ impl Rails {
     pub(crate) fn deregister(&self, registrations: &[MemoryRegion], skip_first: bool) {
         let skip = usize::from(skip_first);
         match self {
-            Self::Soft(rails) => {
+            Self::Host(rails) => {
                 for (rail, region) in rails.iter().zip(registrations).skip(skip) {
-                    let _ = rail.deregister(region);
+                    let _ = rail.soft.deregister(region);
                 }
             }
             Self::Verbs(rails) => {

@@ -67,6 +67,10 @@ impl Fabric for HostFabric {
         self.tcp.serve()
     }
 
+    fn serving(&self) -> bool {
+        self.tcp.serving()
+    }
+
     fn poll_event(&mut self) -> Option<AsyncEvent> {
         self.soft.poll_event().or_else(|| self.tcp.poll_event())
     }

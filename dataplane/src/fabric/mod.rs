@@ -427,6 +427,13 @@ pub trait Fabric: Send {
         false
     }
 
+    /// Whether peers depend on this poller to serve them (open target connections): an
+    /// idle poller then yields instead of parking, so that their requests are not left
+    /// waiting for a wake-up nobody sends.
+    fn serving(&self) -> bool {
+        false
+    }
+
     /// The next asynchronous event, if any. Fabrics without them keep the default.
     fn poll_event(&mut self) -> Option<AsyncEvent> {
         None

@@ -1163,4 +1163,8 @@ impl Fabric for TcpFabric {
     fn serve(&mut self) -> bool {
         self.progress()
     }
+
+    fn serving(&self) -> bool {
+        !self.served.is_empty()
+    }
 }
