@@ -303,8 +303,7 @@ impl EngineBuilder {
             Rails::start_host(
                 &self.name,
                 &planned,
-                mode,
-                self.listen.ip(),
+                (mode, self.listen.ip()),
                 self.idle,
                 control_config,
                 &shared,

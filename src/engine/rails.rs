@@ -132,8 +132,7 @@ impl Rails {
     pub(crate) fn start_host(
         name: &str,
         planned: &[PlannedRail],
-        mode: HostMode,
-        bind: IpAddr,
+        (mode, bind): (HostMode, IpAddr),
         idle: IdleStrategy,
         control: ControlConfig,
         shared: &Arc<ControlShared>,
