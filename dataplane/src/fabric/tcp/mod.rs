@@ -9,9 +9,10 @@
 //! [`TcpDevice::connect`]) dials the target's data port and names, in its hello, the token
 //! the target handed out at ConnectQp ([`TcpDevice::create_target`]); the control plane then
 //! stages it for the poller, as with the other fabrics. The target's side is served by the
-//! target rail's own poller ([`TcpFabric`], through [`Fabric::serve`]), never by a thread of
-//! its own; the control plane keeps a [`TcpTarget`] handle, which takes the
-//! WRITE_WITH_IMM immediates and closes the connection when dropped.
+//! target rail's own poller ([`TcpFabric`], through
+//! [`Fabric::serve`](crate::fabric::Fabric::serve)), never by a thread of its own; the
+//! control plane keeps a [`TcpTarget`] handle, which takes the WRITE_WITH_IMM immediates
+//! and closes the connection when dropped.
 //!
 //! # Work requests
 //! A WRITE is a header (rkey, remote address, length, work-request id) then the payload,
