@@ -5,7 +5,7 @@
 # Usage: scripts/deps.sh [extra-package ...]
 set -euo pipefail
 
-packages=(pkg-config libibverbs-dev librdmacm-dev libhwloc-dev libudev-dev libclang-dev clang "$@")
+packages=(pkg-config libibverbs-dev librdmacm-dev libhwloc-dev libudev-dev libclang-dev clang iproute2 "$@")
 
 missing=()
 for pkg in "${packages[@]}"; do

@@ -1,97 +1,17 @@
 //! The Engine API across two processes: this test's engine and a `railyard serve` child.
 //! Writes, reads, notifications (alone, after a batch, as an immediate on the data path),
-//! byte-for-byte integrity, every
-//! documented error, and `railyard bench --json`'s shape.
+//! byte-for-byte integrity, every documented error, and `railyard bench --json`'s shape.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::num::NonZeroUsize;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{self, Receiver};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::{BOUND, Serve, bytes_of, done, read_back};
 use railyard::control::NotificationBody;
-use railyard::dataplane::{IdleStrategy, RequestOutcome};
-use railyard::engine::{
-    Engine, MemoryError, Op, PeerError, RailChoice, Region, Transfer, TransferError,
-};
-
-const BOUND: Duration = Duration::from_secs(10);
-
-/// A `railyard serve` child; killed when dropped.
-struct Serve {
-    child: Child,
-    _stdin: ChildStdin,
-    lines: Receiver<String>,
-    addr: String,
-    pool_base: u64,
-    pool_len: u64,
-}
-
-impl Serve {
-    fn start(pool: &str) -> Self {
-        Self::start_with(pool, &["--rails", "1"])
-    }
-
-    fn start_with(pool: &str, extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
-            .args(["--pool", pool, "--name", "decode-test"])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("railyard serve starts");
-        let stdin = child.stdin.take().expect("piped");
-        let stdout = child.stdout.take().expect("piped");
-        let (sender, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let first = lines
-            .recv_timeout(BOUND)
-            .expect("serve prints where it listens");
-        // listening ADDR incarnation INC pool 0xBASE LEN
-        let words: Vec<&str> = first.split_whitespace().collect();
-        assert_eq!(
-            (words[0], words[2], words[4]),
-            ("listening", "incarnation", "pool")
-        );
-        Self {
-            addr: words[1].to_string(),
-            pool_base: u64::from_str_radix(words[5].trim_start_matches("0x"), 16)
-                .expect("a hex pool address"),
-            pool_len: words[6].parse().expect("a pool length"),
-            child,
-            _stdin: stdin,
-            lines,
-        }
-    }
-
-    /// Waits (bounded) for an output line containing `needle`.
-    fn expect_line(&self, needle: &str) -> String {
-        let end = Instant::now() + BOUND;
-        while let Some(left) = end.checked_duration_since(Instant::now()) {
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.contains(needle) => return line,
-                Ok(_) => {}
-                Err(_) => break,
-            }
-        }
-        panic!("serve never printed {needle:?}");
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use railyard::dataplane::IdleStrategy;
+use railyard::engine::{Engine, MemoryError, Op, PeerError, RailChoice, Transfer, TransferError};
 
 fn engine() -> Engine {
     Engine::builder("prefill-test")
@@ -100,32 +20,6 @@ fn engine() -> Engine {
         .slice_size(64 * 1024)
         .build()
         .expect("the engine starts")
-}
-
-fn bytes_of(region: Region) -> &'static mut [u8] {
-    // SAFETY: the tests touch a region only while no transfer of it is in flight, and the
-    // engine (which frees it) outlives every use.
-    unsafe { std::slice::from_raw_parts_mut(region.addr as *mut u8, region.len as usize) }
-}
-
-/// The READs that bring `writes`' remote ranges back into `into`, at the same offsets.
-fn read_back(writes: &[Transfer], into: Region) -> Vec<Transfer> {
-    writes
-        .iter()
-        .map(|w| Transfer {
-            op: Op::Read,
-            local: into,
-            ..*w
-        })
-        .collect()
-}
-
-fn done(batch: &railyard::dataplane::Batch) -> bool {
-    batch.wait(Instant::now() + BOUND);
-    batch
-        .outcomes()
-        .iter()
-        .all(|o| *o == Some(RequestOutcome::Done))
 }
 
 #[test]

@@ -41,6 +41,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use railyard_dataplane::fabric::Opcode;
+use railyard_dataplane::fabric::tcp::TcpAttachment;
 use railyard_dataplane::ring::Consumer;
 use railyard_dataplane::rng::SplitMix64;
 use railyard_dataplane::{
@@ -224,6 +225,8 @@ pub struct ControlStats {
     pub reconnects: u64,
     /// ConnectQp requests answered by creating a passive queue pair.
     pub passive_qps: u64,
+    /// Of the active and passive queue pairs, those on the TCP fabric.
+    pub tcp_qps: u64,
     /// ConnectQp requests answered idempotently (same peer, same queue pair).
     pub idempotent_replies: u64,
     /// Passive queue pairs replaced or dropped, and endpoints retired: teardowns.
@@ -251,6 +254,7 @@ struct Counters {
     active_qps: AtomicU64,
     reconnects: AtomicU64,
     passive_qps: AtomicU64,
+    tcp_qps: AtomicU64,
     idempotent_replies: AtomicU64,
     teardowns: AtomicU64,
     peer_restarts: AtomicU64,
@@ -364,6 +368,7 @@ impl ControlShared {
             active_qps: get(&c.active_qps),
             reconnects: get(&c.reconnects),
             passive_qps: get(&c.passive_qps),
+            tcp_qps: get(&c.tcp_qps),
             idempotent_replies: get(&c.idempotent_replies),
             teardowns: get(&c.teardowns),
             peer_restarts: get(&c.peer_restarts),
@@ -1450,6 +1455,13 @@ impl<F: RailFabric> Plane<F> {
         view
     }
 
+    /// Counts a new queue pair by fabric (its side's attachment says which).
+    fn count_fabric(&self, side: &QpSide) {
+        if TcpAttachment::is_tcp(&side.attachment) {
+            bump(&self.shared.counters.tcp_qps);
+        }
+    }
+
     /// What is known of the peer `incarnation` reached over connection `conn`.
     fn link(&self, conn: usize, incarnation: Incarnation) -> PeerLink {
         let local_ip = self.conns[conn]
@@ -1514,6 +1526,7 @@ impl<F: RailFabric> Plane<F> {
             }
         };
         bump(&self.shared.counters.passive_qps);
+        self.count_fabric(&local);
         let replaced = self.passive.insert(
             key,
             Passive {
@@ -1751,6 +1764,7 @@ impl<F: RailFabric> Plane<F> {
             }
         };
         bump(&self.shared.counters.active_qps);
+        self.count_fabric(&side);
         if reconnect {
             bump(&self.shared.counters.reconnects);
             self.warn(

@@ -640,6 +640,8 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
             ),
         }
     };
+    // Which fabric reached the target: with `auto`, TCP only for a peer on another host.
+    let tcp_queue_pairs = engine.stats().control.tcp_qps;
     let verified: u64 = results.iter().map(|r| r.verified).sum();
     let mismatches: u64 = results.iter().map(|r| r.mismatches).sum();
     let backing = local.backing.map_or("user memory", |b| b.describe());
@@ -672,6 +674,7 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "ceiling_gbps": (ceiling.gbps * 1000.0).round() / 1000.0,
         "ratio": ((gbps / ceiling.gbps) * 1000.0).round() / 1000.0,
         "local_memory": backing,
+        "tcp_queue_pairs": tcp_queue_pairs,
         "check": { "enabled": args.check, "verified_bytes": verified, "mismatches": mismatches },
     });
     if args.json {

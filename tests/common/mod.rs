@@ -1,0 +1,115 @@
+//! Helpers shared by the integration tests that run a `railyard serve` child.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+use railyard::dataplane::RequestOutcome;
+use railyard::engine::{Op, Region, Transfer};
+
+pub const BOUND: Duration = Duration::from_secs(10);
+
+/// A `railyard serve` child; killed when dropped.
+pub struct Serve {
+    pub child: Child,
+    _stdin: ChildStdin,
+    lines: Receiver<String>,
+    pub addr: String,
+    pub pool_base: u64,
+    pub pool_len: u64,
+}
+
+impl Serve {
+    pub fn start(pool: &str) -> Self {
+        Self::start_with(pool, &["--rails", "1"])
+    }
+
+    pub fn start_with(pool: &str, extra: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
+            .args(["--pool", pool, "--name", "decode-test"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("railyard serve starts");
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        let (sender, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let first = lines
+            .recv_timeout(BOUND)
+            .expect("serve prints where it listens");
+        // listening ADDR incarnation INC pool 0xBASE LEN
+        let words: Vec<&str> = first.split_whitespace().collect();
+        assert_eq!(
+            (words[0], words[2], words[4]),
+            ("listening", "incarnation", "pool")
+        );
+        Self {
+            addr: words[1].to_string(),
+            pool_base: u64::from_str_radix(words[5].trim_start_matches("0x"), 16)
+                .expect("a hex pool address"),
+            pool_len: words[6].parse().expect("a pool length"),
+            child,
+            _stdin: stdin,
+            lines,
+        }
+    }
+
+    /// Waits (bounded) for an output line containing `needle`.
+    pub fn expect_line(&self, needle: &str) -> String {
+        let end = Instant::now() + BOUND;
+        while let Some(left) = end.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        panic!("serve never printed {needle:?}");
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn bytes_of(region: Region) -> &'static mut [u8] {
+    // SAFETY: the tests touch a region only while no transfer of it is in flight, and the
+    // engine (which frees it) outlives every use.
+    unsafe { std::slice::from_raw_parts_mut(region.addr as *mut u8, region.len as usize) }
+}
+
+/// The READs that bring `writes`' remote ranges back into `into`, at the same offsets.
+pub fn read_back(writes: &[Transfer], into: Region) -> Vec<Transfer> {
+    writes
+        .iter()
+        .map(|w| Transfer {
+            op: Op::Read,
+            local: into,
+            ..*w
+        })
+        .collect()
+}
+
+pub fn done(batch: &railyard::dataplane::Batch) -> bool {
+    batch.wait(Instant::now() + BOUND);
+    batch
+        .outcomes()
+        .iter()
+        .all(|o| *o == Some(RequestOutcome::Done))
+}
