@@ -45,6 +45,9 @@ const BYTES_PER_ROUND: usize = 16 << 20;
 const REQUESTS_PER_SEND: usize = 64;
 /// Replies a target queues before it stops reading requests (the initiator is not reading).
 const MAX_QUEUED_REPLIES: usize = 4096;
+/// A sink's buffer: as large as a big request, so that a raw stream lands in memory as
+/// cold as the fabric's destinations, not in one cache-resident block.
+const SINK_BUFFER: usize = 64 << 20;
 /// Reply headers read in one receive at most.
 const REPLIES_PER_RECEIVE: usize = 256;
 
@@ -126,8 +129,8 @@ enum Role {
         shared: Arc<TargetShared>,
         immediates: Producer<u32>,
     },
-    /// A raw stream, read and discarded.
-    Sink,
+    /// A raw stream, read and discarded into the fabric's sink buffer, cycling from `at`.
+    Sink { at: usize },
 }
 
 /// Where a served connection is in its current request.
@@ -192,8 +195,10 @@ pub struct TcpFabric {
     faults: FaultView,
     completions: VecDeque<WorkCompletion>,
     events: VecDeque<AsyncEvent>,
-    /// Where discarded and sink bytes go.
+    /// Where refused payloads go.
     scratch: Vec<u8>,
+    /// Where raw streams go (allocated for the first one).
+    sink: Vec<u8>,
     /// Scratch for vectored sends (rebuilt every send).
     iov: Vec<libc::iovec>,
     /// A round ran since the last `poll` (so `poll` need not run another).
@@ -235,6 +240,7 @@ impl TcpFabric {
             completions: VecDeque::new(),
             events: VecDeque::new(),
             scratch: vec![0; 256 * 1024],
+            sink: Vec::new(),
             iov: Vec::with_capacity(2 * REQUESTS_PER_SEND),
             progressed: false,
         })
@@ -304,6 +310,7 @@ impl TcpFabric {
         let mut io = ServeIo {
             device: &self.device,
             scratch: &mut self.scratch,
+            sink: &mut self.sink,
             iov: &mut self.iov,
             budget: &mut budget,
             now,
@@ -391,6 +398,7 @@ impl TcpFabric {
 struct ServeIo<'a> {
     device: &'a TcpDevice,
     scratch: &'a mut [u8],
+    sink: &'a mut Vec<u8>,
     iov: &'a mut Vec<libc::iovec>,
     budget: &'a mut usize,
     now: Instant,
@@ -841,12 +849,8 @@ impl Served {
         let mut moved = false;
         while *io.budget > 0 && !self.closed && self.replies.len() < MAX_QUEUED_REPLIES {
             let result = match self.role {
-                Role::Hello { .. } => self.read_hello(io.device),
-                Role::Sink => {
-                    let len = io.scratch.len().min(*io.budget);
-                    // SAFETY: `scratch[..len]` is writable.
-                    unsafe { sys::recv_into(self.fd(), io.scratch.as_mut_ptr() as u64, len) }
-                }
+                Role::Hello { .. } => self.read_hello(io.device, io.sink),
+                Role::Sink { .. } => self.read_sink(io.sink, *io.budget),
                 Role::Target { .. } => self.read_request(io),
             };
             match result {
@@ -871,7 +875,7 @@ impl Served {
 
     /// Reads the hello; once whole, becomes what it asks for (a target queue pair only if
     /// its token is pending on this device).
-    fn read_hello(&mut self, device: &TcpDevice) -> io::Result<usize> {
+    fn read_hello(&mut self, device: &TcpDevice, sink: &mut Vec<u8>) -> io::Result<usize> {
         let fd = self.fd();
         let Role::Hello { bytes, got, .. } = &mut self.role else {
             return Ok(0);
@@ -884,7 +888,13 @@ impl Served {
             return Ok(read);
         }
         match Hello::decode(bytes) {
-            Ok(Hello::Sink) => self.role = Role::Sink,
+            Ok(Hello::Sink) => {
+                if sink.is_empty() {
+                    // Written once, so that no page faults in while a stream is timed.
+                    *sink = vec![1; SINK_BUFFER];
+                }
+                self.role = Role::Sink { at: 0 };
+            }
             Ok(Hello::QueuePair { token }) => match device.pending().remove(&token) {
                 Some(pending) => {
                     self.role = Role::Target {
@@ -897,6 +907,19 @@ impl Served {
             Err(_) => self.closed = true,
         }
         Ok(read)
+    }
+
+    /// Receives raw bytes into the sink's buffer, where the last receive ended.
+    fn read_sink(&mut self, buffer: &mut [u8], budget: usize) -> io::Result<usize> {
+        let fd = self.fd();
+        let Role::Sink { at } = &mut self.role else {
+            return Ok(0);
+        };
+        let len = (buffer.len() - *at).min(budget);
+        // SAFETY: `buffer[at..at + len]` is writable.
+        let got = unsafe { sys::recv_into(fd, buffer[*at..].as_mut_ptr() as u64, len) }?;
+        *at = (*at + got) % buffer.len();
+        Ok(got)
     }
 
     /// Checks a request's header against the live region table and starts it.
