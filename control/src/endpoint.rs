@@ -105,6 +105,8 @@ pub enum Input {
     },
     /// The peer came back as a new incarnation: this endpoint is for the old one.
     PeerRestarted,
+    /// The peer is gone (a cluster directory saw its lease expire): nothing will answer.
+    PeerGone,
     /// The application no longer wants the endpoint.
     Retire,
 }
@@ -357,6 +359,7 @@ impl Endpoint {
                 _ => self.stats.stale_inputs += 1,
             },
             Input::PeerRestarted => self.retire(FailReason::PeerRestarted),
+            Input::PeerGone => self.retire(FailReason::PeerUnavailable),
             Input::Retire => self.retire(FailReason::EndpointRetired),
         }
     }
@@ -664,5 +667,21 @@ mod tests {
         assert_eq!(outputs(&mut e), []);
         assert_eq!(e.phase(), Phase::Retired);
         assert_eq!(e.next_timeout(), None);
+    }
+
+    #[test]
+    fn a_peer_gone_from_the_directory_retires_the_endpoint_with_peer_unavailable() {
+        let t0 = Instant::now();
+        let mut e = endpoint(1);
+        e.handle(Input::ConnectWanted, t0);
+        connect(&mut e, t0);
+        e.handle(Input::PeerGone, t0);
+        assert_eq!(
+            outputs(&mut e),
+            [Output::RetireEndpoint {
+                reason: FailReason::PeerUnavailable
+            }]
+        );
+        assert_eq!(e.phase(), Phase::Retired);
     }
 }

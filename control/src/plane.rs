@@ -49,7 +49,7 @@ use railyard_dataplane::{
     Slice, SliceSpec, Submitter,
 };
 
-use crate::descriptor::{RegionDescriptor, SegmentDescriptor};
+use crate::descriptor::{RailDescriptor, RegionDescriptor, SegmentDescriptor};
 use crate::directory::{Directory, P2pDirectory};
 use crate::endpoint::{Endpoint, EndpointKey, Incarnation, Input, Output, Phase};
 use crate::host::HostId;
@@ -412,7 +412,59 @@ enum Request {
         imm: u32,
         after: Batch,
     },
+    PeerChanged {
+        name: String,
+        change: PeerChange,
+    },
+    DirectoryWarning(String),
     Shutdown,
+}
+
+/// What a cluster directory learned about a peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeerChange {
+    /// `old` was replaced by `new`, which listens at `addr`.
+    Restarted {
+        /// The incarnation that is gone.
+        old: Incarnation,
+        /// The one that replaced it.
+        new: Incarnation,
+        /// The new one's handshake address.
+        addr: SocketAddr,
+    },
+    /// `incarnation` is gone and nothing replaced it.
+    Gone {
+        /// The incarnation that is gone.
+        incarnation: Incarnation,
+    },
+}
+
+/// How another thread (a cluster directory) tells the control thread about peers. Cheap to
+/// clone; each call wakes the control thread.
+#[derive(Clone, Debug)]
+pub struct PeerEvents {
+    requests: Sender<Request>,
+    waker: Arc<UnixStream>,
+}
+
+impl PeerEvents {
+    /// `name` changed: endpoints of an incarnation that is gone retire (`PeerRestarted` or
+    /// `PeerUnavailable`), without waiting for a transport timeout.
+    pub fn changed(&self, name: String, change: PeerChange) {
+        self.send(Request::PeerChanged { name, change });
+    }
+
+    /// A warning about the directory, printed and counted (rate-limited) like the control
+    /// plane's own.
+    pub fn warn(&self, message: String) {
+        self.send(Request::DirectoryWarning(message));
+    }
+
+    fn send(&self, request: Request) {
+        if self.requests.send(request).is_ok() {
+            let _ = (&*self.waker).write(&[1]);
+        }
+    }
 }
 
 /// A notification a peer sent.
@@ -446,9 +498,11 @@ const NOTIFICATION_QUEUE: usize = 64 * 1024;
 pub struct ControlPlane {
     shared: Arc<ControlShared>,
     requests: Mutex<Sender<Request>>,
-    waker: UnixStream,
+    waker: Arc<UnixStream>,
     local_addr: SocketAddr,
     incarnation: Incarnation,
+    name: String,
+    rails: Vec<RailDescriptor>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -533,6 +587,12 @@ impl ControlPlane {
             signals,
             immediates: Vec::new(),
         };
+        let name = plane.config.name.clone();
+        let rails = plane
+            .rails
+            .iter()
+            .map(|rail| rail.fabric.describe())
+            .collect();
         let thread = std::thread::Builder::new()
             .name("railyard-control".into())
             .spawn(move || plane.run())
@@ -540,11 +600,42 @@ impl ControlPlane {
         Ok(Self {
             shared,
             requests: Mutex::new(requests_tx),
-            waker,
+            waker: Arc::new(waker),
             local_addr,
             incarnation,
+            name,
+            rails,
             thread: Mutex::new(Some(thread)),
         })
+    }
+
+    /// This process's segment descriptor as it stands (what a directory publishes).
+    pub fn descriptor(&self) -> SegmentDescriptor {
+        SegmentDescriptor {
+            name: self.name.clone(),
+            incarnation: self.incarnation,
+            handshake_addr: self.local_addr.to_string(),
+            rails: self.rails.clone(),
+            regions: self
+                .shared
+                .regions
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .1
+                .clone(),
+        }
+    }
+
+    /// A handle a cluster directory uses to report peers that restarted or left.
+    pub fn peer_events(&self) -> PeerEvents {
+        PeerEvents {
+            requests: self
+                .requests
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+            waker: self.waker.clone(),
+        }
     }
 
     /// Where the handshake listener is.
@@ -568,7 +659,7 @@ impl ControlPlane {
             .unwrap_or_else(PoisonError::into_inner)
             .send(request)
             .map_err(|_| ControlError::Stopped)?;
-        let _ = (&self.waker).write(&[1]);
+        let _ = (&*self.waker).write(&[1]);
         Ok(())
     }
 
@@ -819,6 +910,8 @@ impl<F: RailFabric> Plane<F> {
                 Request::Signal { views, imm, after } => {
                     self.pending_signals.push((views, imm, after));
                 }
+                Request::PeerChanged { name, change } => self.peer_changed(&name, change, now),
+                Request::DirectoryWarning(message) => self.warn(WarningKind::Directory, message),
                 Request::Connect {
                     addr,
                     local_rail,
@@ -1272,7 +1365,7 @@ impl<F: RailFabric> Plane<F> {
         self.peer_hosts.insert(incarnation, host);
         if let Some(old) = self.peer_names.insert(name.clone(), incarnation) {
             if old != incarnation {
-                self.peer_restarted(&name, old, incarnation, now);
+                self.peer_restarted(&name, old, incarnation, now, None);
             }
         }
         self.resolve_waiting(now);
@@ -1282,7 +1375,62 @@ impl<F: RailFabric> Plane<F> {
     /// with `PeerRestarted`, passive queue pairs are dropped. Fresh endpoints to `new`, on
     /// the same rails and at the same address, take the retired ones' place (an application
     /// that asks for the peer again gets them; nothing meant for `old` ever reaches them).
-    fn peer_restarted(&mut self, name: &str, old: Incarnation, new: Incarnation, now: Instant) {
+    /// A cluster directory saw `name` change: the same consequences as when a Hello or a
+    /// descriptor says so, and for a peer that is simply gone, its endpoints retire with
+    /// `PeerUnavailable` (nothing waits for a transport timeout).
+    fn peer_changed(&mut self, name: &str, change: PeerChange, now: Instant) {
+        match change {
+            PeerChange::Restarted { old, new, addr } => {
+                if self.peer_names.insert(name.to_string(), new) != Some(new) {
+                    self.directory.invalidate(name);
+                    self.peer_restarted(name, old, new, now, Some(addr));
+                }
+            }
+            PeerChange::Gone { incarnation } => {
+                if self.peer_names.get(name) == Some(&incarnation) {
+                    self.peer_names.remove(name);
+                }
+                self.directory.invalidate(name);
+                let gone: Vec<(u16, EndpointId)> = self
+                    .active
+                    .iter()
+                    .filter(|(_, a)| {
+                        a.machine.key().peer == incarnation && a.machine.phase() != Phase::Retired
+                    })
+                    .map(|(&key, _)| key)
+                    .collect();
+                if !gone.is_empty() {
+                    self.warn(
+                        WarningKind::Retire,
+                        format!(
+                            "peer {name} ({incarnation}) left the directory; retiring its endpoints"
+                        ),
+                    );
+                }
+                for (rail, id) in gone {
+                    self.handle_input(rail, id, Input::PeerGone, now);
+                }
+                self.peer_hosts.remove(&incarnation);
+                let before = self.passive.len();
+                self.passive.retain(|key, _| key.initiator != incarnation);
+                let dropped = (before - self.passive.len()) as u64;
+                self.shared
+                    .counters
+                    .teardowns
+                    .fetch_add(dropped, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// `new_addr`: where `new` listens, when known to differ from `old`'s address.
+    fn peer_restarted(
+        &mut self,
+        name: &str,
+        old: Incarnation,
+        new: Incarnation,
+        now: Instant,
+        new_addr: Option<SocketAddr>,
+    ) {
         bump(&self.shared.counters.peer_restarts);
         self.warn(
             WarningKind::Retire,
@@ -1300,6 +1448,7 @@ impl<F: RailFabric> Plane<F> {
             self.handle_input(rail, id, Input::PeerRestarted, now);
         }
         for (rail, _, remote_rail, addr) in stale {
+            let addr = new_addr.unwrap_or(addr);
             self.endpoint_for(name.to_string(), new, addr, rail, remote_rail, now);
         }
         self.peer_hosts.remove(&old);
@@ -1321,7 +1470,7 @@ impl<F: RailFabric> Plane<F> {
         if let Some(old) = self.directory.record(descriptor) {
             // A Hello usually told us first; a directory that learns it otherwise does here.
             if self.peer_names.insert(name.clone(), incarnation) != Some(incarnation) {
-                self.peer_restarted(&name, old, incarnation, now);
+                self.peer_restarted(&name, old, incarnation, now, None);
             }
         }
         if let Some(fresh) = self.directory.lookup(&name) {

@@ -16,6 +16,8 @@ pub enum WarningKind {
     Handshake,
     /// A circuit opened.
     Circuit,
+    /// The cluster directory is unreachable or refused something.
+    Directory,
 }
 
 #[derive(Debug)]
