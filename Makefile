@@ -5,19 +5,22 @@ CARGO ?= cargo
 
 .PHONY: deps build run test test-rdma loom bench lint fmt clean
 
+# etcd (the etcd directory's tests run a real one) and protoc (etcd-client's build).
+ETCD_PACKAGES = etcd-server protobuf-compiler libprotobuf-dev
+
 deps:
-	@scripts/deps.sh
+	@scripts/deps.sh $(ETCD_PACKAGES)
 
 build: deps
-	$(CARGO) build --release --workspace
+	$(CARGO) build --release --workspace --features etcd
 
 # The main job: `railyard bench` with its defaults (starts its own target; 5 s of KV-cache writes).
 run: build
 	./target/release/railyard bench
 
 test: deps
-	$(CARGO) test --workspace --all-targets
-	$(CARGO) test --workspace --doc
+	$(CARGO) test --workspace --all-targets --features etcd
+	$(CARGO) test --workspace --doc --features etcd
 	$(MAKE) --no-print-directory loom
 
 # The verbs data path on real hardware: RAILYARD_TEST_VERBS_DEVICE=<device> make test-rdma
@@ -41,7 +44,8 @@ bench: deps
 lint: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps
+	$(CARGO) clippy --workspace --all-targets --features etcd -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --features etcd
 
 fmt:
 	$(CARGO) fmt --all

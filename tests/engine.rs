@@ -234,8 +234,12 @@ fn every_documented_error_names_what_is_wrong_and_queues_nothing() {
     ));
 
     assert!(matches!(
-        engine.open("no-port-here"),
+        engine.open("host:notaport"),
         Err(PeerError::BadAddress { .. })
+    ));
+    assert!(matches!(
+        engine.open("a-name-without-a-directory"),
+        Err(PeerError::UnknownName { reason, .. }) if reason.contains("directory")
     ));
     let closed = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -6,7 +6,8 @@
 //! - the handshake [`wire`] format and segment [`descriptor`]s, with the p2p [`directory`];
 //! - the control thread ([`plane`]): listener, dialer, endpoints, passive queue pairs;
 //!   rate-limited warnings ([`warn`]); what it needs of a rail's fabric ([`rail`]), and
-//!   which host a peer is on ([`host`]), which decides the fabric that reaches it.
+//!   which host a peer is on ([`host`]), which decides the fabric that reaches it;
+//! - with feature `etcd`, the cluster directory on etcd (`etcd`).
 //!
 //! It talks to pollers only by sending commands over rings and reading their events; it
 //! never touches a queue pair a poller owns, and its state machines do not read the clock,
@@ -18,6 +19,8 @@
 pub mod descriptor;
 pub mod directory;
 pub mod endpoint;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 pub mod host;
 pub mod plane;
 pub mod policy;
@@ -31,7 +34,7 @@ pub use endpoint::{Endpoint, EndpointKey, EndpointStats, Incarnation, Input, Out
 pub use host::HostId;
 pub use plane::{
     ControlConfig, ControlError, ControlPlane, ControlRail, ControlShared, ControlStats,
-    EndpointView, Notification, NotificationBody,
+    EndpointView, Notification, NotificationBody, PeerChange, PeerEvents,
 };
 pub use policy::Policy;
 pub use rail::{HostMode, HostRail, PeerLink, RailFabric};

@@ -14,7 +14,9 @@ use anyhow::{Context as _, bail};
 use clap::{Args, ValueEnum};
 use railyard::dataplane::RequestOutcome;
 use railyard::dataplane::rng::SplitMix64;
-use railyard::engine::{Engine, FabricChoice, Op, Peer, RailChoice, Region, Transfer};
+use railyard::engine::{
+    DirectoryChoice, Engine, FabricChoice, Op, Peer, RailChoice, Region, Transfer,
+};
 
 use super::size::{format_size, parse_size};
 
@@ -30,9 +32,13 @@ enum BenchOp {
 /// pool and written (or read) as one batch per request.
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
-    /// A running `railyard serve` (host:port). Without it, bench starts one itself.
+    /// A running `railyard serve`: host:port, or its name with --directory. Without it,
+    /// bench starts one itself.
     #[arg(long)]
     target: Option<String>,
+    /// Where to find --target: p2p (by address) or etcd://HOST:PORT[,HOST:PORT...].
+    #[arg(long, value_parser = super::parse_directory, default_value = "p2p")]
+    directory: DirectoryChoice,
     /// Direction of the transfers.
     #[arg(long, value_enum, default_value = "write")]
     op: BenchOp,
@@ -51,7 +57,7 @@ pub(crate) struct BenchArgs {
     /// Software rails on both sides (default: one per NUMA node, from the topology plan).
     #[arg(long)]
     rails: Option<NonZeroUsize>,
-    /// auto, soft or verbs.
+    /// auto, soft, tcp or verbs.
     #[arg(long, value_parser = super::parse_fabric, default_value = "auto")]
     fabric: FabricChoice,
     /// Pool of the target bench starts (ignored with --target).
@@ -495,10 +501,16 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     validate(args)?;
     let request_bytes = args.block_size * args.batch;
     let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
-    let engine = Engine::builder("railyard-bench")
+    // A name of its own in a directory, so that two benches never claim the same one.
+    let name = match args.directory {
+        DirectoryChoice::P2p => "railyard-bench".to_string(),
+        DirectoryChoice::Etcd(_) => format!("railyard-bench-{}", std::process::id()),
+    };
+    let engine = Engine::builder(name)
         .fabric(args.fabric)
         .rails(rails)
         .verbs(args.verbs.config())
+        .directory(args.directory.clone())
         .build()
         .context("starting the engine")?;
     let (_child, target) = match &args.target {

@@ -47,7 +47,7 @@ impl Cli {
     }
 }
 
-/// `--fabric auto|soft|verbs`.
+/// `--fabric auto|soft|tcp|verbs`.
 fn parse_fabric(text: &str) -> Result<railyard::engine::FabricChoice, String> {
     use railyard::engine::FabricChoice;
     match text {
@@ -57,6 +57,18 @@ fn parse_fabric(text: &str) -> Result<railyard::engine::FabricChoice, String> {
         "verbs" => Ok(FabricChoice::Verbs),
         other => Err(format!(
             "{other:?} is not a fabric (auto, soft, tcp, verbs)"
+        )),
+    }
+}
+
+/// `--directory p2p|etcd://HOST:PORT[,HOST:PORT...]`.
+fn parse_directory(text: &str) -> Result<railyard::engine::DirectoryChoice, String> {
+    use railyard::engine::DirectoryChoice;
+    match text {
+        "p2p" => Ok(DirectoryChoice::P2p),
+        url if url.starts_with("etcd://") => Ok(DirectoryChoice::Etcd(url.to_string())),
+        other => Err(format!(
+            "{other:?} is not a directory (p2p, or etcd://HOST:PORT[,HOST:PORT...])"
         )),
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use clap::Args;
 use railyard::control::NotificationBody;
-use railyard::engine::{Engine, FabricChoice, RailChoice};
+use railyard::engine::{DirectoryChoice, Engine, FabricChoice, RailChoice};
 
 use super::size::{format_size, parse_size};
 
@@ -20,9 +20,13 @@ pub(crate) struct ServeArgs {
     /// Size of the registered pool peers write into and read from (e.g. 1GiB).
     #[arg(long, value_parser = parse_size, default_value = "256MiB")]
     pool: u64,
-    /// auto, soft or verbs.
+    /// auto, soft, tcp or verbs.
     #[arg(long, value_parser = super::parse_fabric, default_value = "auto")]
     pub(crate) fabric: FabricChoice,
+    /// Where peers find this process: p2p (by address) or etcd://HOST:PORT[,HOST:PORT...]
+    /// (published under --name with a lease).
+    #[arg(long, value_parser = super::parse_directory, default_value = "p2p")]
+    directory: DirectoryChoice,
     /// Software rails (default: one per NUMA node, from the topology plan).
     #[arg(long)]
     rails: Option<NonZeroUsize>,
@@ -46,6 +50,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         .fabric(args.fabric)
         .rails(rails)
         .verbs(args.verbs.config())
+        .directory(args.directory.clone())
         .idle(railyard::dataplane::IdleStrategy::gentle())
         .build()
         .context("starting the engine")?;

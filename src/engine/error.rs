@@ -39,6 +39,9 @@ pub enum BuildError {
     /// A setting is out of range.
     #[error("invalid setting: {0}")]
     Setting(String),
+    /// The directory could not start (etcd unreachable, name taken, no etcd support).
+    #[error("directory: {0}")]
+    Directory(String),
 }
 
 /// Why memory could not be allocated, registered or deregistered.
@@ -108,6 +111,14 @@ pub enum PeerError {
     BadAddress {
         /// What was given.
         name: String,
+    },
+    /// A segment name the directory cannot resolve.
+    #[error("no peer named {name:?}: {reason}")]
+    UnknownName {
+        /// The name.
+        name: String,
+        /// Why.
+        reason: String,
     },
     /// The control plane stopped.
     #[error(transparent)]

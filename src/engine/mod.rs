@@ -34,6 +34,7 @@
 //! [`Region`] handle does not keep memory alive: [`Engine::deregister`] (or the engine's
 //! end) does the freeing, and later transfers naming it fail with `UnknownRegion`.
 
+mod directory;
 mod error;
 mod memory;
 mod rails;
@@ -95,6 +96,18 @@ pub struct EngineBuilder {
     deadline: Duration,
     policy: Policy,
     verbs: RailConfig,
+    directory: DirectoryChoice,
+}
+
+/// Where an engine finds its peers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DirectoryChoice {
+    /// By address only: each peer's own handshake listener describes it (the default).
+    P2p,
+    /// An etcd cluster (`etcd://HOST:PORT[,HOST:PORT...]`): this engine publishes itself
+    /// under its name with a lease, peers are opened by name, and a peer that restarts or
+    /// dies is seen through etcd's watch (needs the cargo feature `etcd`).
+    Etcd(String),
 }
 
 /// Default largest slice: big enough that per-slice work is small beside the copy.
@@ -157,6 +170,13 @@ impl EngineBuilder {
     #[must_use]
     pub fn verbs(mut self, config: RailConfig) -> Self {
         self.verbs = config;
+        self
+    }
+
+    /// Where peers are found (default [`DirectoryChoice::P2p`]).
+    #[must_use]
+    pub fn directory(mut self, directory: DirectoryChoice) -> Self {
+        self.directory = directory;
         self
     }
 
@@ -311,8 +331,10 @@ impl EngineBuilder {
             )?
         };
         let rail_numa = planned.iter().map(|rail| rail.numa).collect();
+        let directory = directory::start(&self.directory, &started.control, self.listen)?;
         Ok(Engine {
             inner: Arc::new(Inner {
+                directory,
                 name: self.name,
                 slice_size: self.slice_size,
                 deadline: self.deadline,
@@ -358,6 +380,8 @@ struct RegionEntry {
 }
 
 struct Inner {
+    /// First to go when the engine drops: revoking its lease tells peers at once.
+    directory: directory::Directory,
     name: String,
     slice_size: usize,
     deadline: Duration,
@@ -376,6 +400,7 @@ struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        self.directory.stop();
         self.control.shutdown();
         for poller in &self.pollers {
             poller.shutdown();
@@ -420,6 +445,15 @@ impl Peer {
     /// Where its handshake listener is.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Whether its endpoints are retired: this incarnation restarted or left the directory
+    /// (or the application retired them). Transfers to it fail at once; open the peer
+    /// again (by name, with a directory) to reach what replaced it.
+    pub fn is_retired(&self) -> bool {
+        self.views
+            .iter()
+            .all(|view| view.phase() == railyard_control::Phase::Retired)
     }
 
     /// Its newest descriptor (name, incarnation, rails, regions).
@@ -509,6 +543,7 @@ impl Engine {
             deadline: DEFAULT_DEADLINE,
             policy: Policy::default(),
             verbs: RailConfig::default(),
+            directory: DirectoryChoice::P2p,
         }
     }
 
@@ -645,6 +680,9 @@ impl Engine {
                 })
                 .collect(),
         );
+        self.inner
+            .directory
+            .publish(|| self.inner.control.descriptor());
     }
 
     /// Withdraws a region from every rail (and frees it if the engine allocated it). Work
@@ -684,18 +722,27 @@ impl Engine {
             .map(|entry| (entry.region, entry.registrations.clone()))
     }
 
-    /// Connects to the engine listening at `addr` (`host:port`): an endpoint on every local
-    /// rail, its descriptor fetched. Waits for the queue pairs (up to the connect timeout).
+    /// Connects to the engine at `target` — `host:port`, or with a directory, a segment
+    /// name — with an endpoint on every local rail, its descriptor fetched. Waits for the
+    /// queue pairs (up to the connect timeout).
     ///
     /// # Errors
-    /// [`PeerError`] when the address is bad or the peer cannot be reached in time.
-    pub fn open(&self, addr: &str) -> Result<Peer, PeerError> {
-        let addr = addr
+    /// [`PeerError`] when the address is bad, the name unknown, or the peer cannot be
+    /// reached in time.
+    pub fn open(&self, target: &str) -> Result<Peer, PeerError> {
+        let resolved;
+        let target = if target.contains(':') {
+            target
+        } else {
+            resolved = self.inner.directory.resolve(target)?;
+            &resolved
+        };
+        let addr = target
             .to_socket_addrs()
             .ok()
             .and_then(|mut addrs| addrs.next())
             .ok_or_else(|| PeerError::BadAddress {
-                name: addr.to_string(),
+                name: target.to_string(),
             })?;
         let unreachable = |reason: String| PeerError::Unreachable { addr, reason };
         let first = self

@@ -18,6 +18,8 @@ pub struct Serve {
     _stdin: ChildStdin,
     lines: Receiver<String>,
     pub addr: String,
+    /// As printed (the incarnation's display form).
+    pub incarnation: String,
     pub pool_base: u64,
     pub pool_len: u64,
 }
@@ -28,9 +30,13 @@ impl Serve {
     }
 
     pub fn start_with(pool: &str, extra: &[&str]) -> Self {
+        Self::start_named("decode-test", pool, extra)
+    }
+
+    pub fn start_named(name: &str, pool: &str, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
             .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
-            .args(["--pool", pool, "--name", "decode-test"])
+            .args(["--pool", pool, "--name", name])
             .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -58,6 +64,7 @@ impl Serve {
         );
         Self {
             addr: words[1].to_string(),
+            incarnation: words[3].to_string(),
             pool_base: u64::from_str_radix(words[5].trim_start_matches("0x"), 16)
                 .expect("a hex pool address"),
             pool_len: words[6].parse().expect("a pool length"),

@@ -1,0 +1,114 @@
+//! The engine's directory: p2p (peers by address; nothing to run) or etcd (feature `etcd`:
+//! this engine published under its name with a lease, peers opened by name, their
+//! restarts and deaths reported to the control plane by the watch).
+
+use std::net::SocketAddr;
+use std::sync::{Mutex, PoisonError};
+
+use railyard_control::{ControlPlane, SegmentDescriptor};
+
+#[cfg(feature = "etcd")]
+use railyard_control::etcd::{EtcdConfig, EtcdDirectory};
+
+use super::{BuildError, DirectoryChoice, PeerError};
+
+/// The running directory (or none).
+#[derive(Debug)]
+pub(crate) struct Directory {
+    #[cfg(feature = "etcd")]
+    etcd: Mutex<Option<EtcdDirectory>>,
+    #[cfg(not(feature = "etcd"))]
+    etcd: Mutex<Option<std::convert::Infallible>>,
+}
+
+/// Starts what `choice` asks for, publishing `control`'s descriptor.
+pub(crate) fn start(
+    choice: &DirectoryChoice,
+    control: &ControlPlane,
+    listen: SocketAddr,
+) -> Result<Directory, BuildError> {
+    let url = match choice {
+        DirectoryChoice::P2p => {
+            return Ok(Directory {
+                etcd: Mutex::new(None),
+            });
+        }
+        DirectoryChoice::Etcd(url) => url,
+    };
+    if listen.ip().is_unspecified() {
+        return Err(BuildError::Directory(format!(
+            "the listen address {listen} cannot be published in a directory: listen on the \
+             address peers reach this host at"
+        )));
+    }
+    #[cfg(feature = "etcd")]
+    {
+        let config = EtcdConfig::from_url(url).map_err(|e| BuildError::Directory(e.to_string()))?;
+        let etcd = EtcdDirectory::start(config, control.descriptor(), control.peer_events())
+            .map_err(|e| BuildError::Directory(e.to_string()))?;
+        Ok(Directory {
+            etcd: Mutex::new(Some(etcd)),
+        })
+    }
+    #[cfg(not(feature = "etcd"))]
+    {
+        let _ = control;
+        Err(BuildError::Directory(format!(
+            "{url}: this railyard was built without etcd support (cargo feature `etcd`)"
+        )))
+    }
+}
+
+impl Directory {
+    /// Leaves the directory (etcd: revokes the lease, so the key goes at once).
+    pub(crate) fn stop(&self) {
+        let _ = self
+            .etcd
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+    }
+
+    /// Publishes this engine's descriptor again (its regions changed).
+    #[cfg_attr(not(feature = "etcd"), allow(clippy::unused_self))]
+    pub(crate) fn publish(&self, descriptor: impl FnOnce() -> SegmentDescriptor) {
+        #[cfg(feature = "etcd")]
+        if let Some(etcd) = self
+            .etcd
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
+            etcd.publish(descriptor());
+        }
+        #[cfg(not(feature = "etcd"))]
+        let _ = descriptor;
+    }
+
+    /// The handshake address of the segment named `name`.
+    pub(crate) fn resolve(&self, name: &str) -> Result<String, PeerError> {
+        let unknown = |reason: String| PeerError::UnknownName {
+            name: name.to_string(),
+            reason,
+        };
+        let etcd = self.etcd.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(etcd) = etcd.as_ref() else {
+            return Err(unknown(
+                "it is not HOST:PORT, and names need a directory (--directory etcd://…)".into(),
+            ));
+        };
+        #[cfg(feature = "etcd")]
+        {
+            etcd.resolve(name)
+                .map(|record| record.descriptor.handshake_addr)
+                .ok_or_else(|| {
+                    unknown(format!(
+                        "no live segment has that name in etcd at {}",
+                        etcd.endpoints()
+                    ))
+                })
+        }
+        #[cfg(not(feature = "etcd"))]
+        match *etcd {}
+    }
+}

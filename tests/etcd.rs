@@ -1,0 +1,370 @@
+//! The etcd directory against a real etcd (`etcd` from the distribution's `etcd-server`,
+//! which `make test` installs), started per test on free loopback ports with a temporary
+//! data directory and stopped afterwards: discovery by name, two claims of one name, a
+//! killed and a frozen peer retired within the lease bound while another goes on, a restart
+//! seen as a new incarnation, and an etcd outage that connected peers ride out.
+
+#![cfg(feature = "etcd")]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{BOUND, Serve, bytes_of, done, read_back};
+use railyard::dataplane::IdleStrategy;
+use railyard::engine::{BuildError, DirectoryChoice, Engine, Op, Peer, PeerError, Transfer};
+
+/// Lease time to live in these tests (seconds).
+const TTL: u64 = 2;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// A real etcd on loopback; killed and its data removed when dropped.
+struct Etcd {
+    child: Option<Child>,
+    dir: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+}
+
+impl Etcd {
+    fn start() -> Self {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut etcd = Self {
+            child: None,
+            dir: std::env::temp_dir().join(format!("railyard-etcd-{}-{n}", std::process::id())),
+            client_port: free_port(),
+            peer_port: free_port(),
+        };
+        etcd.run();
+        etcd
+    }
+
+    /// Starts (or restarts) etcd on this instance's ports and data directory.
+    fn run(&mut self) {
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = Command::new("etcd")
+            .args(["--name", "railyard-test", "--data-dir"])
+            .arg(&self.dir)
+            .args([
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ])
+            .args(["--initial-cluster", &format!("railyard-test={peer}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("etcd runs (install etcd-server; `make test` does)");
+        self.child = Some(child);
+        let end = Instant::now() + BOUND;
+        while !self.healthy() {
+            assert!(Instant::now() < end, "etcd not healthy within {BOUND:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn healthy(&self) -> bool {
+        let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.client_port)) else {
+            return false;
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+        let request = "GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+        let mut answer = String::new();
+        stream.write_all(request.as_bytes()).is_ok()
+            && stream.read_to_string(&mut answer).is_ok()
+            && answer.contains("\"health\":\"true\"")
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("etcd://127.0.0.1:{}?ttl={TTL}", self.client_port)
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn engine(name: &str, etcd: &Etcd) -> Engine {
+    Engine::builder(name)
+        .directory(DirectoryChoice::Etcd(etcd.url()))
+        .idle(IdleStrategy::gentle())
+        .build()
+        .expect("the engine starts and publishes itself")
+}
+
+fn serve(name: &str, etcd: &Etcd) -> Serve {
+    Serve::start_named(name, "8MiB", &["--rails", "1", "--directory", &etcd.url()])
+}
+
+/// Writes 1 MiB to the peer's first region and reads it back; true when every byte came
+/// back.
+fn round_trip(engine: &Engine, peer: &Peer, fill: u8) -> bool {
+    let source = engine.alloc(1 << 20, None).expect("alloc");
+    let back = engine.alloc(1 << 20, None).expect("alloc");
+    bytes_of(source).fill(fill);
+    let write = [Transfer {
+        op: Op::Write,
+        local: source,
+        local_offset: 0,
+        remote_addr: peer.descriptor().regions[0].base,
+        len: 1 << 20,
+    }];
+    let mut submitter = engine.submitter().expect("submitter");
+    let ok = submitter
+        .submit(peer, &write)
+        .is_ok_and(|batch| done(&batch))
+        && submitter
+            .submit(peer, &read_back(&write, back))
+            .is_ok_and(|batch| done(&batch))
+        && bytes_of(back).iter().all(|&b| b == fill);
+    let _ = engine.deregister(source);
+    let _ = engine.deregister(back);
+    ok
+}
+
+fn signal(child: &Child, signal: i32) {
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    unsafe { libc::kill(child.id() as i32, signal) };
+}
+
+#[test]
+fn peers_are_found_by_name_and_a_name_is_held_by_one_live_process() {
+    let etcd = Etcd::start();
+    let a = serve("decode-a", &etcd);
+    let prefill = engine("prefill-0", &etcd);
+    let peer = prefill.open("decode-a").expect("found by name");
+    assert_eq!(peer.name(), "decode-a");
+    assert_eq!(peer.incarnation().to_string(), a.incarnation);
+    assert!(round_trip(&prefill, &peer, 0x5A));
+
+    // A second process claiming the name waits out one lease, then is refused.
+    let started = Instant::now();
+    let second = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--name", "decode-a"])
+        .args(["--pool", "1MiB", "--directory", &etcd.url()])
+        .output()
+        .expect("runs");
+    assert_eq!(second.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        stderr.contains("\"decode-a\" is held by another live process"),
+        "{stderr}"
+    );
+    assert!(started.elapsed() < BOUND);
+    // The holder was not disturbed.
+    assert!(round_trip(&prefill, &peer, 0x3C));
+
+    // bench finds its target by name too.
+    let bench = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["bench", "--directory", &etcd.url(), "--target", "decode-a"])
+        .args([
+            "--duration",
+            "0.3",
+            "--json",
+            "--check",
+            "--batch",
+            "8",
+            "--rails",
+            "1",
+        ])
+        .output()
+        .expect("runs");
+    assert!(
+        bench.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bench.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&bench.stdout).expect("json");
+    assert_eq!(report["check"]["mismatches"], 0);
+
+    // Names nobody holds, names without a directory, and an unreachable etcd.
+    match prefill.open("decode-nobody") {
+        Err(PeerError::UnknownName { reason, .. }) => {
+            assert!(reason.contains("no live segment"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let p2p = Engine::builder("p2p").build().expect("starts");
+    assert!(matches!(
+        p2p.open("decode-a"),
+        Err(PeerError::UnknownName { reason, .. }) if reason.contains("directory")
+    ));
+    let closed = free_port();
+    match Engine::builder("lost")
+        .directory(DirectoryChoice::Etcd(format!("etcd://127.0.0.1:{closed}")))
+        .build()
+    {
+        Err(BuildError::Directory(reason)) => {
+            assert!(
+                reason.contains(&format!("cannot reach etcd at 127.0.0.1:{closed}")),
+                "{reason}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn killed_and_frozen_peers_retire_within_the_lease_while_the_others_go_on() {
+    let etcd = Etcd::start();
+    let killed = serve("decode-killed", &etcd);
+    let frozen = serve("decode-frozen", &etcd);
+    let _healthy = serve("decode-healthy", &etcd);
+    let prefill = engine("prefill-1", &etcd);
+    let to_killed = prefill.open("decode-killed").unwrap();
+    let to_frozen = prefill.open("decode-frozen").unwrap();
+    let to_healthy = prefill.open("decode-healthy").unwrap();
+    assert!(round_trip(&prefill, &to_frozen, 1));
+
+    signal(&killed.child, libc::SIGKILL);
+    signal(&frozen.child, libc::SIGSTOP);
+    let signalled = Instant::now();
+    // A stopped process keeps its sockets open and its memory writable: only its lease
+    // says it is gone.
+    let mut transfers_to_healthy = 0;
+    while !(to_killed.is_retired() && to_frozen.is_retired()) {
+        assert!(
+            signalled.elapsed() < Duration::from_secs(TTL) + BOUND,
+            "not retired"
+        );
+        assert!(round_trip(
+            &prefill,
+            &to_healthy,
+            transfers_to_healthy as u8
+        ));
+        transfers_to_healthy += 1;
+    }
+    let retired_after = signalled.elapsed();
+    assert!(
+        retired_after < Duration::from_secs(TTL) + Duration::from_millis(1500),
+        "retired {retired_after:?} after the signals (lease {TTL} s)"
+    );
+    assert!(transfers_to_healthy > 0);
+    // A transfer to a retired peer fails at once, not at its deadline.
+    let started = Instant::now();
+    assert!(!round_trip(&prefill, &to_frozen, 9));
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(round_trip(&prefill, &to_healthy, 0xEE));
+    signal(&frozen.child, libc::SIGCONT);
+}
+
+#[test]
+fn a_peer_restarted_under_the_same_name_is_a_new_incarnation() {
+    let etcd = Etcd::start();
+    let first = serve("decode-r", &etcd);
+    let prefill = engine("prefill-2", &etcd);
+    let old = prefill.open("decode-r").unwrap();
+    assert!(round_trip(&prefill, &old, 7));
+    signal(&first.child, libc::SIGKILL);
+    // The new process's claim waits for the dead one's lease to expire.
+    let second = serve("decode-r", &etcd);
+    assert_ne!(second.incarnation, first.incarnation);
+    let end = Instant::now() + BOUND;
+    while !old.is_retired() {
+        assert!(
+            Instant::now() < end,
+            "the old incarnation's endpoints never retired"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let new = loop {
+        let peer = prefill.open("decode-r");
+        if let Ok(peer) = peer.as_ref() {
+            if peer.incarnation().to_string() == second.incarnation {
+                break peer.clone();
+            }
+        }
+        assert!(
+            Instant::now() < end,
+            "the new incarnation never resolved: {peer:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(round_trip(&prefill, &new, 8));
+    assert!(
+        !round_trip(&prefill, &old, 9),
+        "the old incarnation is gone"
+    );
+}
+
+#[test]
+fn an_etcd_outage_leaves_connected_peers_working_and_recovers_by_itself() {
+    let mut etcd = Etcd::start();
+    let _a = serve("decode-o", &etcd);
+    let prefill = engine("prefill-3", &etcd);
+    let peer = prefill.open("decode-o").unwrap();
+    let warnings = |engine: &Engine| {
+        let stats = engine.stats().control;
+        stats.warnings_printed + stats.warnings_suppressed
+    };
+    let before = warnings(&prefill);
+    etcd.stop();
+    // Two leases' worth of outage: transfers between connected peers go on.
+    let outage = Instant::now();
+    let mut rounds = 0u8;
+    while outage.elapsed() < Duration::from_secs(2 * TTL) {
+        assert!(
+            round_trip(&prefill, &peer, rounds),
+            "round {rounds} in the outage"
+        );
+        rounds = rounds.wrapping_add(1);
+    }
+    assert!(!peer.is_retired());
+    assert!(warnings(&prefill) > before, "the outage is reported");
+    etcd.run();
+    // A process that registers after the restart is found, and the one from before is
+    // published again.
+    let _b = serve("decode-p", &etcd);
+    let end = Instant::now() + BOUND;
+    let late = loop {
+        match prefill.open("decode-p") {
+            Ok(peer) => break peer,
+            Err(error) => assert!(Instant::now() < end, "never found decode-p: {error}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(round_trip(&prefill, &late, 0x77));
+    let newcomer = engine("prefill-4", &etcd);
+    let again = loop {
+        match newcomer.open("decode-o") {
+            Ok(peer) => break peer,
+            Err(error) => assert!(Instant::now() < end, "decode-o not republished: {error}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(round_trip(&newcomer, &again, 0x78));
+    assert!(round_trip(&prefill, &peer, 0x79));
+}
