@@ -1410,16 +1410,22 @@ impl<F: RailFabric> Plane<F> {
                 for (rail, id) in gone {
                     self.handle_input(rail, id, Input::PeerGone, now);
                 }
-                self.peer_hosts.remove(&incarnation);
-                let before = self.passive.len();
-                self.passive.retain(|key, _| key.initiator != incarnation);
-                let dropped = (before - self.passive.len()) as u64;
-                self.shared
-                    .counters
-                    .teardowns
-                    .fetch_add(dropped, Ordering::Relaxed);
+                self.forget_incarnation(incarnation);
             }
         }
+    }
+
+    /// Drops what this side keeps for a peer incarnation that is gone: its host and the
+    /// passive queue pairs it connected (teardowns).
+    fn forget_incarnation(&mut self, gone: Incarnation) {
+        self.peer_hosts.remove(&gone);
+        let before = self.passive.len();
+        self.passive.retain(|key, _| key.initiator != gone);
+        let dropped = (before - self.passive.len()) as u64;
+        self.shared
+            .counters
+            .teardowns
+            .fetch_add(dropped, Ordering::Relaxed);
     }
 
     /// `new_addr`: where `new` listens, when known to differ from `old`'s address.
@@ -1451,14 +1457,7 @@ impl<F: RailFabric> Plane<F> {
             let addr = new_addr.unwrap_or(addr);
             self.endpoint_for(name.to_string(), new, addr, rail, remote_rail, now);
         }
-        self.peer_hosts.remove(&old);
-        let before = self.passive.len();
-        self.passive.retain(|key, _| key.initiator != old);
-        let dropped = (before - self.passive.len()) as u64;
-        self.shared
-            .counters
-            .teardowns
-            .fetch_add(dropped, Ordering::Relaxed);
+        self.forget_incarnation(old);
     }
 
     fn on_descriptor(&mut self, index: usize, descriptor: SegmentDescriptor, now: Instant) {

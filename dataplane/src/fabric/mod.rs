@@ -16,10 +16,12 @@
 //! [`soft`] (verbs semantics in software across processes, with a fault plan), and
 //! [`verbs`] (RDMA through rdma-sys; detection and the device-independent parts so far).
 
+mod delayed;
 pub mod host;
 pub mod null;
 pub mod scripted;
 pub mod soft;
+mod staging;
 pub mod tcp;
 pub mod verbs;
 

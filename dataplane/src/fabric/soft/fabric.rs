@@ -15,6 +15,7 @@ use super::faults::{FaultPlan, FaultView, QpFaultState, Verdict};
 use super::nic::{self, Execution};
 use super::qp::SoftQp;
 use super::{SoftConfig, SoftDevice, SoftError};
+use crate::fabric::delayed::DelayedCompletions;
 use crate::fabric::{
     AsyncEvent, Fabric, FabricError, PostError, QpNum, QpState, WcStatus, WorkCompletion,
     WorkRequest,
@@ -31,7 +32,7 @@ struct ActiveQp {
     /// Since when the head request waits for its receiver.
     waiting_since: Option<Instant>,
     /// Completions not visible yet (fault-plan delays), in order.
-    delayed: VecDeque<(Instant, WorkCompletion)>,
+    delayed: DelayedCompletions,
     faults: QpFaultState,
     next_liveness_check: Instant,
     /// Retired: gone once its delayed completions are out.
@@ -91,7 +92,7 @@ impl SoftFabric {
                 send_queue: VecDeque::new(),
                 head_verdict: None,
                 waiting_since: None,
-                delayed: VecDeque::new(),
+                delayed: DelayedCompletions::default(),
                 faults: QpFaultState::new(self.faults.plan.seed, ordinal, endpoint),
                 next_liveness_check: Instant::now(),
                 destroyed: false,
@@ -132,7 +133,7 @@ impl SoftFabric {
         }
         for num in &self.order {
             if let Some(active) = self.qps.get_mut(num) {
-                active.release_delayed(round.now, round.cq);
+                active.delayed.release(round.now, round.cq);
                 active.execute_queued(budget, &mut round);
             }
         }
@@ -209,7 +210,7 @@ impl ActiveQp {
                     self.waiting_since = None;
                     if request.signaled {
                         let done = completion(&self.qp, &request, WcStatus::Success);
-                        self.emit(done, now + delay, round.cq);
+                        self.delayed.emit(done, now + delay, round.cq);
                     }
                 }
                 Execution::Completed(status) => return self.fail_head(status, now, round.cq),
@@ -226,31 +227,11 @@ impl ActiveQp {
         }
     }
 
-    /// Queues a completion to become visible at `at`, never before an earlier one of this
-    /// queue pair.
-    fn emit(&mut self, completion: WorkCompletion, at: Instant, cq: &mut VecDeque<WorkCompletion>) {
-        match self.delayed.back() {
-            None if at <= Instant::now() => cq.push_back(completion),
-            Some(&(last, _)) => self.delayed.push_back((at.max(last), completion)),
-            None => self.delayed.push_back((at, completion)),
-        }
-    }
-
-    fn release_delayed(&mut self, now: Instant, cq: &mut VecDeque<WorkCompletion>) {
-        while let Some(&(at, completion)) = self.delayed.front() {
-            if at > now {
-                break;
-            }
-            cq.push_back(completion);
-            self.delayed.pop_front();
-        }
-    }
-
     /// The head request completes with an error `status`; the queue pair goes to ERR.
     fn fail_head(&mut self, status: WcStatus, now: Instant, cq: &mut VecDeque<WorkCompletion>) {
         if let Some(request) = self.send_queue.pop_front() {
             let failed = completion(&self.qp, &request, status);
-            self.emit(failed, now, cq);
+            self.delayed.emit(failed, now, cq);
         }
         self.go_to_error(now, cq);
     }
@@ -262,7 +243,7 @@ impl ActiveQp {
         self.waiting_since = None;
         while let Some(request) = self.send_queue.pop_front() {
             let flushed = completion(&self.qp, &request, WcStatus::WrFlushErr);
-            self.emit(flushed, now, cq);
+            self.delayed.emit(flushed, now, cq);
         }
     }
 }
@@ -296,7 +277,7 @@ impl Fabric for SoftFabric {
             let now = Instant::now();
             for request in requests {
                 let flushed = completion(&active.qp, request, WcStatus::WrFlushErr);
-                active.emit(flushed, now, &mut self.completions);
+                active.delayed.emit(flushed, now, &mut self.completions);
             }
             return Ok(());
         }

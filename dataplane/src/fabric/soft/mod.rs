@@ -41,10 +41,9 @@ mod qp;
 mod regions;
 mod sys;
 
-use std::collections::HashMap;
 use std::io;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 pub use buffer::{Backing, SoftBuffer};
@@ -54,6 +53,7 @@ pub use inbox::{INBOX_CAPACITY, InboxError, RecvCompletion, RecvQueue};
 pub use qp::{SoftAttachment, SoftQp};
 pub use regions::{CAPACITY as REGION_CAPACITY, RegionError, RemoteTableError};
 
+use super::staging::Staging;
 use crate::fabric::{Access, MemoryRegion, QpInfo, QpNum, QpState};
 use crate::{EndpointId, Epoch};
 use regions::RegionTable;
@@ -164,7 +164,7 @@ struct DeviceInner {
     table: Arc<RegionTable>,
     next_qp: AtomicU32,
     /// Connected queue pairs waiting for their poller's `connect`, by endpoint.
-    staged: Mutex<HashMap<EndpointId, (Epoch, SoftQp)>>,
+    staged: Staging<SoftQp>,
     faults: FaultHandle,
 }
 
@@ -193,7 +193,7 @@ impl SoftDevice {
             incarnation,
             table: Arc::new(table),
             next_qp: AtomicU32::new(1),
-            staged: Mutex::new(HashMap::new()),
+            staged: Staging::default(),
             faults: FaultHandle::default(),
         })))
     }
@@ -287,12 +287,8 @@ impl SoftDevice {
                 state: qp.state(),
             });
         }
-        self.staged().insert(endpoint, (epoch, qp));
+        self.0.staged.stage(endpoint, epoch, qp);
         Ok(())
-    }
-
-    fn staged(&self) -> std::sync::MutexGuard<'_, HashMap<EndpointId, (Epoch, SoftQp)>> {
-        self.0.staged.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     pub(crate) fn take_staged(
@@ -300,24 +296,16 @@ impl SoftDevice {
         endpoint: EndpointId,
         epoch: Epoch,
     ) -> Result<SoftQp, SoftError> {
-        let mut staged = self.staged();
-        match staged.remove(&endpoint) {
-            Some((staged_epoch, qp)) if staged_epoch == epoch => Ok(qp),
-            other => {
-                let description = match &other {
-                    Some((staged_epoch, _)) => format!(" (one is staged at {staged_epoch})"),
-                    None => String::new(),
-                };
-                if let Some(entry) = other {
-                    staged.insert(endpoint, entry);
-                }
-                Err(SoftError::NotStaged {
-                    endpoint,
-                    epoch,
-                    staged: description,
-                })
-            }
-        }
+        self.0
+            .staged
+            .take(endpoint, epoch)
+            .map_err(|staged| SoftError::NotStaged {
+                endpoint,
+                epoch,
+                staged: staged.map_or(String::new(), |other| {
+                    format!(" (one is staged at {other})")
+                }),
+            })
     }
 
     /// A fabric for this device's poller.

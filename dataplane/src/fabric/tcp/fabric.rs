@@ -29,6 +29,7 @@ use super::wire::{
     HELLO_LEN, Hello, REPLY_LEN, REQUEST_LEN, ReplyHeader, RequestHeader, RequestOp,
 };
 use super::{TargetShared, TcpDevice, TcpQp};
+use crate::fabric::delayed::DelayedCompletions;
 use crate::fabric::soft::faults::{FaultView, QpFaultState, Verdict};
 use crate::fabric::{
     Access, AsyncEvent, Fabric, FabricError, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
@@ -109,7 +110,7 @@ struct Initiator {
     /// When the peer last took or sent a byte (or work became outstanding).
     last_progress: Instant,
     /// Completions not visible yet (fault-plan delays), in order.
-    delayed: VecDeque<(Instant, WorkCompletion)>,
+    delayed: DelayedCompletions,
     faults: QpFaultState,
     readable: bool,
     retired: bool,
@@ -191,6 +192,10 @@ pub struct TcpFabric {
     /// By number; ordered so that work order never depends on hashing.
     initiators: BTreeMap<u32, Initiator>,
     served: Vec<Option<Served>>,
+    /// Where the next round starts serving.
+    next_served: usize,
+    /// The queue-pair number the next round's initiators start at.
+    next_initiator: u32,
     adopted: u32,
     faults: FaultView,
     completions: VecDeque<WorkCompletion>,
@@ -235,6 +240,8 @@ impl TcpFabric {
             ready: Vec::new(),
             initiators: BTreeMap::new(),
             served: Vec::new(),
+            next_served: 0,
+            next_initiator: 0,
             adopted: 0,
             faults,
             completions: VecDeque::new(),
@@ -271,7 +278,7 @@ impl TcpFabric {
                 replies: Vec::with_capacity(REPLIES_PER_RECEIVE * REPLY_LEN),
                 read_data: None,
                 last_progress: Instant::now(),
-                delayed: VecDeque::new(),
+                delayed: DelayedCompletions::default(),
                 faults: QpFaultState::new(self.faults.plan.seed, ordinal, endpoint),
                 readable: false,
                 retired: false,
@@ -287,8 +294,9 @@ impl TcpFabric {
         self.faults.refresh();
         let now = Instant::now();
         let mut moved = false;
-        self.epoll.ready(&mut self.ready);
-        for token in std::mem::take(&mut self.ready).drain(..) {
+        let mut ready = std::mem::take(&mut self.ready);
+        self.epoll.ready(&mut ready);
+        for &token in &ready {
             match token {
                 LISTENER => moved |= self.accept(now),
                 _ if token & SERVED_TOKEN != 0 => {
@@ -306,6 +314,7 @@ impl TcpFabric {
                 }
             }
         }
+        self.ready = ready;
         let mut budget = BYTES_PER_ROUND;
         let mut io = ServeIo {
             device: &self.device,
@@ -315,7 +324,12 @@ impl TcpFabric {
             budget: &mut budget,
             now,
         };
-        for entry in &mut self.served {
+        // Each round starts at the next connection, so that a busy one that spends the
+        // budget cannot starve the others.
+        let count = self.served.len();
+        self.next_served = self.next_served.wrapping_add(1);
+        for offset in 0..count {
+            let entry = &mut self.served[self.next_served.wrapping_add(offset) % count];
             if let Some(served) = entry {
                 moved |= served.serve(&mut io);
                 if served.closed {
@@ -335,7 +349,17 @@ impl TcpFabric {
             iov: &mut self.iov,
             now,
         };
-        for initiator in self.initiators.values_mut() {
+        // Initiators too start one further each round.
+        let start = self.next_initiator;
+        self.next_initiator = self
+            .initiators
+            .range(start..)
+            .next()
+            .map_or(0, |(num, _)| num.wrapping_add(1));
+        for initiator in self.initiators.range_mut(start..).map(|(_, i)| i) {
+            moved |= initiator.step(&mut round, &mut budget);
+        }
+        for initiator in self.initiators.range_mut(..start).map(|(_, i)| i) {
             moved |= initiator.step(&mut round, &mut budget);
         }
         self.initiators
@@ -394,6 +418,32 @@ impl TcpFabric {
     }
 }
 
+/// Accounts `sent` bytes against `items`, oldest first, of which `front_sent` bytes of the
+/// front were already sent; hands each item now wholly sent to `done`.
+fn account_sent<T>(
+    items: &mut VecDeque<T>,
+    front_sent: &mut usize,
+    mut sent: usize,
+    wire_len: impl Fn(&T) -> usize,
+    mut done: impl FnMut(T),
+) {
+    while sent > 0 {
+        let Some(front) = items.front() else {
+            return;
+        };
+        let left = wire_len(front) - *front_sent;
+        if sent < left {
+            *front_sent += sent;
+            return;
+        }
+        sent -= left;
+        *front_sent = 0;
+        if let Some(item) = items.pop_front() {
+            done(item);
+        }
+    }
+}
+
 /// What one round's served connections share.
 struct ServeIo<'a> {
     device: &'a TcpDevice,
@@ -425,7 +475,7 @@ impl Initiator {
 
     /// Sends, receives, resolves a doomed head, times out; true when anything moved.
     fn step(&mut self, round: &mut Round<'_>, budget: &mut usize) -> bool {
-        self.release_delayed(round.now, round.cq);
+        self.delayed.release(round.now, round.cq);
         if !self.live {
             return false;
         }
@@ -550,23 +600,18 @@ impl Initiator {
     }
 
     /// Accounts `sent` bytes: fully sent requests move to `inflight`.
-    fn advance(&mut self, mut sent: usize) {
-        while sent > 0 {
-            let Some(front) = self.queued.front() else {
-                return;
-            };
-            let left = front.wire_len() - self.head_sent;
-            if sent < left {
-                self.head_sent += sent;
-                return;
-            }
-            sent -= left;
-            self.head_sent = 0;
-            self.judged -= 1;
-            if let Some(done) = self.queued.pop_front() {
-                self.inflight.push_back(done);
-            }
-        }
+    fn advance(&mut self, sent: usize) {
+        let Self {
+            queued,
+            head_sent,
+            judged,
+            inflight,
+            ..
+        } = self;
+        account_sent(queued, head_sent, sent, Queued::wire_len, |done| {
+            *judged -= 1;
+            inflight.push_back(done);
+        });
     }
 
     /// Takes replies (and READ data) until the socket is empty or the budget is spent.
@@ -681,7 +726,8 @@ impl Initiator {
         if let Some(done) = self.inflight.pop_front() {
             if done.request.signaled || status != WcStatus::Success {
                 let completion = WorkCompletion::of(&done.request, self.num, status);
-                self.emit(completion, round.now + done.delay, round.cq);
+                self.delayed
+                    .emit(completion, round.now + done.delay, round.cq);
             }
         }
     }
@@ -713,7 +759,7 @@ impl Initiator {
         });
         if let Some(head) = head {
             let failed = WorkCompletion::of(&head.request, self.num, status);
-            self.emit(failed, round.now, round.cq);
+            self.delayed.emit(failed, round.now, round.cq);
         }
         self.go_to_error(round);
     }
@@ -735,26 +781,7 @@ impl Initiator {
             .collect();
         for queued in flushed {
             let completion = WorkCompletion::of(&queued.request, num, WcStatus::WrFlushErr);
-            self.emit(completion, round.now, round.cq);
-        }
-    }
-
-    /// Queues a completion to become visible at `at`, never before an earlier one.
-    fn emit(&mut self, completion: WorkCompletion, at: Instant, cq: &mut VecDeque<WorkCompletion>) {
-        match self.delayed.back() {
-            None if at <= Instant::now() => cq.push_back(completion),
-            Some(&(last, _)) => self.delayed.push_back((at.max(last), completion)),
-            None => self.delayed.push_back((at, completion)),
-        }
-    }
-
-    fn release_delayed(&mut self, now: Instant, cq: &mut VecDeque<WorkCompletion>) {
-        while let Some(&(at, completion)) = self.delayed.front() {
-            if at > now {
-                break;
-            }
-            cq.push_back(completion);
-            self.delayed.pop_front();
+            self.delayed.emit(completion, round.now, round.cq);
         }
     }
 }
@@ -816,7 +843,7 @@ impl Served {
             // checked (see the module docs' caveat).
             let result = unsafe { sys::send_vectored(self.fd(), iov) };
             iov.clear();
-            let mut sent = match result {
+            let sent = match result {
                 Ok(sent) => sent,
                 Err(error) if would_block(&error) => return moved,
                 Err(_) => {
@@ -826,19 +853,13 @@ impl Served {
             };
             moved = true;
             *budget = budget.saturating_sub(sent);
-            while sent > 0 {
-                let Some(front) = self.replies.front() else {
-                    break;
-                };
-                let left = front.wire_len() - self.reply_sent;
-                if sent < left {
-                    self.reply_sent += sent;
-                    break;
-                }
-                sent -= left;
-                self.reply_sent = 0;
-                self.replies.pop_front();
-            }
+            account_sent(
+                &mut self.replies,
+                &mut self.reply_sent,
+                sent,
+                Reply::wire_len,
+                drop,
+            );
         }
         moved
     }
@@ -1082,15 +1103,8 @@ impl Fabric for TcpFabric {
     fn connect(&mut self, endpoint: EndpointId, epoch: Epoch) -> Result<QpNum, FabricError> {
         let qp = self
             .device
-            .take_staged(endpoint, epoch)
-            .ok_or_else(|| FabricError::Connect {
-                endpoint,
-                epoch,
-                reason: format!(
-                    "no connected queue pair is staged on {} at {epoch}",
-                    self.device.name()
-                ),
-            })?;
+            .staged()
+            .take_for_connect(endpoint, epoch, self.device.name())?;
         self.adopt(Some(endpoint), qp)
             .map_err(|error| FabricError::Connect {
                 endpoint,
@@ -1111,7 +1125,7 @@ impl Fabric for TcpFabric {
         if !initiator.live {
             for request in requests {
                 let flushed = WorkCompletion::of(request, qp, WcStatus::WrFlushErr);
-                initiator.emit(flushed, now, &mut self.completions);
+                initiator.delayed.emit(flushed, now, &mut self.completions);
             }
             return Ok(());
         }

@@ -51,6 +51,7 @@ use std::time::Duration;
 pub use fabric::TcpFabric;
 
 use super::soft::{FaultHandle, SoftDevice};
+use super::staging::Staging;
 use super::{QpInfo, QpNum};
 use crate::ring::{self, Consumer, Producer};
 use crate::{EndpointId, Epoch};
@@ -290,7 +291,7 @@ struct DeviceInner {
     listener: TcpListener,
     local_addr: SocketAddr,
     next_qp: AtomicU32,
-    staged: Mutex<HashMap<EndpointId, (Epoch, TcpQp)>>,
+    staged: Staging<TcpQp>,
     pending: Mutex<HashMap<u64, PendingTarget>>,
 }
 
@@ -319,7 +320,7 @@ impl TcpDevice {
             listener,
             local_addr,
             next_qp: AtomicU32::new(1),
-            staged: Mutex::new(HashMap::new()),
+            staged: Staging::default(),
             pending: Mutex::new(HashMap::new()),
         })))
     }
@@ -428,26 +429,16 @@ impl TcpDevice {
     /// Hands a connected queue pair to this rail's poller: its next `connect` for
     /// `endpoint` at `epoch` adopts it. One staged earlier for the endpoint is dropped.
     pub fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: TcpQp) {
-        self.staged().insert(endpoint, (epoch, qp));
+        self.0.staged.stage(endpoint, epoch, qp);
     }
 
     /// Whether a queue pair is staged for `endpoint` at exactly `epoch`.
     pub fn has_staged(&self, endpoint: EndpointId, epoch: Epoch) -> bool {
-        self.staged()
-            .get(&endpoint)
-            .is_some_and(|(staged, _)| *staged == epoch)
+        self.0.staged.is_staged(endpoint, epoch)
     }
 
-    pub(crate) fn take_staged(&self, endpoint: EndpointId, epoch: Epoch) -> Option<TcpQp> {
-        let mut staged = self.staged();
-        match staged.remove(&endpoint) {
-            Some((staged_epoch, qp)) if staged_epoch == epoch => Some(qp),
-            Some(other) => {
-                staged.insert(endpoint, other);
-                None
-            }
-            None => None,
-        }
+    pub(crate) fn staged(&self) -> &Staging<TcpQp> {
+        &self.0.staged
     }
 
     /// A fabric for this device's poller.
@@ -456,10 +447,6 @@ impl TcpDevice {
     /// When its epoll instance cannot be created.
     pub fn fabric(&self) -> io::Result<TcpFabric> {
         TcpFabric::new(self.clone())
-    }
-
-    fn staged(&self) -> MutexGuard<'_, HashMap<EndpointId, (Epoch, TcpQp)>> {
-        self.0.staged.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn pending(&self) -> MutexGuard<'_, HashMap<u64, PendingTarget>> {

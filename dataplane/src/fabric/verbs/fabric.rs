@@ -167,15 +167,8 @@ impl Fabric for VerbsFabric {
     fn connect(&mut self, endpoint: EndpointId, epoch: Epoch) -> Result<QpNum, FabricError> {
         let qp = self
             .rail
-            .take_staged(endpoint, epoch)
-            .ok_or_else(|| FabricError::Connect {
-                endpoint,
-                epoch,
-                reason: format!(
-                    "no connected queue pair is staged on {} at {epoch}",
-                    self.rail.name()
-                ),
-            })?;
+            .staged
+            .take_for_connect(endpoint, epoch, self.rail.name())?;
         let num = qp.num();
         self.qps.insert(
             num,

@@ -15,6 +15,7 @@ use super::ffi::{
 use super::gid::{choose_gid, read_gid_table};
 use super::mtu::PathMtu;
 use crate::fabric::QpInfo;
+use crate::fabric::staging::Staging;
 use crate::{EndpointId, Epoch};
 
 /// How a rail is set up.
@@ -80,7 +81,7 @@ pub struct VerbsRail {
     gid: [u8; 16],
     pub(crate) config: RailConfig,
     regions: Mutex<HashMap<u32, MemoryRegion>>,
-    staged: Mutex<HashMap<EndpointId, (Epoch, QueuePair)>>,
+    pub(crate) staged: Staging<QueuePair>,
 }
 
 /// Ports a device is asked about when none is configured.
@@ -133,7 +134,7 @@ impl VerbsRail {
             gid,
             config,
             regions: Mutex::new(HashMap::new()),
-            staged: Mutex::new(HashMap::new()),
+            staged: Staging::default(),
         }))
     }
 
@@ -226,21 +227,6 @@ impl VerbsRail {
 
     /// Hands a connected queue pair to this rail's poller for `endpoint` at `epoch`.
     pub fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: QueuePair) {
-        self.staged
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(endpoint, (epoch, qp));
-    }
-
-    pub(crate) fn take_staged(&self, endpoint: EndpointId, epoch: Epoch) -> Option<QueuePair> {
-        let mut staged = self.staged.lock().unwrap_or_else(PoisonError::into_inner);
-        match staged.remove(&endpoint) {
-            Some((staged_epoch, qp)) if staged_epoch == epoch => Some(qp),
-            Some(other) => {
-                staged.insert(endpoint, other);
-                None
-            }
-            None => None,
-        }
+        self.staged.stage(endpoint, epoch, qp);
     }
 }
