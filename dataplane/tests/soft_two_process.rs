@@ -13,9 +13,9 @@ mod soft_common;
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command as Process, Stdio};
-use std::sync::mpsc::{self, Receiver};
+use std::io::{BufRead, Write};
+use std::process::{Child, ChildStdin};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use railyard_dataplane::fabric::soft::{SoftBuffer, SoftDevice, handshake};
@@ -24,7 +24,9 @@ use railyard_dataplane::{
     Command, EndpointId, Epoch, FailStale, IdleStrategy, PollerConfig, PollerHandle,
     RequestOutcome, SliceSpec, Submitter,
 };
-use soft_common::{BOUND, Registered, device, drain, register, request, socket_path};
+use soft_common::{
+    BOUND, Registered, device, drain, register, request, socket_path, spawn_target_process,
+};
 
 const TARGET_SOCKET: &str = "RAILYARD_TEST_TARGET_SOCKET";
 const TARGET_BYTES: &str = "RAILYARD_TEST_TARGET_BYTES";
@@ -149,37 +151,20 @@ impl Target {
     /// Starts a target with `len` registered bytes of `memory` and waits until it listens.
     fn spawn(len: usize, memory: Memory) -> Self {
         let socket = socket_path("target");
-        let mut child = Process::new(std::env::current_exe().expect("own test binary"))
-            .args(["target_process", "--exact", "--ignored", "--nocapture"])
-            .args(["--test-threads", "1"])
-            .env(TARGET_SOCKET, &socket)
-            .env(TARGET_BYTES, len.to_string())
-            .env(
-                TARGET_MEMORY,
-                if memory == Memory::Engine {
-                    "engine"
-                } else {
-                    "user"
-                },
-            )
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("the target starts");
-        let stdin = child.stdin.take().expect("piped");
-        let stdout = child.stdout.take().expect("piped");
-        let (sender, answers) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                // The harness may print "test target_process ... " first on the same line.
-                if let Some((_, answer)) = line.split_once('@') {
-                    if sender.send(answer.to_string()).is_err() {
-                        break;
-                    }
-                }
-            }
-        });
+        let memory = if memory == Memory::Engine {
+            "engine"
+        } else {
+            "user"
+        };
+        let (socket_text, bytes) = (socket.to_string_lossy().into_owned(), len.to_string());
+        let (child, stdin, answers) = spawn_target_process(
+            "target_process",
+            &[
+                (TARGET_SOCKET, &socket_text),
+                (TARGET_BYTES, &bytes),
+                (TARGET_MEMORY, memory),
+            ],
+        );
         let mut target = Self {
             child,
             stdin,

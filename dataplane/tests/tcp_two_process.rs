@@ -12,15 +12,15 @@ mod soft_common;
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, Write};
 use std::net::{IpAddr, Ipv4Addr};
-use std::process::{Child, ChildStdin, Command as Process, Stdio};
-use std::sync::mpsc::{self, Receiver};
+use std::process::{Child, ChildStdin};
+use std::sync::mpsc::Receiver;
 use std::time::Instant;
 
 use railyard_dataplane::fabric::tcp::{TcpAttachment, TcpConfig, TcpDevice, TcpFabric};
 use railyard_dataplane::fabric::{Access, Fabric, Opcode, QpNum, WcStatus, WorkRequest};
-use soft_common::{BOUND, Registered, device, drain, register, request};
+use soft_common::{BOUND, Registered, device, drain, register, request, spawn_target_process};
 
 const TARGET_ENV: &str = "RAILYARD_TEST_TCP_TARGET";
 /// Target queue pairs the target hands out (one per test case that breaks one).
@@ -110,28 +110,8 @@ struct Target {
 
 impl Target {
     fn spawn() -> Self {
-        let mut child = Process::new(std::env::current_exe().expect("own test binary"))
-            .args(["tcp_target_process", "--exact", "--ignored", "--nocapture"])
-            .args(["--test-threads", "1"])
-            .env(TARGET_ENV, "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("the target starts");
-        let stdin = child.stdin.take().expect("piped");
-        let stdout = child.stdout.take().expect("piped");
-        let (sender, answers) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                // The harness may print "test tcp_target_process ... " first on the line.
-                if let Some((_, answer)) = line.split_once('@') {
-                    if sender.send(answer.to_string()).is_err() {
-                        break;
-                    }
-                }
-            }
-        });
+        let (child, stdin, answers) =
+            spawn_target_process("tcp_target_process", &[(TARGET_ENV, "1")]);
         let ready = answers.recv_timeout(BOUND).expect("the target starts");
         let fields: Vec<&str> = ready.split_whitespace().collect();
         assert_eq!(fields[0], "ready", "{ready}");

@@ -2,8 +2,11 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
 use railyard_dataplane::fabric::soft::{SoftConfig, SoftDevice, SoftQp, handshake};
@@ -104,4 +107,41 @@ pub fn drain(fabric: &mut impl Fabric, count: usize) -> Vec<WorkCompletion> {
         }
     }
     out
+}
+
+/// Runs this test binary again as a target process: only the ignored test `entry`, with
+/// `envs`. Returns the child, its stdin, and its answers: the text after `@` on each line
+/// it prints (the harness may print "test NAME ... " first on the same line).
+pub fn spawn_target_process(
+    entry: &str,
+    envs: &[(&str, &str)],
+) -> (Child, ChildStdin, Receiver<String>) {
+    let mut child = Command::new(std::env::current_exe().expect("own test binary"))
+        .args([
+            entry,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .envs(envs.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the target starts");
+    let stdin = child.stdin.take().expect("piped");
+    let stdout = child.stdout.take().expect("piped");
+    let (sender, answers) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Some((_, answer)) = line.split_once('@') {
+                if sender.send(answer.to_string()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    (child, stdin, answers)
 }
