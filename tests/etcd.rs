@@ -162,6 +162,33 @@ fn peers_are_found_by_name_and_a_name_is_held_by_one_live_process() {
     let a = serve("decode-a", &etcd);
     let prefill = engine("prefill-0", &etcd);
     let peer = prefill.open("decode-a").expect("found by name");
+    // Registration and deregistration publish the descriptor again: another engine sees
+    // prefill-0's regions come and go.
+    let observer = engine("observer-0", &etcd);
+    let regions_of = |name: &str| observer.lookup(name).map(|d| d.regions.len());
+    let wait_for = |name: &str, regions: usize| {
+        let end = Instant::now() + BOUND;
+        while regions_of(name).ok() != Some(regions) {
+            assert!(
+                Instant::now() < end,
+                "{name}: {:?} regions",
+                regions_of(name)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    wait_for("prefill-0", 0);
+    let first = prefill.alloc(1 << 20, None).unwrap();
+    let second = prefill.alloc(1 << 20, None).unwrap();
+    wait_for("prefill-0", 2);
+    prefill.deregister(first).unwrap();
+    wait_for("prefill-0", 1);
+    prefill.deregister(second).unwrap();
+    wait_for("prefill-0", 0);
+    assert_eq!(
+        observer.lookup("decode-a").unwrap().incarnation,
+        peer.incarnation()
+    );
     assert_eq!(peer.name(), "decode-a");
     assert_eq!(peer.incarnation().to_string(), a.incarnation);
     assert!(round_trip(&prefill, &peer, 0x5A));

@@ -454,6 +454,7 @@ impl Session {
                     tokio::select! {
                         () = &mut pause => break,
                         update = self.updates.recv() => match update {
+                            // Published with the next session's claim.
                             Some(Update::Publish(descriptor)) => self.own = descriptor,
                             Some(Update::Stop) | None => return,
                         },
@@ -594,6 +595,9 @@ impl Session {
         keeper: &mut LeaseKeeper,
     ) -> Result<(), Ended> {
         let key = self.config.key(&self.own.name);
+        // A new generation per session: the descriptor may have changed while etcd was
+        // unreachable, and watchers ignore a record no newer than the one they have.
+        self.generation += 1;
         let mut deadline: Option<Instant> = None;
         loop {
             let value = encode_record(self.generation, &self.own);

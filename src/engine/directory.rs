@@ -85,8 +85,8 @@ impl Directory {
         let _ = descriptor;
     }
 
-    /// The handshake address of the segment named `name`.
-    pub(crate) fn resolve(&self, name: &str) -> Result<String, PeerError> {
+    /// The descriptor the segment named `name` published.
+    pub(crate) fn resolve(&self, name: &str) -> Result<SegmentDescriptor, PeerError> {
         let unknown = |reason: String| PeerError::UnknownName {
             name: name.to_string(),
             reason,
@@ -100,7 +100,7 @@ impl Directory {
         #[cfg(feature = "etcd")]
         {
             etcd.resolve(name)
-                .map(|record| record.descriptor.handshake_addr)
+                .map(|record| record.descriptor)
                 .ok_or_else(|| {
                     unknown(format!(
                         "no live segment has that name in etcd at {}",

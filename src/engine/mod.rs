@@ -734,7 +734,7 @@ impl Engine {
         let target = if target.contains(':') {
             target
         } else {
-            resolved = self.inner.directory.resolve(target)?;
+            resolved = self.inner.directory.resolve(target)?.handshake_addr;
             &resolved
         };
         let addr = target
@@ -771,6 +771,15 @@ impl Engine {
             views.push(view);
         }
         Ok(Peer { addr, views })
+    }
+
+    /// What the segment named `name` last published in the directory (its incarnation,
+    /// address, rails and regions), without connecting to it.
+    ///
+    /// # Errors
+    /// [`PeerError::UnknownName`] when there is no directory or no such live segment.
+    pub fn lookup(&self, name: &str) -> Result<SegmentDescriptor, PeerError> {
+        self.inner.directory.resolve(name)
     }
 
     /// A submitter for this thread.
