@@ -292,7 +292,7 @@ fn killed_and_frozen_peers_retire_within_the_lease_while_the_others_go_on() {
     }
     let retired_after = signalled.elapsed();
     assert!(
-        retired_after < Duration::from_secs(TTL) + Duration::from_millis(1500),
+        retired_after < Duration::from_secs(TTL + 2),
         "retired {retired_after:?} after the signals (lease {TTL} s)"
     );
     assert!(transfers_to_healthy > 0);
