@@ -484,3 +484,63 @@ fn a_hello_with_an_unknown_token_or_garbage_is_closed_and_nothing_is_served() {
     assert!(fabric.connect(EndpointId(4), Epoch::FIRST.next()).is_ok());
     drop(handle);
 }
+
+#[test]
+fn a_dial_to_a_closed_port_returns_at_once_and_fails_the_queue_pair_not_the_caller() {
+    let soft = device("init2");
+    let source = register(&soft, 4096, 1, Access::ALL);
+    let device = TcpDevice::open(&soft, LOCALHOST, TcpConfig::default()).unwrap();
+    let closed = std::net::TcpListener::bind((LOCALHOST, 0))
+        .and_then(|listener| listener.local_addr())
+        .unwrap();
+    let nowhere = TcpAttachment::Target {
+        addr: closed,
+        token: 1,
+    };
+    let mut fabric = device.fabric().unwrap();
+
+    // Nothing posted: the refused connection raises QP_FATAL.
+    let (prepared, _) = device.create_qp();
+    let started = Instant::now();
+    let qp = fabric
+        .adopt(None, device.connect(prepared, &nowhere).unwrap())
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "the dial waited"
+    );
+    let end = Instant::now() + BOUND;
+    loop {
+        assert!(Instant::now() < end, "no QP_FATAL for a refused connection");
+        fabric.serve();
+        if let Some(event) = fabric.poll_event() {
+            assert_eq!(event, AsyncEvent::QpFatal { qp });
+            break;
+        }
+        std::thread::yield_now();
+    }
+
+    // Work posted: it fails with RETRY_EXC_ERR, the rest flushes.
+    let (prepared, _) = device.create_qp();
+    let qp = fabric
+        .adopt(None, device.connect(prepared, &nowhere).unwrap())
+        .unwrap();
+    let write = request(
+        1,
+        Opcode::Write,
+        source.region.addr,
+        source.region.lkey,
+        0,
+        7,
+        64,
+    );
+    let after = WorkRequest {
+        wr_id: railyard_dataplane::fabric::WrId(2),
+        ..write
+    };
+    fabric.post(qp, &[write, after]).unwrap();
+    assert_eq!(
+        statuses(&drain(&mut fabric, 2)),
+        [WcStatus::RetryExcErr, WcStatus::WrFlushErr]
+    );
+}

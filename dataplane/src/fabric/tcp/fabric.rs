@@ -94,6 +94,10 @@ impl Queued {
 struct Initiator {
     num: QpNum,
     stream: TcpStream,
+    /// The hello, sent before anything else once the connection is up.
+    hello: [u8; HELLO_LEN],
+    /// Bytes of `hello` already sent.
+    hello_sent: usize,
     live: bool,
     /// Posted and not yet fully sent, in order.
     queued: VecDeque<Queued>,
@@ -264,7 +268,7 @@ impl TcpFabric {
     /// # Errors
     /// When its descriptor cannot be watched.
     pub fn adopt(&mut self, endpoint: Option<EndpointId>, qp: TcpQp) -> io::Result<QpNum> {
-        let TcpQp { num, stream } = qp;
+        let TcpQp { num, stream, hello } = qp;
         self.epoll
             .add(stream.as_raw_fd(), INITIATOR_TOKEN | u64::from(num.0))?;
         let ordinal = self.adopted;
@@ -274,6 +278,8 @@ impl TcpFabric {
             Initiator {
                 num,
                 stream,
+                hello,
+                hello_sent: 0,
                 live: true,
                 queued: VecDeque::new(),
                 judged: 0,
@@ -564,10 +570,17 @@ impl Initiator {
                     Err(doom) => self.doom = Some(doom),
                 }
             }
-            if self.judged == 0 {
+            let hello_left = HELLO_LEN - self.hello_sent;
+            if self.judged == 0 && hello_left == 0 {
                 return Ok(moved);
             }
             round.iov.clear();
+            if hello_left > 0 {
+                round.iov.push(libc::iovec {
+                    iov_base: self.hello[self.hello_sent..].as_ptr().cast_mut().cast(),
+                    iov_len: hello_left,
+                });
+            }
             for (index, queued) in self.queued.iter().take(self.judged).enumerate() {
                 let skip = if index == 0 { self.head_sent } else { 0 };
                 if skip < REQUEST_LEN {
@@ -585,11 +598,12 @@ impl Initiator {
                     });
                 }
             }
-            // SAFETY: headers live in `queued`, untouched until the call returns; payloads
-            // lie inside live registrations of this process (judged just now), valid for
-            // reads by the registration contract.
+            // SAFETY: the hello and the headers live in `self`, untouched until the call
+            // returns; payloads lie inside live registrations of this process (judged just
+            // now), valid for reads by the registration contract.
             let sent = match unsafe { sys::send_vectored(self.fd(), round.iov) } {
                 Ok(sent) => sent,
+                // Also while the connection is still being set up.
                 Err(error) if would_block(&error) => return Ok(moved),
                 Err(_) => {
                     self.connection_failed(round);
@@ -599,7 +613,9 @@ impl Initiator {
             round.iov.clear();
             moved = true;
             *budget = budget.saturating_sub(sent);
-            self.advance(sent);
+            let hello_part = sent.min(hello_left);
+            self.hello_sent += hello_part;
+            self.advance(sent - hello_part);
         }
         Ok(moved)
     }

@@ -6,9 +6,10 @@
 //!
 //! # Queue pairs
 //! A queue pair is one TCP connection. The initiator's side ([`TcpDevice::create_qp`],
-//! [`TcpDevice::connect`]) dials the target's data port and names, in its hello, the token
-//! the target handed out at ConnectQp ([`TcpDevice::create_target`]); the control plane then
-//! stages it for the poller, as with the other fabrics. The target's side is served by the
+//! [`TcpDevice::connect`]) starts a non-blocking connection to the target's data port (the
+//! control thread never waits on a peer) and the control plane stages it for the poller, as
+//! with the other fabrics; the poller's first bytes on it are a hello naming the token the
+//! target handed out at ConnectQp ([`TcpDevice::create_target`]). The target's side is served by the
 //! target rail's own poller ([`TcpFabric`], through
 //! [`Fabric::serve`](crate::fabric::Fabric::serve)), never by a thread of its own; the
 //! control plane keeps a [`TcpTarget`] handle, which takes the WRITE_WITH_IMM immediates
@@ -223,11 +224,14 @@ pub struct TcpPreparedQp {
     num: QpNum,
 }
 
-/// An initiator's connected queue pair, until its poller adopts it.
+/// An initiator's queue pair, until its poller adopts it: a connection started without
+/// waiting (the control thread never blocks on a peer), and the hello the poller sends
+/// first once it is established.
 #[derive(Debug)]
 pub struct TcpQp {
     num: QpNum,
     stream: TcpStream,
+    hello: [u8; wire::HELLO_LEN],
 }
 
 impl TcpQp {
@@ -366,11 +370,14 @@ impl TcpDevice {
         (TcpPreparedQp { num }, Self::info(num))
     }
 
-    /// Connects `qp` to the target that answered with `target`: dials its data port and
-    /// says hello, within [`TcpConfig::connect_timeout`].
+    /// Connects `qp` to the target that answered with `target`: starts a non-blocking
+    /// connection to its data port and returns at once; the poller that adopts it sends the
+    /// hello when the connection is up. A connection that fails or never comes up fails the
+    /// queue pair's first requests (RETRY_EXC_ERR) or raises QP_FATAL, as a broken one does.
     ///
     /// # Errors
-    /// [`TcpError::Connect`], or [`TcpError::Attachment`] when `target` is not a target's.
+    /// [`TcpError::Connect`] when no connection can be started, or
+    /// [`TcpError::Attachment`] when `target` is not a target's.
     pub fn connect(&self, qp: TcpPreparedQp, target: &TcpAttachment) -> Result<TcpQp, TcpError> {
         let TcpAttachment::Target { addr, token } = *target else {
             return Err(TcpError::Attachment(
@@ -378,17 +385,12 @@ impl TcpDevice {
             ));
         };
         let connect_error = |source| TcpError::Connect { addr, source };
-        let stream = dial(
-            addr,
-            self.0.config.connect_timeout,
-            Hello::QueuePair { token },
-        )
-        .map_err(connect_error)?;
+        let stream = sys::connect_nonblocking(addr).map_err(connect_error)?;
         sys::tune(&stream, self.0.config.socket_buffer).map_err(connect_error)?;
-        stream.set_nonblocking(true).map_err(connect_error)?;
         Ok(TcpQp {
             num: qp.num,
             stream,
+            hello: Hello::QueuePair { token }.encode(),
         })
     }
 

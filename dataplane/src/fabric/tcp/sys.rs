@@ -93,6 +93,75 @@ impl Epoll {
     }
 }
 
+/// A non-blocking TCP socket whose connection to `addr` has started (or, on loopback,
+/// finished): the caller learns how it went from its first send or receive.
+pub(crate) fn connect_nonblocking(addr: std::net::SocketAddr) -> io::Result<std::net::TcpStream> {
+    let family = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: plain system call; the result is checked.
+    let fd = unsafe {
+        libc::socket(
+            family,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor this function alone owns; the stream closes it.
+    let stream = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+    let (storage, len) = socket_address(addr);
+    // SAFETY: `storage` holds a valid address of `len` bytes for the socket's family.
+    let code = unsafe { libc::connect(fd, (&raw const storage).cast(), len) };
+    if code < 0 {
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(error);
+        }
+    }
+    Ok(stream)
+}
+
+/// `addr` as the C socket address the kernel takes.
+fn socket_address(addr: std::net::SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: `sockaddr_storage` is plain old data; all-zero is valid.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        std::net::SocketAddr::V4(v4) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: v4.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(v4.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: `sockaddr_storage` is larger than and aligned for `sockaddr_in`.
+            unsafe { std::ptr::write((&raw mut storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        std::net::SocketAddr::V6(v6) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: v6.port().to_be(),
+                sin6_flowinfo: v6.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: v6.ip().octets(),
+                },
+                sin6_scope_id: v6.scope_id(),
+            };
+            // SAFETY: `sockaddr_storage` is larger than and aligned for `sockaddr_in6`.
+            unsafe { std::ptr::write((&raw mut storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, len as libc::socklen_t)
+}
+
 /// Sets an integer socket option.
 fn set_option(fd: RawFd, level: i32, name: i32, value: i32) -> io::Result<()> {
     // SAFETY: `value` is a valid `int` for the call.
