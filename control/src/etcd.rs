@@ -533,7 +533,8 @@ impl Session {
                 self.own.name
             ));
         }
-        let period = self.config.lease_ttl / 3;
+        // A third of the lease (tokio refuses a zero period; a zero TTL is granted as 1 s).
+        let period = (self.config.lease_ttl / 3).max(Duration::from_millis(100));
         let mut renew = tokio::time::interval(period);
         let mut last_renewed = Instant::now();
         loop {
