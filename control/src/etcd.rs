@@ -601,15 +601,9 @@ impl Session {
         self.generation += 1;
         let mut deadline: Option<Instant> = None;
         loop {
-            let value = encode_record(self.generation, &self.own);
-            let put = TxnOp::put(
-                key.clone(),
-                value,
-                Some(PutOptions::new().with_lease(lease)),
-            );
             let txn = Txn::new()
                 .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-                .and_then([put])
+                .and_then([self.put_record(&key, lease)])
                 .or_else([TxnOp::get(key.clone(), None)]);
             let answer = self.bounded(client.txn(txn)).await?;
             if answer.succeeded() {
@@ -633,9 +627,8 @@ impl Session {
                 // Ours from an earlier session (etcd restarted, or our lease lapsed while
                 // it was unreachable): move it under this session's lease.
                 Some(holder) if holder == self.own.incarnation => {
-                    let value = encode_record(self.generation, &self.own);
-                    let options = PutOptions::new().with_lease(lease);
-                    self.bounded(client.put(key, value, Some(options))).await?;
+                    let put = Txn::new().and_then([self.put_record(&key, lease)]);
+                    self.bounded(client.txn(put)).await?;
                     self.shared.publications.fetch_add(1, Ordering::Relaxed);
                     return Ok(());
                 }
@@ -669,19 +662,19 @@ impl Session {
         Instant::now() + left.min(fallback) + self.config.lease_ttl + Duration::from_secs(1)
     }
 
+    /// Puts this process's current record at `key` under `lease`.
+    fn put_record(&self, key: &str, lease: i64) -> TxnOp {
+        let value = encode_record(self.generation, &self.own);
+        TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)))
+    }
+
     /// Publishes the current descriptor under `lease` (only while this lease holds the
     /// key: a lost name ends the session, which claims it again).
     async fn put_own(&mut self, client: &mut Client, lease: i64) -> Result<(), Ended> {
         let key = self.config.key(&self.own.name);
-        let value = encode_record(self.generation, &self.own);
-        let put = TxnOp::put(
-            key.clone(),
-            value,
-            Some(PutOptions::new().with_lease(lease)),
-        );
         let txn = Txn::new()
-            .when([Compare::lease(key, CompareOp::Equal, lease)])
-            .and_then([put]);
+            .when([Compare::lease(key.clone(), CompareOp::Equal, lease)])
+            .and_then([self.put_record(&key, lease)]);
         if !self.bounded(client.txn(txn)).await?.succeeded() {
             return Err(Ended::Failed(
                 "this process's key is no longer under its lease".into(),
