@@ -274,15 +274,19 @@ impl<T> Consumer<T> {
     }
 
     /// Pops up to `max` values into `out`, releasing their slots at once. Returns how many.
+    ///
+    /// `head` advances with every value handed to `out`, and the slots are released when the
+    /// drain ends, even by a panic inside `out.extend`: a value is either still in the ring
+    /// or was handed over, never both.
     pub fn pop_into<E: Extend<T>>(&mut self, out: &mut E, max: usize) -> usize {
         let count = self.available(max).min(max);
         if count == 0 {
             return 0;
         }
-        let start = self.head;
-        out.extend((0..count).map(|offset| self.take(start.wrapping_add(offset))));
-        self.head = start.wrapping_add(count);
-        self.release();
+        out.extend(Drain {
+            consumer: self,
+            left: count,
+        });
         count
     }
 
@@ -294,6 +298,38 @@ impl<T> Consumer<T> {
     /// Whether the producer has been dropped: once empty, nothing more will arrive.
     pub fn is_abandoned(&self) -> bool {
         Arc::strong_count(&self.shared) == 1
+    }
+}
+
+/// Values moved out of a consumer's ring one at a time; the slots read are released to the
+/// producer when the drain is dropped (also while unwinding).
+struct Drain<'a, T> {
+    consumer: &'a mut Consumer<T>,
+    left: usize,
+}
+
+impl<T> Iterator for Drain<'_, T> {
+    type Item = T;
+
+    fn next(&mut self) -> Option<T> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        let value = self.consumer.take(self.consumer.head);
+        // Advanced before the value leaves: if the caller panics with it, it is theirs.
+        self.consumer.head = self.consumer.head.wrapping_add(1);
+        Some(value)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl<T> Drop for Drain<'_, T> {
+    fn drop(&mut self) {
+        self.consumer.release();
     }
 }
 
@@ -345,6 +381,54 @@ mod tests {
         fn drop(&mut self) {
             self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+    }
+
+    /// An `Extend` that panics after taking `keep` values (it drops what it took).
+    struct PanicsAfter<'a> {
+        keep: usize,
+        taken: Vec<Counted<'a>>,
+    }
+
+    impl<'a> Extend<Counted<'a>> for PanicsAfter<'a> {
+        fn extend<I: IntoIterator<Item = Counted<'a>>>(&mut self, values: I) {
+            for value in values {
+                self.taken.push(value);
+                if self.taken.len() == self.keep {
+                    panic!("extend gives up");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_panicking_extend_in_pop_into_loses_nothing_and_drops_nothing_twice() {
+        let drops = StdAtomic::new(0);
+        let (mut tx, mut rx) = channel(8);
+        for _ in 0..6 {
+            assert!(tx.push(Counted(&drops)).is_ok());
+        }
+        let mut out = PanicsAfter {
+            keep: 2,
+            taken: Vec::new(),
+        };
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            rx.pop_into(&mut out, 6);
+        }));
+        assert!(unwound.is_err());
+        drop(out);
+        // The two taken values were dropped by their new owner, once.
+        assert_eq!(drops.load(std::sync::atomic::Ordering::Relaxed), 2);
+        // The other four are still in the ring, and their slots were not handed back twice.
+        let mut rest = Vec::new();
+        assert_eq!(rx.pop_into(&mut rest, 10), 4);
+        assert!(rx.pop().is_none());
+        // The producer sees the released slots: the ring takes a full load again.
+        for _ in 0..8 {
+            assert!(tx.push(Counted(&drops)).is_ok());
+        }
+        drop(rest);
+        drop((tx, rx));
+        assert_eq!(drops.load(std::sync::atomic::Ordering::Relaxed), 6 + 8);
     }
 
     #[test]
