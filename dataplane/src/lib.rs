@@ -36,8 +36,8 @@ mod sync;
 pub use batch::{Batch, BatchStatus, FailReason, RequestFailure, RequestOutcome};
 pub use epoch::Epoch;
 pub use poller::{
-    Command, CounterSnapshot, Event, FailStale, IdleStrategy, PollerConfig, PollerHandle,
-    PollerStopped, RepairCause, Reprepare, SpawnError,
+    COMMAND_WAIT, Command, CounterSnapshot, Event, FailStale, IdleStrategy, PollerConfig,
+    PollerHandle, PollerStopped, RepairCause, Reprepare, SpawnError,
 };
 pub use slice::{EndpointId, Slice, SliceSpec};
 pub use submitter::{DEFAULT_DEADLINE, SubmitError, Submitter};

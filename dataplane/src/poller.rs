@@ -23,8 +23,23 @@
 //! epoch; a slice whose own work request was wrong (length, protection, access) is
 //! re-prepared once and fails the second time, so it can never take a fresh queue pair down
 //! twice.
+//!
+//! # Nothing moves after it is reported
+//! A slice resolves only when the fabric no longer holds its buffers. A slice whose deadline
+//! passes while it is still queued here resolves with `Timeout` at once; one whose deadline
+//! passes while it is posted is marked, its queue pair is taken out of service (retired: ERR,
+//! flush, [`Event::QpFailed`] with RETRY_EXC_ERR, a new epoch for the endpoint's other work),
+//! and it resolves with `Timeout` when the flush hands it back. Shutdown follows the same
+//! rule. Only a fabric that breaks its promise to flush within [`PollerConfig::flush_grace`]
+//! has its work resolved without it (counted as `unflushed`).
+//!
+//! # Stopping
+//! However the poller thread ends — a shutdown command or a panic — it marks itself stopped,
+//! resolves what it held, and leaves its rings where a submitter that pushed too late finds
+//! and resolves them ([`PollerShared::wake`]). Events to the owner of endpoints are never
+//! dropped: when the event ring is full they wait, coalesced per endpoint (the latest wins).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::{self, JoinHandle, Thread};
@@ -35,7 +50,7 @@ use crate::fabric::{
     AsyncEvent, Fabric, FabricError, QpNum, WcStatus, WorkCompletion, WorkRequest, WrId,
 };
 use crate::ring::{self, Consumer, Producer};
-use crate::slice::{FLAG_WR_ERROR_SEEN, Slice};
+use crate::slice::{FLAG_TIMED_OUT, FLAG_WR_ERROR_SEEN, Slice};
 use crate::{EndpointId, Epoch};
 
 /// What a poller does when a round found no work.
@@ -86,10 +101,12 @@ pub struct PollerConfig {
     pub backlog_limit: usize,
     /// Slots of the command ring.
     pub command_capacity: usize,
-    /// Slots of the event ring.
+    /// Slots of the event ring (more events wait, coalesced per endpoint).
     pub event_capacity: usize,
-    /// After a shutdown command, how long to wait for flush completions of in-flight work.
-    pub shutdown_grace: Duration,
+    /// How long the fabric has to hand back the work of a queue pair taken out of service (a
+    /// deadline passed while it was posted, or shutdown) before it is resolved without the
+    /// flush. A fabric that keeps its promise flushes well within it.
+    pub flush_grace: Duration,
 }
 
 impl PollerConfig {
@@ -104,7 +121,7 @@ impl PollerConfig {
             backlog_limit: 4096,
             command_capacity: 256,
             event_capacity: 1024,
-            shutdown_grace: Duration::from_secs(1),
+            flush_grace: Duration::from_secs(1),
         }
     }
 }
@@ -201,6 +218,19 @@ pub enum Event {
     },
 }
 
+impl Event {
+    /// The endpoint it is about.
+    pub fn endpoint(&self) -> EndpointId {
+        match *self {
+            Self::QpFailed { endpoint, .. }
+            | Self::QpFatal { endpoint, .. }
+            | Self::ConnectFailed { endpoint, .. }
+            | Self::Confirmed { endpoint, .. }
+            | Self::EndpointDrained { endpoint } => endpoint,
+        }
+    }
+}
+
 /// Why a stale slice is being re-prepared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RepairCause {
@@ -276,7 +306,8 @@ struct Counters {
     stale_dropped: Counter,
     idle_rounds: Counter,
     ignored_completions: Counter,
-    events_dropped: Counter,
+    events_coalesced: Counter,
+    unflushed: Counter,
 }
 
 /// A poller's counters at one moment.
@@ -296,8 +327,11 @@ pub struct CounterSnapshot {
     pub idle_rounds: u64,
     /// Completions for a slot that had moved on (ignored).
     pub ignored_completions: u64,
-    /// Events lost because the event ring was full.
-    pub events_dropped: u64,
+    /// Events replaced by a later event of the same endpoint while the event ring was full.
+    pub events_coalesced: u64,
+    /// Posted slices resolved without the fabric handing them back within
+    /// [`PollerConfig::flush_grace`] of being taken out of service (a fabric bug: zero).
+    pub unflushed: u64,
 }
 
 impl CounterSnapshot {
@@ -321,18 +355,62 @@ pub(crate) struct PollerShared {
     thread: OnceLock<Thread>,
     /// Set once the poller stops reading its rings.
     stopped: AtomicBool,
+    /// The rings of a stopped poller, for late pushes to be resolved.
+    orphans: Mutex<Orphans>,
+}
+
+/// What a stopped poller leaves behind: its command ring (which may still bring a new
+/// submission ring) and its submission rings.
+#[derive(Default)]
+struct Orphans {
+    control: Option<Consumer<Control>>,
+    rings: Vec<Consumer<Slice>>,
+}
+
+impl Orphans {
+    /// Resolves (`PollerGone`) every slice left in the rings.
+    fn resolve_leftovers(&mut self) {
+        if let Some(control) = &mut self.control {
+            while let Some(control) = control.pop() {
+                if let Control::AddSubmitter(ring) = control {
+                    self.rings.push(ring);
+                }
+            }
+        }
+        for ring in &mut self.rings {
+            while let Some(slice) = ring.pop() {
+                slice.resolve(Err(FailReason::PollerGone));
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Orphans {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Orphans")
+            .field("rings", &self.rings.len())
+            .finish()
+    }
 }
 
 impl PollerShared {
-    /// Wakes the poller if it is parked. Call after publishing work.
+    /// Wakes the poller if it is parked. Call after publishing work: if the poller has
+    /// stopped meanwhile, what was published is resolved here (`PollerGone`).
     pub(crate) fn wake(&self) {
         // SeqCst fence: pairs with the poller's fence between setting `parked` and
-        // re-checking its rings. Either it sees our work, or we see it parked.
+        // re-checking its rings (either it sees our work, or we see it parked), and with its
+        // fence between setting `stopped` and its last look at the rings (either that look
+        // sees our work, or we see it stopped).
         fence(Ordering::SeqCst);
         if self.parked.load(Ordering::Relaxed) {
             if let Some(thread) = self.thread.get() {
                 thread.unpark();
             }
+        }
+        if self.stopped.load(Ordering::Relaxed) {
+            // The poller hands its rings over under this lock after its last look, so either
+            // they are here, or its last look comes after this and sees our work.
+            lock(&self.orphans).resolve_leftovers();
         }
     }
 
@@ -372,10 +450,14 @@ pub enum SpawnError {
     },
 }
 
-/// The poller is no longer running.
+/// The poller is no longer running, or has taken no command for [`COMMAND_WAIT`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the poller has stopped")]
 pub struct PollerStopped;
+
+/// How long a command waits for room in a full command ring. A running poller empties it
+/// every round; one that has not for this long is treated as stopped.
+pub const COMMAND_WAIT: Duration = Duration::from_secs(2);
 
 /// Owner's handle to a running poller. `Send + Sync`. Dropping it shuts the poller down.
 pub struct PollerHandle {
@@ -431,6 +513,8 @@ impl PollerHandle {
             post_list: Vec::new(),
             post_qp: None,
             completions: Vec::new(),
+            pending_events: BTreeMap::new(),
+            overdue: Vec::new(),
             last_sweep: Instant::now(),
             stopping: false,
             config: config.clone(),
@@ -477,17 +561,25 @@ impl PollerHandle {
 
     fn send_control(&self, mut control: Control) -> Result<(), PollerStopped> {
         let mut ring = lock(&self.control);
+        let give_up = Instant::now() + COMMAND_WAIT;
         loop {
             if self.shared.is_stopped() {
                 return Err(PollerStopped);
             }
             match ring.push(control) {
                 Ok(()) => {
+                    // Resolves what a poller that stopped meanwhile will never read.
                     self.shared.wake();
+                    if self.shared.is_stopped() {
+                        return Err(PollerStopped);
+                    }
                     return Ok(());
                 }
                 Err(full) => {
                     // The poller drains commands every round; a full ring empties quickly.
+                    if Instant::now() >= give_up {
+                        return Err(PollerStopped);
+                    }
                     control = full.into_inner();
                     self.shared.wake();
                     thread::yield_now();
@@ -530,7 +622,8 @@ impl PollerHandle {
             stale_dropped: c.stale_dropped.get(),
             idle_rounds: c.idle_rounds.get(),
             ignored_completions: c.ignored_completions.get(),
-            events_dropped: c.events_dropped.get(),
+            events_coalesced: c.events_coalesced.get(),
+            unflushed: c.unflushed.get(),
         }
     }
 
@@ -629,9 +722,12 @@ struct Endpoint {
 struct InflightSlot {
     generation: u32,
     busy: bool,
-    /// `None` once resolved early (deadline): the slot waits for its completion anyway.
+    /// `None` only once resolved without its completion (the fabric missed its flush
+    /// grace): the slot still waits for the completion.
     slice: Option<Slice>,
     endpoint: EndpointId,
+    /// The queue pair it was posted on.
+    qp: QpNum,
 }
 
 /// Posted work requests by slot; work-request ids carry slot and generation.
@@ -643,7 +739,7 @@ struct Inflight {
 }
 
 impl Inflight {
-    fn insert(&mut self, slice: Slice) -> WrId {
+    fn insert(&mut self, slice: Slice, qp: QpNum) -> WrId {
         let endpoint = slice.endpoint;
         let index = match self.free.pop() {
             Some(index) => index,
@@ -653,6 +749,7 @@ impl Inflight {
                     busy: false,
                     slice: None,
                     endpoint,
+                    qp,
                 });
                 (self.slots.len() - 1) as u32
             }
@@ -662,6 +759,7 @@ impl Inflight {
         slot.busy = true;
         slot.slice = Some(slice);
         slot.endpoint = endpoint;
+        slot.qp = qp;
         self.busy += 1;
         WrId::new(index, slot.generation)
     }
@@ -679,6 +777,8 @@ impl Inflight {
     }
 }
 
+/// The fabric is the first field: when a panic unwinds the poller, the fabric (and with it
+/// every queue pair and posted request) is gone before the slices it held resolve.
 struct Poller<F: Fabric> {
     fabric: F,
     reprepare: Box<dyn Reprepare>,
@@ -694,6 +794,10 @@ struct Poller<F: Fabric> {
     post_list: Vec<WorkRequest>,
     post_qp: Option<QpNum>,
     completions: Vec<WorkCompletion>,
+    /// Events waiting for room in the event ring, the latest per endpoint.
+    pending_events: BTreeMap<EndpointId, Event>,
+    /// Scratch for the deadline sweep: queue pairs holding overdue work.
+    overdue: Vec<(EndpointId, QpNum)>,
     last_sweep: Instant,
     /// Set by a shutdown command: failures now resolve as `Shutdown`.
     stopping: bool,
@@ -717,6 +821,9 @@ impl<F: Fabric> Poller<F> {
             // announced was pushed after that epoch's command, so once the slice is here
             // the command is visible too (see the loom model of the hand-off).
             let mut busy = self.drain_submissions();
+            if !self.pending_events.is_empty() {
+                busy |= self.flush_events();
+            }
             let (commands, shutdown) = self.apply_control();
             if shutdown {
                 self.shut_down();
@@ -770,10 +877,36 @@ impl<F: Fabric> Poller<F> {
         !self.control.is_empty() || self.submissions.iter_mut().any(|ring| !ring.is_empty())
     }
 
-    fn emit(&mut self, event: Event) {
-        if self.events.push(event).is_err() {
-            self.shared.counters.events_dropped.add(1);
+    /// Reports `event`; with the ring full it waits (replacing an older waiting event of the
+    /// same endpoint, whose state it supersedes) and goes out in a later round.
+    fn emit(&mut self, mut event: Event) {
+        if self.pending_events.is_empty() {
+            match self.events.push(event) {
+                Ok(()) => return,
+                Err(full) => event = full.into_inner(),
+            }
         }
+        if self
+            .pending_events
+            .insert(event.endpoint(), event)
+            .is_some()
+        {
+            self.shared.counters.events_coalesced.add(1);
+        }
+    }
+
+    /// Moves waiting events into the ring while it has room. True when any moved.
+    fn flush_events(&mut self) -> bool {
+        let mut moved = false;
+        while let Some(entry) = self.pending_events.first_entry() {
+            let endpoint = *entry.key();
+            if let Err(full) = self.events.push(entry.remove()) {
+                self.pending_events.insert(endpoint, full.into_inner());
+                break;
+            }
+            moved = true;
+        }
+        moved
     }
 
     fn fail(&self, slice: Slice, reason: FailReason) {
@@ -1011,7 +1144,7 @@ impl<F: Fabric> Poller<F> {
         if let Some(endpoint) = endpoint_mut(&mut self.endpoints, slice.endpoint) {
             endpoint.in_flight += 1;
         }
-        let wr_id = self.inflight.insert(slice);
+        let wr_id = self.inflight.insert(slice, qp);
         self.post_list.push(WorkRequest { wr_id, ..request });
         if self.post_list.len() >= self.config.max_batch {
             self.flush_posts();
@@ -1087,12 +1220,15 @@ impl<F: Fabric> Poller<F> {
         if status == WcStatus::Success {
             self.confirm(id, completion.qp);
         }
-        // `None`: already resolved when its deadline passed.
+        // `None`: resolved without it when the fabric missed its flush grace.
         let Some(mut slice) = slice else { return };
         let Some(reason) = FailReason::from_status(status) else {
             self.shared.counters.completed.add(1);
             return slice.resolve(Ok(()));
         };
+        if slice.flags & FLAG_TIMED_OUT != 0 {
+            return self.fail(slice, FailReason::Timeout);
+        }
         if self.stopping {
             return self.fail(slice, FailReason::Shutdown);
         }
@@ -1187,7 +1323,8 @@ impl<F: Fabric> Poller<F> {
         busy
     }
 
-    /// Fails backlogged and in-flight slices whose deadline passed.
+    /// Fails backlogged slices whose deadline passed; takes the queue pairs of overdue posted
+    /// slices out of service, so that the flush hands them back (see the module docs).
     fn sweep_deadlines(&mut self) {
         let now = Instant::now();
         if now.duration_since(self.last_sweep) < SWEEP_INTERVAL {
@@ -1205,19 +1342,46 @@ impl<F: Fabric> Poller<F> {
                 }
             }
         }
-        // In-flight work cannot be recalled from the fabric; its request fails now and the
-        // slot waits for the completion (or the flush when the endpoint is retired).
-        for slot in &mut self.inflight.slots {
-            if slot.busy && slot.slice.as_ref().is_some_and(|s| now >= s.deadline()) {
-                expired.extend(slot.slice.take());
+        for slice in expired {
+            self.fail(slice, FailReason::Timeout);
+        }
+        // Posted work cannot be recalled, only flushed: mark it and retire its queue pair.
+        let mut overdue = std::mem::take(&mut self.overdue);
+        let mut unflushed = Vec::new();
+        for slot in self.inflight.slots.iter_mut().filter(|slot| slot.busy) {
+            let Some(slice) = slot.slice.as_mut() else {
+                continue;
+            };
+            let deadline = slice.deadline();
+            if now < deadline {
+                continue;
+            }
+            if slice.flags & FLAG_TIMED_OUT == 0 {
+                slice.flags |= FLAG_TIMED_OUT;
+                overdue.push((slot.endpoint, slot.qp));
+            } else if now >= deadline + self.config.flush_grace {
+                unflushed.extend(slot.slice.take());
             }
         }
-        for slice in expired {
+        for (id, qp) in overdue.drain(..) {
+            // `None` for a queue pair already out of service: its flush is on its way.
+            if let Some(epoch) = self.take_down(id, qp) {
+                self.emit(Event::QpFailed {
+                    endpoint: id,
+                    epoch,
+                    status: WcStatus::RetryExcErr,
+                });
+            }
+        }
+        self.overdue = overdue;
+        for slice in unflushed {
+            self.shared.counters.unflushed.add(1);
             self.fail(slice, FailReason::Timeout);
         }
     }
 
-    /// Resolves everything and returns; the rings' leftovers resolve when they are dropped.
+    /// Resolves everything and returns; what is pushed later is resolved by the pusher
+    /// (see `Drop`).
     fn shut_down(mut self) {
         self.shared.stopped.store(true, Ordering::Release);
         self.stopping = true;
@@ -1234,21 +1398,37 @@ impl<F: Fabric> Poller<F> {
         for slice in queued {
             self.fail(slice, FailReason::Shutdown);
         }
-        let grace_end = Instant::now() + self.config.shutdown_grace;
+        let grace_end = Instant::now() + self.config.flush_grace;
         while self.inflight.busy > 0 && Instant::now() < grace_end {
             if !self.poll_completions() {
                 thread::yield_now();
             }
         }
-        let abandoned: Vec<Slice> = self
+        let unflushed: Vec<Slice> = self
             .inflight
             .slots
             .iter_mut()
             .filter_map(|slot| slot.slice.take())
             .collect();
-        for slice in abandoned {
+        for slice in unflushed {
+            self.shared.counters.unflushed.add(1);
             self.fail(slice, FailReason::Shutdown);
         }
+    }
+}
+
+impl<F: Fabric> Drop for Poller<F> {
+    /// However the thread ends (shutdown or panic): mark the poller stopped, resolve what
+    /// its rings hold, and leave the rings where a late pusher finds them.
+    fn drop(&mut self) {
+        self.shared.stopped.store(true, Ordering::Release);
+        // SeqCst fence: pairs with the one in `PollerShared::wake` (see there).
+        fence(Ordering::SeqCst);
+        let (_, closed) = ring::channel(1);
+        let mut orphans = lock(&self.shared.orphans);
+        orphans.control = Some(std::mem::replace(&mut self.control, closed));
+        orphans.rings.append(&mut self.submissions);
+        orphans.resolve_leftovers();
     }
 }
 

@@ -50,6 +50,10 @@ pub struct SliceSpec {
 /// Flag: this slice already took a queue pair down with a work-request error once.
 pub(crate) const FLAG_WR_ERROR_SEEN: u8 = 1;
 
+/// Flag: its deadline passed while it was posted; its queue pair was taken out of service and
+/// it resolves with `Timeout` when the fabric hands it back (flushed), never earlier.
+pub(crate) const FLAG_TIMED_OUT: u8 = 2;
+
 /// A prepared piece of a transfer, owned by whichever ring or poller holds it.
 ///
 /// # Invariants

@@ -193,3 +193,63 @@ impl std::fmt::Debug for Submitter {
             .finish()
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::batch::RequestOutcome;
+    use crate::fabric::Opcode;
+    use crate::fabric::scripted::ScriptedFabric;
+    use crate::poller::{FailStale, IdleStrategy, PollerConfig};
+    use crate::{EndpointId, Epoch};
+
+    /// The race a submitter cannot rule out by looking first: it saw the poller running,
+    /// the poller took its last look at the ring and stopped, then the push landed. Caught:
+    /// before the fix such a slice stayed in the ring, unresolved, until the submitter was
+    /// dropped.
+    #[test]
+    fn a_slice_pushed_after_the_pollers_last_look_is_resolved_by_the_pusher() {
+        let (fabric, _script) = ScriptedFabric::new();
+        let config = PollerConfig {
+            idle: IdleStrategy::gentle(),
+            ..PollerConfig::new("rail0")
+        };
+        let poller = PollerHandle::spawn(config, fabric, FailStale).expect("poller starts");
+        let mut submitter = Submitter::new(&[&poller], 8).expect("poller runs");
+        poller.shutdown();
+
+        let state = Arc::new(BatchState::new(
+            &[1],
+            Instant::now() + Duration::from_secs(10),
+        ));
+        let batch = Batch::new(state.clone());
+        let shared = NonNull::new(Arc::into_raw(state).cast_mut()).expect("not null");
+        let spec = SliceSpec {
+            rail: 0,
+            request: 0,
+            opcode: Opcode::Write,
+            local_addr: 0x1000,
+            lkey: 1,
+            remote_addr: 0x2000,
+            rkey: 2,
+            len: 64,
+            imm: 0,
+            endpoint: EndpointId(0),
+            epoch: Epoch::FIRST,
+        };
+        let lane = &mut submitter.lanes[0];
+        // SAFETY: `shared` is the one reference reserved for this batch's only slice, whose
+        // request 0 is counted.
+        let slice = unsafe { Slice::new(&spec, shared) };
+        assert!(lane.ring.push(slice).is_ok());
+        lane.poller.wake();
+        assert!(
+            batch.poll().is_complete(),
+            "the late slice is resolved at once"
+        );
+        assert_eq!(
+            batch.outcome(0),
+            Some(RequestOutcome::Failed(FailReason::PollerGone))
+        );
+    }
+}
