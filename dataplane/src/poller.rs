@@ -22,7 +22,8 @@
 //! transport-failed slices are retried (within [`PollerConfig::retry_budget`]) at the new
 //! epoch; a slice whose own work request was wrong (length, protection, access) is
 //! re-prepared once and fails the second time, so it can never take a fresh queue pair down
-//! twice.
+//! twice. A WRITE_WITH_IMM that was flushed or cut off is never retried: its immediate may
+//! have been delivered, and an immediate is delivered at most once.
 //!
 //! # Nothing moves after it is reported
 //! A slice resolves only when the fabric no longer holds its buffers. A slice whose deadline
@@ -47,7 +48,7 @@ use std::time::{Duration, Instant};
 
 use crate::batch::FailReason;
 use crate::fabric::{
-    AsyncEvent, Fabric, FabricError, QpNum, WcStatus, WorkCompletion, WorkRequest, WrId,
+    AsyncEvent, Fabric, FabricError, Opcode, QpNum, WcStatus, WorkCompletion, WorkRequest, WrId,
 };
 use crate::ring::{self, Consumer, Producer};
 use crate::slice::{FLAG_TIMED_OUT, FLAG_WR_ERROR_SEEN, Slice};
@@ -1245,6 +1246,10 @@ impl<F: Fabric> Poller<F> {
             let first = slice.flags & FLAG_WR_ERROR_SEEN == 0;
             slice.flags |= FLAG_WR_ERROR_SEEN;
             first
+        } else if slice.opcode == Opcode::WriteWithImm {
+            // Flushed or cut off after it was posted: the target may have delivered its
+            // immediate already, and an immediate is delivered at most once.
+            false
         } else if slice.retries < self.config.retry_budget {
             slice.retries += 1;
             true

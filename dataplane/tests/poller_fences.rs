@@ -251,3 +251,45 @@ fn a_burst_of_queue_pair_failures_reaches_the_owner_through_a_tiny_event_ring() 
         "every slice retried on its endpoint's new queue pair"
     );
 }
+
+/// Caught: before the fix a flushed WRITE_WITH_IMM was retried on the next queue pair like
+/// any write, and a target that had already taken its immediate got it twice.
+#[test]
+fn a_flushed_immediate_is_never_posted_again() {
+    let (fabric, script) = ScriptedFabric::new();
+    let poller = poller_with_endpoint(fabric, restamp);
+    let mut submitter = Submitter::new(&[&poller], 8).unwrap();
+    script.hold(true);
+    let signal = SliceSpec {
+        opcode: railyard_dataplane::fabric::Opcode::WriteWithImm,
+        len: 0,
+        imm: 0xfeed,
+        ..write(0, Epoch::FIRST)
+    };
+    let data = SliceSpec {
+        request: 1,
+        ..write(1, Epoch::FIRST)
+    };
+    let batch = submitter.submit(2, &[signal, data], deadline()).unwrap();
+    eventually("both posted", || script.outstanding() == 2);
+    // A reconnect flushes both; only the write goes again.
+    script.hold(false);
+    poller
+        .send(Command::BumpEpoch {
+            endpoint: ENDPOINT,
+            epoch: Epoch::FIRST.next(),
+        })
+        .unwrap();
+    finish(&batch);
+    assert_eq!(
+        batch.outcome(0),
+        Some(RequestOutcome::Failed(FailReason::Flushed))
+    );
+    assert_eq!(batch.outcome(1), Some(RequestOutcome::Done));
+    let immediates = script
+        .posted()
+        .iter()
+        .filter(|posted| posted.request.imm == 0xfeed)
+        .count();
+    assert_eq!(immediates, 1);
+}
