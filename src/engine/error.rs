@@ -2,6 +2,7 @@
 //! range, peer or rail.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use railyard_control::ControlError;
 
@@ -91,6 +92,22 @@ pub enum MemoryError {
     UnknownRegion {
         /// The region's id.
         id: u64,
+    },
+    /// Deregistration withdrew the region's keys, but a poller or a peer process was still
+    /// inside it when the wait ended (a stopped peer, say). The region stays mapped and
+    /// withdrawn; call `deregister` again to wait again.
+    #[error(
+        "region {id} ({len} bytes at {addr:#x}) is withdrawn but still in use by a poller or peer after {waited:?}; deregister it again later"
+    )]
+    Busy {
+        /// The region's id.
+        id: u64,
+        /// Its start.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// How long deregistration waited.
+        waited: Duration,
     },
 }
 

@@ -43,7 +43,7 @@ mod transfer;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use railyard_control::{
@@ -346,6 +346,7 @@ impl EngineBuilder {
                 topology,
                 rail_numa,
                 regions: RwLock::new(Vec::new()),
+                fencing: Mutex::new(Vec::new()),
                 next_region: AtomicU64::new(1),
                 warnings,
                 peers: transfer::PeerTable::default(),
@@ -393,6 +394,9 @@ struct Inner {
     topology: Option<Arc<HostTopology>>,
     rail_numa: Vec<u32>,
     regions: RwLock<Vec<RegionEntry>>,
+    /// Regions withdrawn whose deregistration timed out waiting for pollers or peers
+    /// ([`MemoryError::Busy`]): kept mapped until a later `deregister` sees them quiet.
+    fencing: Mutex<Vec<RegionEntry>>,
     next_region: AtomicU64,
     warnings: Vec<String>,
     peers: transfer::PeerTable,
@@ -410,19 +414,28 @@ impl Drop for Inner {
                 .get_mut()
                 .unwrap_or_else(PoisonError::into_inner),
         );
-        for entry in entries {
-            self.rails
-                .deregister(&entry.registrations, entry.registers_itself());
+        for entry in &entries {
+            self.rails.deregister(&entry.registrations);
+        }
+        let fencing = std::mem::take(
+            self.fencing
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        // The pollers are gone; peers may still be inside a copy they checked before.
+        if !self.rails.quiesce_peers(Instant::now() + DEREGISTER_WAIT) {
+            // Better a leak than memory a peer still writes into being reused.
+            for entry in entries.into_iter().chain(fencing) {
+                std::mem::forget(entry.memory);
+            }
         }
     }
 }
 
-impl RegionEntry {
-    /// Whether its first registration is withdrawn by its memory's own drop.
-    fn registers_itself(&self) -> bool {
-        self.memory.as_ref().is_some_and(Memory::registers_itself)
-    }
-}
+/// Longest [`Engine::deregister`] waits for pollers and peers to leave a withdrawn region.
+/// A poller finishes its round within microseconds and a peer its copy within milliseconds;
+/// one that has not by then is stopped or stuck.
+pub const DEREGISTER_WAIT: Duration = Duration::from_secs(1);
 
 /// A remote process at one incarnation, with an endpoint on each local rail.
 #[derive(Clone, Debug)]
@@ -685,30 +698,73 @@ impl Engine {
             .publish(|| self.inner.control.descriptor());
     }
 
-    /// Withdraws a region from every rail (and frees it if the engine allocated it). Work
-    /// requests that name it afterwards fail; peers learn of it at their next descriptor
-    /// refresh.
+    /// Withdraws a region from every rail and, once nothing can touch it any more, frees it
+    /// (if the engine allocated it) and returns. Work requests that name it afterwards fail;
+    /// peers learn of it at their next descriptor refresh.
+    ///
+    /// **When it returns `Ok`, no poller of this engine and no peer will read or write the
+    /// region again**: its keys are withdrawn on every rail (a peer's request that arrives
+    /// later is refused before any byte moves), every poller has finished the round in which
+    /// it might have checked a key before the withdrawal, and every peer process that copies
+    /// itself (soft fabric) has left any copy it started before. The application may unmap
+    /// or reuse registered memory at once. It waits at most [`DEREGISTER_WAIT`].
     ///
     /// # Errors
-    /// [`MemoryError::UnknownRegion`].
+    /// [`MemoryError::UnknownRegion`]; [`MemoryError::Busy`] when a poller or peer is still
+    /// inside the region at the deadline (a stopped process, say): the region stays withdrawn
+    /// and mapped, and calling `deregister` again waits again.
     pub fn deregister(&self, region: Region) -> Result<(), MemoryError> {
         let mut regions = self
             .inner
             .regions
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        let index = regions
+        let entry = match regions
             .iter()
             .position(|entry| entry.region.id == region.id)
-            .ok_or(MemoryError::UnknownRegion { id: region.id })?;
-        let entry = regions.remove(index);
-        self.inner
-            .rails
-            .deregister(&entry.registrations, entry.registers_itself());
-        self.publish(&regions);
+        {
+            Some(index) => {
+                let entry = regions.remove(index);
+                self.inner.rails.deregister(&entry.registrations);
+                self.publish(&regions);
+                entry
+            }
+            None => {
+                let mut fencing = self.fencing();
+                let index = fencing
+                    .iter()
+                    .position(|entry| entry.region.id == region.id)
+                    .ok_or(MemoryError::UnknownRegion { id: region.id })?;
+                fencing.remove(index)
+            }
+        };
         drop(regions);
+        let deadline = Instant::now() + DEREGISTER_WAIT;
+        let quiet = self
+            .inner
+            .pollers
+            .iter()
+            .all(|poller| poller.quiesce(deadline))
+            && self.inner.rails.quiesce_peers(deadline);
+        if !quiet {
+            let region = entry.region;
+            self.fencing().push(entry);
+            return Err(MemoryError::Busy {
+                id: region.id,
+                addr: region.addr,
+                len: region.len,
+                waited: DEREGISTER_WAIT,
+            });
+        }
         drop(entry);
         Ok(())
+    }
+
+    fn fencing(&self) -> MutexGuard<'_, Vec<RegionEntry>> {
+        self.inner
+            .fencing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The registrations of region `id` on each rail.

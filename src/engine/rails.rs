@@ -2,6 +2,7 @@
 //! planned, the control plane), and registering memory on all of them in parallel.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use std::net::IpAddr;
 
@@ -329,20 +330,30 @@ impl Rails {
     }
 
     /// Withdraws registrations made by [`Self::register_memory`] or
-    /// [`Self::register_user`]; `skip_first` for a soft buffer's own (its drop withdraws it).
-    pub(crate) fn deregister(&self, registrations: &[MemoryRegion], skip_first: bool) {
-        let skip = usize::from(skip_first);
+    /// [`Self::register_user`] (a soft buffer's own too: its drop then finds it gone).
+    pub(crate) fn deregister(&self, registrations: &[MemoryRegion]) {
         match self {
             Self::Host(rails) => {
-                for (rail, region) in rails.iter().zip(registrations).skip(skip) {
+                for (rail, region) in rails.iter().zip(registrations) {
                     let _ = rail.soft.deregister(region);
                 }
             }
             Self::Verbs(rails) => {
-                for (rail, region) in rails.iter().zip(registrations).skip(skip) {
+                for (rail, region) in rails.iter().zip(registrations) {
                     rail.deregister(region.rkey);
                 }
             }
+        }
+    }
+
+    /// After [`Self::deregister`]: true once no peer process is inside a copy into or out of
+    /// this engine's memory that it checked before the withdrawal (soft fabric: peers copy
+    /// themselves; TCP and verbs peers only reach memory through this engine's pollers or
+    /// its NIC, whose deregistration fences itself). False if `deadline` passes first.
+    pub(crate) fn quiesce_peers(&self, deadline: Instant) -> bool {
+        match self {
+            Self::Host(rails) => rails.iter().all(|rail| rail.soft.quiesce_peers(deadline)),
+            Self::Verbs(_) => true,
         }
     }
 }
@@ -380,11 +391,6 @@ impl Memory {
             Self::Soft(buffer) => buffer.prefault(),
             Self::Host(host) => host.prefault(),
         }
-    }
-
-    /// Whether its first registration is its own (a soft buffer's).
-    pub(crate) fn registers_itself(&self) -> bool {
-        matches!(self, Self::Soft(_))
     }
 }
 

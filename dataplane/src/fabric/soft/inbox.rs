@@ -9,20 +9,28 @@
 //! Neither side trusts the other's index: a corrupt index can make the ring look full or
 //! yield meaningless entries, never an access outside the mapping (indices are masked).
 //!
+//! The inbox also carries the queue pair's access fence (see [`super::fence`]): the sender
+//! makes its access word odd around every check-and-copy it makes into or out of the owner's
+//! memory ([`InboxWriter::enter`] / [`InboxWriter::leave`]), and the owner sets the revoked
+//! word to take the queue pair out of service ([`InboxWatch::revoke`]).
+//!
 //! Layout (64-bit words): header `[magic, capacity]`, the consumer's head at byte 64, the
-//! producer's tail at byte 128 (separate cache lines), entries from byte 192, each
-//! `imm | byte_len << 32`.
+//! producer's tail at byte 128 (separate cache lines), the access word at byte 192 and the
+//! revoked word at byte 200, entries from byte 256, each `imm | byte_len << 32`.
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use super::sys::{self, Mapping};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"RYINBOX1");
 const HEAD: usize = 64;
 const TAIL: usize = 128;
-const ENTRIES: usize = 192;
+const ACCESS: usize = 192;
+const REVOKED: usize = 200;
+const ENTRIES: usize = 256;
 
 /// Immediates a queue pair's inbox holds before a sender must wait (receiver-not-ready).
 pub const INBOX_CAPACITY: usize = 4096;
@@ -56,6 +64,14 @@ impl Words {
         self.word(TAIL)
     }
 
+    fn access(&self) -> &AtomicU64 {
+        self.word(ACCESS)
+    }
+
+    fn revoked(&self) -> &AtomicU64 {
+        self.word(REVOKED)
+    }
+
     fn entry(&self, position: u64) -> &AtomicU64 {
         let index = (position & (self.capacity - 1)) as usize;
         self.word(ENTRIES + index * 8)
@@ -73,7 +89,7 @@ impl Words {
 #[derive(Debug)]
 pub struct RecvQueue {
     fd: OwnedFd,
-    words: Words,
+    words: Arc<Words>,
 }
 
 impl RecvQueue {
@@ -92,7 +108,15 @@ impl RecvQueue {
         // Relaxed: the descriptor reaches the peer through a socket, which orders these
         // stores before its loads.
         words.word(0).store(MAGIC, Ordering::Relaxed);
-        Ok(Self { fd, words })
+        Ok(Self {
+            fd,
+            words: Arc::new(words),
+        })
+    }
+
+    /// The owner's view of the inbox's access fence, which outlives the queue.
+    pub(crate) fn watch(&self) -> InboxWatch {
+        InboxWatch(self.words.clone())
     }
 
     /// The descriptor to hand to the peer.
@@ -118,6 +142,32 @@ impl RecvQueue {
         // Release: the entries were read before the sender may overwrite them.
         self.words.head().store(head + count, Ordering::Release);
         count as usize
+    }
+}
+
+/// The owner's side of a queue pair's access fence.
+#[derive(Clone, Debug)]
+pub(crate) struct InboxWatch(Arc<Words>);
+
+impl InboxWatch {
+    /// Takes the queue pair out of service: every check-and-copy the sender starts after it
+    /// sees this fails.
+    pub(crate) fn revoke(&self) {
+        // Relaxed: ordered for the sender by the fence `Guests::quiesce` makes before it
+        // reads the access word.
+        self.0.revoked().store(1, Ordering::Relaxed);
+    }
+
+    /// Whether [`Self::revoke`] was called.
+    pub(crate) fn is_revoked(&self) -> bool {
+        self.0.revoked().load(Ordering::Relaxed) != 0
+    }
+
+    /// The sender's access word now: odd while it is inside a check-and-copy. Call after a
+    /// SeqCst fence that follows the withdrawal or revocation being fenced.
+    pub(crate) fn access(&self) -> u64 {
+        // Acquire: pairs with the sender's Release when it leaves, so its copy is over.
+        self.0.access().load(Ordering::Acquire)
     }
 }
 
@@ -161,6 +211,32 @@ impl InboxWriter {
             return Err(InboxError::Malformed);
         }
         Ok(Self { words })
+    }
+
+    /// Enters a check-and-copy into or out of the owner's memory; returns the token for
+    /// [`Self::leave`]. Checks of the owner's keys and of [`Self::is_revoked`] come after.
+    pub(crate) fn enter(&self) -> u64 {
+        let word = self.words.access();
+        let inside = word.load(Ordering::Relaxed).wrapping_add(1) | 1;
+        word.store(inside, Ordering::Relaxed);
+        // SeqCst fence: pairs with the owner's fence between withdrawing a key (or revoking)
+        // and reading this word. Either the owner sees us inside and waits, or our checks
+        // after this fence see its withdrawal.
+        fence(Ordering::SeqCst);
+        inside
+    }
+
+    /// Leaves the check-and-copy entered with `token`.
+    pub(crate) fn leave(&self, token: u64) {
+        // Release: the copy happens before an owner that sees us out unmaps the memory.
+        self.words
+            .access()
+            .store(token.wrapping_add(1), Ordering::Release);
+    }
+
+    /// Whether the owner took the queue pair out of service. Read inside a check-and-copy.
+    pub(crate) fn is_revoked(&self) -> bool {
+        self.words.revoked().load(Ordering::Relaxed) != 0
     }
 
     /// Whether one more immediate fits (the receiver is ready).

@@ -34,6 +34,7 @@
 mod buffer;
 mod fabric;
 pub mod faults;
+mod fence;
 pub mod handshake;
 mod inbox;
 mod nic;
@@ -165,6 +166,8 @@ struct DeviceInner {
     next_qp: AtomicU32,
     /// Connected queue pairs waiting for their poller's `connect`, by endpoint.
     staged: Staging<SoftQp>,
+    /// Queue pairs through which peers may copy into and out of this device's memory.
+    guests: Arc<fence::Guests>,
     faults: FaultHandle,
 }
 
@@ -194,6 +197,7 @@ impl SoftDevice {
             table: Arc::new(table),
             next_qp: AtomicU32::new(1),
             staged: Staging::default(),
+            guests: Arc::default(),
             faults: FaultHandle::default(),
         })))
     }
@@ -256,6 +260,15 @@ impl SoftDevice {
         Ok(self.0.table.deregister(region.rkey)?)
     }
 
+    /// Call after [`Self::deregister`] (or after dropping queue pairs to take them out of
+    /// service): returns true once no peer process is still inside a copy into or out of
+    /// this device's memory whose key check came before, so the memory may be unmapped or
+    /// reused. False if `deadline` passes first (a peer stopped mid-copy, say); a peer that
+    /// has exited is not waited for. See the `fence` module.
+    pub fn quiesce_peers(&self, deadline: std::time::Instant) -> bool {
+        self.0.guests.quiesce(deadline)
+    }
+
     /// A new queue pair in RESET; the peer may do `access` through it.
     ///
     /// # Errors
@@ -271,7 +284,13 @@ impl SoftDevice {
             psn: (sys::random_u64() & 0x00ff_ffff) as u32,
             path_mtu: qp::SOFT_PATH_MTU,
         };
-        SoftQp::new(QpNum(info.qp_num), info, access, self.0.table.clone())
+        SoftQp::new(
+            QpNum(info.qp_num),
+            info,
+            access,
+            self.0.table.clone(),
+            self.0.guests.clone(),
+        )
     }
 
     /// Hands a connected queue pair to the poller of this rail: its next

@@ -16,7 +16,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use super::SoftError;
-use super::inbox::{InboxWriter, RecvQueue};
+use super::fence::Guests;
+use super::inbox::{InboxWatch, InboxWriter, RecvQueue};
 use super::regions::{PROBE_WORD, RegionTable, Registration, RemoteTable};
 use super::sys::{self, Direction, Mapping};
 use crate::fabric::{Access, QpInfo, QpNum, QpState};
@@ -256,7 +257,18 @@ pub struct SoftQp {
     /// Our inbox's descriptor, sent to the peer at handshake.
     inbox_fd: OwnedFd,
     recv: Option<RecvQueue>,
+    /// Our inbox's access fence, for the device's guests and for revoking on drop.
+    watch: InboxWatch,
+    guests: Arc<Guests>,
     pub(crate) peer: Option<Peer>,
+}
+
+impl Drop for SoftQp {
+    /// A queue pair that goes away is out of service for its peer too: the peer's next
+    /// check-and-copy through it fails, however long the peer keeps its mappings.
+    fn drop(&mut self) {
+        self.watch.revoke();
+    }
 }
 
 impl SoftQp {
@@ -265,6 +277,7 @@ impl SoftQp {
         info: QpInfo,
         access: Access,
         table: Arc<RegionTable>,
+        guests: Arc<Guests>,
     ) -> Result<Self, SoftError> {
         let recv = RecvQueue::new().map_err(|source| SoftError::Io {
             what: "create a queue pair's inbox",
@@ -277,6 +290,7 @@ impl SoftQp {
                 what: "duplicate a queue pair's inbox descriptor",
                 source,
             })?;
+        let watch = recv.watch();
         Ok(Self {
             num,
             info,
@@ -285,6 +299,8 @@ impl SoftQp {
             table,
             inbox_fd,
             recv: Some(recv),
+            watch,
+            guests,
             peer: None,
         })
     }
@@ -360,9 +376,18 @@ impl SoftQp {
         self.transition(&[QpState::Reset], QpState::Init)
     }
 
-    /// INIT → RTR, attaching the peer.
+    /// INIT → RTR, attaching the peer, who may copy through it from now on (a guest of
+    /// the device, see [`super::fence`]).
     pub(crate) fn modify_to_rtr(&mut self, peer: Peer) -> Result<(), SoftError> {
         self.transition(&[QpState::Init], QpState::ReadyToReceive)?;
+        let pidfd = match &peer.pidfd {
+            Some(fd) => Some(fd.try_clone().map_err(|source| SoftError::Io {
+                what: "duplicate the peer's pidfd",
+                source,
+            })?),
+            None => None,
+        };
+        self.guests.admit(self.watch.clone(), pidfd);
         self.peer = Some(peer);
         Ok(())
     }

@@ -1,0 +1,93 @@
+//! Access fences: how a soft device knows that no peer is still copying into or out of
+//! memory it withdrew.
+//!
+//! A soft peer moves the bytes itself — a plain copy into our memfd it mapped, or
+//! `process_vm_writev/readv` — after checking the key in our live region table. A withdrawal
+//! in the table stops every check made after it, but not a copy whose check came before.
+//! So every connected queue pair's inbox carries an access word the peer makes odd around
+//! each check-and-copy (then a SeqCst fence, then its checks; [`super::nic::execute`]), and
+//! a revoked word we set to take the queue pair out of service.
+//!
+//! The device keeps one [`Guests`] entry per queue pair a peer connected to it. After
+//! withdrawing a key (or revoking), [`Guests::quiesce`] fences and waits until each peer is
+//! outside any check-and-copy it was inside: from then on, no copy that passed the old
+//! check is running, and every later one sees the withdrawal. A peer that has exited is not
+//! waited for; one that stays inside past the deadline (stopped, or hostile) makes the wait
+//! fail instead of blocking.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{Ordering, fence};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::inbox::InboxWatch;
+use super::sys;
+
+/// One queue pair a peer may copy through.
+#[derive(Clone, Debug)]
+struct Guest {
+    watch: InboxWatch,
+    /// Readable once the peer exits; `None` for this process.
+    pidfd: Option<Arc<OwnedFd>>,
+}
+
+impl Guest {
+    fn has_exited(&self) -> bool {
+        self.pidfd
+            .as_ref()
+            .is_some_and(|fd| sys::has_exited(fd.as_fd()))
+    }
+}
+
+/// The queue pairs through which peers may touch a device's memory.
+#[derive(Debug, Default)]
+pub(crate) struct Guests(Mutex<Vec<Guest>>);
+
+/// How long the fence sleeps between looks at a peer still inside.
+const RECHECK: Duration = Duration::from_micros(20);
+
+impl Guests {
+    /// Adds a connected queue pair; `pidfd` is the peer's (none for this process).
+    pub(crate) fn admit(&self, watch: InboxWatch, pidfd: Option<OwnedFd>) {
+        let guest = Guest {
+            watch,
+            pidfd: pidfd.map(Arc::new),
+        };
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(guest);
+    }
+
+    /// Call after withdrawing a key or revoking a queue pair: returns true once no peer is
+    /// inside a check-and-copy that began before the call, false if `deadline` passes
+    /// first. Forgets queue pairs that can never copy again (revoked and outside, or whose
+    /// peer exited).
+    pub(crate) fn quiesce(&self, deadline: Instant) -> bool {
+        // SeqCst fence: pairs with the fence a peer makes after entering (see
+        // `InboxWriter::enter`): either we see it inside, or it sees what we withdrew.
+        fence(Ordering::SeqCst);
+        let inside: Vec<(Guest, u64)> = {
+            let mut guests = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            guests.retain(|guest| {
+                let idle = guest.watch.access() & 1 == 0;
+                !(guest.has_exited() || (guest.watch.is_revoked() && idle))
+            });
+            guests
+                .iter()
+                .map(|guest| (guest.clone(), guest.watch.access()))
+                .filter(|(_, access)| access & 1 == 1)
+                .collect()
+        };
+        for (guest, section) in inside {
+            while guest.watch.access() == section && !guest.has_exited() {
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                thread::sleep(RECHECK);
+            }
+        }
+        true
+    }
+}
