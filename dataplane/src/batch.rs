@@ -304,6 +304,15 @@ impl BatchState {
 }
 
 /// The handle to a submitted group of requests. `Send + Sync`; cheap to clone.
+///
+/// # What a reported request promises
+/// Once [`Self::poll`] or [`Self::wait`] reports a request — done, failed or timed out — no
+/// fabric operation of it will read or write the caller's local memory again: its buffers
+/// may be reused at once. A request whose deadline passes while its work is posted is
+/// reported only after its queue pair was taken out of service and the fabric handed the
+/// work back. On the remote side, a write of a failed or timed-out request may still land
+/// at the target only until the target has processed the retirement of the queue pair it
+/// came on.
 #[derive(Clone)]
 pub struct Batch {
     state: Arc<BatchState>,
