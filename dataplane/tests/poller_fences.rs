@@ -293,3 +293,61 @@ fn a_flushed_immediate_is_never_posted_again() {
         .count();
     assert_eq!(immediates, 1);
 }
+
+/// A fabric whose `serve` blocks, mid-round, until the test lets it go.
+struct HeldRound {
+    hold: std::sync::Arc<std::sync::Mutex<()>>,
+    entered: mpsc::Sender<()>,
+}
+
+impl Fabric for HeldRound {
+    fn connect(&mut self, _: EndpointId, _: Epoch) -> Result<QpNum, FabricError> {
+        Ok(QpNum(1))
+    }
+
+    fn post(&mut self, _: QpNum, _: &[WorkRequest]) -> Result<(), PostError> {
+        Ok(())
+    }
+
+    fn poll(&mut self, _: &mut Vec<WorkCompletion>, _: usize) -> usize {
+        0
+    }
+
+    fn retire(&mut self, _: QpNum) {}
+
+    fn serve(&mut self) -> bool {
+        let _ = self.entered.send(());
+        drop(self.hold.lock());
+        false
+    }
+}
+
+/// Caught: what deregistration relies on — `quiesce` returns only once the round the
+/// poller is in has ended (a copy it checked a key for before the withdrawal is done).
+#[test]
+fn quiesce_waits_for_the_round_in_progress() {
+    let hold = std::sync::Arc::new(std::sync::Mutex::new(()));
+    let held = hold.lock().unwrap();
+    let (entered, in_round) = mpsc::channel();
+    let poller = PollerHandle::spawn(
+        config(),
+        HeldRound {
+            hold: hold.clone(),
+            entered,
+        },
+        FailStale,
+    )
+    .unwrap();
+    in_round
+        .recv_timeout(BOUND)
+        .expect("the poller runs a round");
+    let started = Instant::now();
+    assert!(
+        !poller.quiesce(Instant::now() + Duration::from_millis(50)),
+        "the round is still in progress"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(50));
+    drop(held);
+    assert!(poller.quiesce(Instant::now() + BOUND));
+    drop(poller);
+}

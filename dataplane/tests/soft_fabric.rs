@@ -673,6 +673,72 @@ fn a_poller_on_the_soft_fabric_reports_a_fatal_queue_pair_and_retries_at_the_nex
     assert!(poller.counters().reprepared >= 1);
 }
 
+/// Caught: before the fix the deadline sweep reported the posted writes as timed out while
+/// they still sat in the stalled queue pair's send queue; when the peer answered again they
+/// executed, copying the source the caller had already overwritten (the target received the
+/// new pattern after every request was reported failed).
+#[test]
+fn a_timed_out_write_never_reads_its_source_after_it_is_reported() {
+    use railyard_dataplane::{
+        Command, FailReason, IdleStrategy, PollerConfig, PollerHandle, RequestOutcome, SliceSpec,
+        Submitter,
+    };
+    let device = device("rail0");
+    let mut source = register(&device, 1 << 16, 0xA1, Access::LOCAL_WRITE);
+    let target = register(&device, 1 << 16, 0, Access::ALL);
+    let endpoint = EndpointId(0);
+    let (dialer, _responder) = loopback(&device, Access::ALL);
+    device.stage(endpoint, Epoch::FIRST, dialer).expect("RTS");
+    device.faults().add(Fault::Stall { on: QpMatch::Any });
+    let config = PollerConfig {
+        idle: IdleStrategy::gentle(),
+        ..PollerConfig::new("rail0")
+    };
+    let poller = PollerHandle::spawn(config, device.fabric(), railyard_dataplane::FailStale)
+        .expect("starts");
+    poller
+        .send(Command::AddEndpoint {
+            endpoint,
+            epoch: Epoch::FIRST,
+        })
+        .expect("running");
+    let mut submitter = Submitter::new(&[&poller], 64).expect("running");
+    let specs: Vec<SliceSpec> = (0..8u32)
+        .map(|i| SliceSpec {
+            rail: 0,
+            request: i,
+            opcode: Opcode::Write,
+            local_addr: source.region.addr + u64::from(i) * 4096,
+            lkey: source.region.lkey,
+            remote_addr: target.region.addr + u64::from(i) * 4096,
+            rkey: target.region.rkey,
+            len: 4096,
+            imm: 0,
+            endpoint,
+            epoch: Epoch::FIRST,
+        })
+        .collect();
+    let batch = submitter
+        .submit(8, &specs, Instant::now() + Duration::from_millis(50))
+        .expect("valid");
+    assert!(batch.wait(Instant::now() + BOUND).is_complete());
+    for request in 0..8 {
+        assert_eq!(
+            batch.outcome(request),
+            Some(RequestOutcome::Failed(FailReason::Timeout))
+        );
+    }
+    // The caller reuses its source at once; then the peer answers again.
+    source.bytes.fill(0xB2);
+    device.faults().clear();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !target.bytes.contains(&0xB2),
+        "the reused source reached the target after its request was reported"
+    );
+    assert_eq!(poller.counters().unflushed, 0);
+}
+
 #[test]
 fn an_engine_buffer_is_registered_until_it_drops() {
     let mut rig = rig();

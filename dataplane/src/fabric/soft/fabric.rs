@@ -163,7 +163,7 @@ fn completion(qp: &SoftQp, request: &WorkRequest, status: WcStatus) -> WorkCompl
 impl ActiveQp {
     /// Runs up to `budget` queued requests in order: liveness, fault plan, then the NIC.
     fn execute_queued(&mut self, budget: usize, round: &mut Round<'_>) {
-        if self.send_queue.is_empty() || round.bytes_left == 0 {
+        if self.send_queue.is_empty() || round.bytes_left == 0 || self.faults.stalled(round.plan) {
             return;
         }
         let now = round.now;

@@ -73,6 +73,13 @@ pub enum Fault {
         /// Work requests that succeed on each new queue pair.
         after: u64,
     },
+    /// The peer stops answering (a stopped process): matching queue pairs execute nothing
+    /// while the rule holds, and nothing fails because of it; removing the rule lets them go
+    /// on. Honoured by the soft fabric (on TCP, stop the target process instead).
+    Stall {
+        /// Which queue pairs.
+        on: QpMatch,
+    },
     /// Each work request on matching queue pairs fails with `status` with probability
     /// `per_million` / 1 000 000, drawn from the seed.
     Random {
@@ -93,6 +100,7 @@ impl Fault {
             | Self::Delay { on, .. }
             | Self::KillLink { on }
             | Self::Flap { on, .. }
+            | Self::Stall { on }
             | Self::Random { on, .. } => on,
         }
     }
@@ -245,6 +253,13 @@ impl QpFaultState {
             }
         }
         Verdict::Execute { delay }
+    }
+
+    /// Whether a matching Stall rule holds now: nothing executes.
+    pub(crate) fn stalled(&self, plan: &FaultPlan) -> bool {
+        plan.faults
+            .iter()
+            .any(|fault| matches!(fault, Fault::Stall { on } if self.matches(*on)))
     }
 
     /// Whether a matching KillLink rule holds now (for work that waits on the peer).

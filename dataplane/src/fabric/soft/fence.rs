@@ -91,3 +91,54 @@ impl Guests {
         true
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::fabric::soft::inbox::{InboxWriter, RecvQueue};
+
+    fn peer_of(queue: &RecvQueue) -> InboxWriter {
+        let fd = queue.fd().try_clone_to_owned().expect("dup");
+        InboxWriter::map(fd).expect("valid inbox")
+    }
+
+    fn soon(ms: u64) -> Instant {
+        Instant::now() + Duration::from_millis(ms)
+    }
+
+    /// Caught: without the wait, `quiesce` returned while the peer was still inside the
+    /// copy it checked before the withdrawal.
+    #[test]
+    fn quiesce_waits_for_a_peer_inside_a_copy_and_only_for_it() {
+        let queue = RecvQueue::new().expect("memfd");
+        let peer = peer_of(&queue);
+        let guests = Guests::default();
+        guests.admit(queue.watch(), None);
+        assert!(guests.quiesce(soon(10)), "nobody inside: no wait");
+
+        let token = peer.enter();
+        let started = Instant::now();
+        assert!(!guests.quiesce(soon(30)), "a peer inside holds the fence");
+        assert!(started.elapsed() >= Duration::from_millis(30));
+
+        let leaving = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            peer.leave(token);
+            peer
+        });
+        assert!(
+            guests.quiesce(soon(10_000)),
+            "the peer left: the fence passes"
+        );
+        let peer = leaving.join().expect("no panic");
+
+        // Revoked: the peer's next section sees it; once the peer is outside, the device
+        // forgets the queue pair.
+        queue.watch().revoke();
+        let token = peer.enter();
+        assert!(peer.is_revoked());
+        peer.leave(token);
+        assert!(guests.quiesce(soon(10)));
+        assert_eq!(guests.0.lock().expect("lock").len(), 0);
+    }
+}

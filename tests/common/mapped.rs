@@ -1,0 +1,131 @@
+//! Memory the integration tests own and watch while engines write into it, and a load that
+//! keeps transfers going.
+
+use std::num::NonZeroUsize;
+use std::ptr::NonNull;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread;
+use std::time::Instant;
+
+use railyard::dataplane::IdleStrategy;
+use railyard::engine::{Engine, FabricChoice, Op, Peer, RailChoice, Region, Transfer};
+
+use super::BOUND;
+
+pub const BUFFER: usize = 1 << 20;
+pub const BLOCK: u64 = 64 << 10;
+pub const POISON: u8 = 0x5a;
+pub const PATTERN: u8 = 0xa5;
+
+/// Memory the test owns, touched only through raw pointers (the engines write into it).
+pub struct Buffer(NonNull<u8>);
+
+// SAFETY: a plain anonymous mapping; every access goes through raw volatile reads and
+// writes, and the engines' accesses are what the test is about.
+unsafe impl Send for Buffer {}
+// SAFETY: as for Send.
+unsafe impl Sync for Buffer {}
+
+impl Buffer {
+    pub fn new(fill: u8) -> Self {
+        // SAFETY: a fresh private anonymous mapping overlaps nothing.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                BUFFER,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED, "mmap");
+        let buffer = Self(NonNull::new(ptr.cast()).expect("mapped"));
+        buffer.fill(fill);
+        buffer
+    }
+
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: inside the live mapping of BUFFER bytes.
+        unsafe { std::ptr::write_bytes(self.0.as_ptr(), byte, BUFFER) };
+    }
+
+    /// Offset of the first byte that is not `byte` (8-byte words read one at a time).
+    pub fn first_not(&self, byte: u8) -> Option<usize> {
+        let word = u64::from_ne_bytes([byte; 8]);
+        let base = self.0.as_ptr().cast::<u64>();
+        let at = (0..BUFFER / 8).find(|&index| {
+            // SAFETY: inside the live, page-aligned mapping; volatile, as an engine may be
+            // writing (which is exactly what the test looks for).
+            unsafe { base.add(index).read_volatile() != word }
+        })?;
+        // SAFETY: as above; the word at `at` differs, so one of its bytes does.
+        let bytes = unsafe { base.add(at).read_volatile() }.to_ne_bytes();
+        Some(at * 8 + bytes.iter().position(|&b| b != byte).unwrap_or(0))
+    }
+
+    pub fn register(&self, engine: &Engine) -> Region {
+        // SAFETY: the mapping lives until the end of the test, after every engine is gone.
+        unsafe { engine.register(self.0.as_ptr(), BUFFER) }.expect("registers")
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: our mapping; the engines that used it are dropped first.
+        unsafe { libc::munmap(self.0.as_ptr().cast(), BUFFER) };
+    }
+}
+
+/// An engine with one rail and gentle pollers.
+pub fn one_rail_engine(name: &str, fabric: FabricChoice) -> Engine {
+    Engine::builder(name)
+        .fabric(fabric)
+        .rails(RailChoice::Count(NonZeroUsize::new(1).expect("one")))
+        .idle(IdleStrategy::gentle())
+        .slice_size(BLOCK as usize)
+        .build()
+        .expect("the engine starts")
+}
+
+/// Submits `op` transfers of one block to random places of the peer's current region until
+/// `stop`; every batch must resolve within the bound.
+pub fn keep_moving(
+    engine: &Engine,
+    peer: &Peer,
+    op: Op,
+    local: &Mutex<Option<Region>>,
+    stop: &AtomicBool,
+    resolved: &AtomicU64,
+) {
+    let mut submitter = engine.submitter().expect("submitter");
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    while !stop.load(Ordering::Relaxed) {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let slot = (seed >> 33) % (BUFFER as u64 / BLOCK);
+        let Some(local) = *local.lock().expect("lock") else {
+            thread::yield_now();
+            continue;
+        };
+        let Some(remote) = peer.descriptor().regions.first().map(|r| r.base) else {
+            thread::yield_now();
+            continue;
+        };
+        let transfer = Transfer {
+            op,
+            local,
+            local_offset: slot * BLOCK,
+            remote_addr: remote + slot * BLOCK,
+            len: BLOCK,
+        };
+        // Refused submissions (a region just withdrawn) queue nothing: try again.
+        if let Ok(batch) = submitter.submit(peer, &[transfer]) {
+            let status = batch.wait(Instant::now() + BOUND);
+            assert!(status.is_complete(), "a batch did not resolve: {status:?}");
+            resolved.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
