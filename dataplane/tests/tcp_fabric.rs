@@ -69,38 +69,73 @@ struct Rig {
 }
 
 fn rig_with(config: TcpConfig, target_access: Access, serve: bool) -> Rig {
+    let (mut rig, target_fabric) = rig_parts(config.clone(), config, target_access, 1 << 20);
+    rig._target_poller = serve.then(|| TargetPoller::start(target_fabric));
+    rig
+}
+
+/// A rig whose target fabric is handed to the test, which serves it itself — standing in
+/// for a poller it can pause (not calling `serve` is the pause) — each device with its own
+/// configuration, and `len`-byte buffers (the source filled with 0xAB, the target zeroed).
+fn rig_served_by_test(
+    initiator_config: TcpConfig,
+    target_config: TcpConfig,
+    len: usize,
+) -> (Rig, TcpFabric) {
+    rig_parts(initiator_config, target_config, Access::ALL, len)
+}
+
+/// A connected rig whose target nothing serves yet, and the target's fabric.
+fn rig_parts(
+    initiator_config: TcpConfig,
+    target_config: TcpConfig,
+    target_access: Access,
+    len: usize,
+) -> (Rig, TcpFabric) {
     let initiator_soft = device("init0");
     let target_soft = device("target0");
-    let source = register(&initiator_soft, 1 << 20, 0xAB, Access::LOCAL_WRITE);
-    let target = register(&target_soft, 1 << 20, 0, target_access);
+    let source = register(&initiator_soft, len, 0xAB, Access::LOCAL_WRITE);
+    let target = register(&target_soft, len, 0, target_access);
     let initiator =
-        TcpDevice::open(&initiator_soft, LOCALHOST, config.clone()).expect("loopback set-up");
-    let target_device = TcpDevice::open(&target_soft, LOCALHOST, config).expect("loopback set-up");
+        TcpDevice::open(&initiator_soft, LOCALHOST, initiator_config).expect("loopback set-up");
+    let target_device =
+        TcpDevice::open(&target_soft, LOCALHOST, target_config).expect("loopback set-up");
     let (handle, _, attachment) = target_device.create_target(LOCALHOST);
     let (prepared, _) = initiator.create_qp();
     let connected = initiator
         .connect(prepared, &attachment)
         .expect("loopback set-up");
     let target_fabric = target_device.fabric().expect("loopback set-up");
-    let target_poller = serve.then(|| TargetPoller::start(target_fabric));
     let mut fabric = initiator.fabric().expect("loopback set-up");
     let qp = fabric
         .adopt(Some(EndpointId(0)), connected)
         .expect("loopback set-up");
-    Rig {
+    let rig = Rig {
         source,
         target,
         fabric,
         qp,
         handle: Some(handle),
-        _target_poller: target_poller,
+        _target_poller: None,
         initiator_soft,
         target_soft,
+    };
+    (rig, target_fabric)
+}
+
+/// The default configuration but for a peer timeout as long as the tests' bound: a loaded
+/// 2-core machine can keep a thread off the CPU long enough that the default 2 s would read
+/// a merely starved target as a silent peer (RETRY_EXC_ERR). Tests of the timeout set their
+/// own.
+fn patient() -> TcpConfig {
+    TcpConfig {
+        peer_timeout: BOUND,
+        ..TcpConfig::default()
     }
 }
 
 fn rig() -> Rig {
-    rig_with(TcpConfig::default(), Access::ALL, true)
+    rig_with(patient(), Access::ALL, true)
 }
 
 impl Rig {
@@ -272,7 +307,7 @@ fn the_target_checks_its_live_table_remote_access_then_flush() {
     );
 
     // A region that does not allow remote reads.
-    let mut rig = rig_with(TcpConfig::default(), Access::REMOTE_WRITE, true);
+    let mut rig = rig_with(patient(), Access::REMOTE_WRITE, true);
     assert_eq!(
         statuses(&rig.run(&[rig.read(1, 0, 64)])),
         [WcStatus::RemAccessErr]
@@ -322,7 +357,7 @@ impl Rig {
 fn a_cut_connection_is_retry_exceeded_then_flush_and_an_idle_one_raises_qp_fatal() {
     // A target that never serves the connection: nothing is answered until its device
     // closes (the connection is reset).
-    let mut rig = rig_with(TcpConfig::default(), Access::ALL, false);
+    let mut rig = rig_with(patient(), Access::ALL, false);
     let writes: Vec<WorkRequest> = (0..4).map(|i| rig.write(i, 0, 65536)).collect();
     rig.fabric.post(rig.qp, &writes).unwrap();
     let mut early = Vec::new();
@@ -542,5 +577,387 @@ fn a_dial_to_a_closed_port_returns_at_once_and_fails_the_queue_pair_not_the_call
     assert_eq!(
         statuses(&drain(&mut fabric, 2)),
         [WcStatus::RetryExcErr, WcStatus::WrFlushErr]
+    );
+}
+
+/// What a target region holds where no byte was ever meant to land.
+const POISON: u8 = 0x5A;
+
+/// How many bytes from the start of `bytes` are `value`.
+fn leading(bytes: &[u8], value: u8) -> usize {
+    bytes.iter().take_while(|&&b| b == value).count()
+}
+
+impl Rig {
+    /// Polls the initiator and serves `target` in turns until `count` completions arrived;
+    /// fails the test after [`BOUND`].
+    fn drain_serving(&mut self, target: &mut TcpFabric, count: usize) -> Vec<WorkCompletion> {
+        let end = Instant::now() + BOUND;
+        let mut out = Vec::new();
+        while out.len() < count {
+            assert!(
+                Instant::now() < end,
+                "only {} of {count} completions within {BOUND:?}: {out:?}",
+                out.len()
+            );
+            let missing = count - out.len();
+            let polled = self.fabric.poll(&mut out, missing);
+            if !target.serve() && polled == 0 {
+                std::thread::yield_now();
+            }
+        }
+        out
+    }
+
+    /// Polls the initiator and serves `target` (when given) in turns for `time`; returns
+    /// the completions seen.
+    fn turns_for(&mut self, mut target: Option<&mut TcpFabric>, time: Duration) -> Vec<WcStatus> {
+        let end = Instant::now() + time;
+        let mut out = Vec::new();
+        while Instant::now() < end {
+            let polled = self.fabric.poll(&mut out, usize::MAX);
+            let served = target.as_mut().is_some_and(|target| target.serve());
+            if !served && polled == 0 {
+                std::thread::yield_now();
+            }
+        }
+        statuses(&out)
+    }
+
+    /// One small WRITE at the start of the target, served: the target has accepted the
+    /// connection and serves the queue pair.
+    fn establish(&mut self, target: &mut TcpFabric) {
+        let write = self.write(0, 0, 64);
+        self.fabric.post(self.qp, &[write]).expect("posted");
+        assert_eq!(
+            statuses(&self.drain_serving(target, 1)),
+            [WcStatus::Success]
+        );
+    }
+
+    /// Polls the initiator and serves `target` in turns until `landed` says something
+    /// landed, then returns how much; fails the test after [`BOUND`].
+    fn turns_until_part_landed(
+        &mut self,
+        target: &mut TcpFabric,
+        landed: impl Fn(&Self) -> usize,
+    ) -> usize {
+        let end = Instant::now() + BOUND;
+        let mut out = Vec::new();
+        loop {
+            assert!(Instant::now() < end, "nothing landed within {BOUND:?}");
+            self.fabric.poll(&mut out, usize::MAX);
+            target.serve();
+            assert!(
+                out.is_empty(),
+                "completed before the test could cut in: {out:?}"
+            );
+            let part = landed(self);
+            if part > 0 {
+                return part;
+            }
+        }
+    }
+}
+
+/// A target that answered an error executes nothing more from that connection: the writes
+/// after the refused one, which the initiator reports as flushed, never land — even while
+/// the target keeps serving.
+///
+/// Caught on the old code: after REM_ACCESS_ERR the target discarded the refused payload and
+/// went back to reading headers, so W3..W20 (reported WR_FLUSH_ERR) all landed. The second
+/// part guards the change itself: the target now answers a refused WRITE at its header, while
+/// the initiator may still be sending the payload, and that early answer is REM_ACCESS_ERR
+/// (taken for a peer speaking out of turn, it was RETRY_EXC_ERR).
+#[test]
+fn a_target_that_answered_an_error_executes_nothing_after_it() {
+    const RANGE: u64 = 16 << 10;
+    let mut rig = rig();
+    let first = rig.write(1, 0, RANGE as u32);
+    let refused = WorkRequest {
+        rkey: rig.target.region.rkey ^ 0x40,
+        ..rig.write(2, RANGE, RANGE as u32)
+    };
+    let later = (3..=20).map(|i| rig.write(i, (i - 1) * RANGE, RANGE as u32));
+    let requests: Vec<WorkRequest> = [first, refused].into_iter().chain(later).collect();
+    let done = statuses(&rig.run(&requests));
+    assert_eq!(done[..2], [WcStatus::Success, WcStatus::RemAccessErr]);
+    assert!(
+        done[2..].iter().all(|s| *s == WcStatus::WrFlushErr),
+        "{done:?}"
+    );
+    // The target's poller keeps serving: nothing more may land.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        rig.target.bytes[..RANGE as usize]
+            .iter()
+            .all(|&b| b == 0xAB)
+    );
+    for write in &requests[2..] {
+        let at = (write.remote_addr - rig.target.region.addr) as usize;
+        let range = &rig.target.bytes[at..at + write.len as usize];
+        assert!(
+            range.iter().all(|&b| b == 0),
+            "W{} was flushed at the initiator but {} of its bytes landed",
+            write.wr_id.0,
+            range.iter().filter(|&&b| b != 0).count()
+        );
+    }
+
+    // A refused payload far larger than the socket buffers.
+    let mut rig = rig_with(small_buffers(), Access::ALL, true);
+    let refused = WorkRequest {
+        rkey: rig.target.region.rkey ^ 0x40,
+        ..rig.write(1, 0, 1 << 20)
+    };
+    assert_eq!(
+        statuses(&rig.run(&[refused, rig.write(2, 0, 64)])),
+        [WcStatus::RemAccessErr, WcStatus::WrFlushErr]
+    );
+}
+
+/// A retired queue pair closes abortively: the kernel discards what it had not sent, so of
+/// writes reported as flushed at most what the target's kernel had already received can
+/// still land — never more than its receive buffer, and always a prefix of the posted order.
+///
+/// Caught on the old code: `shutdown(Both)` sent a FIN after the whole send queue, so once
+/// the target was served again megabytes of flushed writes landed (far more than the
+/// target's 512 KiB receive buffer holds).
+#[test]
+fn a_retired_queue_pair_sends_nothing_more_and_what_lands_is_a_prefix() {
+    const WRITES: u64 = 64;
+    const LEN: u64 = 256 << 10;
+    // The target's buffer is set (the kernel doubles it); the initiator's is large, so
+    // that its kernel holds megabytes not sent yet when the queue pair is retired.
+    const TARGET_BUFFER: usize = 256 << 10;
+    let initiator_config = TcpConfig {
+        socket_buffer: Some(4 << 20),
+        ..patient()
+    };
+    let target_config = TcpConfig {
+        socket_buffer: Some(TARGET_BUFFER),
+        ..patient()
+    };
+    let (mut rig, mut target) = rig_served_by_test(
+        initiator_config,
+        target_config,
+        ((WRITES + 1) * LEN) as usize,
+    );
+    rig.establish(&mut target);
+    // The target is paused while the writes fill both kernels' buffers.
+    let writes: Vec<WorkRequest> = (1..=WRITES)
+        .map(|i| rig.write(i, i * LEN, LEN as u32))
+        .collect();
+    rig.fabric.post(rig.qp, &writes).expect("posted");
+    assert_eq!(
+        rig.turns_for(None, Duration::from_millis(100)),
+        [],
+        "nothing is answered while the target is paused"
+    );
+    rig.fabric.retire(rig.qp);
+    let flushed = statuses(&drain(&mut rig.fabric, writes.len()));
+    assert!(flushed.iter().all(|s| *s == WcStatus::WrFlushErr));
+    // Served again: whatever its kernel had received may still be applied, then the reset.
+    rig.turns_for(Some(&mut target), Duration::from_millis(300));
+
+    let landed: Vec<usize> = writes
+        .iter()
+        .map(|write| {
+            let at = (write.remote_addr - rig.target.region.addr) as usize;
+            let range = &rig.target.bytes[at..at + LEN as usize];
+            let landed = leading(range, 0xAB);
+            assert!(
+                range[landed..].iter().all(|&b| b == 0),
+                "W{}: bytes landed after a gap",
+                write.wr_id.0
+            );
+            landed
+        })
+        .collect();
+    let total: usize = landed.iter().sum();
+    let posted = (WRITES * LEN) as usize;
+    println!("after the retire, {total} of {posted} posted bytes landed");
+    let whole = landed.iter().take_while(|&&n| n == LEN as usize).count();
+    assert!(
+        landed.iter().skip(whole + 1).all(|&n| n == 0),
+        "what landed is not a prefix of the posted order: {landed:?}"
+    );
+    assert!(total < posted, "everything posted landed");
+    assert!(
+        total <= 2 * TARGET_BUFFER,
+        "{total} bytes landed: more than the target's receive buffer holds, so the \
+         initiator's kernel kept sending after the retire"
+    );
+}
+
+/// Closing a target queue pair discards what its poller had not applied, and is
+/// acknowledged: `TargetClosed::wait` is true once the poller closed the connection (or
+/// its fabric is gone), never before, and nothing lands after.
+///
+/// Caught on the old code: there was no acknowledgment at all (`close` and `TargetClosed`
+/// are new). With the poller's checks of the owner's close taken out, `wait` never turns
+/// true and the writes waiting in the receive buffer land; with the acknowledgment given at
+/// `close` instead of by the poller, the first `wait` is true while nothing has closed.
+#[test]
+fn closing_a_target_queue_pair_discards_what_it_had_not_applied_and_is_acknowledged() {
+    const LEN: u64 = 64 << 10;
+    let (mut rig, mut target) = rig_served_by_test(patient(), patient(), 2 << 20);
+    rig.establish(&mut target);
+    // Paused: the writes wait in the target's receive buffer.
+    let writes: Vec<WorkRequest> = (1..=16)
+        .map(|i| rig.write(i, i * LEN, LEN as u32))
+        .collect();
+    rig.fabric.post(rig.qp, &writes).expect("posted");
+    assert_eq!(rig.turns_for(None, Duration::from_millis(50)), []);
+    let closed = rig.handle.take().expect("a handle").close();
+    assert!(
+        !closed.wait(Instant::now() + Duration::from_millis(20)),
+        "acknowledged while nothing served the connection"
+    );
+    let end = Instant::now() + BOUND;
+    while !closed.wait(Instant::now()) {
+        assert!(Instant::now() < end, "no acknowledgment within {BOUND:?}");
+        target.serve();
+    }
+    let after = rig.turns_for(Some(&mut target), Duration::from_millis(200));
+    assert_eq!(after.first(), Some(&WcStatus::RetryExcErr), "{after:?}");
+    assert_eq!(after.len(), writes.len());
+    assert!(
+        rig.target.bytes[LEN as usize..].iter().all(|&b| b == 0),
+        "{} bytes of the discarded writes landed",
+        rig.target.bytes[LEN as usize..]
+            .iter()
+            .filter(|&&b| b != 0)
+            .count()
+    );
+
+    // A stopped poller never acknowledges; a dropped fabric (the poller is gone) does.
+    let (mut rig, mut target) = rig_served_by_test(patient(), patient(), 1 << 20);
+    rig.establish(&mut target);
+    let closed = rig.handle.take().expect("a handle").close();
+    assert!(!closed.wait(Instant::now() + Duration::from_millis(20)));
+    drop(target);
+    assert!(closed.wait(Instant::now()));
+
+    // A queue pair no connection named yet: nothing can serve it, acknowledged at once.
+    let soft = device("target2");
+    let device = TcpDevice::open(&soft, LOCALHOST, TcpConfig::default()).expect("data port");
+    let (handle, _, _) = device.create_target(LOCALHOST);
+    assert!(handle.close().wait(Instant::now()));
+}
+
+/// Socket buffers small enough that a large payload takes many rounds.
+fn small_buffers() -> TcpConfig {
+    TcpConfig {
+        socket_buffer: Some(64 << 10),
+        ..patient()
+    }
+}
+
+/// A target region withdrawn while a WRITE's payload arrives is never written again (the
+/// initiator sees REM_ACCESS_ERR), and one withdrawn while a READ's data goes out is never
+/// read again (the READ fails).
+///
+/// Caught on the old code: the target checked the key only when the header arrived, so the
+/// rest of the WRITE's payload kept landing in the withdrawn region and the WRITE succeeded;
+/// the READ kept sending from the withdrawn region (its new contents reached the initiator)
+/// and succeeded.
+#[test]
+fn a_withdrawn_target_region_is_never_written_or_read_again() {
+    const LEN: usize = 4 << 20;
+    let (mut rig, mut target) = rig_served_by_test(small_buffers(), small_buffers(), LEN);
+    rig.target.bytes.fill(POISON);
+    rig.fabric
+        .post(rig.qp, &[rig.write(1, 0, LEN as u32)])
+        .expect("posted");
+    let reached = rig.turns_until_part_landed(&mut target, |rig| leading(&rig.target.bytes, 0xAB));
+    assert!(reached < LEN);
+    rig.target_soft
+        .deregister(&rig.target.region)
+        .expect("registered");
+    assert_eq!(
+        statuses(&rig.drain_serving(&mut target, 1)),
+        [WcStatus::RemAccessErr]
+    );
+    rig.turns_for(Some(&mut target), Duration::from_millis(50));
+    let after = &rig.target.bytes[reached..];
+    assert!(
+        after.iter().all(|&b| b == POISON),
+        "{} bytes landed past byte {reached}, where the payload stood at the deregistration",
+        after.iter().filter(|&&b| b != POISON).count()
+    );
+
+    // A READ whose region is withdrawn, then reused, while its data goes out.
+    let (mut rig, mut target) = rig_served_by_test(small_buffers(), small_buffers(), LEN);
+    rig.target.bytes.fill(0x77);
+    rig.source.bytes.fill(0);
+    rig.fabric
+        .post(rig.qp, &[rig.read(1, 0, LEN as u32)])
+        .expect("posted");
+    rig.turns_until_part_landed(&mut target, |rig| leading(&rig.source.bytes, 0x77));
+    rig.target_soft
+        .deregister(&rig.target.region)
+        .expect("registered");
+    rig.target.bytes.fill(0xEE);
+    let status = statuses(&rig.drain_serving(&mut target, 1))[0];
+    assert_ne!(status, WcStatus::Success);
+    rig.turns_for(Some(&mut target), Duration::from_millis(50));
+    assert!(
+        !rig.source.bytes.contains(&0xEE),
+        "the target read the region after its deregistration"
+    );
+}
+
+/// A local region withdrawn while a WRITE's payload is being sent is never read again:
+/// LOC_PROT_ERR, and nothing the application puts there afterwards reaches the target; one
+/// withdrawn while a READ's data arrives is never written again: LOC_PROT_ERR.
+///
+/// Caught on the old code: the initiator checked the local key only when it judged the
+/// request, so it kept sending the source's new contents (the WRITE succeeded) and kept
+/// receiving the READ's data into the withdrawn destination (the READ succeeded).
+#[test]
+fn a_withdrawn_local_region_is_never_read_or_written_again() {
+    const LEN: usize = 4 << 20;
+    let (mut rig, mut target) = rig_served_by_test(small_buffers(), small_buffers(), LEN);
+    rig.fabric
+        .post(rig.qp, &[rig.write(1, 0, LEN as u32)])
+        .expect("posted");
+    rig.turns_until_part_landed(&mut target, |rig| leading(&rig.target.bytes, 0xAB));
+    rig.initiator_soft
+        .deregister(&rig.source.region)
+        .expect("registered");
+    // The application reuses the memory it was told is free.
+    rig.source.bytes.fill(0xCD);
+    assert_eq!(
+        statuses(&rig.drain_serving(&mut target, 1)),
+        [WcStatus::LocProtErr]
+    );
+    rig.turns_for(Some(&mut target), Duration::from_millis(50));
+    assert!(
+        !rig.target.bytes.contains(&0xCD),
+        "the initiator read the source after its deregistration"
+    );
+
+    let (mut rig, mut target) = rig_served_by_test(small_buffers(), small_buffers(), LEN);
+    rig.target.bytes.fill(0x77);
+    rig.source.bytes.fill(POISON);
+    rig.fabric
+        .post(rig.qp, &[rig.read(1, 0, LEN as u32)])
+        .expect("posted");
+    let reached = rig.turns_until_part_landed(&mut target, |rig| leading(&rig.source.bytes, 0x77));
+    assert!(reached < LEN);
+    rig.initiator_soft
+        .deregister(&rig.source.region)
+        .expect("registered");
+    assert_eq!(
+        statuses(&rig.drain_serving(&mut target, 1)),
+        [WcStatus::LocProtErr]
+    );
+    rig.turns_for(Some(&mut target), Duration::from_millis(50));
+    let after = &rig.source.bytes[reached..];
+    assert!(
+        after.iter().all(|&b| b == POISON),
+        "{} bytes landed past byte {reached}, where the data stood at the deregistration",
+        after.iter().filter(|&&b| b != POISON).count()
     );
 }

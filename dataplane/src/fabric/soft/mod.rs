@@ -225,9 +225,12 @@ impl SoftDevice {
     /// Registers `len` bytes at `addr` with `access`.
     ///
     /// # Safety
-    /// Until [`Self::deregister`] returns, the range must stay mapped and valid for reads
-    /// (and for writes, when `access` allows peers to write or READs to land in it): this
-    /// process and its peers copy into and out of it at any time, as a NIC would.
+    /// Until it is withdrawn and fenced, the range must stay mapped and valid for reads (and
+    /// for writes, when `access` allows peers to write or READs to land in it): this process
+    /// and its peers copy into and out of it at any time, as a NIC would. Fenced means:
+    /// [`Self::deregister`] returned, every poller driving a fabric of this device passed
+    /// [`PollerHandle::quiesce`](crate::PollerHandle::quiesce) after it, and
+    /// [`Self::quiesce_peers`] returned true.
     ///
     /// # Errors
     /// [`RegionError::BadRange`] for an empty, null or wrapping range;
@@ -252,7 +255,8 @@ impl SoftDevice {
 
     /// Withdraws a registration. Work requests that name it afterwards — including those
     /// already posted and not yet executed — fail with LOC_PROT_ERR (as lkey) or
-    /// REM_ACCESS_ERR (as rkey).
+    /// REM_ACCESS_ERR (as rkey). A copy whose check came before may still be running: see
+    /// [`Self::register`] for the fence that waits for it.
     ///
     /// # Errors
     /// [`RegionError::UnknownKey`] when it is not registered (any more).

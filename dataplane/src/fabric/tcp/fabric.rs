@@ -5,22 +5,26 @@
 //!
 //! Initiator: `post` queues work requests; each round judges the next ones (fault plan, then
 //! the local key and range), sends as many as the socket takes in one vectored send (headers
-//! and WRITE payloads straight from registered memory), and reads exactly the reply headers
-//! it expects — never into a READ's data, which is received straight into its destination.
+//! and WRITE payloads straight from registered memory, their local keys checked again right
+//! before), and reads exactly the reply headers it expects — never into a READ's data, which
+//! is received straight into its destination (its key checked again before every receive).
 //! A request the fault plan or a local check fails stops the sending; once everything before
-//! it is answered, it completes with its status and the queue pair goes to ERR.
+//! it is answered, it completes with its status and the queue pair goes to ERR, which closes
+//! the connection abortively (nothing the kernel still held goes out).
 //!
 //! Target: each served connection reads a request header, checks it against the live region
-//! table, receives a WRITE's payload straight into the region (or discards it and answers
-//! REM_ACCESS_ERR), delivers a WRITE_WITH_IMM's immediate to the [`TcpTarget`](super::TcpTarget)
+//! table, receives a WRITE's payload straight into the region (checking the key again before
+//! every chunk), delivers a WRITE_WITH_IMM's immediate to the [`TcpTarget`](super::TcpTarget)
 //! owner (waiting while its queue is full, as a receiver-not-ready), and queues the reply;
-//! READ data is sent straight from the region.
+//! READ data is sent straight from the region (checked again before every send). A refused
+//! request is answered with REM_ACCESS_ERR and stops the connection: nothing more is read
+//! from it, and it closes once its replies are delivered. A connection whose owner closed the
+//! queue pair closes before the next request, chunk or reply.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{self, ErrorKind};
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -28,14 +32,13 @@ use super::sys::{self, Epoll};
 use super::wire::{
     HELLO_LEN, Hello, REPLY_LEN, REQUEST_LEN, ReplyHeader, RequestHeader, RequestOp,
 };
-use super::{TargetShared, TcpDevice, TcpQp};
+use super::{TargetLink, TcpDevice, TcpQp};
 use crate::fabric::delayed::DelayedCompletions;
 use crate::fabric::soft::faults::{FaultView, QpFaultState, Verdict};
 use crate::fabric::{
     Access, AsyncEvent, Fabric, FabricError, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
     WorkRequest,
 };
-use crate::ring::Producer;
 use crate::{EndpointId, Epoch};
 
 /// Largest message, as verbs allows.
@@ -93,12 +96,12 @@ impl Queued {
 #[derive(Debug)]
 struct Initiator {
     num: QpNum,
-    stream: TcpStream,
+    /// The connection; `None` once the queue pair is in ERR (closed abortively).
+    stream: Option<TcpStream>,
     /// The hello, sent before anything else once the connection is up.
     hello: [u8; HELLO_LEN],
     /// Bytes of `hello` already sent.
     hello_sent: usize,
-    live: bool,
     /// Posted and not yet fully sent, in order.
     queued: VecDeque<Queued>,
     /// How many of `queued`, from the front, passed judgement.
@@ -132,10 +135,7 @@ enum Role {
         deadline: Instant,
     },
     /// Serving a target queue pair.
-    Target {
-        shared: Arc<TargetShared>,
-        immediates: Producer<u32>,
-    },
+    Target(TargetLink),
     /// A raw stream, read and discarded into the fabric's sink buffer, cycling from `at`.
     Sink { at: usize },
 }
@@ -151,20 +151,20 @@ enum Incoming {
         left: usize,
         header: RequestHeader,
     },
-    /// Discarding a refused WRITE's payload; then answering `status`.
-    Discard {
-        left: usize,
-        header: RequestHeader,
-        status: WcStatus,
-    },
     /// An applied WRITE_WITH_IMM whose immediate waits for room.
     Immediate { header: RequestHeader },
+    /// An error was answered: nothing more is read from this connection (what follows the
+    /// error is flushed at the initiator, so it must never execute). It closes once its
+    /// replies have reached the peer, or at `deadline` if they cannot.
+    Stopped { deadline: Instant },
 }
 
 /// One reply, with a READ's data.
 #[derive(Clone, Copy, Debug)]
 struct Reply {
     header: [u8; REPLY_LEN],
+    /// The request it answers.
+    request: RequestHeader,
     data_addr: u64,
     data_len: usize,
 }
@@ -178,6 +178,8 @@ impl Reply {
 /// A connection this fabric accepted.
 #[derive(Debug)]
 struct Served {
+    /// Declared before `role`: fields drop in declaration order, so the socket is closed
+    /// before a target's link acknowledges the close to its owner.
     stream: TcpStream,
     role: Role,
     header: [u8; REQUEST_LEN],
@@ -208,8 +210,6 @@ pub struct TcpFabric {
     faults: FaultView,
     completions: VecDeque<WorkCompletion>,
     events: VecDeque<AsyncEvent>,
-    /// Where refused payloads go.
-    scratch: Vec<u8>,
     /// Where raw streams go (allocated for the first one).
     sink: Vec<u8>,
     /// Scratch for vectored sends (rebuilt every send).
@@ -255,7 +255,6 @@ impl TcpFabric {
             faults,
             completions: VecDeque::new(),
             events: VecDeque::new(),
-            scratch: vec![0; 256 * 1024],
             sink: Vec::new(),
             iov: Vec::with_capacity(2 * REQUESTS_PER_SEND),
             progressed: false,
@@ -277,10 +276,9 @@ impl TcpFabric {
             num.0,
             Initiator {
                 num,
-                stream,
+                stream: Some(stream),
                 hello,
                 hello_sent: 0,
-                live: true,
                 queued: VecDeque::new(),
                 judged: 0,
                 doom: None,
@@ -329,7 +327,6 @@ impl TcpFabric {
         let mut budget = BYTES_PER_ROUND;
         let mut io = ServeIo {
             device: &self.device,
-            scratch: &mut self.scratch,
             sink: &mut self.sink,
             iov: &mut self.iov,
             budget: &mut budget,
@@ -355,6 +352,7 @@ impl TcpFabric {
         let mut round = Round {
             plan: &self.faults.plan,
             device: &self.device,
+            epoll: &self.epoll,
             cq: &mut self.completions,
             events: &mut self.events,
             iov: &mut self.iov,
@@ -458,7 +456,6 @@ fn account_sent<T>(
 /// What one round's served connections share.
 struct ServeIo<'a> {
     device: &'a TcpDevice,
-    scratch: &'a mut [u8],
     sink: &'a mut Vec<u8>,
     iov: &'a mut Vec<libc::iovec>,
     budget: &'a mut usize,
@@ -469,15 +466,34 @@ struct ServeIo<'a> {
 struct Round<'a> {
     plan: &'a crate::fabric::soft::FaultPlan,
     device: &'a TcpDevice,
+    epoll: &'a Epoll,
     cq: &'a mut VecDeque<WorkCompletion>,
     events: &'a mut VecDeque<AsyncEvent>,
     iov: &'a mut Vec<libc::iovec>,
     now: Instant,
 }
 
+/// Whether `key` still names a live registration of `device`'s rail that allows `needed`
+/// and covers `[addr, addr + len)`. Asked again right before every system call that reads or
+/// writes registered memory, so that a withdrawal takes effect from the next call on.
+fn still_registered(device: &TcpDevice, key: u32, needed: Access, addr: u64, len: u64) -> bool {
+    device
+        .soft()
+        .table()
+        .lookup(key)
+        .is_some_and(|region| region.access.contains(needed) && region.covers(addr, len))
+}
+
 impl Initiator {
+    /// The connection's descriptor, or -1 once it is closed: every system call refuses that
+    /// (EBADF), where a stale number could name a descriptor the process opened since.
     fn fd(&self) -> RawFd {
-        self.stream.as_raw_fd()
+        self.stream.as_ref().map_or(-1, AsRawFd::as_raw_fd)
+    }
+
+    /// Not in ERR: the connection is open.
+    fn live(&self) -> bool {
+        self.stream.is_some()
     }
 
     fn outstanding(&self) -> bool {
@@ -487,7 +503,7 @@ impl Initiator {
     /// Sends, receives, resolves a doomed head, times out; true when anything moved.
     fn step(&mut self, round: &mut Round<'_>, budget: &mut usize) -> bool {
         self.delayed.release(round.now, round.cq);
-        if !self.live {
+        if !self.live() {
             return false;
         }
         let mut moved = false;
@@ -570,6 +586,7 @@ impl Initiator {
                     Err(doom) => self.doom = Some(doom),
                 }
             }
+            self.recheck_local_keys(round.device);
             let hello_left = HELLO_LEN - self.hello_sent;
             if self.judged == 0 && hello_left == 0 {
                 return Ok(moved);
@@ -599,8 +616,10 @@ impl Initiator {
                 }
             }
             // SAFETY: the hello and the headers live in `self`, untouched until the call
-            // returns; payloads lie inside live registrations of this process (judged just
-            // now), valid for reads by the registration contract.
+            // returns; payloads lie inside registrations of this process found live just now
+            // (`recheck_local_keys`), and registered memory stays valid for reads until its
+            // withdrawal is followed by the end of this poller's round (the engine's
+            // deregistration waits for that, see the module docs): for the whole call.
             let sent = match unsafe { sys::send_vectored(self.fd(), round.iov) } {
                 Ok(sent) => sent,
                 // Also while the connection is still being set up.
@@ -618,6 +637,36 @@ impl Initiator {
             self.advance(sent - hello_part);
         }
         Ok(moved)
+    }
+
+    /// Checks again, right before a send, the local key of every judged payload that still
+    /// has bytes to go: the first whose registration was withdrawn since it was judged becomes
+    /// the doomed request (LOC_PROT_ERR), and nothing from it on is sent. If bytes of it are
+    /// already out (the head), the rest never follows: it fails once the requests before it
+    /// are answered, and the queue pair's close discards what the kernel still held.
+    fn recheck_local_keys(&mut self, device: &TcpDevice) {
+        let withdrawn =
+            self.queued
+                .iter()
+                .take(self.judged)
+                .enumerate()
+                .position(|(index, queued)| {
+                    let skip = if index == 0 { self.head_sent } else { 0 };
+                    let payload = queued.payload_len();
+                    let payload_skip = skip.saturating_sub(REQUEST_LEN);
+                    payload > payload_skip
+                        && !still_registered(
+                            device,
+                            queued.request.lkey,
+                            Access::NONE,
+                            queued.request.local_addr + payload_skip as u64,
+                            (payload - payload_skip) as u64,
+                        )
+                });
+        if let Some(index) = withdrawn {
+            self.judged = index;
+            self.doom = Some(Doom::Fail(WcStatus::LocProtErr));
+        }
     }
 
     /// Accounts `sent` bytes: fully sent requests move to `inflight`.
@@ -640,9 +689,17 @@ impl Initiator {
         let mut moved = false;
         while *budget > 0 {
             if let Some((addr, left)) = self.read_data {
-                // SAFETY: the destination lies inside a live registration of this process
-                // allowing local writes (judged before the READ was sent), valid for writes
-                // by the registration contract.
+                let lkey = self.inflight.front().map_or(0, |front| front.request.lkey);
+                if !still_registered(round.device, lkey, Access::LOCAL_WRITE, addr, left as u64) {
+                    // Withdrawn while its data arrives: what came stays, nothing more is
+                    // written there.
+                    self.fail_head(WcStatus::LocProtErr, round);
+                    return Err(());
+                }
+                // SAFETY: the destination lies inside a registration of this process
+                // allowing local writes, found live just now; registered memory stays valid
+                // for writes until its withdrawal is followed by the end of this poller's
+                // round (the engine's deregistration waits for that, see the module docs).
                 match unsafe { sys::recv_into(self.fd(), addr, left) } {
                     Ok(0) => return self.broken(round),
                     Ok(got) => {
@@ -660,7 +717,7 @@ impl Initiator {
                     Err(_) => return self.broken(round),
                 }
             }
-            if self.inflight.is_empty() {
+            if self.inflight.is_empty() && !self.head_may_be_refused() {
                 // Nothing is expected: only an orderly close or a broken peer reads here.
                 let mut probe = [0u8; 1];
                 // SAFETY: `probe` is writable for one byte.
@@ -669,11 +726,13 @@ impl Initiator {
                     _ => self.broken(round),
                 };
             }
-            // Exactly the headers expected: one if a READ is next (its data follows),
-            // else one per WRITE up to the next READ.
+            // Exactly the headers expected: one if a READ is next (its data follows), or if
+            // only the head being sent may be answered (refused), else one per WRITE up to
+            // the next READ.
             let expected = match self.inflight.front() {
                 Some(front) if front.request.opcode == Opcode::Read => 1,
-                _ => self
+                None => 1,
+                Some(_) => self
                     .inflight
                     .iter()
                     .take(REPLIES_PER_RECEIVE)
@@ -717,16 +776,28 @@ impl Initiator {
                 let Ok(reply) = ReplyHeader::decode(&bytes) else {
                     return self.broken(round);
                 };
-                let Some(front) = self.inflight.front() else {
-                    return self.broken(round);
+                // The request it answers: the oldest in flight, or the head being sent, which
+                // a target refuses as soon as its header arrives.
+                let (front, being_sent) = match self.inflight.front() {
+                    Some(front) => (front, false),
+                    None => match self.queued.front().filter(|_| self.head_may_be_refused()) {
+                        Some(head) => (head, true),
+                        None => return self.broken(round),
+                    },
                 };
                 if reply.wr_id != front.request.wr_id.0 {
                     return self.broken(round);
                 }
                 if reply.status != WcStatus::Success {
+                    // If it is the head being sent, the rest of its payload never goes out:
+                    // the queue pair's close discards what the kernel still held.
                     self.replies.clear();
                     self.fail_head(reply.status, round);
                     return Err(());
+                }
+                if being_sent {
+                    // Applied before all of it was sent: nonsense.
+                    return self.broken(round);
                 }
                 if front.request.opcode == Opcode::Read && front.request.len > 0 {
                     if reply.len != front.request.len {
@@ -740,6 +811,12 @@ impl Initiator {
             self.replies.drain(..whole * REPLY_LEN);
         }
         Ok(moved)
+    }
+
+    /// The head of `queued` has its header out and its payload still going: the target may
+    /// already have refused it (it answers an error at the header, reading nothing after).
+    fn head_may_be_refused(&self) -> bool {
+        !self.queued.is_empty() && self.head_sent >= REQUEST_LEN
     }
 
     /// The front in-flight request completed with `status` (successes only when signaled).
@@ -785,15 +862,19 @@ impl Initiator {
         self.go_to_error(round);
     }
 
-    /// ERR: everything outstanding completes with WR_FLUSH_ERR; the connection closes.
+    /// ERR: everything outstanding completes with WR_FLUSH_ERR; the connection closes
+    /// abortively — a reset, and the kernel discards what it had not sent — so nothing of a
+    /// request reported as flushed leaves this process afterwards.
     fn go_to_error(&mut self, round: &mut Round<'_>) {
-        self.live = false;
         self.doom = None;
         self.judged = 0;
         self.head_sent = 0;
         self.read_data = None;
         self.replies.clear();
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(stream) = self.stream.take() {
+            round.epoll.remove(stream.as_raw_fd());
+            sys::close_abortively(stream);
+        }
         let num = self.num;
         let flushed: Vec<_> = self
             .inflight
@@ -807,20 +888,35 @@ impl Initiator {
     }
 }
 
+impl Drop for Initiator {
+    /// A queue pair still live when its fabric is dropped (the poller stopped) closes
+    /// abortively too: its requests are about to be reported, so nothing the kernel still
+    /// held may go out.
+    fn drop(&mut self) {
+        if let Some(stream) = self.stream.take() {
+            sys::close_abortively(stream);
+        }
+    }
+}
+
 impl Served {
     fn fd(&self) -> RawFd {
         self.stream.as_raw_fd()
     }
 
+    /// The target queue pair's owner closed it: nothing more of this connection executes.
+    fn owner_gone(&self) -> bool {
+        // Relaxed: the flag orders nothing; seeing it one step late is as if it had been
+        // set one step later.
+        matches!(&self.role, Role::Target(link) if link.shared.dropped.load(Ordering::Relaxed))
+    }
+
     /// Sends queued replies, then reads requests; true when anything moved.
     fn serve(&mut self, io: &mut ServeIo<'_>) -> bool {
         let now = io.now;
-        if let Role::Target { shared, .. } = &self.role {
-            // Relaxed: the handle's drop needs no ordering with anything else here.
-            if shared.dropped.load(Ordering::Relaxed) {
-                self.closed = true;
-                return true;
-            }
+        if self.owner_gone() {
+            self.closed = true;
+            return true;
         }
         if let Role::Hello { deadline, .. } = self.role {
             if now >= deadline {
@@ -828,22 +924,69 @@ impl Served {
                 return true;
             }
         }
-        let mut moved = self.send_replies(io.iov, io.budget);
+        let mut moved = self.send_replies(io);
+        if let Incoming::Stopped { deadline } = self.incoming {
+            // Nothing more is read; the close waits until the replies (the error last) have
+            // reached the peer, as a close with unread input resets the connection and would
+            // discard any the kernel still held.
+            if !self.closed && self.replies.is_empty() && (self.delivered() || now >= deadline) {
+                self.closed = true;
+                moved = true;
+            }
+            return moved;
+        }
         let waiting_immediate = matches!(self.incoming, Incoming::Immediate { .. });
         if (self.readable || waiting_immediate) && !self.closed {
             self.readable = false;
             moved |= self.read(io);
             // Replies to what was just read go out in this round.
-            moved |= self.send_replies(io.iov, io.budget);
+            moved |= self.send_replies(io);
         }
         moved
     }
 
-    fn send_replies(&mut self, iov: &mut Vec<libc::iovec>, budget: &mut usize) -> bool {
+    /// Whether the peer has acknowledged every byte sent (or the socket cannot say).
+    fn delivered(&self) -> bool {
+        sys::unacknowledged(self.fd()).map_or(true, |bytes| bytes == 0)
+    }
+
+    /// Sends queued replies, READ data straight from its region, until the socket is full or
+    /// the budget is spent.
+    fn send_replies(&mut self, io: &mut ServeIo<'_>) -> bool {
         let mut moved = false;
-        while !self.replies.is_empty() && *budget > 0 && !self.closed {
+        while !self.replies.is_empty() && *io.budget > 0 && !self.closed {
+            if self.owner_gone() {
+                self.closed = true;
+                return true;
+            }
+            // READ data goes out only from a region still registered, checked right before
+            // each send: the replies up to the first whose region was withdrawn.
+            let sendable = self
+                .replies
+                .iter()
+                .take(REQUESTS_PER_SEND)
+                .enumerate()
+                .take_while(|&(index, reply)| {
+                    let skip = if index == 0 { self.reply_sent } else { 0 };
+                    let data_skip = skip.saturating_sub(REPLY_LEN);
+                    reply.data_len <= data_skip
+                        || still_registered(
+                            io.device,
+                            reply.request.rkey,
+                            Access::REMOTE_READ,
+                            reply.data_addr + data_skip as u64,
+                            (reply.data_len - data_skip) as u64,
+                        )
+                })
+                .count();
+            if sendable == 0 {
+                self.withdraw_front_read(io);
+                moved = true;
+                continue;
+            }
+            let iov = &mut *io.iov;
             iov.clear();
-            for (index, reply) in self.replies.iter().take(REQUESTS_PER_SEND).enumerate() {
+            for (index, reply) in self.replies.iter().take(sendable).enumerate() {
                 let skip = if index == 0 { self.reply_sent } else { 0 };
                 if skip < REPLY_LEN {
                     iov.push(libc::iovec {
@@ -860,8 +1003,10 @@ impl Served {
                 }
             }
             // SAFETY: headers live in `replies`, untouched until the call returns; READ data
-            // lies inside a registration of this process that was live when the request was
-            // checked (see the module docs' caveat).
+            // lies inside registrations of this process allowing remote reads, found live
+            // just now; registered memory stays valid for reads until its withdrawal is
+            // followed by the end of this poller's round (the engine's deregistration waits
+            // for that, see the module docs).
             let result = unsafe { sys::send_vectored(self.fd(), iov) };
             iov.clear();
             let sent = match result {
@@ -873,7 +1018,7 @@ impl Served {
                 }
             };
             moved = true;
-            *budget = budget.saturating_sub(sent);
+            *io.budget = io.budget.saturating_sub(sent);
             account_sent(
                 &mut self.replies,
                 &mut self.reply_sent,
@@ -885,15 +1030,41 @@ impl Served {
         moved
     }
 
+    /// The front reply's READ data lies in a region withdrawn since the READ was checked.
+    /// If nothing of the reply went out, it becomes a REM_ACCESS_ERR answer, the replies after
+    /// it are dropped (the initiator flushes what follows an error) and the connection stops.
+    /// If its header went out, it promised data that will never come: the connection closes
+    /// at once (the initiator sees it break).
+    fn withdraw_front_read(&mut self, io: &ServeIo<'_>) {
+        let Some(front) = self.replies.front().copied() else {
+            return;
+        };
+        if self.reply_sent > 0 {
+            self.closed = true;
+            return;
+        }
+        self.replies.clear();
+        self.refuse(front.request, WcStatus::RemAccessErr, io);
+    }
+
     /// Reads the hello, requests and payloads until the socket is empty, the budget is
-    /// spent, or the initiator stops reading replies.
+    /// spent, the initiator stops reading replies, or an error stops the connection.
     fn read(&mut self, io: &mut ServeIo<'_>) -> bool {
         let mut moved = false;
-        while *io.budget > 0 && !self.closed && self.replies.len() < MAX_QUEUED_REPLIES {
+        while *io.budget > 0
+            && !self.closed
+            && self.replies.len() < MAX_QUEUED_REPLIES
+            && !matches!(self.incoming, Incoming::Stopped { .. })
+        {
+            // Before every request, payload chunk or immediate.
+            if self.owner_gone() {
+                self.closed = true;
+                return true;
+            }
             let result = match self.role {
                 Role::Hello { .. } => self.read_hello(io.device, io.sink),
                 Role::Sink { .. } => self.read_sink(io.sink, *io.budget),
-                Role::Target { .. } => self.read_request(io),
+                Role::Target(_) => self.read_request(io),
             };
             match result {
                 Ok(0) => {
@@ -938,12 +1109,7 @@ impl Served {
                 self.role = Role::Sink { at: 0 };
             }
             Ok(Hello::QueuePair { token }) => match device.pending().remove(&token) {
-                Some(pending) => {
-                    self.role = Role::Target {
-                        shared: pending.shared,
-                        immediates: pending.immediates,
-                    };
-                }
+                Some(link) => self.role = Role::Target(link),
                 None => self.closed = true,
             },
             Err(_) => self.closed = true,
@@ -965,7 +1131,7 @@ impl Served {
     }
 
     /// Checks a request's header against the live region table and starts it.
-    fn start(&mut self, header: RequestHeader, device: &TcpDevice) {
+    fn start(&mut self, header: RequestHeader, io: &ServeIo<'_>) {
         let len = u64::from(header.len);
         if header.len > MAX_MESSAGE {
             self.closed = true;
@@ -976,34 +1142,23 @@ impl Served {
             RequestOp::Write | RequestOp::WriteWithImm => Access::REMOTE_WRITE,
         };
         // A zero-length request names no memory: no key is checked (as in verbs).
-        let allowed = len == 0
-            || device
-                .soft()
-                .table()
-                .lookup(header.rkey)
-                .is_some_and(|region| {
-                    region.access.contains(needed) && region.covers(header.remote_addr, len)
-                });
+        let allowed =
+            len == 0 || still_registered(io.device, header.rkey, needed, header.remote_addr, len);
         self.incoming = Incoming::Header;
         match header.op {
-            RequestOp::Read if allowed => self.replies.push_back(Reply {
+            // A refused WRITE's payload is never read: the connection stops here.
+            _ if !allowed => self.refuse(header, WcStatus::RemAccessErr, io),
+            RequestOp::Read => self.replies.push_back(Reply {
                 header: ReplyHeader {
                     status: WcStatus::Success,
                     len: header.len,
                     wr_id: header.wr_id,
                 }
                 .encode(),
+                request: header,
                 data_addr: header.remote_addr,
                 data_len: header.len as usize,
             }),
-            RequestOp::Read => self.answer(header, WcStatus::RemAccessErr),
-            _ if !allowed => {
-                self.incoming = Incoming::Discard {
-                    left: header.len as usize,
-                    header,
-                    status: WcStatus::RemAccessErr,
-                };
-            }
             _ if len == 0 => self.applied(header),
             _ => {
                 self.incoming = Incoming::Payload {
@@ -1018,16 +1173,25 @@ impl Served {
     /// A WRITE's payload is in place: deliver its immediate (or wait for room), answer.
     fn applied(&mut self, header: RequestHeader) {
         if header.op == RequestOp::WriteWithImm {
-            let Role::Target { immediates, .. } = &mut self.role else {
+            let Role::Target(link) = &mut self.role else {
                 return;
             };
-            if immediates.push(header.imm).is_err() {
+            if link.immediates.push(header.imm).is_err() {
                 self.incoming = Incoming::Immediate { header };
                 return;
             }
         }
         self.incoming = Incoming::Header;
         self.answer(header, WcStatus::Success);
+    }
+
+    /// Answers `header` with the error `status` and stops the connection: a target that saw
+    /// an error executes nothing more from it, since the initiator flushes everything after.
+    fn refuse(&mut self, header: RequestHeader, status: WcStatus, io: &ServeIo<'_>) {
+        self.answer(header, status);
+        self.incoming = Incoming::Stopped {
+            deadline: io.now + io.device.config().peer_timeout,
+        };
     }
 
     /// Queues the reply to a request that carries no data back.
@@ -1043,16 +1207,17 @@ impl Served {
                 wr_id: header.wr_id,
             }
             .encode(),
+            request: header,
             data_addr: 0,
             data_len: 0,
         });
     }
 
     /// One step of the current request: `Ok(bytes)` moved (a completed step with no bytes,
-    /// such as delivering an immediate, counts as 1), `WouldBlock` to stop.
+    /// such as delivering an immediate or refusing a chunk, counts as 1), `WouldBlock` to
+    /// stop.
     fn read_request(&mut self, io: &mut ServeIo<'_>) -> io::Result<usize> {
         let fd = self.fd();
-        let scratch = &mut *io.scratch;
         match self.incoming {
             Incoming::Header => {
                 let at = self.header_got;
@@ -1064,16 +1229,29 @@ impl Served {
                 if got > 0 && self.header_got == REQUEST_LEN {
                     self.header_got = 0;
                     match RequestHeader::decode(&self.header) {
-                        Ok(header) => self.start(header, io.device),
+                        Ok(header) => self.start(header, io),
                         Err(_) => self.closed = true,
                     }
                 }
                 Ok(got)
             }
             Incoming::Payload { addr, left, header } => {
-                // SAFETY: `[addr, addr + left)` lies inside a live registration of this
-                // process allowing remote writes (checked when the header arrived), valid for
-                // writes by the registration contract.
+                if !still_registered(
+                    io.device,
+                    header.rkey,
+                    Access::REMOTE_WRITE,
+                    addr,
+                    left as u64,
+                ) {
+                    // Withdrawn while the payload arrives: what came stays, nothing more is
+                    // written there.
+                    self.refuse(header, WcStatus::RemAccessErr, io);
+                    return Ok(1);
+                }
+                // SAFETY: `[addr, addr + left)` lies inside a registration of this process
+                // allowing remote writes, found live just now; registered memory stays valid
+                // for writes until its withdrawal is followed by the end of this poller's
+                // round (the engine's deregistration waits for that, see the module docs).
                 let got = unsafe { sys::recv_into(fd, addr, left) }?;
                 if got == left {
                     self.applied(header);
@@ -1086,26 +1264,6 @@ impl Served {
                 }
                 Ok(got)
             }
-            Incoming::Discard {
-                left,
-                header,
-                status,
-            } => {
-                let len = left.min(scratch.len());
-                // SAFETY: `scratch[..len]` is writable.
-                let got = unsafe { sys::recv_into(fd, scratch.as_mut_ptr() as u64, len) }?;
-                if got == left {
-                    self.answer(header, status);
-                    self.incoming = Incoming::Header;
-                } else if got > 0 {
-                    self.incoming = Incoming::Discard {
-                        left: left - got,
-                        header,
-                        status,
-                    };
-                }
-                Ok(got)
-            }
             Incoming::Immediate { header } => {
                 self.applied(header);
                 if matches!(self.incoming, Incoming::Immediate { .. }) {
@@ -1114,6 +1272,8 @@ impl Served {
                     Ok(1)
                 }
             }
+            // `read` never asks: a stopped connection reads nothing more.
+            Incoming::Stopped { .. } => Err(ErrorKind::WouldBlock.into()),
         }
     }
 }
@@ -1143,7 +1303,7 @@ impl Fabric for TcpFabric {
             });
         };
         let now = Instant::now();
-        if !initiator.live {
+        if !initiator.live() {
             for request in requests {
                 let flushed = WorkCompletion::of(request, qp, WcStatus::WrFlushErr);
                 initiator.delayed.emit(flushed, now, &mut self.completions);
@@ -1196,10 +1356,11 @@ impl Fabric for TcpFabric {
 
     fn retire(&mut self, qp: QpNum) {
         if let Some(initiator) = self.initiators.get_mut(&qp.0) {
-            if initiator.live {
+            if initiator.live() {
                 let mut round = Round {
                     plan: &self.faults.plan,
                     device: &self.device,
+                    epoll: &self.epoll,
                     cq: &mut self.completions,
                     events: &mut self.events,
                     iov: &mut self.iov,
@@ -1208,7 +1369,6 @@ impl Fabric for TcpFabric {
                 initiator.go_to_error(&mut round);
             }
             initiator.retired = true;
-            self.epoll.remove(initiator.stream.as_raw_fd());
         }
         self.initiators
             .retain(|_, i| !(i.retired && i.delayed.is_empty()));

@@ -13,7 +13,8 @@
 //! target rail's own poller ([`TcpFabric`], through
 //! [`Fabric::serve`](crate::fabric::Fabric::serve)), never by a thread of its own; the
 //! control plane keeps a [`TcpTarget`] handle, which takes the WRITE_WITH_IMM immediates
-//! and closes the connection when dropped.
+//! and closes the connection when dropped or [closed](TcpTarget::close) (which also returns
+//! the poller's acknowledgment).
 //!
 //! # Work requests
 //! A WRITE is a header (rkey, remote address, length, work-request id) then the payload,
@@ -32,11 +33,30 @@
 //! outstanding raises [`AsyncEvent::QpFatal`](crate::fabric::AsyncEvent::QpFatal) so the
 //! control plane reconnects before the next transfer needs it.
 //!
-//! # Caveat
-//! The target checks a request when its header arrives; a deregistration that races with a
-//! WRITE whose payload is already arriving does not stop that payload (as a NIC's DMA already
-//! started is not recalled). Engine-allocated memory is unmapped only after deregistration,
-//! so such a payload at worst fails the connection (EFAULT), never lands elsewhere.
+//! # Nothing moves after it is reported
+//! - A target that answers an error reads nothing more from that connection — no header, no
+//!   payload: it sends the replies it owes (the error last) and closes. What the initiator
+//!   will see flushed is never executed.
+//! - A target queue pair whose owner closed it ([`TcpTarget`] dropped or
+//!   [closed](TcpTarget::close)) executes nothing more: the poller looks before every request
+//!   it starts, every payload chunk it receives and every READ reply it sends, and closes the
+//!   connection, so the kernel discards whatever was buffered. [`TcpTarget::close`]'s
+//!   [`TargetClosed`] tells when that happened.
+//! - An initiator's queue pair that goes to ERR (an error, or
+//!   [`Fabric::retire`](crate::fabric::Fabric::retire)) closes its connection abortively: the
+//!   kernel sends a reset and drops what it had not sent yet. What the peer's kernel had
+//!   already received may still be applied by a target that keeps serving it; closing the
+//!   target queue pair is what ends that.
+//! - Withdrawn registrations are never touched again. Each side checks the key against the
+//!   live region table ([`SoftDevice::deregister`] withdraws it) not only when a request is
+//!   judged but again right before every system call that reads or writes registered memory:
+//!   every vectored send of WRITE payloads and READ replies, every receive of a WRITE's
+//!   payload or a READ's data. A withdrawal fails the request that names it — LOC_PROT_ERR
+//!   at the initiator; REM_ACCESS_ERR at the target, or a closed connection (RETRY_EXC_ERR)
+//!   once a READ reply's data has started — and the queue pair goes to ERR without moving
+//!   the rest; a payload received in part stays partial. So once `deregister` has returned
+//!   and this rail's poller has finished the round it was in, this fabric never reads or
+//!   writes the region again.
 
 mod fabric;
 mod sys;
@@ -47,7 +67,7 @@ use std::io::{self, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use fabric::TcpFabric;
 
@@ -69,6 +89,9 @@ pub fn is_tcp_qp(qp: QpNum) -> bool {
 
 /// Immediates a target queue pair holds for its owner before the connection waits.
 const IMMEDIATE_QUEUE: usize = 4096;
+
+/// How often [`TargetClosed::wait`] looks.
+const ACKNOWLEDGMENT_POLL: Duration = Duration::from_micros(200);
 
 /// How a TCP device behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -246,17 +269,32 @@ impl TcpQp {
 struct TargetShared {
     /// The handle was dropped: the poller closes the connection.
     dropped: AtomicBool,
+    /// Nothing serves the queue pair any more: its connection, if it had one, is closed
+    /// (set by [`TargetLink`]'s drop).
+    closed: AtomicBool,
 }
 
-/// A target queue pair waiting for its initiator's connection.
+/// A target queue pair's serving end, held by whoever may serve it: the device's pending
+/// table until the initiator's hello names it, then the connection the poller serves.
+/// Dropping it acknowledges the close to the owner: nothing can serve the queue pair any
+/// more (a served connection drops it only after its socket, see `Served`).
 #[derive(Debug)]
-struct PendingTarget {
+struct TargetLink {
     shared: Arc<TargetShared>,
     immediates: Producer<u32>,
 }
 
+impl Drop for TargetLink {
+    fn drop(&mut self) {
+        // Release: whatever the poller did to the queue pair's memory happens before an
+        // owner's acquiring `TargetClosed::wait` sees this.
+        self.shared.closed.store(true, Ordering::Release);
+    }
+}
+
 /// The control plane's handle of a target queue pair: the rail's poller serves the
-/// connection; this takes the immediates it received, and dropping it closes the connection.
+/// connection; this takes the immediates it received. Dropping it closes the connection;
+/// [`close`](Self::close) does too and returns the poller's acknowledgment.
 #[derive(Debug)]
 pub struct TcpTarget {
     device: TcpDevice,
@@ -277,13 +315,53 @@ impl TcpTarget {
     pub fn take_immediates(&mut self, out: &mut Vec<u32>) {
         self.immediates.pop_into(out, usize::MAX);
     }
+
+    /// Closes the queue pair, as dropping it does: the poller executes nothing more from
+    /// its connection — it looks before every request, payload chunk and READ reply — and
+    /// closes it, so the kernel discards what was buffered. The returned handle tells when
+    /// that is done.
+    pub fn close(self) -> TargetClosed {
+        let shared = self.shared.clone();
+        drop(self);
+        TargetClosed { shared }
+    }
 }
 
 impl Drop for TcpTarget {
     fn drop(&mut self) {
-        // Relaxed: the poller only needs to see it eventually.
+        // Relaxed: the poller only needs to see it eventually; the acknowledgment is what
+        // orders its work before the owner's.
         self.shared.dropped.store(true, Ordering::Relaxed);
-        self.device.pending().remove(&self.token);
+        // Still pending (no connection named it yet): dropping the link here acknowledges
+        // at once, and a hello naming the token later is refused.
+        drop(self.device.pending().remove(&self.token));
+    }
+}
+
+/// The acknowledgment of a closed target queue pair ([`TcpTarget::close`]).
+#[derive(Debug)]
+pub struct TargetClosed {
+    shared: Arc<TargetShared>,
+}
+
+impl TargetClosed {
+    /// Waits until nothing serves the queue pair any more — its poller closed the
+    /// connection, or never had one, or its fabric was dropped — or until `deadline`
+    /// (a stopped poller never acknowledges). True when acknowledged: from then on nothing
+    /// of the connection reads or writes this process's memory, and everything it wrote is
+    /// visible to the caller.
+    pub fn wait(&self, deadline: Instant) -> bool {
+        loop {
+            // Acquire: pairs with the Release in `TargetLink`'s drop.
+            if self.shared.closed.load(Ordering::Acquire) {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            std::thread::sleep((deadline - now).min(ACKNOWLEDGMENT_POLL));
+        }
     }
 }
 
@@ -296,7 +374,7 @@ struct DeviceInner {
     local_addr: SocketAddr,
     next_qp: AtomicU32,
     staged: Staging<TcpQp>,
-    pending: Mutex<HashMap<u64, PendingTarget>>,
+    pending: Mutex<HashMap<u64, TargetLink>>,
 }
 
 /// One rail's TCP device. Cheap to clone; `Send + Sync`: the control plane connects and
@@ -409,7 +487,7 @@ impl TcpDevice {
         let (producer, consumer) = ring::channel(IMMEDIATE_QUEUE);
         self.pending().insert(
             token,
-            PendingTarget {
+            TargetLink {
                 shared: shared.clone(),
                 immediates: producer,
             },
@@ -451,7 +529,7 @@ impl TcpDevice {
         TcpFabric::new(self.clone())
     }
 
-    fn pending(&self) -> MutexGuard<'_, HashMap<u64, PendingTarget>> {
+    fn pending(&self) -> MutexGuard<'_, HashMap<u64, TargetLink>> {
         self.0
             .pending
             .lock()

@@ -1,5 +1,6 @@
 //! The TCP fabric's system calls: epoll, vectored non-blocking sends that never raise
-//! SIGPIPE, receives straight into registered memory, and socket options.
+//! SIGPIPE, receives straight into registered memory, socket options, the send queue's
+//! depth, and abortive closes.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -191,4 +192,40 @@ pub(crate) fn tune(stream: &std::net::TcpStream, buffer: Option<usize>) -> io::R
         set_option(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, bytes)?;
     }
     Ok(())
+}
+
+/// Closes `stream` abortively: with SO_LINGER {on, 0} the close sends a reset and discards
+/// whatever the kernel still held to send, so none of it reaches the peer afterwards.
+pub(crate) fn close_abortively(stream: std::net::TcpStream) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: the descriptor is open (the stream owns it until the end of this function);
+    // `linger` is a valid `struct linger` for the call.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+    // Should the option have been refused, this is an ordinary close: still nothing more
+    // is sent by this process.
+    drop(stream);
+}
+
+/// Bytes the kernel holds for `fd` that the peer has not acknowledged yet, sent or not
+/// (SIOCOUTQ).
+pub(crate) fn unacknowledged(fd: RawFd) -> io::Result<usize> {
+    let mut bytes: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ (TIOCOUTQ on sockets) writes one `int` through the pointer, which is
+    // valid for the call; a closed or foreign descriptor is refused with an error.
+    let code = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &raw mut bytes) };
+    if code < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(usize::try_from(bytes).unwrap_or(0))
 }
