@@ -1,12 +1,15 @@
 //! The control plane end to end: two nodes in one process connect over TCP, move bytes,
 //! and answer repeated handshakes idempotently.
 
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use railyard::chaos::node::Node;
-use railyard::control::{Phase, Policy};
-use railyard::dataplane::fabric::Opcode;
+use railyard::control::wire::{FrameDecoder, Message, WireKey};
+use railyard::control::{HostId, Incarnation, PeerLink, Phase, Policy, RailFabric};
+use railyard::dataplane::fabric::soft::{SoftConfig, SoftDevice};
+use railyard::dataplane::fabric::{Access, Fabric, Opcode, WcStatus, WorkRequest, WrId};
 use railyard::dataplane::{RequestOutcome, SliceSpec, Submitter};
 
 const BOUND: Duration = Duration::from_secs(10);
@@ -121,4 +124,170 @@ fn bad_input_gets_a_specific_error_and_breaks_nothing() {
         "{:?}",
         good.phase()
     );
+}
+
+/// Sends `messages` on a fresh control connection after a Hello naming `incarnation`, then
+/// waits for the answer to a GetDescriptor sent after them: by then the target has handled
+/// every one of them (one connection is read in order).
+fn say_in_order(addr: SocketAddr, name: &str, incarnation: Incarnation, messages: &[Message]) {
+    let mut stream = TcpStream::connect_timeout(&addr, BOUND).unwrap();
+    stream.set_read_timeout(Some(BOUND)).unwrap();
+    let mut frames = Message::Hello {
+        name: name.into(),
+        incarnation,
+        host: HostId::this_process(),
+    }
+    .encode();
+    for message in messages {
+        frames.extend(message.encode());
+    }
+    frames.extend(Message::GetDescriptor.encode());
+    stream.write_all(&frames).unwrap();
+    let mut decoder = FrameDecoder::default();
+    let mut buffer = [0u8; 4096];
+    loop {
+        while let Some(message) = decoder.next_message().unwrap() {
+            if matches!(message, Message::Descriptor(_)) {
+                let _ = stream.write_all(&Message::Bye.encode());
+                return;
+            }
+        }
+        let n = stream.read(&mut buffer).unwrap();
+        assert!(n > 0, "the target closed the connection");
+        decoder.push(&buffer[..n]);
+    }
+}
+
+/// RetireQp takes a passive queue pair out of service only when its own initiator names
+/// it, by its current queue-pair number; after that the peer's soft queue pair is refused
+/// (RETRY_EXC_ERR) before any byte moves.
+#[test]
+fn a_retire_qp_drops_the_passive_queue_pair_only_when_its_initiator_names_it() {
+    let mut target = Node::start("decode-0", 1, any_port(), 1, Policy::default(), None).unwrap();
+    let region = target.alloc(1 << 20).unwrap();
+    let remote = target.regions[region].buffer.region();
+
+    // The raw initiator: its own soft device and one queue pair, handshaken by hand.
+    let device = SoftDevice::open("raw-peer", SoftConfig::default()).unwrap();
+    let link = PeerLink {
+        same_host: true,
+        local_ip: target.addr().ip(),
+    };
+    let (qp, side) = RailFabric::create_qp(&device, &link).unwrap();
+    let incarnation = Incarnation(device.incarnation());
+    let key = WireKey {
+        initiator: incarnation,
+        target: target.control.incarnation(),
+        initiator_rail: 0,
+        target_rail: 0,
+    };
+    let mut stream = TcpStream::connect_timeout(&target.addr(), BOUND).unwrap();
+    stream.set_read_timeout(Some(BOUND)).unwrap();
+    let mut frames = Message::Hello {
+        name: "raw-peer".into(),
+        incarnation,
+        host: HostId::this_process(),
+    }
+    .encode();
+    frames.extend(
+        Message::ConnectQp {
+            key,
+            epoch: 1,
+            side: side.clone(),
+        }
+        .encode(),
+    );
+    stream.write_all(&frames).unwrap();
+    let mut decoder = FrameDecoder::default();
+    let mut buffer = [0u8; 4096];
+    let answer = 'reply: loop {
+        while let Some(message) = decoder.next_message().unwrap() {
+            if let Message::ConnectQpReply { result, .. } = message {
+                break 'reply result.expect("accepted");
+            }
+        }
+        let n = stream.read(&mut buffer).unwrap();
+        assert!(n > 0);
+        decoder.push(&buffer[..n]);
+    };
+    let qp = RailFabric::connect_qp(&device, qp, &answer).unwrap();
+    let mut fabric = device.fabric();
+    let qp = fabric.adopt(None, qp).unwrap();
+    let source = vec![0x7eu8; 4096];
+    // SAFETY: `source` outlives the device's use of it (the test ends with both).
+    let local = unsafe { device.register(source.as_ptr(), source.len(), Access::ALL) }.unwrap();
+    let write = |wr_id: u64| WorkRequest {
+        wr_id: WrId(wr_id),
+        opcode: Opcode::Write,
+        local_addr: local.addr,
+        lkey: local.lkey,
+        remote_addr: remote.addr,
+        rkey: remote.rkey,
+        len: 4096,
+        imm: 0,
+        signaled: true,
+        epoch: railyard::dataplane::Epoch::FIRST,
+    };
+    let completion = |fabric: &mut railyard::dataplane::fabric::soft::SoftFabric| {
+        let end = Instant::now() + BOUND;
+        let mut out = Vec::new();
+        while out.is_empty() {
+            assert!(Instant::now() < end, "no completion");
+            fabric.poll(&mut out, 1);
+        }
+        out[0].status
+    };
+    fabric.post(qp, &[write(1)]).unwrap();
+    assert_eq!(completion(&mut fabric), WcStatus::Success);
+
+    let retired = || target.control.stats().passive_retired;
+    let qp_num = side.info.qp_num;
+    // Another process claiming to be the initiator, and the initiator naming another queue
+    // pair: both ignored.
+    say_in_order(
+        target.addr(),
+        "another-peer",
+        Incarnation(incarnation.0 ^ 1),
+        &[Message::RetireQp {
+            key,
+            epoch: 1,
+            qp_num,
+        }],
+    );
+    say_in_order(
+        target.addr(),
+        "raw-peer",
+        incarnation,
+        &[Message::RetireQp {
+            key,
+            epoch: 1,
+            qp_num: qp_num ^ 1,
+        }],
+    );
+    assert_eq!(retired(), 0);
+    fabric.post(qp, &[write(2)]).unwrap();
+    assert_eq!(completion(&mut fabric), WcStatus::Success);
+
+    // The initiator itself, naming its queue pair: out of service.
+    say_in_order(
+        target.addr(),
+        "raw-peer",
+        incarnation,
+        &[Message::RetireQp {
+            key,
+            epoch: 1,
+            qp_num,
+        }],
+    );
+    assert_eq!(retired(), 1);
+    // SAFETY: nothing transfers into the region now.
+    let bytes = unsafe { target.regions[region].buffer.as_mut_slice() };
+    bytes[..4096].fill(0);
+    fabric.post(qp, &[write(3)]).unwrap();
+    assert_eq!(completion(&mut fabric), WcStatus::RetryExcErr);
+    // SAFETY: as above.
+    let landed = unsafe { target.regions[region].buffer.as_mut_slice() }[..4096]
+        .iter()
+        .any(|&b| b != 0);
+    assert!(!landed, "a write through a retired queue pair landed");
 }

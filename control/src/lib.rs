@@ -37,5 +37,5 @@ pub use plane::{
     EndpointView, Notification, NotificationBody, PeerChange, PeerEvents,
 };
 pub use policy::Policy;
-pub use rail::{HostMode, HostRail, PeerLink, RailFabric};
+pub use rail::{HostMode, HostRail, PeerLink, RailFabric, Revocation};
 pub use wire::{FrameDecoder, Message, WireError};

@@ -54,7 +54,7 @@ use crate::directory::{Directory, P2pDirectory};
 use crate::endpoint::{Endpoint, EndpointKey, Incarnation, Input, Output, Phase};
 use crate::host::HostId;
 use crate::policy::Policy;
-use crate::rail::{PeerLink, RailFabric};
+use crate::rail::{PeerLink, RailFabric, Revocation};
 use crate::warn::{RateLimiter, WarningKind};
 use crate::wire::{FrameDecoder, Message, QpSide, WireKey};
 
@@ -231,6 +231,9 @@ pub struct ControlStats {
     pub idempotent_replies: u64,
     /// Passive queue pairs replaced or dropped, and endpoints retired: teardowns.
     pub teardowns: u64,
+    /// Passive queue pairs taken out of service because their initiator retired them
+    /// (RetireQp) or the application revoked their peer.
+    pub passive_retired: u64,
     /// Peers seen coming back as a new incarnation.
     pub peer_restarts: u64,
     /// Circuit openings.
@@ -257,6 +260,7 @@ struct Counters {
     tcp_qps: AtomicU64,
     idempotent_replies: AtomicU64,
     teardowns: AtomicU64,
+    passive_retired: AtomicU64,
     peer_restarts: AtomicU64,
     circuit_openings: AtomicU64,
     refused: AtomicU64,
@@ -371,6 +375,7 @@ impl ControlShared {
             tcp_qps: get(&c.tcp_qps),
             idempotent_replies: get(&c.idempotent_replies),
             teardowns: get(&c.teardowns),
+            passive_retired: get(&c.passive_retired),
             peer_restarts: get(&c.peer_restarts),
             circuit_openings: get(&c.circuit_openings),
             refused: get(&c.refused),
@@ -415,6 +420,10 @@ enum Request {
     PeerChanged {
         name: String,
         change: PeerChange,
+    },
+    Revoke {
+        peer: Incarnation,
+        reply: Sender<Vec<Revocation>>,
     },
     DirectoryWarning(String),
     Shutdown,
@@ -730,6 +739,19 @@ impl ControlPlane {
         self.request(Request::Signal { views, imm, after })
     }
 
+    /// Takes every target queue pair that `peer` (an initiator's incarnation) connected to
+    /// this process out of service: its requests stop executing and what is buffered from
+    /// it is discarded. Returns one [`Revocation`] per queue pair, to wait on; `peer` may
+    /// connect again with a new handshake.
+    ///
+    /// # Errors
+    /// [`ControlError::Stopped`].
+    pub fn revoke(&self, peer: Incarnation) -> Result<Vec<Revocation>, ControlError> {
+        let (reply, answer) = mpsc::channel();
+        self.request(Request::Revoke { peer, reply })?;
+        answer.recv().map_err(|_| ControlError::Stopped)
+    }
+
     /// Stops the control thread (pollers keep running). Idempotent.
     pub fn shutdown(&self) {
         let _ = self.request(Request::Shutdown);
@@ -803,6 +825,9 @@ struct Active<Q> {
     addr: SocketAddr,
     /// The queue pair of the epoch being connected.
     pending: Option<(Epoch, Q)>,
+    /// The epoch and number of the newest queue pair offered to the peer, until it is
+    /// announced retired (RetireQp).
+    offered: Option<(Epoch, u32)>,
 }
 
 struct Passive<Q> {
@@ -911,6 +936,9 @@ impl<F: RailFabric> Plane<F> {
                     self.pending_signals.push((views, imm, after));
                 }
                 Request::PeerChanged { name, change } => self.peer_changed(&name, change, now),
+                Request::Revoke { peer, reply } => {
+                    let _ = reply.send(self.revoke(peer));
+                }
                 Request::DirectoryWarning(message) => self.warn(WarningKind::Directory, message),
                 Request::Connect {
                     addr,
@@ -1319,7 +1347,89 @@ impl<F: RailFabric> Plane<F> {
                     body: NotificationBody::Bytes(bytes),
                 });
             }
+            Message::RetireQp {
+                key,
+                epoch: _,
+                qp_num,
+            } => self.on_retire_qp(index, key, qp_num),
             Message::Bye => self.close(index, "the peer said goodbye", now),
+        }
+    }
+
+    /// The initiator of a passive queue pair retired it: drop it if it is still that one,
+    /// so nothing buffered from it executes. Only the initiator itself may say so.
+    fn on_retire_qp(&mut self, index: usize, key: WireKey, qp_num: u32) {
+        let speaker = self.conns[index]
+            .as_ref()
+            .and_then(|conn| conn.peer.as_ref())
+            .map(|(_, incarnation)| *incarnation);
+        if speaker != Some(key.initiator) || key.target != self.incarnation {
+            return;
+        }
+        let still_that_one = self
+            .passive
+            .get(&key)
+            .is_some_and(|passive| passive.remote_qp_num == qp_num);
+        if let Some(passive) = still_that_one.then(|| self.passive.remove(&key)).flatten() {
+            self.revoke_passive(key, passive);
+        }
+    }
+
+    /// Takes every passive queue pair of `peer` out of service.
+    fn revoke(&mut self, peer: Incarnation) -> Vec<Revocation> {
+        let keys: Vec<WireKey> = self
+            .passive
+            .keys()
+            .filter(|key| key.initiator == peer)
+            .copied()
+            .collect();
+        keys.into_iter()
+            .filter_map(|key| {
+                let passive = self.passive.remove(&key)?;
+                Some(self.revoke_passive(key, passive))
+            })
+            .collect()
+    }
+
+    fn revoke_passive(&mut self, key: WireKey, passive: Passive<F::Connected>) -> Revocation {
+        bump(&self.shared.counters.passive_retired);
+        match self.rails.get(usize::from(key.target_rail)) {
+            Some(rail) => rail.fabric.revoke(passive.qp),
+            // Unreachable: passive queue pairs exist only on rails that exist.
+            None => Revocation::done(),
+        }
+    }
+
+    /// Tells the target that our queue pair of `epoch` (or any, with `None`) for endpoint
+    /// `id` is out of service, so that it executes nothing more it buffered from it.
+    fn announce_retired_qp(&mut self, rail: u16, id: EndpointId, epoch: Option<Epoch>) {
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        let Some((offered_epoch, qp_num)) = active.offered else {
+            return;
+        };
+        if epoch.is_some_and(|epoch| epoch != offered_epoch) {
+            return;
+        }
+        active.offered = None;
+        let key = active.machine.key();
+        let message = Message::RetireQp {
+            key: WireKey {
+                initiator: self.incarnation,
+                target: key.peer,
+                initiator_rail: key.local_rail,
+                target_rail: key.remote_rail,
+            },
+            epoch: offered_epoch.get(),
+            qp_num,
+        };
+        let conn = self.by_addr.get(&active.addr).copied();
+        if let Some(conn) = conn
+            .and_then(|conn| self.conns.get_mut(conn))
+            .and_then(Option::as_mut)
+        {
+            conn.send(&message);
         }
     }
 
@@ -1597,6 +1707,7 @@ impl<F: RailFabric> Plane<F> {
                 view: view.clone(),
                 addr,
                 pending: None,
+                offered: None,
             },
         );
         self.handle_input(local_rail, id, Input::ConnectWanted, now);
@@ -1741,14 +1852,17 @@ impl<F: RailFabric> Plane<F> {
                         epoch,
                         status,
                     } => {
+                        self.announce_retired_qp(rail, endpoint, Some(epoch));
                         self.handle_input(rail, endpoint, Input::QpError { epoch, status }, now);
                     }
                     Event::QpFatal { endpoint, epoch } => {
+                        self.announce_retired_qp(rail, endpoint, Some(epoch));
                         self.handle_input(rail, endpoint, Input::QpFatal { epoch }, now);
                     }
                     Event::ConnectFailed {
                         endpoint, epoch, ..
                     } => {
+                        self.announce_retired_qp(rail, endpoint, Some(epoch));
                         self.handle_input(rail, endpoint, Input::HandshakeFailed { epoch }, now);
                     }
                     Event::Confirmed { endpoint, epoch } => {
@@ -1854,6 +1968,7 @@ impl<F: RailFabric> Plane<F> {
                         WarningKind::Retire,
                         format!("endpoint {id:?} to {peer} retired: {reason}"),
                     );
+                    self.announce_retired_qp(rail, id, None);
                 }
                 Output::OpenCircuit => {
                     bump(&self.shared.counters.circuit_openings);
@@ -1913,6 +2028,9 @@ impl<F: RailFabric> Plane<F> {
         };
         bump(&self.shared.counters.active_qps);
         self.count_fabric(&side);
+        // The queue pair this one replaces is out of service for good.
+        self.announce_retired_qp(rail, id, None);
+        let qp_num = side.info.qp_num;
         if reconnect {
             bump(&self.shared.counters.reconnects);
             self.warn(
@@ -1937,6 +2055,7 @@ impl<F: RailFabric> Plane<F> {
         }
         if let Some(active) = self.active.get_mut(&(rail, id)) {
             active.pending = Some((epoch, qp));
+            active.offered = Some((epoch, qp_num));
         }
     }
 

@@ -4,6 +4,7 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use railyard_dataplane::fabric::soft::{SoftAttachment, SoftDevice, SoftQp};
 use railyard_dataplane::fabric::tcp::{
@@ -76,8 +77,43 @@ pub trait RailFabric: Send + Sync + 'static {
     /// When the fabric refuses it.
     fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: Self::Connected) -> Result<(), String>;
 
+    /// Takes a target's connected queue pair out of service: its peer's requests on it stop
+    /// executing, and what is buffered from it is discarded. The returned
+    /// [`Revocation`] says when that is done.
+    fn revoke(&self, qp: Self::Connected) -> Revocation;
+
     /// How the rail appears in this process's segment descriptor.
     fn describe(&self) -> RailDescriptor;
+}
+
+/// A target queue pair taken out of service ([`RailFabric::revoke`]), to wait on.
+pub struct Revocation(Box<dyn Fn(Instant) -> bool + Send>);
+
+impl Revocation {
+    /// Done at once (the fabric stopped the queue pair synchronously).
+    pub(crate) fn done() -> Self {
+        Self(Box::new(|_| true))
+    }
+
+    /// Waits until nothing of the queue pair can read or write this process's memory any
+    /// more; false if `deadline` passes first (a stopped poller or peer).
+    pub fn wait(&self, deadline: Instant) -> bool {
+        (self.0)(deadline)
+    }
+}
+
+impl std::fmt::Debug for Revocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Revocation")
+    }
+}
+
+/// Drops a soft queue pair, which revokes it for its peer, and waits for the peer to leave
+/// any copy it began before.
+fn revoke_soft(device: &SoftDevice, qp: SoftQp) -> Revocation {
+    drop(qp);
+    let device = device.clone();
+    Revocation(Box::new(move |deadline| device.quiesce_peers(deadline)))
 }
 
 const NOT_SAME_HOST: &str = "the soft fabric reaches only processes on this host (same boot \
@@ -134,6 +170,10 @@ impl RailFabric for SoftDevice {
 
     fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: SoftQp) -> Result<(), String> {
         SoftDevice::stage(self, endpoint, epoch, qp).map_err(|e| e.to_string())
+    }
+
+    fn revoke(&self, qp: SoftQp) -> Revocation {
+        revoke_soft(self, qp)
     }
 
     fn describe(&self) -> RailDescriptor {
@@ -278,6 +318,21 @@ impl RailFabric for HostRail {
         }
     }
 
+    fn revoke(&self, qp: HostConnected) -> Revocation {
+        match qp {
+            HostConnected::Soft(qp) => revoke_soft(&self.soft, qp),
+            HostConnected::TcpTarget(target) => {
+                let closed = target.close();
+                Revocation(Box::new(move |deadline| closed.wait(deadline)))
+            }
+            // An initiator's connection: closing it is all there is.
+            HostConnected::Tcp(qp) => {
+                drop(qp);
+                Revocation::done()
+            }
+        }
+    }
+
     fn describe(&self) -> RailDescriptor {
         RailDescriptor {
             name: self.soft.name().to_string(),
@@ -322,6 +377,13 @@ impl RailFabric for Arc<VerbsRail> {
     fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: QueuePair) -> Result<(), String> {
         VerbsRail::stage(self, endpoint, epoch, qp);
         Ok(())
+    }
+
+    /// Destroying the queue pair stops the NIC answering on it before `ibv_destroy_qp`
+    /// returns.
+    fn revoke(&self, qp: QueuePair) -> Revocation {
+        drop(qp);
+        Revocation::done()
     }
 
     fn describe(&self) -> RailDescriptor {

@@ -88,6 +88,18 @@ pub enum Message {
         /// The listener's side, or the reason it refused.
         result: Result<QpSide, String>,
     },
+    /// The dialer took its queue pair `qp_num` for the endpoint out of service (it failed,
+    /// timed out, or the endpoint retired): the listener drops the passive queue pair
+    /// connected to it, if that is still the one, so that nothing still buffered from it
+    /// executes. Idempotent; ignored for any other queue pair.
+    RetireQp {
+        /// The endpoint.
+        key: WireKey,
+        /// The epoch of the dialer's queue pair.
+        epoch: u64,
+        /// The dialer's queue-pair number (as its ConnectQp named it).
+        qp_num: u32,
+    },
     /// Application bytes.
     Notify(Vec<u8>),
     /// The sender is closing the connection.
@@ -150,6 +162,7 @@ const CONNECT_QP: u16 = 4;
 const CONNECT_QP_REPLY: u16 = 5;
 const NOTIFY: u16 = 6;
 const BYE: u16 = 7;
+const RETIRE_QP: u16 = 8;
 
 /// Appends fields to a body.
 #[derive(Default)]
@@ -384,6 +397,12 @@ impl Message {
                 }
                 CONNECT_QP_REPLY
             }
+            Self::RetireQp { key, epoch, qp_num } => {
+                body.key(key);
+                body.u64(*epoch);
+                body.u32(*qp_num);
+                RETIRE_QP
+            }
             Self::Notify(bytes) => {
                 body.bytes(bytes);
                 NOTIFY
@@ -436,6 +455,11 @@ impl Message {
                 };
                 Self::ConnectQpReply { key, epoch, result }
             }
+            RETIRE_QP => Self::RetireQp {
+                key: r.key()?,
+                epoch: r.u64("epoch")?,
+                qp_num: r.u32("queue pair number")?,
+            },
             NOTIFY => Self::Notify(r.bytes(MAX_BODY, "notify bytes")?),
             BYE => Self::Bye,
             found => return Err(WireError::UnknownType { found }),
@@ -622,6 +646,8 @@ mod tests {
                     result: Err(reason),
                 }
             }),
+            (key(), any::<u64>(), any::<u32>())
+                .prop_map(|(key, epoch, qp_num)| { Message::RetireQp { key, epoch, qp_num } }),
             prop::collection::vec(any::<u8>(), 0..128).prop_map(Message::Notify),
             Just(Message::Bye),
         ]

@@ -111,6 +111,29 @@ pub enum MemoryError {
     },
 }
 
+/// Why [`Engine::revoke`](super::Engine::revoke) could not finish.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RevokeError {
+    /// The engine's control plane has stopped.
+    #[error("the control plane has stopped")]
+    Stopped,
+    /// Queue pairs of the peer were taken out of service, but a poller or a peer process
+    /// had not let go of `queue_pairs` of them when the wait ended (a stopped process, say).
+    /// They stay out of service; what they had already started may still finish.
+    #[error(
+        "{queue_pairs} queue pair(s) of incarnation {peer} still in use after {waited:?}: a poller or the peer process is stopped or stuck"
+    )]
+    Busy {
+        /// The peer.
+        peer: railyard_control::Incarnation,
+        /// Queue pairs not yet let go of.
+        queue_pairs: usize,
+        /// How long it waited.
+        waited: Duration,
+    },
+}
+
 /// Why a peer could not be opened.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

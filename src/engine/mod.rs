@@ -56,7 +56,7 @@ pub use railyard_dataplane::fabric::verbs::RailConfig;
 use railyard_dataplane::{Batch, CounterSnapshot, DEFAULT_DEADLINE, IdleStrategy, PollerHandle};
 use railyard_topology::{HostTopology, PlanOptions, RailKind};
 
-pub use error::{BuildError, MemoryError, PeerError, TransferError};
+pub use error::{BuildError, MemoryError, PeerError, RevokeError, TransferError};
 use rails::{Memory, PlannedRail, Rails};
 pub use transfer::{EngineSubmitter, Op, SubmitTiming, Transfer};
 
@@ -429,6 +429,15 @@ impl Drop for Inner {
                 std::mem::forget(entry.memory);
             }
         }
+    }
+}
+
+/// Longest [`Engine::revoke`] waits for pollers and peers to let go of a peer's queue pairs.
+pub const REVOKE_WAIT: Duration = Duration::from_secs(1);
+
+impl From<&Peer> for Incarnation {
+    fn from(peer: &Peer) -> Self {
+        peer.incarnation()
     }
 }
 
@@ -844,6 +853,43 @@ impl Engine {
     /// [`TransferError::PollerStopped`] when a rail's poller has stopped.
     pub fn submitter(&self) -> Result<EngineSubmitter, TransferError> {
         EngineSubmitter::new(self.clone())
+    }
+
+    /// The fence a target uses when it gives up on an initiator itself (its own timeout, or
+    /// before handing KV slots that peer was writing to another sequence): takes every queue
+    /// pair `peer` connected to this engine out of service on every rail and returns only
+    /// when nothing still buffered or in flight from them can land — the TCP fabric's
+    /// pollers have closed the connections (discarding what was buffered), soft peers have
+    /// left any copy they began and are refused from then on. Nothing of that peer lands
+    /// until it makes a new handshake (it reconnects on its own, as after any failure).
+    /// `peer` is an initiator's incarnation: a [`Peer`]'s, or a [`Notification`]'s sender.
+    /// Waits at most [`REVOKE_WAIT`].
+    ///
+    /// # Errors
+    /// [`RevokeError::Busy`] when a poller or peer process did not let go in time (the queue
+    /// pairs stay out of service, but what they had started may still finish; a second
+    /// `revoke` does not wait for them again); [`RevokeError::Stopped`] when the control
+    /// plane has stopped.
+    pub fn revoke(&self, peer: impl Into<Incarnation>) -> Result<(), RevokeError> {
+        let peer = peer.into();
+        let revoked = self
+            .inner
+            .control
+            .revoke(peer)
+            .map_err(|_| RevokeError::Stopped)?;
+        let deadline = Instant::now() + REVOKE_WAIT;
+        let busy = revoked
+            .iter()
+            .filter(|revocation| !revocation.wait(deadline))
+            .count();
+        if busy > 0 {
+            return Err(RevokeError::Busy {
+                peer,
+                queue_pairs: busy,
+                waited: REVOKE_WAIT,
+            });
+        }
+        Ok(())
     }
 
     /// Sends `bytes` to `peer` now.
