@@ -130,8 +130,10 @@ fn bad_input_gets_a_specific_error_and_breaks_nothing() {
 /// waits for the answer to a GetDescriptor sent after them: by then the target has handled
 /// every one of them (one connection is read in order).
 fn say_in_order(addr: SocketAddr, name: &str, incarnation: Incarnation, messages: &[Message]) {
-    let mut stream = TcpStream::connect_timeout(&addr, BOUND).unwrap();
-    stream.set_read_timeout(Some(BOUND)).unwrap();
+    let mut stream = TcpStream::connect_timeout(&addr, BOUND).expect("the target listens");
+    stream
+        .set_read_timeout(Some(BOUND))
+        .expect("a read timeout");
     let mut frames = Message::Hello {
         name: name.into(),
         incarnation,
@@ -142,17 +144,17 @@ fn say_in_order(addr: SocketAddr, name: &str, incarnation: Incarnation, messages
         frames.extend(message.encode());
     }
     frames.extend(Message::GetDescriptor.encode());
-    stream.write_all(&frames).unwrap();
+    stream.write_all(&frames).expect("the target reads");
     let mut decoder = FrameDecoder::default();
     let mut buffer = [0u8; 4096];
     loop {
-        while let Some(message) = decoder.next_message().unwrap() {
+        while let Some(message) = decoder.next_message().expect("well-formed frames") {
             if matches!(message, Message::Descriptor(_)) {
                 let _ = stream.write_all(&Message::Bye.encode());
                 return;
             }
         }
-        let n = stream.read(&mut buffer).unwrap();
+        let n = stream.read(&mut buffer).expect("the target answers");
         assert!(n > 0, "the target closed the connection");
         decoder.push(&buffer[..n]);
     }
