@@ -27,6 +27,7 @@ mod batch;
 mod epoch;
 pub mod fabric;
 mod poller;
+mod quiesce;
 pub mod ring;
 pub mod rng;
 mod slice;

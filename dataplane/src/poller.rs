@@ -50,6 +50,7 @@ use crate::batch::FailReason;
 use crate::fabric::{
     AsyncEvent, Fabric, FabricError, Opcode, QpNum, WcStatus, WorkCompletion, WorkRequest, WrId,
 };
+use crate::quiesce::Rounds;
 use crate::ring::{self, Consumer, Producer};
 use crate::slice::{FLAG_TIMED_OUT, FLAG_WR_ERROR_SEEN, Slice};
 use crate::{EndpointId, Epoch};
@@ -358,12 +359,9 @@ pub(crate) struct PollerShared {
     stopped: AtomicBool,
     /// The rings of a stopped poller, for late pushes to be resolved.
     orphans: Mutex<Orphans>,
-    /// Rounds finished; [`ROUNDS_DONE`] once the poller is gone. See [`PollerHandle::quiesce`].
-    rounds: AtomicU64,
+    /// Rounds finished. See [`PollerHandle::quiesce`].
+    rounds: Rounds,
 }
-
-/// `PollerShared::rounds` of a poller that will never run another round.
-const ROUNDS_DONE: u64 = u64::MAX;
 
 /// What a stopped poller leaves behind: its command ring (which may still bring a new
 /// submission ring) and its submission rings.
@@ -623,15 +621,9 @@ impl PollerHandle {
     /// after withdrawing its keys, before the memory may be unmapped. Wakes a parked poller.
     /// True at once for a poller that has stopped; false if `deadline` passes first.
     pub fn quiesce(&self, deadline: Instant) -> bool {
-        // SeqCst fence: pairs with the one that starts every round (see `Poller::run`): either
-        // that round sees what we did before this call, or we read the count of the round
-        // before it, and wait for the round to end.
-        fence(Ordering::SeqCst);
-        // Acquire: everything the poller did in the rounds counted happened before we return.
-        let start = self.shared.rounds.load(Ordering::Acquire);
+        let snapshot = self.shared.rounds.snapshot();
         loop {
-            let now_rounds = self.shared.rounds.load(Ordering::Acquire);
-            if start == ROUNDS_DONE || now_rounds != start {
+            if self.shared.rounds.passed(snapshot) {
                 return true;
             }
             if Instant::now() >= deadline {
@@ -853,9 +845,7 @@ impl<F: Fabric> Poller<F> {
             // Submissions before commands: a slice prepared for an epoch the control plane
             // announced was pushed after that epoch's command, so once the slice is here
             // the command is visible too (see the loom model of the hand-off).
-            // SeqCst fence: a round sees what a caller of `PollerHandle::quiesce` did before
-            // calling, or that caller waits for the round to end (see there).
-            fence(Ordering::SeqCst);
+            self.shared.rounds.begin();
             let mut busy = self.drain_submissions();
             if !self.pending_events.is_empty() {
                 busy |= self.flush_events();
@@ -871,7 +861,7 @@ impl<F: Fabric> Poller<F> {
             busy |= self.fabric.serve();
             busy |= self.poll_fabric_events();
             self.sweep_deadlines();
-            self.round_done();
+            self.shared.rounds.end();
             if busy {
                 idle_rounds = 0;
             } else {
@@ -908,17 +898,6 @@ impl<F: Fabric> Poller<F> {
                 }
             }
         }
-    }
-
-    /// Counts a finished round for [`PollerHandle::quiesce`].
-    fn round_done(&self) {
-        let rounds = &self.shared.rounds;
-        // Release: what the round did happens before a quiescing caller returns. The poller
-        // is the only writer.
-        rounds.store(
-            rounds.load(Ordering::Relaxed).wrapping_add(1) % ROUNDS_DONE,
-            Ordering::Release,
-        );
     }
 
     fn has_input(&mut self) -> bool {
@@ -1452,9 +1431,9 @@ impl<F: Fabric> Poller<F> {
         }
         let grace_end = Instant::now() + self.config.flush_grace;
         while self.inflight.busy > 0 && Instant::now() < grace_end {
-            fence(Ordering::SeqCst);
+            self.shared.rounds.begin();
             let moved = self.poll_completions();
-            self.round_done();
+            self.shared.rounds.end();
             if !moved {
                 thread::yield_now();
             }
@@ -1485,9 +1464,9 @@ impl<F: Fabric> Drop for Poller<F> {
         orphans.rings.append(&mut self.submissions);
         orphans.resolve_leftovers();
         drop(orphans);
-        // Release: the fabric goes with the rest of the poller right after this; a quiescing
-        // caller that sees it may go on (nothing the poller checked is acted on any more).
-        self.shared.rounds.store(ROUNDS_DONE, Ordering::Release);
+        // The fabric goes with the rest of the poller right after this: a quiescing caller
+        // may go on (nothing the poller checked is acted on any more).
+        self.shared.rounds.finish();
     }
 }
 

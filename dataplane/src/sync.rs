@@ -1,15 +1,15 @@
-//! The atomics, cells and `Arc` the ring is built on, swapped for loom's under `cfg(loom)`
+//! The atomics, fences, cells and `Arc` the ring and the poller's round count are built on, swapped for loom's under `cfg(loom)`
 //! so that loom models check the real ring code, not a copy (as crossbeam-utils does).
 
 #[cfg(loom)]
 pub(crate) use loom::sync::Arc;
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 
 #[cfg(not(loom))]
 pub(crate) use std::sync::Arc;
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 
 /// `UnsafeCell` with loom's closure API, so both builds share one call shape.
 #[cfg(loom)]
