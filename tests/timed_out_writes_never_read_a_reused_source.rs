@@ -99,4 +99,8 @@ fn a_stopped_tcp_target_never_receives_the_reused_source_of_a_timed_out_write() 
         landed_new, 0,
         "bytes of the source reused after the report reached the target"
     );
+    // Stricter than the contract (which lets a write of a failed request land until the
+    // target processes the retirement): the target sees the reset the moment it wakes and
+    // executes nothing the initiator reported flushed.
+    assert_eq!(landed_old, 0, "flushed writes landed after the target woke");
 }

@@ -118,6 +118,9 @@ pub enum ControlError {
     /// The control thread has stopped.
     #[error("the control plane has stopped")]
     Stopped,
+    /// The control thread did not answer within [`REPLY_WAIT`] (it is stuck).
+    #[error("the control plane did not answer within {REPLY_WAIT:?}")]
+    Unresponsive,
     /// No such local rail.
     #[error("rail {rail} does not exist (this process has {rails})")]
     UnknownRail {
@@ -745,11 +748,16 @@ impl ControlPlane {
     /// connect again with a new handshake.
     ///
     /// # Errors
-    /// [`ControlError::Stopped`].
+    /// [`ControlError::Stopped`]; [`ControlError::Unresponsive`] after [`REPLY_WAIT`].
     pub fn revoke(&self, peer: Incarnation) -> Result<Vec<Revocation>, ControlError> {
         let (reply, answer) = mpsc::channel();
         self.request(Request::Revoke { peer, reply })?;
-        answer.recv().map_err(|_| ControlError::Stopped)
+        answer
+            .recv_timeout(REPLY_WAIT)
+            .map_err(|error| match error {
+                mpsc::RecvTimeoutError::Timeout => ControlError::Unresponsive,
+                mpsc::RecvTimeoutError::Disconnected => ControlError::Stopped,
+            })
     }
 
     /// Stops the control thread (pollers keep running). Idempotent.
@@ -877,6 +885,59 @@ struct Plane<F: RailFabric> {
     warnings: RateLimiter,
     rng: SplitMix64,
 }
+
+/// Where the immediates of passive queue pairs become the application's notifications.
+struct Inbox<'a, F: RailFabric> {
+    rails: &'a [ControlRail<F>],
+    shared: &'a ControlShared,
+    peer_names: &'a HashMap<String, Incarnation>,
+    scratch: &'a mut Vec<u32>,
+}
+
+impl<F: RailFabric> Inbox<'_, F> {
+    /// Queues the immediates that arrived on `qp` (the passive queue pair of `key`) as
+    /// notifications.
+    ///
+    /// # Errors
+    /// The fabric's reason when the queue pair is broken.
+    fn deliver(&mut self, key: WireKey, qp: &mut F::Connected) -> Result<(), String> {
+        let Some(rail) = self.rails.get(usize::from(key.target_rail)) else {
+            return Ok(());
+        };
+        self.scratch.clear();
+        let taken = rail.fabric.take_immediates(qp, self.scratch);
+        if self.scratch.is_empty() {
+            return taken;
+        }
+        let from = self
+            .peer_names
+            .iter()
+            .find(|(_, incarnation)| **incarnation == key.initiator)
+            .map_or_else(String::new, |(name, _)| name.clone());
+        let counters = &self.shared.counters;
+        let mut queue = self
+            .shared
+            .notifications
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for &imm in self.scratch.iter() {
+            bump(&counters.notifications_received);
+            if queue.len() >= NOTIFICATION_QUEUE {
+                queue.pop_front();
+            }
+            queue.push_back(Notification {
+                from: from.clone(),
+                incarnation: key.initiator,
+                body: NotificationBody::Immediate(imm),
+            });
+        }
+        taken
+    }
+}
+
+/// Longest a request that needs the control thread's answer waits for it (it answers within
+/// a tick unless stuck).
+pub const REPLY_WAIT: Duration = Duration::from_secs(2);
 
 /// Longest the control thread sleeps: pollers' events have no descriptor to wait on.
 const TICK: Duration = Duration::from_millis(1);
@@ -1061,40 +1122,14 @@ impl<F: RailFabric> Plane<F> {
     fn take_immediates(&mut self) {
         let mut broken = Vec::new();
         for (key, passive) in &mut self.passive {
-            let Some(rail) = self.rails.get(usize::from(key.target_rail)) else {
-                continue;
+            let mut inbox = Inbox {
+                rails: &self.rails,
+                shared: &self.shared,
+                peer_names: &self.peer_names,
+                scratch: &mut self.immediates,
             };
-            self.immediates.clear();
-            if let Err(reason) = rail
-                .fabric
-                .take_immediates(&mut passive.qp, &mut self.immediates)
-            {
+            if let Err(reason) = inbox.deliver(*key, &mut passive.qp) {
                 broken.push((*key, reason));
-            }
-            if self.immediates.is_empty() {
-                continue;
-            }
-            let from = self
-                .peer_names
-                .iter()
-                .find(|(_, incarnation)| **incarnation == key.initiator)
-                .map_or_else(String::new, |(name, _)| name.clone());
-            let counters = &self.shared.counters;
-            let mut queue = self
-                .shared
-                .notifications
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            for &imm in &self.immediates {
-                bump(&counters.notifications_received);
-                if queue.len() >= NOTIFICATION_QUEUE {
-                    queue.pop_front();
-                }
-                queue.push_back(Notification {
-                    from: from.clone(),
-                    incarnation: key.initiator,
-                    body: NotificationBody::Immediate(imm),
-                });
             }
         }
         for (key, reason) in broken {
@@ -1391,8 +1426,16 @@ impl<F: RailFabric> Plane<F> {
             .collect()
     }
 
-    fn revoke_passive(&mut self, key: WireKey, passive: Passive<F::Connected>) -> Revocation {
+    fn revoke_passive(&mut self, key: WireKey, mut passive: Passive<F::Connected>) -> Revocation {
         bump(&self.shared.counters.passive_retired);
+        // Immediates that arrived before are the application's: deliver them first.
+        let mut inbox = Inbox {
+            rails: &self.rails,
+            shared: &self.shared,
+            peer_names: &self.peer_names,
+            scratch: &mut self.immediates,
+        };
+        let _ = inbox.deliver(key, &mut passive.qp);
         match self.rails.get(usize::from(key.target_rail)) {
             Some(rail) => rail.fabric.revoke(passive.qp),
             // Unreachable: passive queue pairs exist only on rails that exist.

@@ -310,7 +310,8 @@ impl BatchState {
 /// fabric operation of it will read or write the caller's local memory again: its buffers
 /// may be reused at once. A request whose deadline passes while its work is posted is
 /// reported only after its queue pair was taken out of service and the fabric handed the
-/// work back. On the remote side, a write of a failed or timed-out request may still land
+/// work back (a fabric that breaks its promise to flush within the poller's `flush_grace`
+/// is the one exception, counted as `unflushed`). On the remote side, a write of a failed or timed-out request may still land
 /// at the target only until the target has processed the retirement of the queue pair it
 /// came on.
 #[derive(Clone)]

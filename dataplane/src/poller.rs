@@ -357,6 +357,8 @@ pub(crate) struct PollerShared {
     thread: OnceLock<Thread>,
     /// Set once the poller stops reading its rings.
     stopped: AtomicBool,
+    /// Set by [`PollerHandle::shutdown`]: stop, even if the command ring has no room.
+    stop_requested: AtomicBool,
     /// The rings of a stopped poller, for late pushes to be resolved.
     orphans: Mutex<Orphans>,
     /// Rounds finished. See [`PollerHandle::quiesce`].
@@ -655,7 +657,9 @@ impl PollerHandle {
     /// Shuts the poller down and waits for its thread: every slice it held is resolved.
     /// Idempotent.
     pub fn shutdown(&self) {
-        let _ = self.send(Command::Shutdown);
+        // The flag, not a command: a full command ring cannot hold the shutdown back.
+        self.shared.stop_requested.store(true, Ordering::Release);
+        self.shared.wake();
         if let Some(thread) = lock(&self.thread).take() {
             if thread.join().is_err() {
                 // The poller panicked: a bug. Its slices were resolved by their Drop.
@@ -851,7 +855,8 @@ impl<F: Fabric> Poller<F> {
                 busy |= self.flush_events();
             }
             let (commands, shutdown) = self.apply_control();
-            if shutdown {
+            // Acquire: pairs with `shutdown`'s Release (nothing else to order; cheap).
+            if shutdown || self.shared.stop_requested.load(Ordering::Acquire) {
                 self.shut_down();
                 return;
             }
@@ -1254,7 +1259,13 @@ impl<F: Fabric> Poller<F> {
             return slice.resolve(Ok(()));
         };
         if slice.flags & FLAG_TIMED_OUT != 0 {
-            return self.fail(slice, FailReason::Timeout);
+            // Its own error says more than the deadline; a flush is the deadline's doing.
+            let reason = if status.is_work_request_error() {
+                reason
+            } else {
+                FailReason::Timeout
+            };
+            return self.fail(slice, reason);
         }
         if self.stopping {
             return self.fail(slice, FailReason::Shutdown);
@@ -1455,6 +1466,8 @@ impl<F: Fabric> Drop for Poller<F> {
     /// However the thread ends (shutdown or panic): mark the poller stopped, resolve what
     /// its rings hold, and leave the rings where a late pusher finds them.
     fn drop(&mut self) {
+        // Events still waiting get their last chance at the ring.
+        self.flush_events();
         self.shared.stopped.store(true, Ordering::Release);
         // SeqCst fence: pairs with the one in `PollerShared::wake` (see there).
         fence(Ordering::SeqCst);

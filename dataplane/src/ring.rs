@@ -273,7 +273,8 @@ impl<T> Consumer<T> {
         Some(value)
     }
 
-    /// Pops up to `max` values into `out`, releasing their slots at once. Returns how many.
+    /// Pops up to `max` values into `out`, releasing their slots at once. Returns how many
+    /// `out` took.
     ///
     /// `head` advances with every value handed to `out`, and the slots are released when the
     /// drain ends, even by a panic inside `out.extend`: a value is either still in the ring
@@ -283,11 +284,12 @@ impl<T> Consumer<T> {
         if count == 0 {
             return 0;
         }
+        let start = self.head;
         out.extend(Drain {
             consumer: self,
             left: count,
         });
-        count
+        self.head.wrapping_sub(start)
     }
 
     /// Whether nothing is readable right now.

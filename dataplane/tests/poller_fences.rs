@@ -351,3 +351,49 @@ fn quiesce_waits_for_the_round_in_progress() {
     assert!(poller.quiesce(Instant::now() + BOUND));
     drop(poller);
 }
+
+/// Caught: before the fix `send` spun for as long as a running poller left its command ring
+/// full, and shutting such a poller down went through that ring.
+#[test]
+fn a_command_to_a_stalled_poller_gives_up_and_shutdown_does_not_need_the_ring() {
+    let hold = std::sync::Arc::new(std::sync::Mutex::new(()));
+    let held = hold.lock().unwrap();
+    let (entered, in_round) = mpsc::channel();
+    let poller = PollerHandle::spawn(
+        PollerConfig {
+            command_capacity: 2,
+            ..config()
+        },
+        HeldRound {
+            hold: hold.clone(),
+            entered,
+        },
+        FailStale,
+    )
+    .unwrap();
+    in_round
+        .recv_timeout(BOUND)
+        .expect("the poller runs a round");
+    let bump = |n: u64| Command::BumpEpoch {
+        endpoint: ENDPOINT,
+        epoch: Epoch::new(n),
+    };
+    poller.send(bump(2)).expect("room");
+    poller.send(bump(3)).expect("room");
+    let started = Instant::now();
+    assert!(poller.send(bump(4)).is_err(), "a full ring refuses in time");
+    let waited = started.elapsed();
+    assert!(
+        waited >= railyard_dataplane::COMMAND_WAIT && waited < BOUND,
+        "{waited:?}"
+    );
+    // The ring is still full; shutdown goes around it.
+    let (done_tx, done_rx) = mpsc::channel();
+    let stopper = std::thread::spawn(move || {
+        poller.shutdown();
+        let _ = done_tx.send(());
+    });
+    drop(held);
+    done_rx.recv_timeout(BOUND).expect("shutdown returns");
+    stopper.join().unwrap();
+}

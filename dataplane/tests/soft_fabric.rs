@@ -673,19 +673,17 @@ fn a_poller_on_the_soft_fabric_reports_a_fatal_queue_pair_and_retries_at_the_nex
     assert!(poller.counters().reprepared >= 1);
 }
 
-/// Caught: before the fix the deadline sweep reported the posted writes as timed out while
-/// they still sat in the stalled queue pair's send queue; when the peer answered again they
-/// executed, copying the source the caller had already overwritten (the target received the
-/// new pattern after every request was reported failed).
-#[test]
-fn a_timed_out_write_never_reads_its_source_after_it_is_reported() {
+/// Runs 8 requests of `opcode` on a stalled queue pair with a 50 ms deadline; once they are
+/// reported timed out, the caller reuses its local buffer (fills it with 0xB2), and the
+/// peer answers again. Returns (local bytes, remote bytes) 100 ms later.
+fn timed_out_then_reused(opcode: Opcode) -> (Vec<u8>, Vec<u8>) {
     use railyard_dataplane::{
         Command, FailReason, IdleStrategy, PollerConfig, PollerHandle, RequestOutcome, SliceSpec,
         Submitter,
     };
     let device = device("rail0");
-    let mut source = register(&device, 1 << 16, 0xA1, Access::LOCAL_WRITE);
-    let target = register(&device, 1 << 16, 0, Access::ALL);
+    let mut local = register(&device, 1 << 16, 0xA1, Access::ALL);
+    let remote = register(&device, 1 << 16, 0xC3, Access::ALL);
     let endpoint = EndpointId(0);
     let (dialer, _responder) = loopback(&device, Access::ALL);
     device.stage(endpoint, Epoch::FIRST, dialer).expect("RTS");
@@ -707,11 +705,11 @@ fn a_timed_out_write_never_reads_its_source_after_it_is_reported() {
         .map(|i| SliceSpec {
             rail: 0,
             request: i,
-            opcode: Opcode::Write,
-            local_addr: source.region.addr + u64::from(i) * 4096,
-            lkey: source.region.lkey,
-            remote_addr: target.region.addr + u64::from(i) * 4096,
-            rkey: target.region.rkey,
+            opcode,
+            local_addr: local.region.addr + u64::from(i) * 4096,
+            lkey: local.region.lkey,
+            remote_addr: remote.region.addr + u64::from(i) * 4096,
+            rkey: remote.region.rkey,
             len: 4096,
             imm: 0,
             endpoint,
@@ -728,15 +726,37 @@ fn a_timed_out_write_never_reads_its_source_after_it_is_reported() {
             Some(RequestOutcome::Failed(FailReason::Timeout))
         );
     }
-    // The caller reuses its source at once; then the peer answers again.
-    source.bytes.fill(0xB2);
+    // The caller reuses its buffer at once; then the peer answers again.
+    local.bytes.fill(0xB2);
     device.faults().clear();
     std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(poller.counters().unflushed, 0);
+    drop(poller);
+    (local.bytes.clone(), remote.bytes.clone())
+}
+
+/// Caught: before the fix the deadline sweep reported the posted writes as timed out while
+/// they still sat in the stalled queue pair's send queue; when the peer answered again they
+/// executed, copying the source the caller had already overwritten (the target received the
+/// new pattern after every request was reported failed).
+#[test]
+fn a_timed_out_write_never_reads_its_source_after_it_is_reported() {
+    let (_, remote) = timed_out_then_reused(Opcode::Write);
     assert!(
-        !target.bytes.contains(&0xB2),
+        !remote.contains(&0xB2),
         "the reused source reached the target after its request was reported"
     );
-    assert_eq!(poller.counters().unflushed, 0);
+}
+
+/// The same for READs: a destination handed back by a timed-out READ is never written by
+/// it (before the fix, the peer's bytes overwrote what the caller put there).
+#[test]
+fn a_timed_out_read_never_writes_its_destination_after_it_is_reported() {
+    let (local, _) = timed_out_then_reused(Opcode::Read);
+    assert!(
+        local.iter().all(|&b| b == 0xB2),
+        "a READ landed in the destination after its request was reported"
+    );
 }
 
 #[test]

@@ -716,15 +716,16 @@ fn a_target_that_answered_an_error_executes_nothing_after_it() {
     );
 }
 
-/// A retired queue pair closes abortively: the kernel discards what it had not sent, so of
-/// writes reported as flushed at most what the target's kernel had already received can
-/// still land — never more than its receive buffer, and always a prefix of the posted order.
+/// A retired queue pair closes abortively: the initiator's kernel discards what it had not
+/// sent, and the target, seeing the reset, executes nothing of what its own kernel still
+/// buffers. Of writes reported as flushed, not one byte lands.
 ///
 /// Caught on the old code: `shutdown(Both)` sent a FIN after the whole send queue, so once
-/// the target was served again megabytes of flushed writes landed (far more than the
-/// target's 512 KiB receive buffer holds).
+/// the target was served again megabytes of flushed writes landed (8.8 MB here). With the
+/// abortive close but without the target's hang-up check, what the target's kernel had
+/// received still landed (about 490 KB).
 #[test]
-fn a_retired_queue_pair_sends_nothing_more_and_what_lands_is_a_prefix() {
+fn nothing_of_a_retired_queue_pair_lands_at_the_target() {
     const WRITES: u64 = 64;
     const LEN: u64 = 256 << 10;
     // The target's buffer is set (the kernel doubles it); the initiator's is large, so
@@ -777,16 +778,9 @@ fn a_retired_queue_pair_sends_nothing_more_and_what_lands_is_a_prefix() {
     let total: usize = landed.iter().sum();
     let posted = (WRITES * LEN) as usize;
     println!("after the retire, {total} of {posted} posted bytes landed");
-    let whole = landed.iter().take_while(|&&n| n == LEN as usize).count();
-    assert!(
-        landed.iter().skip(whole + 1).all(|&n| n == 0),
-        "what landed is not a prefix of the posted order: {landed:?}"
-    );
-    assert!(total < posted, "everything posted landed");
-    assert!(
-        total <= 2 * TARGET_BUFFER,
-        "{total} bytes landed: more than the target's receive buffer holds, so the \
-         initiator's kernel kept sending after the retire"
+    assert_eq!(
+        total, 0,
+        "writes reported flushed landed after the retire: {landed:?}"
     );
 }
 

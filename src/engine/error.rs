@@ -118,9 +118,13 @@ pub enum RevokeError {
     /// The engine's control plane has stopped.
     #[error("the control plane has stopped")]
     Stopped,
+    /// The engine's control plane did not answer in time (it is stuck).
+    #[error("the control plane did not answer")]
+    Unresponsive,
     /// Queue pairs of the peer were taken out of service, but a poller or a peer process
     /// had not let go of `queue_pairs` of them when the wait ended (a stopped process, say).
-    /// They stay out of service; what they had already started may still finish.
+    /// They stay out of service; what they had already started may still finish. Revoking
+    /// the peer again waits for them again.
     #[error(
         "{queue_pairs} queue pair(s) of incarnation {peer} still in use after {waited:?}: a poller or the peer process is stopped or stuck"
     )]

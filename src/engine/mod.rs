@@ -347,6 +347,7 @@ impl EngineBuilder {
                 rail_numa,
                 regions: RwLock::new(Vec::new()),
                 fencing: Mutex::new(Vec::new()),
+                revoking: Mutex::new(Vec::new()),
                 next_region: AtomicU64::new(1),
                 warnings,
                 peers: transfer::PeerTable::default(),
@@ -394,6 +395,9 @@ struct Inner {
     topology: Option<Arc<HostTopology>>,
     rail_numa: Vec<u32>,
     regions: RwLock<Vec<RegionEntry>>,
+    /// Queue pairs revoked whose fence timed out ([`RevokeError::Busy`]), by peer: the next
+    /// `revoke` of that peer waits for them again.
+    revoking: Mutex<Vec<(Incarnation, railyard_control::Revocation)>>,
     /// Regions withdrawn whose deregistration timed out waiting for pollers or peers
     /// ([`MemoryError::Busy`]): kept mapped until a later `deregister` sees them quiet.
     fencing: Mutex<Vec<RegionEntry>>,
@@ -649,8 +653,8 @@ impl Engine {
     ///
     /// # Safety
     /// `len` bytes at `ptr` must stay mapped, readable and writable until
-    /// [`Self::deregister`] returns (or the engine ends): peers read and write them at any
-    /// time, as a NIC would.
+    /// [`Self::deregister`] returns `Ok` (or the engine ends): peers read and write them at
+    /// any time, as a NIC would. After [`MemoryError::Busy`] they are still in use.
     ///
     /// # Errors
     /// [`MemoryError::BadRange`] for an empty, null or wrapping range;
@@ -866,30 +870,50 @@ impl Engine {
     /// Waits at most [`REVOKE_WAIT`].
     ///
     /// # Errors
-    /// [`RevokeError::Busy`] when a poller or peer process did not let go in time (the queue
-    /// pairs stay out of service, but what they had started may still finish; a second
-    /// `revoke` does not wait for them again); [`RevokeError::Stopped`] when the control
-    /// plane has stopped.
+    /// [`RevokeError::Busy`] when a poller or peer process did not let go in time: the queue
+    /// pairs stay out of service, and the next `revoke` of the same peer waits for them
+    /// again (the fence holds only once a call returns `Ok`); [`RevokeError::Stopped`] or
+    /// [`RevokeError::Unresponsive`] when the control plane has stopped or is stuck.
     pub fn revoke(&self, peer: impl Into<Incarnation>) -> Result<(), RevokeError> {
         let peer = peer.into();
-        let revoked = self
+        let mut revoked = self
             .inner
             .control
             .revoke(peer)
-            .map_err(|_| RevokeError::Stopped)?;
+            .map_err(|error| match error {
+                railyard_control::ControlError::Unresponsive => RevokeError::Unresponsive,
+                _ => RevokeError::Stopped,
+            })?;
+        let mut revoking = self
+            .inner
+            .revoking
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let earlier = std::mem::take(&mut *revoking);
+        let (mine, others): (Vec<_>, Vec<_>) =
+            earlier.into_iter().partition(|(owner, _)| *owner == peer);
+        *revoking = others;
+        drop(revoking);
+        revoked.extend(mine.into_iter().map(|(_, revocation)| revocation));
         let deadline = Instant::now() + REVOKE_WAIT;
-        let busy = revoked
-            .iter()
+        let busy: Vec<_> = revoked
+            .into_iter()
             .filter(|revocation| !revocation.wait(deadline))
-            .count();
-        if busy > 0 {
-            return Err(RevokeError::Busy {
-                peer,
-                queue_pairs: busy,
-                waited: REVOKE_WAIT,
-            });
+            .collect();
+        if busy.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let queue_pairs = busy.len();
+        self.inner
+            .revoking
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(busy.into_iter().map(|revocation| (peer, revocation)));
+        Err(RevokeError::Busy {
+            peer,
+            queue_pairs,
+            waited: REVOKE_WAIT,
+        })
     }
 
     /// Sends `bytes` to `peer` now.

@@ -90,14 +90,15 @@ pub fn one_rail_engine(name: &str, fabric: FabricChoice) -> Engine {
 }
 
 /// Submits `op` transfers of one block to random places of the peer's current region until
-/// `stop`; every batch must resolve within the bound.
+/// `stop`; every batch must resolve within the bound. Counts the batches that succeeded in
+/// `done`.
 pub fn keep_moving(
     engine: &Engine,
     peer: &Peer,
     op: Op,
     local: &Mutex<Option<Region>>,
     stop: &AtomicBool,
-    resolved: &AtomicU64,
+    done: &AtomicU64,
 ) {
     let mut submitter = engine.submitter().expect("submitter");
     let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
@@ -110,7 +111,13 @@ pub fn keep_moving(
             thread::yield_now();
             continue;
         };
-        let Some(remote) = peer.descriptor().regions.first().map(|r| r.base) else {
+        // One of the peer's regions as last described (a withdrawn one fails, which
+        // refreshes the description).
+        let regions = peer.descriptor().regions.clone();
+        let Some(remote) = regions
+            .get((seed >> 20) as usize % regions.len().max(1))
+            .map(|r| r.base)
+        else {
             thread::yield_now();
             continue;
         };
@@ -125,7 +132,9 @@ pub fn keep_moving(
         if let Ok(batch) = submitter.submit(peer, &[transfer]) {
             let status = batch.wait(Instant::now() + BOUND);
             assert!(status.is_complete(), "a batch did not resolve: {status:?}");
-            resolved.fetch_add(1, Ordering::Relaxed);
+            if status.failed == 0 {
+                done.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 }

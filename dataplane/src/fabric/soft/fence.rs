@@ -116,14 +116,14 @@ mod tests {
         guests.admit(queue.watch(), None);
         assert!(guests.quiesce(soon(10)), "nobody inside: no wait");
 
-        let token = peer.enter();
+        let section = peer.enter();
         let started = Instant::now();
         assert!(!guests.quiesce(soon(30)), "a peer inside holds the fence");
         assert!(started.elapsed() >= Duration::from_millis(30));
 
         let leaving = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(20));
-            peer.leave(token);
+            drop(section);
             peer
         });
         assert!(
@@ -135,9 +135,9 @@ mod tests {
         // Revoked: the peer's next section sees it; once the peer is outside, the device
         // forgets the queue pair.
         queue.watch().revoke();
-        let token = peer.enter();
+        let section = peer.enter();
         assert!(peer.is_revoked());
-        peer.leave(token);
+        drop(section);
         assert!(guests.quiesce(soon(10)));
         assert_eq!(guests.0.lock().expect("lock").len(), 0);
     }

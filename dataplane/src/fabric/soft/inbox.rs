@@ -11,7 +11,7 @@
 //!
 //! The inbox also carries the queue pair's access fence (see [`super::fence`]): the sender
 //! makes its access word odd around every check-and-copy it makes into or out of the owner's
-//! memory ([`InboxWriter::enter`] / [`InboxWriter::leave`]), and the owner sets the revoked
+//! memory ([`InboxWriter::enter`], left when its section drops), and the owner sets the revoked
 //! word to take the queue pair out of service ([`InboxWatch::revoke`]).
 //!
 //! Layout (64-bit words): header `[magic, capacity]`, the consumer's head at byte 64, the
@@ -171,6 +171,31 @@ impl InboxWatch {
     }
 }
 
+/// A check-and-copy in progress ([`InboxWriter::enter`]); leaves when dropped.
+///
+/// # Invariants
+/// `word` points into the mapping of the [`InboxWriter`] that made it, which outlives the
+/// section: the writer lives in the queue pair's peer, borrowed for the whole execution of
+/// the work request the section covers.
+pub(crate) struct AccessSection {
+    word: *const AtomicU64,
+    inside: u64,
+}
+
+// SAFETY:
+// - The pointee is an `AtomicU64` (`Sync`) in a shared mapping; the invariant ties its life to
+//   the writer, wherever the section goes.
+unsafe impl Send for AccessSection {}
+
+impl Drop for AccessSection {
+    fn drop(&mut self) {
+        // SAFETY: the word is live (see the type's invariant) and only accessed atomically.
+        let word = unsafe { &*self.word };
+        // Release: the copy happens before an owner that sees us out unmaps the memory.
+        word.store(self.inside.wrapping_add(1), Ordering::Release);
+    }
+}
+
 /// The sending side: a peer's inbox mapped read-write.
 #[derive(Debug)]
 pub(crate) struct InboxWriter {
@@ -213,9 +238,10 @@ impl InboxWriter {
         Ok(Self { words })
     }
 
-    /// Enters a check-and-copy into or out of the owner's memory; returns the token for
-    /// [`Self::leave`]. Checks of the owner's keys and of [`Self::is_revoked`] come after.
-    pub(crate) fn enter(&self) -> u64 {
+    /// Enters a check-and-copy into or out of the owner's memory, left when the returned
+    /// section drops (also while unwinding). Checks of the owner's keys and of
+    /// [`Self::is_revoked`] come after.
+    pub(crate) fn enter(&self) -> AccessSection {
         let word = self.words.access();
         let inside = word.load(Ordering::Relaxed).wrapping_add(1) | 1;
         word.store(inside, Ordering::Relaxed);
@@ -223,15 +249,10 @@ impl InboxWriter {
         // and reading this word. Either the owner sees us inside and waits, or our checks
         // after this fence see its withdrawal.
         fence(Ordering::SeqCst);
-        inside
-    }
-
-    /// Leaves the check-and-copy entered with `token`.
-    pub(crate) fn leave(&self, token: u64) {
-        // Release: the copy happens before an owner that sees us out unmaps the memory.
-        self.words
-            .access()
-            .store(token.wrapping_add(1), Ordering::Release);
+        AccessSection {
+            word: std::ptr::from_ref(word),
+            inside,
+        }
     }
 
     /// Whether the owner took the queue pair out of service. Read inside a check-and-copy.

@@ -38,20 +38,17 @@ pub(crate) enum Execution {
 }
 
 /// Executes `request` from this device (`local`) to `peer`, inside the queue pair's access
-/// fence ([`super::fence`]): the peer's keys are checked and the bytes moved between
-/// [`InboxWriter::enter`](super::inbox::InboxWriter::enter) and `leave`, so a peer that
+/// fence ([`super::fence`]): the peer's keys are checked and the bytes moved inside one
+/// [`InboxWriter::enter`](super::inbox::InboxWriter::enter) section, so a peer that
 /// withdrew a key or revoked the queue pair and then fenced knows no copy that missed it is
 /// still running. A revoked queue pair fails with RETRY_EXC_ERR (the peer no longer answers
 /// on it).
 pub(crate) fn execute(local: &RegionTable, peer: &mut Peer, request: &WorkRequest) -> Execution {
-    let token = peer.inbox.enter();
-    let executed = if peer.inbox.is_revoked() {
-        Execution::Completed(WcStatus::RetryExcErr)
-    } else {
-        execute_inside(local, peer, request)
-    };
-    peer.inbox.leave(token);
-    executed
+    let _section = peer.inbox.enter();
+    if peer.inbox.is_revoked() {
+        return Execution::Completed(WcStatus::RetryExcErr);
+    }
+    execute_inside(local, peer, request)
 }
 
 fn execute_inside(local: &RegionTable, peer: &mut Peer, request: &WorkRequest) -> Execution {

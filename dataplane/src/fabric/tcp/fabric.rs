@@ -189,6 +189,9 @@ struct Served {
     /// Bytes of `replies[0]` already sent.
     reply_sent: usize,
     readable: bool,
+    /// The initiator reset or closed the connection: whatever it had sent and the kernel
+    /// still buffers is not executed (the initiator has reported it flushed).
+    hung_up: bool,
     closed: bool,
 }
 
@@ -196,7 +199,7 @@ struct Served {
 pub struct TcpFabric {
     device: TcpDevice,
     epoll: Epoll,
-    ready: Vec<u64>,
+    ready: Vec<(u64, bool)>,
     /// By number; ordered so that work order never depends on hashing.
     initiators: BTreeMap<u32, Initiator>,
     served: Vec<Option<Served>>,
@@ -305,13 +308,14 @@ impl TcpFabric {
         let mut moved = false;
         let mut ready = std::mem::take(&mut self.ready);
         self.epoll.ready(&mut ready);
-        for &token in &ready {
+        for &(token, hung_up) in &ready {
             match token {
                 LISTENER => moved |= self.accept(now),
                 _ if token & SERVED_TOKEN != 0 => {
                     if let Some(Some(served)) = self.served.get_mut((token & 0xffff_ffff) as usize)
                     {
                         served.readable = true;
+                        served.hung_up |= hung_up;
                     }
                 }
                 _ => {
@@ -416,6 +420,7 @@ impl TcpFabric {
                 replies: VecDeque::new(),
                 reply_sent: 0,
                 readable: true,
+                hung_up: false,
                 closed: false,
             };
             if slot == self.served.len() {
@@ -906,15 +911,18 @@ impl Served {
 
     /// The target queue pair's owner closed it: nothing more of this connection executes.
     fn owner_gone(&self) -> bool {
-        // Relaxed: the flag orders nothing; seeing it one step late is as if it had been
-        // set one step later.
-        matches!(&self.role, Role::Target(link) if link.shared.dropped.load(Ordering::Relaxed))
+        // Acquire: pairs with the owner's Release when it drops its handle, so what the owner
+        // did before (a queue pair that replaced this one) is ordered after this check.
+        matches!(&self.role, Role::Target(link) if link.shared.dropped.load(Ordering::Acquire))
     }
 
     /// Sends queued replies, then reads requests; true when anything moved.
     fn serve(&mut self, io: &mut ServeIo<'_>) -> bool {
         let now = io.now;
-        if self.owner_gone() {
+        // A hung-up initiator has reported everything outstanding as flushed: what its
+        // kernel still buffers here is not executed (the reset may even have dropped the
+        // replies' way back).
+        if self.owner_gone() || self.hung_up {
             self.closed = true;
             return true;
         }

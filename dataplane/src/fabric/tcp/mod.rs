@@ -329,9 +329,9 @@ impl TcpTarget {
 
 impl Drop for TcpTarget {
     fn drop(&mut self) {
-        // Relaxed: the poller only needs to see it eventually; the acknowledgment is what
-        // orders its work before the owner's.
-        self.shared.dropped.store(true, Ordering::Relaxed);
+        // Release: pairs with the poller's Acquire before each step; the acknowledgment is
+        // what orders the poller's work before the owner's.
+        self.shared.dropped.store(true, Ordering::Release);
         // Still pending (no connection named it yet): dropping the link here acknowledges
         // at once, and a hello naming the token later is refused.
         drop(self.device.pending().remove(&self.token));

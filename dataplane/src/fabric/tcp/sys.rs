@@ -81,15 +81,17 @@ impl Epoll {
         }
     }
 
-    /// The tokens of the descriptors with input (or a hang-up) now, without waiting.
-    pub(crate) fn ready(&mut self, out: &mut Vec<u64>) {
+    /// The descriptors with input (or a hang-up) now, without waiting: each token, and
+    /// whether the peer hung up (reset, error, or closed its side).
+    pub(crate) fn ready(&mut self, out: &mut Vec<(u64, bool)>) {
         out.clear();
         let capacity = i32::try_from(self.ready.len()).unwrap_or(i32::MAX);
         // SAFETY: `ready` has `capacity` writable entries; timeout 0 never blocks.
         let count =
             unsafe { libc::epoll_wait(self.fd.as_raw_fd(), self.ready.as_mut_ptr(), capacity, 0) };
+        let hang_up = (libc::EPOLLERR | libc::EPOLLHUP | libc::EPOLLRDHUP) as u32;
         for event in self.ready.iter().take(usize::try_from(count).unwrap_or(0)) {
-            out.push(event.u64);
+            out.push((event.u64, event.events & hang_up != 0));
         }
     }
 }
