@@ -24,6 +24,17 @@
 //! slices — validated, split at the slice size, striped across rails — and hands them to
 //! the pollers.
 //!
+//! # When memory is free again
+//! - **Local side, strict:** once [`Batch::wait`] (or [`Batch::poll`]) reports a request —
+//!   done, failed or timed out — no fabric operation of it reads or writes your local memory
+//!   again; reuse the buffers at once.
+//! - **Remote side, bounded:** a write of a failed or timed-out request may still land at the
+//!   target until the target has processed the retirement of the queue pair it came on. A
+//!   target that gives up on an initiator itself calls [`Engine::revoke`], which returns once
+//!   nothing of that peer can land until it handshakes again.
+//! - **Deregistration:** [`Engine::deregister`] returns `Ok` only when no poller and no peer
+//!   can touch the region any more.
+//!
 //! # Thread safety
 //! [`Engine`] is `Send + Sync` and cheap to clone (an `Arc`). [`EngineSubmitter`] is `Send`,
 //! not `Sync`: one per thread. [`Batch`]es are `Send + Sync`.
