@@ -12,13 +12,12 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use common::BOUND;
-use common::mapped::{Buffer, PATTERN, POISON, keep_moving, one_rail_engine};
+use common::mapped::{Buffer, Load, PATTERN, POISON, one_rail_engine, open};
 use railyard::engine::{Engine, FabricChoice, Op, Region};
 
 const CYCLES: usize = 500;
@@ -52,32 +51,21 @@ fn deregistration_under_load(fabric: FabricChoice) {
     let mut target_regions = target_buffers
         .each_ref()
         .map(|buffer| buffer.register(&target));
-    let source_region = Arc::new(Mutex::new(Some(source.register(&initiator))));
-    let sink_region = Arc::new(Mutex::new(Some(sink.register(&initiator))));
-    let peer = initiator
-        .open(&target.addr().to_string())
-        .expect("the target answers");
-    let stop = AtomicBool::new(false);
-    let succeeded = AtomicU64::new(0);
+    let source_region = Mutex::new(Some(source.register(&initiator)));
+    let sink_region = Mutex::new(Some(sink.register(&initiator)));
+    let peer = open(&initiator, &target);
+    let load = Load::default();
     thread::scope(|scope| {
-        scope.spawn(|| {
-            keep_moving(
-                &initiator,
-                &peer,
-                Op::Write,
-                &source_region,
-                &stop,
-                &succeeded,
-            )
-        });
-        scope.spawn(|| keep_moving(&initiator, &peer, Op::Read, &sink_region, &stop, &succeeded));
+        let _stop = load.stop_on_drop();
+        scope.spawn(|| load.run(&initiator, &peer, Op::Write, &source_region));
+        scope.spawn(|| load.run(&initiator, &peer, Op::Read, &sink_region));
         for round in 0..CYCLES {
             // Transfers recover after re-registrations (a refreshed description, a new queue
             // pair): now and then wait for one more success, so deregistrations keep racing
             // transfers that really move bytes.
-            let before = succeeded.load(Ordering::Relaxed);
+            let before = load.succeeded();
             let end = Instant::now() + BOUND;
-            while round % RECOVER_EVERY == 0 && succeeded.load(Ordering::Relaxed) == before {
+            while round % RECOVER_EVERY == 0 && load.succeeded() == before {
                 assert!(
                     Instant::now() < end,
                     "round {round}: transfers never recovered"
@@ -100,10 +88,9 @@ fn deregistration_under_load(fabric: FabricChoice) {
             let again = cycle(&initiator, &sink, region, "local READ buffer", round);
             *sink_region.lock().expect("lock") = Some(again);
         }
-        stop.store(true, Ordering::Relaxed);
     });
     assert!(
-        succeeded.load(Ordering::Relaxed) > 0,
+        load.succeeded() > 0,
         "no transfer ran at all: the test proved nothing"
     );
     drop(initiator);

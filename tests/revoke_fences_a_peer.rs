@@ -8,12 +8,11 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::mapped::{Buffer, PATTERN, POISON, keep_moving, one_rail_engine};
+use common::mapped::{Buffer, Load, PATTERN, POISON, one_rail_engine, open};
 use railyard::engine::{FabricChoice, Op};
 
 /// Each revoke looks like a flap to the initiator; three in a row stay below the flap limit
@@ -28,23 +27,12 @@ fn revoke_under_load(fabric: FabricChoice) {
     let target_buffer = Buffer::new(POISON);
     let _target_region = target_buffer.register(&target);
     let source = Buffer::new(PATTERN);
-    let source_region = Arc::new(Mutex::new(Some(source.register(&initiator))));
-    let peer = initiator
-        .open(&target.addr().to_string())
-        .expect("the target answers");
-    let stop = AtomicBool::new(false);
-    let succeeded = AtomicU64::new(0);
+    let source_region = Mutex::new(Some(source.register(&initiator)));
+    let peer = open(&initiator, &target);
+    let load = Load::default();
     thread::scope(|scope| {
-        scope.spawn(|| {
-            keep_moving(
-                &initiator,
-                &peer,
-                Op::Write,
-                &source_region,
-                &stop,
-                &succeeded,
-            )
-        });
+        let _stop = load.stop_on_drop();
+        scope.spawn(|| load.run(&initiator, &peer, Op::Write, &source_region));
         for round in 0..ROUNDS {
             // Writes flow (again: from the second round on, this is the initiator having
             // reconnected by itself after the revoke).
@@ -74,7 +62,6 @@ fn revoke_under_load(fabric: FabricChoice) {
                 thread::sleep(Duration::from_millis(1));
             }
         }
-        stop.store(true, Ordering::Relaxed);
     });
     let stats = target.stats().control;
     assert!(
@@ -82,7 +69,7 @@ fn revoke_under_load(fabric: FabricChoice) {
         "every revoke took queue pairs out of service: {stats:?}"
     );
     assert!(
-        succeeded.load(Ordering::Relaxed) > 0,
+        load.succeeded() > 0,
         "no write ran at all: the test proved nothing"
     );
 }

@@ -462,8 +462,9 @@ pub enum SpawnError {
 pub struct PollerStopped;
 
 /// How long a command waits for room in a full command ring. A running poller empties it
-/// every round; one that has not for this long is treated as stopped.
-pub const COMMAND_WAIT: Duration = Duration::from_secs(2);
+/// every round; one that has not for this long (the default batch deadline) is wedged, and
+/// is treated as stopped.
+pub const COMMAND_WAIT: Duration = Duration::from_secs(5);
 
 /// Owner's handle to a running poller. `Send + Sync`. Dropping it shuts the poller down.
 pub struct PollerHandle {

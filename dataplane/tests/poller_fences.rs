@@ -294,10 +294,11 @@ fn a_flushed_immediate_is_never_posted_again() {
     assert_eq!(immediates, 1);
 }
 
-/// A fabric whose `serve` blocks, mid-round, until the test lets it go.
+/// A fabric whose first round stops inside `serve` until the test lets it go.
 struct HeldRound {
-    hold: std::sync::Arc<std::sync::Mutex<()>>,
     entered: mpsc::Sender<()>,
+    /// Taken by the first `serve`, which waits until the test drops the other end.
+    gate: Option<mpsc::Receiver<()>>,
 }
 
 impl Fabric for HeldRound {
@@ -316,31 +317,35 @@ impl Fabric for HeldRound {
     fn retire(&mut self, _: QpNum) {}
 
     fn serve(&mut self) -> bool {
-        let _ = self.entered.send(());
-        drop(self.hold.lock());
+        if let Some(gate) = self.gate.take() {
+            let _ = self.entered.send(());
+            // Ends when the test drops the sender (or after the bound, so nothing hangs).
+            let _ = gate.recv_timeout(BOUND);
+        }
         false
     }
+}
+
+/// A poller stopped inside its first round; dropping the returned sender lets it go on.
+fn poller_held_in_its_first_round(config: PollerConfig) -> (PollerHandle, mpsc::Sender<()>) {
+    let (entered, in_round) = mpsc::channel();
+    let (release, gate) = mpsc::channel();
+    let fabric = HeldRound {
+        entered,
+        gate: Some(gate),
+    };
+    let poller = PollerHandle::spawn(config, fabric, FailStale).unwrap();
+    in_round
+        .recv_timeout(BOUND)
+        .expect("the poller runs a round");
+    (poller, release)
 }
 
 /// Caught: what deregistration relies on — `quiesce` returns only once the round the
 /// poller is in has ended (a copy it checked a key for before the withdrawal is done).
 #[test]
 fn quiesce_waits_for_the_round_in_progress() {
-    let hold = std::sync::Arc::new(std::sync::Mutex::new(()));
-    let held = hold.lock().unwrap();
-    let (entered, in_round) = mpsc::channel();
-    let poller = PollerHandle::spawn(
-        config(),
-        HeldRound {
-            hold: hold.clone(),
-            entered,
-        },
-        FailStale,
-    )
-    .unwrap();
-    in_round
-        .recv_timeout(BOUND)
-        .expect("the poller runs a round");
+    let (poller, held) = poller_held_in_its_first_round(config());
     let started = Instant::now();
     assert!(
         !poller.quiesce(Instant::now() + Duration::from_millis(50)),
@@ -356,24 +361,10 @@ fn quiesce_waits_for_the_round_in_progress() {
 /// full, and shutting such a poller down went through that ring.
 #[test]
 fn a_command_to_a_stalled_poller_gives_up_and_shutdown_does_not_need_the_ring() {
-    let hold = std::sync::Arc::new(std::sync::Mutex::new(()));
-    let held = hold.lock().unwrap();
-    let (entered, in_round) = mpsc::channel();
-    let poller = PollerHandle::spawn(
-        PollerConfig {
-            command_capacity: 2,
-            ..config()
-        },
-        HeldRound {
-            hold: hold.clone(),
-            entered,
-        },
-        FailStale,
-    )
-    .unwrap();
-    in_round
-        .recv_timeout(BOUND)
-        .expect("the poller runs a round");
+    let (poller, held) = poller_held_in_its_first_round(PollerConfig {
+        command_capacity: 2,
+        ..config()
+    });
     let bump = |n: u64| Command::BumpEpoch {
         endpoint: ENDPOINT,
         epoch: Epoch::new(n),

@@ -89,52 +89,82 @@ pub fn one_rail_engine(name: &str, fabric: FabricChoice) -> Engine {
         .expect("the engine starts")
 }
 
-/// Submits `op` transfers of one block to random places of the peer's current region until
-/// `stop`; every batch must resolve within the bound. Counts the batches that succeeded in
-/// `done`.
-pub fn keep_moving(
-    engine: &Engine,
-    peer: &Peer,
-    op: Op,
-    local: &Mutex<Option<Region>>,
-    stop: &AtomicBool,
-    done: &AtomicU64,
-) {
-    let mut submitter = engine.submitter().expect("submitter");
-    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-    while !stop.load(Ordering::Relaxed) {
-        seed = seed
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        let slot = (seed >> 33) % (BUFFER as u64 / BLOCK);
-        let Some(local) = *local.lock().expect("lock") else {
-            thread::yield_now();
-            continue;
-        };
-        // One of the peer's regions as last described (a withdrawn one fails, which
-        // refreshes the description).
-        let regions = peer.descriptor().regions.clone();
-        let Some(remote) = regions
-            .get((seed >> 20) as usize % regions.len().max(1))
-            .map(|r| r.base)
-        else {
-            thread::yield_now();
-            continue;
-        };
-        let transfer = Transfer {
-            op,
-            local,
-            local_offset: slot * BLOCK,
-            remote_addr: remote + slot * BLOCK,
-            len: BLOCK,
-        };
-        // Refused submissions (a region just withdrawn) queue nothing: try again.
-        if let Ok(batch) = submitter.submit(peer, &[transfer]) {
-            let status = batch.wait(Instant::now() + BOUND);
-            assert!(status.is_complete(), "a batch did not resolve: {status:?}");
-            if status.failed == 0 {
-                done.fetch_add(1, Ordering::Relaxed);
+/// Transfers that threads keep going while a test does something to the memory.
+#[derive(Debug, Default)]
+pub struct Load {
+    stop: AtomicBool,
+    succeeded: AtomicU64,
+}
+
+impl Load {
+    /// Batches that succeeded so far.
+    pub fn succeeded(&self) -> u64 {
+        self.succeeded.load(Ordering::Relaxed)
+    }
+
+    /// Makes every [`Self::run`] return when the guard drops — also when the test body
+    /// panics, so a scope joining the runners never hangs.
+    pub fn stop_on_drop(&self) -> StopOnDrop<'_> {
+        StopOnDrop(self)
+    }
+
+    /// Submits `op` transfers of one block between `local` (as it is at each submission)
+    /// and random places of the peer's regions as last described, until [`Self::stop`];
+    /// every batch must resolve within the bound.
+    pub fn run(&self, engine: &Engine, peer: &Peer, op: Op, local: &Mutex<Option<Region>>) {
+        let mut submitter = engine.submitter().expect("submitter");
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        while !self.stop.load(Ordering::Relaxed) {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let slot = (seed >> 33) % (BUFFER as u64 / BLOCK);
+            let Some(local) = *local.lock().expect("lock") else {
+                thread::yield_now();
+                continue;
+            };
+            // A withdrawn region fails, which refreshes the description.
+            let regions = peer.descriptor().regions.clone();
+            let Some(remote) = regions
+                .get((seed >> 20) as usize % regions.len().max(1))
+                .map(|r| r.base)
+            else {
+                thread::yield_now();
+                continue;
+            };
+            let transfer = Transfer {
+                op,
+                local,
+                local_offset: slot * BLOCK,
+                remote_addr: remote + slot * BLOCK,
+                len: BLOCK,
+            };
+            // Refused submissions (a region just withdrawn) queue nothing: try again.
+            if let Ok(batch) = submitter.submit(peer, &[transfer]) {
+                let status = batch.wait(Instant::now() + BOUND);
+                assert!(status.is_complete(), "a batch did not resolve: {status:?}");
+                if status.failed == 0 {
+                    self.succeeded.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
     }
+}
+
+/// Stops a [`Load`] when dropped.
+#[derive(Debug)]
+pub struct StopOnDrop<'a>(&'a Load);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The initiator's peer for `target`. Open it once the target has registered its memory:
+/// the description it fetches is refreshed only after a failure.
+pub fn open(initiator: &Engine, target: &Engine) -> Peer {
+    initiator
+        .open(&target.addr().to_string())
+        .expect("the target answers")
 }
