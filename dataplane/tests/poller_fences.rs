@@ -334,7 +334,7 @@ fn poller_held_in_its_first_round(config: PollerConfig) -> (PollerHandle, mpsc::
         entered,
         gate: Some(gate),
     };
-    let poller = PollerHandle::spawn(config, fabric, FailStale).unwrap();
+    let poller = PollerHandle::spawn(config, fabric, FailStale).expect("the poller starts");
     in_round
         .recv_timeout(BOUND)
         .expect("the poller runs a round");
