@@ -5,6 +5,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
+use railyard::chaos::churn::handshake_once;
 use railyard::chaos::node::Node;
 use railyard::control::wire::{FrameDecoder, Message, WireKey};
 use railyard::control::{HostId, Incarnation, PeerLink, Phase, Policy, RailFabric};
@@ -183,35 +184,8 @@ fn a_retire_qp_drops_the_passive_queue_pair_only_when_its_initiator_names_it() {
         initiator_rail: 0,
         target_rail: 0,
     };
-    let mut stream = TcpStream::connect_timeout(&target.addr(), BOUND).unwrap();
-    stream.set_read_timeout(Some(BOUND)).unwrap();
-    let mut frames = Message::Hello {
-        name: "raw-peer".into(),
-        incarnation,
-        host: HostId::this_process(),
-    }
-    .encode();
-    frames.extend(
-        Message::ConnectQp {
-            key,
-            epoch: 1,
-            side: side.clone(),
-        }
-        .encode(),
-    );
-    stream.write_all(&frames).unwrap();
-    let mut decoder = FrameDecoder::default();
-    let mut buffer = [0u8; 4096];
-    let answer = 'reply: loop {
-        while let Some(message) = decoder.next_message().unwrap() {
-            if let Message::ConnectQpReply { result, .. } = message {
-                break 'reply result.expect("accepted");
-            }
-        }
-        let n = stream.read(&mut buffer).unwrap();
-        assert!(n > 0);
-        decoder.push(&buffer[..n]);
-    };
+    let answer = handshake_once(target.addr(), "raw-peer", incarnation, key, &side)
+        .expect("the target accepts the queue pair");
     let qp = RailFabric::connect_qp(&device, qp, &answer).unwrap();
     let mut fabric = device.fabric();
     let qp = fabric.adopt(None, qp).unwrap();

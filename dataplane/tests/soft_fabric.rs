@@ -16,7 +16,7 @@ use railyard_dataplane::fabric::soft::{
 use railyard_dataplane::fabric::{
     Access, AsyncEvent, Fabric, FabricError, Opcode, QpNum, QpState, WcStatus, WorkCompletion,
 };
-use railyard_dataplane::{EndpointId, Epoch};
+use railyard_dataplane::{EndpointId, Epoch, SliceSpec};
 use soft_common::{BOUND, Registered, device, drain, loopback, register, request, socket_path};
 
 /// A device with a source and a target buffer and a fabric owning a connected queue pair.
@@ -582,11 +582,35 @@ fn a_malformed_handshake_is_rejected_with_its_reason() {
     assert!(matches!(nobody, SoftError::Handshake { .. }), "{nobody}");
 }
 
+/// Eight requests of `opcode`, one 4 KiB slice each, between the same offsets of `local`
+/// and `remote`, for `endpoint` at the first epoch.
+fn eight_requests(
+    opcode: Opcode,
+    local: &Registered,
+    remote: &Registered,
+    endpoint: EndpointId,
+) -> Vec<SliceSpec> {
+    (0..8u32)
+        .map(|i| SliceSpec {
+            rail: 0,
+            request: i,
+            opcode,
+            local_addr: local.region.addr + u64::from(i) * 4096,
+            lkey: local.region.lkey,
+            remote_addr: remote.region.addr + u64::from(i) * 4096,
+            rkey: remote.region.rkey,
+            len: 4096,
+            imm: 0,
+            endpoint,
+            epoch: Epoch::FIRST,
+        })
+        .collect()
+}
+
 #[test]
 fn a_poller_on_the_soft_fabric_reports_a_fatal_queue_pair_and_retries_at_the_next_epoch() {
     use railyard_dataplane::{
-        Command, Event, IdleStrategy, PollerConfig, PollerHandle, RequestOutcome, SliceSpec,
-        Submitter,
+        Command, Event, IdleStrategy, PollerConfig, PollerHandle, RequestOutcome, Submitter,
     };
     let device = device("rail0");
     let source = register(&device, 1 << 16, 0x5A, Access::LOCAL_WRITE);
@@ -619,21 +643,7 @@ fn a_poller_on_the_soft_fabric_reports_a_fatal_queue_pair_and_retries_at_the_nex
         })
         .expect("running");
     let mut submitter = Submitter::new(&[&poller], 64).expect("running");
-    let specs: Vec<SliceSpec> = (0..8u32)
-        .map(|i| SliceSpec {
-            rail: 0,
-            request: i,
-            opcode: Opcode::Write,
-            local_addr: source.region.addr + u64::from(i) * 4096,
-            lkey: source.region.lkey,
-            remote_addr: target.region.addr + u64::from(i) * 4096,
-            rkey: target.region.rkey,
-            len: 4096,
-            imm: 0,
-            endpoint,
-            epoch: Epoch::FIRST,
-        })
-        .collect();
+    let specs = eight_requests(Opcode::Write, &source, &target, endpoint);
     let batch = submitter
         .submit(8, &specs, Instant::now() + BOUND)
         .expect("valid");
@@ -678,8 +688,7 @@ fn a_poller_on_the_soft_fabric_reports_a_fatal_queue_pair_and_retries_at_the_nex
 /// peer answers again. Returns (local bytes, remote bytes) 100 ms later.
 fn timed_out_then_reused(opcode: Opcode) -> (Vec<u8>, Vec<u8>) {
     use railyard_dataplane::{
-        Command, FailReason, IdleStrategy, PollerConfig, PollerHandle, RequestOutcome, SliceSpec,
-        Submitter,
+        Command, FailReason, IdleStrategy, PollerConfig, PollerHandle, RequestOutcome, Submitter,
     };
     let device = device("rail0");
     let mut local = register(&device, 1 << 16, 0xA1, Access::ALL);
@@ -701,21 +710,7 @@ fn timed_out_then_reused(opcode: Opcode) -> (Vec<u8>, Vec<u8>) {
         })
         .expect("running");
     let mut submitter = Submitter::new(&[&poller], 64).expect("running");
-    let specs: Vec<SliceSpec> = (0..8u32)
-        .map(|i| SliceSpec {
-            rail: 0,
-            request: i,
-            opcode,
-            local_addr: local.region.addr + u64::from(i) * 4096,
-            lkey: local.region.lkey,
-            remote_addr: remote.region.addr + u64::from(i) * 4096,
-            rkey: remote.region.rkey,
-            len: 4096,
-            imm: 0,
-            endpoint,
-            epoch: Epoch::FIRST,
-        })
-        .collect();
+    let specs = eight_requests(opcode, &local, &remote, endpoint);
     let batch = submitter
         .submit(8, &specs, Instant::now() + Duration::from_millis(50))
         .expect("valid");

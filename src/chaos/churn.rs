@@ -85,8 +85,12 @@ impl ChurnReport {
     }
 }
 
-/// One Hello + ConnectQp exchange on a fresh connection; returns the target's side.
-fn handshake_once(
+/// One Hello + ConnectQp exchange on a fresh connection (closed with Bye after the reply),
+/// as a raw peer speaks it; returns the target's side.
+///
+/// # Errors
+/// When the target cannot be reached, closes early, sends garbage or refuses.
+pub fn handshake_once(
     addr: SocketAddr,
     name: &str,
     incarnation: Incarnation,
