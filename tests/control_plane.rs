@@ -157,7 +157,7 @@ fn say_in_order(addr: SocketAddr, name: &str, incarnation: Incarnation, messages
         }
         let n = stream.read(&mut buffer).expect("the target answers");
         assert!(n > 0, "the target closed the connection");
-        decoder.push(&buffer[..n]);
+        decoder.push(&buffer[..n]).expect("one frame at a time");
     }
 }
 

@@ -1,7 +1,7 @@
 //! Where descriptors come from. [`Directory`] is the seam a cluster directory (etcd) plugs
 //! into; [`P2pDirectory`] is the embedded default: descriptors fetched from each peer's own
-//! handshake listener (by the control thread), cached with their incarnation, and marked
-//! stale when a work request names keys the peer refused or the peer's incarnation changed.
+//! handshake listener (by the control thread), cached by incarnation, and marked stale when
+//! a work request names keys the peer refused.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,18 +9,22 @@ use std::sync::Arc;
 use crate::descriptor::SegmentDescriptor;
 use crate::endpoint::Incarnation;
 
-/// A source of peers' segment descriptors.
+/// A source of peers' segment descriptors, by incarnation: two processes that share a name
+/// are two peers.
 pub trait Directory: Send {
-    /// The cached descriptor of segment `name`, unless it is unknown or stale.
-    fn lookup(&self, name: &str) -> Option<Arc<SegmentDescriptor>>;
+    /// The cached descriptor of `peer`, unless it is unknown or stale.
+    fn lookup(&self, peer: Incarnation) -> Option<Arc<SegmentDescriptor>>;
 
-    /// Records a descriptor just fetched; returns what the cache held for that name before
-    /// when it was another incarnation (the peer restarted).
-    fn record(&mut self, descriptor: SegmentDescriptor) -> Option<Incarnation>;
+    /// Records a descriptor just fetched (it replaces what its incarnation had) and returns
+    /// it as shared.
+    fn record(&mut self, descriptor: SegmentDescriptor) -> Arc<SegmentDescriptor>;
 
-    /// Marks `name`'s descriptor stale: the next [`Self::lookup`] misses until a fresh one
+    /// Marks `peer`'s descriptor stale: the next [`Self::lookup`] misses until a fresh one
     /// is recorded.
-    fn invalidate(&mut self, name: &str);
+    fn invalidate(&mut self, peer: Incarnation);
+
+    /// Drops what is cached of `peer`, which is gone.
+    fn forget(&mut self, peer: Incarnation);
 }
 
 #[derive(Debug)]
@@ -32,7 +36,7 @@ struct Cached {
 /// The embedded directory: a cache of what peers said about themselves.
 #[derive(Debug, Default)]
 pub struct P2pDirectory {
-    cache: HashMap<String, Cached>,
+    cache: HashMap<Incarnation, Cached>,
 }
 
 impl P2pDirectory {
@@ -43,31 +47,33 @@ impl P2pDirectory {
 }
 
 impl Directory for P2pDirectory {
-    fn lookup(&self, name: &str) -> Option<Arc<SegmentDescriptor>> {
+    fn lookup(&self, peer: Incarnation) -> Option<Arc<SegmentDescriptor>> {
         self.cache
-            .get(name)
+            .get(&peer)
             .filter(|cached| !cached.stale)
             .map(|cached| cached.descriptor.clone())
     }
 
-    fn record(&mut self, descriptor: SegmentDescriptor) -> Option<Incarnation> {
-        let incarnation = descriptor.incarnation;
-        let previous = self.cache.insert(
-            descriptor.name.clone(),
+    fn record(&mut self, descriptor: SegmentDescriptor) -> Arc<SegmentDescriptor> {
+        let descriptor = Arc::new(descriptor);
+        self.cache.insert(
+            descriptor.incarnation,
             Cached {
-                descriptor: Arc::new(descriptor),
+                descriptor: descriptor.clone(),
                 stale: false,
             },
         );
-        previous
-            .map(|cached| cached.descriptor.incarnation)
-            .filter(|&old| old != incarnation)
+        descriptor
     }
 
-    fn invalidate(&mut self, name: &str) {
-        if let Some(cached) = self.cache.get_mut(name) {
+    fn invalidate(&mut self, peer: Incarnation) {
+        if let Some(cached) = self.cache.get_mut(&peer) {
             cached.stale = true;
         }
+    }
+
+    fn forget(&mut self, peer: Incarnation) {
+        self.cache.remove(&peer);
     }
 }
 
@@ -91,20 +97,30 @@ mod tests {
     }
 
     #[test]
-    fn a_refresh_replaces_and_a_new_incarnation_is_reported() {
+    fn descriptors_are_kept_per_incarnation_not_per_name() {
         let mut directory = P2pDirectory::new();
-        assert_eq!(directory.record(descriptor(1, 1)), None);
-        assert_eq!(directory.record(descriptor(1, 2)), None, "same process");
+        directory.record(descriptor(1, 1));
+        directory.record(descriptor(1, 2));
         assert_eq!(
             directory
-                .lookup("decode-0")
+                .lookup(Incarnation(1))
                 .map(|d| d.regions[0].generation),
-            Some(2)
+            Some(2),
+            "a refresh replaces"
         );
-        directory.invalidate("decode-0");
-        assert!(directory.lookup("decode-0").is_none());
-        assert_eq!(directory.record(descriptor(2, 1)), Some(Incarnation(1)));
-        assert!(directory.lookup("decode-0").is_some());
-        assert!(directory.lookup("prefill-0").is_none());
+        directory.record(descriptor(2, 7));
+        assert_eq!(
+            directory
+                .lookup(Incarnation(1))
+                .map(|d| d.regions[0].generation),
+            Some(2),
+            "another process with the same name does not replace it"
+        );
+        directory.invalidate(Incarnation(1));
+        assert!(directory.lookup(Incarnation(1)).is_none());
+        assert!(directory.lookup(Incarnation(2)).is_some());
+        directory.forget(Incarnation(2));
+        assert!(directory.lookup(Incarnation(2)).is_none());
+        assert!(directory.lookup(Incarnation(3)).is_none());
     }
 }

@@ -43,7 +43,7 @@ use tokio::sync::mpsc;
 use crate::descriptor::SegmentDescriptor;
 use crate::endpoint::Incarnation;
 use crate::plane::{PeerChange, PeerEvents};
-use crate::wire::{FrameDecoder, Message};
+use crate::wire::{FrameDecoder, Message, WireError};
 
 /// How to reach etcd and how the directory behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -187,12 +187,10 @@ pub fn decode_record(bytes: &[u8]) -> Result<(u64, SegmentDescriptor), String> {
     let (generation, frame) = rest.split_at(8);
     let mut word = [0; 8];
     word.copy_from_slice(generation);
-    let mut decoder = FrameDecoder::default();
-    decoder.push(frame);
-    match decoder.next_message() {
-        Ok(Some(Message::Descriptor(descriptor))) => Ok((u64::from_le_bytes(word), descriptor)),
-        Ok(Some(_)) => Err("a record holding a message other than a descriptor".into()),
-        Ok(None) => Err("a truncated record".into()),
+    match FrameDecoder::decode_frame(frame) {
+        Ok(Message::Descriptor(descriptor)) => Ok((u64::from_le_bytes(word), descriptor)),
+        Ok(_) => Err("a record holding a message other than a descriptor".into()),
+        Err(WireError::Truncated { field: "frame" }) => Err("a truncated record".into()),
         Err(error) => Err(format!("a malformed record: {error}")),
     }
 }

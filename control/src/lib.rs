@@ -4,9 +4,12 @@
 //! - the endpoint lifecycle ([`endpoint`]: a sans-IO state machine driven by events and
 //!   `now`) and its failure [`policy`];
 //! - the handshake [`wire`] format and segment [`descriptor`]s, with the p2p [`directory`];
-//! - the control thread ([`plane`]): listener, dialer, endpoints, passive queue pairs;
-//!   rate-limited warnings ([`warn`]); what it needs of a rail's fabric ([`rail`]), and
-//!   which host a peer is on ([`host`]), which decides the fabric that reaches it;
+//! - the control thread: the application's handle ([`plane`]), the I/O driver that owns
+//!   sockets and rings (`driver`), and under it the sans-IO peer table and handshake
+//!   state machine (`handshake`); what the thread shares with the application and pollers
+//!   ([`shared`]); rate-limited warnings ([`warn`]); what it needs of a rail's fabric
+//!   ([`rail`]), and which host a peer is on ([`host`]), which decides the fabric that
+//!   reaches it;
 //! - with feature `etcd`, the cluster directory on etcd (`etcd`).
 //!
 //! It talks to pollers only by sending commands over rings and reading their events; it
@@ -18,13 +21,18 @@
 
 pub mod descriptor;
 pub mod directory;
+mod driver;
 pub mod endpoint;
+pub mod error;
 #[cfg(feature = "etcd")]
 pub mod etcd;
+mod handshake;
 pub mod host;
 pub mod plane;
 pub mod policy;
 pub mod rail;
+mod random;
+pub mod shared;
 pub mod warn;
 pub mod wire;
 

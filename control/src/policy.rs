@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-/// How endpoints reconnect, count flaps and open circuits.
+/// How endpoints reconnect, count flaps and open circuits, and what one connection may
+/// cost.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
     /// First reconnect delay bound (full jitter: the delay is uniform in `0..bound`).
@@ -21,8 +22,20 @@ pub struct Policy {
     pub cooldown_min: Duration,
     /// Largest circuit cooldown.
     pub cooldown_max: Duration,
-    /// How long a dial and handshake may take.
+    /// How long a dial and handshake may take; also how long an accepted connection may
+    /// stay silent before its Hello.
     pub connect_timeout: Duration,
+    /// Accepted connections that may be mid-handshake (before their Hello) at once; more
+    /// wait in the kernel's backlog. Default 64.
+    pub max_handshakes: usize,
+    /// Accepted connections at once; more wait in the kernel's backlog. Default 1024.
+    pub max_connections: usize,
+    /// Bytes queued for one connection that the peer has not read; beyond this the peer is
+    /// closed (it does not read). Default 4 MiB: four of the largest frames.
+    pub max_queued_output: usize,
+    /// How long a frame that has begun may take to arrive whole; a peer that trickles or
+    /// never finishes one is closed. Default 10 s.
+    pub frame_timeout: Duration,
 }
 
 impl Default for Policy {
@@ -36,6 +49,10 @@ impl Default for Policy {
             cooldown_min: Duration::from_secs(5),
             cooldown_max: Duration::from_secs(300),
             connect_timeout: Duration::from_secs(2),
+            max_handshakes: 64,
+            max_connections: 1024,
+            max_queued_output: 4 << 20,
+            frame_timeout: Duration::from_secs(10),
         }
     }
 }

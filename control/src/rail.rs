@@ -351,7 +351,7 @@ impl RailFabric for Arc<VerbsRail> {
 
     fn create_qp(&self, _link: &PeerLink) -> Result<(PreparedQp, QpSide), String> {
         // A random first PSN per queue pair, as verbs expects.
-        let psn = crate::plane::random_u64() as u32;
+        let psn = crate::random::random_u64() as u32;
         let (qp, info) = VerbsRail::create_qp(self, psn).map_err(|e| e.to_string())?;
         Ok((qp, verbs_side(info)))
     }
@@ -361,7 +361,7 @@ impl RailFabric for Arc<VerbsRail> {
         _link: &PeerLink,
         _initiator: &QpSide,
     ) -> Result<(PreparedQp, QpSide), String> {
-        let psn = crate::plane::random_u64() as u32;
+        let psn = crate::random::random_u64() as u32;
         let (qp, info) = VerbsRail::create_target_qp(self, psn).map_err(|e| e.to_string())?;
         Ok((qp, verbs_side(info)))
     }

@@ -18,6 +18,8 @@ pub enum WarningKind {
     Circuit,
     /// The cluster directory is unreachable or refused something.
     Directory,
+    /// A connection was closed for breaking a bound or the protocol, or the listener paused.
+    Connection,
 }
 
 #[derive(Debug)]

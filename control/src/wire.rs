@@ -19,7 +19,7 @@ use crate::host::HostId;
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RYCP";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Header bytes.
 pub const HEADER_LEN: usize = 12;
 /// Largest body accepted.
@@ -76,6 +76,9 @@ pub enum Message {
         key: WireKey,
         /// The epoch of the dialer's queue pair.
         epoch: u64,
+        /// Random per attempt: the reply names it, so it reaches only the endpoint that
+        /// asked, and only while it still waits for this attempt.
+        handshake: u64,
         /// The dialer's queue pair.
         side: QpSide,
     },
@@ -85,6 +88,8 @@ pub enum Message {
         key: WireKey,
         /// The epoch asked for.
         epoch: u64,
+        /// The request's handshake id.
+        handshake: u64,
         /// The listener's side, or the reason it refused.
         result: Result<QpSide, String>,
     },
@@ -100,8 +105,14 @@ pub enum Message {
         /// The dialer's queue-pair number (as its ConnectQp named it).
         qp_num: u32,
     },
-    /// Application bytes.
-    Notify(Vec<u8>),
+    /// Application bytes for one listener incarnation: a process that took over the
+    /// address refuses what was meant for its predecessor.
+    Notify {
+        /// The incarnation the sender means.
+        target: Incarnation,
+        /// What it says.
+        bytes: Vec<u8>,
+    },
     /// The sender is closing the connection.
     Bye,
 }
@@ -376,15 +387,27 @@ impl Message {
                 write_descriptor(&mut body, descriptor);
                 DESCRIPTOR
             }
-            Self::ConnectQp { key, epoch, side } => {
+            Self::ConnectQp {
+                key,
+                epoch,
+                handshake,
+                side,
+            } => {
                 body.key(key);
                 body.u64(*epoch);
+                body.u64(*handshake);
                 body.side(side);
                 CONNECT_QP
             }
-            Self::ConnectQpReply { key, epoch, result } => {
+            Self::ConnectQpReply {
+                key,
+                epoch,
+                handshake,
+                result,
+            } => {
                 body.key(key);
                 body.u64(*epoch);
+                body.u64(*handshake);
                 match result {
                     Ok(side) => {
                         body.u8(0);
@@ -403,7 +426,8 @@ impl Message {
                 body.u32(*qp_num);
                 RETIRE_QP
             }
-            Self::Notify(bytes) => {
+            Self::Notify { target, bytes } => {
+                body.u64(target.0);
                 body.bytes(bytes);
                 NOTIFY
             }
@@ -438,11 +462,13 @@ impl Message {
             CONNECT_QP => Self::ConnectQp {
                 key: r.key()?,
                 epoch: r.u64("epoch")?,
+                handshake: r.u64("handshake id")?,
                 side: r.side()?,
             },
             CONNECT_QP_REPLY => {
                 let key = r.key()?;
                 let epoch = r.u64("epoch")?;
+                let handshake = r.u64("handshake id")?;
                 let result = match r.u8("reply status")? {
                     0 => Ok(r.side()?),
                     1 => Err(r.string("refusal reason")?),
@@ -453,14 +479,22 @@ impl Message {
                         });
                     }
                 };
-                Self::ConnectQpReply { key, epoch, result }
+                Self::ConnectQpReply {
+                    key,
+                    epoch,
+                    handshake,
+                    result,
+                }
             }
             RETIRE_QP => Self::RetireQp {
                 key: r.key()?,
                 epoch: r.u64("epoch")?,
                 qp_num: r.u32("queue pair number")?,
             },
-            NOTIFY => Self::Notify(r.bytes(MAX_BODY, "notify bytes")?),
+            NOTIFY => Self::Notify {
+                target: Incarnation(r.u64("target incarnation")?),
+                bytes: r.bytes(MAX_BODY, "notify bytes")?,
+            },
             BYE => Self::Bye,
             found => return Err(WireError::UnknownType { found }),
         };
@@ -490,16 +524,41 @@ pub fn decode_header(header: &[u8; HEADER_LEN]) -> Result<(u16, usize), WireErro
     Ok((kind, len as usize))
 }
 
-/// Splits a byte stream into messages. Holds at most one header and one bounded body.
+/// Splits a byte stream into messages. Holds at most one whole frame ([`FRAME_BOUND`]
+/// bytes): the reader asks [`Self::room`] how much it may push, and decodes before reading
+/// more.
 #[derive(Debug, Default)]
 pub struct FrameDecoder {
     buffer: Vec<u8>,
 }
 
+/// The most bytes a [`FrameDecoder`] buffers: one header and the largest body.
+pub const FRAME_BOUND: usize = HEADER_LEN + MAX_BODY;
+
 impl FrameDecoder {
     /// Appends bytes read from the stream.
-    pub fn push(&mut self, bytes: &[u8]) {
+    ///
+    /// # Errors
+    /// [`WireError::TooLong`] (and nothing is kept) when the buffer would exceed
+    /// [`FRAME_BOUND`]: the reader pushed more than [`Self::room`] allowed.
+    pub fn push(&mut self, bytes: &[u8]) -> Result<(), WireError> {
+        if bytes.len() > self.room() {
+            return Err(WireError::TooLong {
+                len: u32::try_from(self.buffer.len() + bytes.len()).unwrap_or(u32::MAX),
+            });
+        }
         self.buffer.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    /// How many more bytes [`Self::push`] accepts.
+    pub fn room(&self) -> usize {
+        FRAME_BOUND - self.buffer.len()
+    }
+
+    /// Whether part of a frame is buffered.
+    pub fn is_partial(&self) -> bool {
+        !self.buffer.is_empty()
     }
 
     /// The next whole message, `Ok(None)` when more bytes are needed.
@@ -525,7 +584,7 @@ impl FrameDecoder {
     /// A malformed frame, a partial one, or bytes after it.
     pub fn decode_frame(bytes: &[u8]) -> Result<Message, WireError> {
         let mut decoder = Self::default();
-        decoder.push(bytes);
+        decoder.push(bytes)?;
         let message = decoder
             .next_message()?
             .ok_or(WireError::Truncated { field: "frame" })?;
@@ -627,28 +686,38 @@ mod tests {
             ),
             Just(Message::GetDescriptor),
             descriptor().prop_map(Message::Descriptor),
-            (key(), any::<u64>(), side()).prop_map(|(key, epoch, side)| Message::ConnectQp {
-                key,
-                epoch,
-                side
-            }),
-            (key(), any::<u64>(), side()).prop_map(|(key, epoch, side)| {
-                Message::ConnectQpReply {
+            (key(), any::<u64>(), any::<u64>(), side()).prop_map(
+                |(key, epoch, handshake, side)| Message::ConnectQp {
                     key,
                     epoch,
+                    handshake,
+                    side,
+                }
+            ),
+            (key(), any::<u64>(), any::<u64>(), side()).prop_map(
+                |(key, epoch, handshake, side)| Message::ConnectQpReply {
+                    key,
+                    epoch,
+                    handshake,
                     result: Ok(side),
                 }
-            }),
-            (key(), any::<u64>(), "\\PC{0,40}").prop_map(|(key, epoch, reason)| {
-                Message::ConnectQpReply {
+            ),
+            (key(), any::<u64>(), any::<u64>(), "\\PC{0,40}").prop_map(
+                |(key, epoch, handshake, reason)| Message::ConnectQpReply {
                     key,
                     epoch,
+                    handshake,
                     result: Err(reason),
                 }
-            }),
+            ),
             (key(), any::<u64>(), any::<u32>())
                 .prop_map(|(key, epoch, qp_num)| { Message::RetireQp { key, epoch, qp_num } }),
-            prop::collection::vec(any::<u8>(), 0..128).prop_map(Message::Notify),
+            (any::<u64>(), prop::collection::vec(any::<u8>(), 0..128)).prop_map(
+                |(target, bytes)| Message::Notify {
+                    target: Incarnation(target),
+                    bytes,
+                }
+            ),
             Just(Message::Bye),
         ]
     }
@@ -666,7 +735,7 @@ mod tests {
                 prop_assert_eq!(message.encode(), bytes.clone(), "decoding is canonical");
             }
             let mut decoder = FrameDecoder::default();
-            decoder.push(&bytes);
+            decoder.push(&bytes).unwrap();
             let _ = decoder.next_message();
         }
 
@@ -685,9 +754,9 @@ mod tests {
             let frame = message.encode();
             let cut = cut.index(frame.len());
             let mut decoder = FrameDecoder::default();
-            decoder.push(&frame[..cut]);
+            decoder.push(&frame[..cut]).unwrap();
             prop_assert_eq!(decoder.next_message(), Ok(None));
-            decoder.push(&frame[cut..]);
+            decoder.push(&frame[cut..]).unwrap();
             prop_assert_eq!(decoder.next_message(), Ok(Some(message)));
             let mut corrupt = frame.clone();
             corrupt[flip.index(frame.len())] ^= bits;
@@ -702,11 +771,32 @@ mod tests {
         let mut frame = Message::Bye.encode();
         frame[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
         let mut decoder = FrameDecoder::default();
-        decoder.push(&frame);
+        decoder.push(&frame).unwrap();
         assert_eq!(
             decoder.next_message(),
             Err(WireError::TooLong { len: u32::MAX })
         );
+    }
+
+    #[test]
+    fn the_decoder_holds_at_most_one_frame() {
+        let mut decoder = FrameDecoder::default();
+        decoder.push(&vec![0u8; FRAME_BOUND - 1]).unwrap();
+        assert_eq!(decoder.room(), 1);
+        assert!(decoder.is_partial());
+        assert_eq!(
+            decoder.push(&[0, 0]),
+            Err(WireError::TooLong {
+                len: FRAME_BOUND as u32 + 1
+            })
+        );
+        assert_eq!(decoder.room(), 1, "a refused push keeps nothing");
+        let frame = Message::Bye.encode();
+        let mut decoder = FrameDecoder::default();
+        decoder.push(&frame).unwrap();
+        assert_eq!(decoder.next_message(), Ok(Some(Message::Bye)));
+        assert!(!decoder.is_partial());
+        assert_eq!(decoder.room(), FRAME_BOUND);
     }
 
     #[test]

@@ -15,8 +15,8 @@ use railyard_dataplane::fabric::soft::SoftDevice;
 #[test]
 fn silent_connections_beyond_the_cap_wait_and_then_time_out() {
     let config = ControlConfig {
-        max_handshakes: 2,
         policy: Policy {
+            max_handshakes: 2,
             connect_timeout: Duration::from_millis(300),
             ..Policy::default()
         },
@@ -51,7 +51,7 @@ fn silent_connections_beyond_the_cap_wait_and_then_time_out() {
             .read(&mut buffer)
             .expect("an answer within the bound");
         assert!(n > 0, "the control thread closed the connection");
-        decoder.push(&buffer[..n]);
+        decoder.push(&buffer[..n]).expect("one frame at a time");
     };
     let waited = started.elapsed();
     assert!(

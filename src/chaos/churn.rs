@@ -110,6 +110,7 @@ pub fn handshake_once(
         Message::ConnectQp {
             key,
             epoch: 1,
+            handshake: 1,
             side: side.clone(),
         }
         .encode(),
@@ -128,7 +129,7 @@ pub fn handshake_once(
         if n == 0 {
             bail!("the target closed the connection before answering");
         }
-        decoder.push(&buffer[..n]);
+        decoder.push(&buffer[..n])?;
     }
 }
 

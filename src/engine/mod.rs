@@ -932,7 +932,10 @@ impl Engine {
     /// # Errors
     /// [`PeerError::Control`] when the control plane has stopped.
     pub fn notify(&self, peer: &Peer, bytes: Vec<u8>) -> Result<(), PeerError> {
-        Ok(self.inner.control.notify(peer.addr, bytes, None)?)
+        Ok(self
+            .inner
+            .control
+            .notify(peer.addr, peer.incarnation(), bytes, None)?)
     }
 
     pub(crate) fn notify_after(
@@ -944,7 +947,7 @@ impl Engine {
         Ok(self
             .inner
             .control
-            .notify(peer.addr, bytes, Some(batch.clone()))?)
+            .notify(peer.addr, peer.incarnation(), bytes, Some(batch.clone()))?)
     }
 
     pub(crate) fn signal_after(

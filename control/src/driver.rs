@@ -1,0 +1,610 @@
+//! The control thread's I/O driver: owns the handshake listener, the TCP connections
+//! (non-blocking, polled with `poll(2)`), the rings to and from the pollers and the
+//! application's request channel, and feeds what happens on them to the sans-IO
+//! [`Core`], carrying out the [`Action`]s it answers with.
+//!
+//! It also enforces what one connection may cost: input is decoded one bounded frame at a
+//! time ([`FrameDecoder::room`]), a frame must finish within [`Policy::frame_timeout`],
+//! output a peer does not read is capped at [`Policy::max_queued_output`], and the
+//! listener is left alone — not polled, so the thread does not spin — while the core is at
+//! its connection caps or the process has run out of file descriptors.
+//!
+//! Notifications and immediates that wait for a batch live here too: they are released to
+//! the core (bytes) or posted through this thread's own rings to the pollers (immediates)
+//! once the batch has completed.
+//!
+//! [`Policy::frame_timeout`]: crate::policy::Policy::frame_timeout
+//! [`Policy::max_queued_output`]: crate::policy::Policy::max_queued_output
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::{Duration, Instant};
+
+use railyard_dataplane::fabric::Opcode;
+use railyard_dataplane::ring::Consumer;
+use railyard_dataplane::{Batch, EndpointId, Event, PollerHandle, SliceSpec, Submitter};
+
+use crate::endpoint::Incarnation;
+use crate::error::ControlError;
+use crate::handshake::{Action, ConnId, Core, PeerChange};
+use crate::policy::Policy;
+use crate::rail::{RailFabric, Revocation};
+use crate::shared::{ControlShared, EndpointView, bump};
+use crate::warn::WarningKind;
+use crate::wire::{FrameDecoder, Message};
+
+/// What the application asks of the control thread.
+pub(crate) enum Request {
+    Connect {
+        addr: SocketAddr,
+        local_rail: u16,
+        remote_rail: u16,
+        reply: Sender<Result<Arc<EndpointView>, ControlError>>,
+    },
+    Retire {
+        rail: u16,
+        id: EndpointId,
+    },
+    Notify {
+        addr: SocketAddr,
+        target: Incarnation,
+        bytes: Vec<u8>,
+        after: Option<Batch>,
+    },
+    Signal {
+        views: Vec<Arc<EndpointView>>,
+        imm: u32,
+        after: Batch,
+    },
+    PeerChanged {
+        name: String,
+        change: PeerChange,
+    },
+    Revoke {
+        peer: Incarnation,
+        reply: Sender<Vec<Revocation>>,
+    },
+    DirectoryWarning(String),
+    Shutdown,
+}
+
+/// Longest the control thread sleeps: pollers' events have no descriptor to wait on.
+const TICK: Duration = Duration::from_millis(1);
+
+/// How long the listener is left alone after the process ran out of file descriptors.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Bytes read from one connection per round, so that one busy peer cannot starve others.
+const READ_BUDGET: usize = 256 * 1024;
+
+/// A notification waiting for its batch.
+struct HeldNotification {
+    addr: SocketAddr,
+    target: Incarnation,
+    bytes: Vec<u8>,
+    after: Batch,
+}
+
+/// One TCP connection's I/O state.
+struct Socket {
+    stream: TcpStream,
+    decoder: FrameDecoder,
+    out: Vec<u8>,
+    /// A non-blocking connect still in progress.
+    connecting: bool,
+    /// Since when part of a frame has been buffered.
+    partial_since: Option<Instant>,
+}
+
+/// How the driver prints warnings.
+pub(crate) struct Printer {
+    /// Prefix of each line (the segment name).
+    pub(crate) name: String,
+    /// Whether to print at all (counted either way).
+    pub(crate) enabled: bool,
+}
+
+/// The control thread. See the module docs.
+pub(crate) struct Driver<F: RailFabric> {
+    core: Core<F>,
+    policy: Policy,
+    shared: Arc<ControlShared>,
+    pollers: Vec<Arc<PollerHandle>>,
+    events: Vec<Consumer<Event>>,
+    listener: TcpListener,
+    requests: Receiver<Request>,
+    wake: UnixStream,
+    sockets: HashMap<ConnId, Socket>,
+    /// The listener is left alone until then (the process ran out of descriptors).
+    accept_paused_until: Option<Instant>,
+    /// The core was at a connection cap in the last round.
+    at_cap: bool,
+    held_notifications: Vec<HeldNotification>,
+    /// Immediates waiting for their batch.
+    held_signals: Vec<(Vec<Arc<EndpointView>>, u32, Batch)>,
+    /// Immediates posted, waiting for their own completion (to count them).
+    signals_in_flight: Vec<Batch>,
+    /// This thread's rings to the pollers, for immediates.
+    signals: Submitter,
+    printer: Printer,
+}
+
+/// What the driver is built from.
+pub(crate) struct DriverParts {
+    pub(crate) policy: Policy,
+    pub(crate) shared: Arc<ControlShared>,
+    pub(crate) pollers: Vec<Arc<PollerHandle>>,
+    pub(crate) events: Vec<Consumer<Event>>,
+    pub(crate) listener: TcpListener,
+    pub(crate) requests: Receiver<Request>,
+    pub(crate) wake: UnixStream,
+    pub(crate) signals: Submitter,
+    pub(crate) printer: Printer,
+}
+
+impl<F: RailFabric> Driver<F> {
+    pub(crate) fn new(core: Core<F>, parts: DriverParts) -> Self {
+        Self {
+            core,
+            policy: parts.policy,
+            shared: parts.shared,
+            pollers: parts.pollers,
+            events: parts.events,
+            listener: parts.listener,
+            requests: parts.requests,
+            wake: parts.wake,
+            sockets: HashMap::new(),
+            accept_paused_until: None,
+            at_cap: false,
+            held_notifications: Vec::new(),
+            held_signals: Vec::new(),
+            signals_in_flight: Vec::new(),
+            signals: parts.signals,
+            printer: parts.printer,
+        }
+    }
+
+    /// Runs until [`Request::Shutdown`] or the application's handle is dropped.
+    pub(crate) fn run(mut self) {
+        loop {
+            let now = Instant::now();
+            if !self.take_requests(now) {
+                self.core.say_goodbye();
+                self.carry_out(now);
+                self.flush(now);
+                return;
+            }
+            self.accept(now);
+            self.service(now);
+            self.take_poller_events(now);
+            self.core.tick(now);
+            self.release_notifications(now);
+            self.release_signals();
+            self.carry_out(now);
+            self.flush(now);
+            self.sleep(now);
+        }
+    }
+
+    /// Applies application requests; `false` on shutdown.
+    fn take_requests(&mut self, now: Instant) -> bool {
+        let mut drain = [0u8; 64];
+        while matches!((&self.wake).read(&mut drain), Ok(n) if n > 0) {}
+        loop {
+            let request = match self.requests.try_recv() {
+                Ok(request) => request,
+                Err(std::sync::mpsc::TryRecvError::Empty) => return true,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => return false,
+            };
+            match request {
+                Request::Shutdown => return false,
+                Request::Retire { rail, id } => self.core.retire(rail, id, now),
+                Request::Notify {
+                    addr,
+                    target,
+                    bytes,
+                    after,
+                } => match after {
+                    Some(after) => self.held_notifications.push(HeldNotification {
+                        addr,
+                        target,
+                        bytes,
+                        after,
+                    }),
+                    None => self.core.notify(addr, target, bytes, now),
+                },
+                Request::Signal { views, imm, after } => {
+                    self.held_signals.push((views, imm, after));
+                }
+                Request::PeerChanged { name, change } => self.core.peer_changed(&name, change, now),
+                Request::Revoke { peer, reply } => {
+                    let _ = reply.send(self.core.revoke(peer));
+                }
+                Request::DirectoryWarning(message) => {
+                    self.core.warn(WarningKind::Directory, message, now);
+                }
+                Request::Connect {
+                    addr,
+                    local_rail,
+                    remote_rail,
+                    reply,
+                } => self.core.connect(addr, local_rail, remote_rail, reply, now),
+            }
+            self.carry_out(now);
+        }
+    }
+
+    /// Carries out the core's actions, in order.
+    fn carry_out(&mut self, now: Instant) {
+        while let Some(action) = self.core.next_action() {
+            match action {
+                Action::Dial { conn, addr } => self.dial(conn, addr, now),
+                Action::Send { conn, message } => self.queue(conn, &message, now),
+                Action::Close { conn } => {
+                    if let Some(mut socket) = self.sockets.remove(&conn) {
+                        // Best effort: a refusal or Bye queued before the close goes out.
+                        if !socket.connecting && !socket.out.is_empty() {
+                            let _ = socket.stream.write(&socket.out);
+                        }
+                    }
+                }
+                Action::Command { rail, command } => {
+                    if let Some(poller) = self.pollers.get(usize::from(rail)) {
+                        let _ = poller.send(command);
+                    }
+                }
+                Action::AddEndpoint { rail, view, epoch } => {
+                    if let Some(poller) = self.pollers.get(usize::from(rail)) {
+                        let _ = poller.send(railyard_dataplane::Command::AddEndpoint {
+                            endpoint: view.id,
+                            epoch,
+                        });
+                    }
+                    view.set_epoch(epoch);
+                }
+                Action::Warn(line) => {
+                    if self.printer.enabled {
+                        eprintln!("railyard[{}]: warning: {line}", self.printer.name);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Starts a non-blocking connect for `conn`.
+    fn dial(&mut self, conn: ConnId, addr: SocketAddr, now: Instant) {
+        let started = (|| {
+            let socket = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                None,
+            )?;
+            socket.set_nonblocking(true)?;
+            socket.set_tcp_nodelay(true)?;
+            let connecting = match socket.connect(&addr.into()) {
+                Ok(()) => false,
+                Err(error) if error.raw_os_error() == Some(libc::EINPROGRESS) => true,
+                Err(error) => return Err(error),
+            };
+            let stream: TcpStream = socket.into();
+            let local_ip = stream.local_addr()?.ip();
+            Ok((stream, connecting, local_ip))
+        })();
+        match started {
+            Ok((stream, connecting, local_ip)) => {
+                self.sockets.insert(conn, Socket::new(stream, connecting));
+                self.core.dialed(conn, local_ip);
+            }
+            Err(error) => self.core.closed(conn, &error.to_string(), now),
+        }
+    }
+
+    /// Queues a frame on `conn`; a peer with more than its share unread is closed.
+    fn queue(&mut self, conn: ConnId, message: &Message, now: Instant) {
+        let Some(socket) = self.sockets.get_mut(&conn) else {
+            return;
+        };
+        let frame = message.encode();
+        if socket.out.len() + frame.len() > self.policy.max_queued_output {
+            let reason = format!(
+                "it does not read: {} bytes are queued for it (the bound is {})",
+                socket.out.len(),
+                self.policy.max_queued_output
+            );
+            return self.core.refuse(conn, &reason, now);
+        }
+        socket.out.extend_from_slice(&frame);
+    }
+
+    /// Takes new connections while the core may accept them.
+    fn accept(&mut self, now: Instant) {
+        if self.accept_paused_until.is_some_and(|until| now < until) {
+            return;
+        }
+        self.accept_paused_until = None;
+        loop {
+            let may_accept = self.core.may_accept();
+            if !may_accept {
+                if !self.at_cap {
+                    bump(&self.shared.counters.accept_pauses);
+                }
+                self.at_cap = true;
+                return;
+            }
+            self.at_cap = false;
+            match self.listener.accept() {
+                Ok((stream, addr)) => {
+                    let local_ip = stream.local_addr().map(|local| local.ip());
+                    let (Ok(()), Ok(local_ip)) = (stream.set_nonblocking(true), local_ip) else {
+                        continue;
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let conn = self.core.accepted(addr, local_ip, now);
+                    self.sockets.insert(conn, Socket::new(stream, false));
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
+                Err(error) if out_of_descriptors(&error) => {
+                    bump(&self.shared.counters.accept_pauses);
+                    self.accept_paused_until = Some(now + ACCEPT_BACKOFF);
+                    self.core.warn(
+                        WarningKind::Connection,
+                        format!("cannot accept a connection ({error}); pausing the listener"),
+                        now,
+                    );
+                    return;
+                }
+                // A connection reset before it was accepted, and the like.
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Reads every connection and hands whole messages to the core.
+    fn service(&mut self, now: Instant) {
+        let conns: Vec<ConnId> = self.sockets.keys().copied().collect();
+        for conn in conns {
+            let Some(socket) = self.sockets.get_mut(&conn) else {
+                continue;
+            };
+            let (messages, outcome) = socket.read(now, self.policy.frame_timeout);
+            for message in messages {
+                self.core.received(conn, message, now);
+            }
+            match outcome {
+                ReadOutcome::Open => {}
+                ReadOutcome::Closed(reason) => self.core.closed(conn, &reason, now),
+                ReadOutcome::Refused(reason) => self.core.refuse(conn, &reason, now),
+            }
+            self.carry_out(now);
+        }
+    }
+
+    fn flush(&mut self, now: Instant) {
+        let mut broken = Vec::new();
+        for (&conn, socket) in &mut self.sockets {
+            if socket.connecting || socket.out.is_empty() {
+                continue;
+            }
+            match socket.stream.write(&socket.out) {
+                Ok(n) => {
+                    socket.out.drain(..n);
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => broken.push((conn, error.to_string())),
+            }
+        }
+        for (conn, reason) in broken {
+            self.core.closed(conn, &reason, now);
+        }
+        self.carry_out(now);
+    }
+
+    fn take_poller_events(&mut self, now: Instant) {
+        for rail in 0..self.events.len() {
+            while let Some(event) = self.events[rail].pop() {
+                self.core.poller_event(rail as u16, event, now);
+            }
+        }
+        self.carry_out(now);
+    }
+
+    /// Sends notifications whose batch has completed; drops those whose batch failed.
+    fn release_notifications(&mut self, now: Instant) {
+        let (complete, held): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held_notifications)
+            .into_iter()
+            .partition(|held| held.after.poll().is_complete());
+        self.held_notifications = held;
+        for released in complete {
+            if released.after.poll().failed == 0 {
+                self.core
+                    .notify(released.addr, released.target, released.bytes, now);
+            } else {
+                bump(&self.shared.counters.notifications_dropped);
+            }
+        }
+    }
+
+    /// Posts the immediates whose batch has completed successfully (drops those whose batch
+    /// failed) and counts the ones whose own write has completed.
+    fn release_signals(&mut self) {
+        let counters = &self.shared.counters;
+        self.signals_in_flight.retain(|batch| {
+            let progress = batch.poll();
+            if !progress.is_complete() {
+                return true;
+            }
+            bump(if progress.failed == 0 {
+                &counters.notifications_sent
+            } else {
+                &counters.notifications_dropped
+            });
+            false
+        });
+        let (complete, held): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held_signals)
+            .into_iter()
+            .partition(|(_, _, batch)| batch.poll().is_complete());
+        self.held_signals = held;
+        for (views, imm, batch) in complete {
+            let connected = views
+                .iter()
+                .enumerate()
+                .find_map(|(rail, view)| view.epoch().map(|epoch| (rail, view, epoch)));
+            let (true, Some((rail, view, epoch))) = (batch.poll().failed == 0, connected) else {
+                bump(&counters.notifications_dropped);
+                continue;
+            };
+            let spec = SliceSpec {
+                rail,
+                request: 0,
+                opcode: Opcode::WriteWithImm,
+                local_addr: 0,
+                lkey: 0,
+                remote_addr: 0,
+                rkey: 0,
+                len: 0,
+                imm,
+                endpoint: view.id,
+                epoch,
+            };
+            match self.signals.submit_now(1, &[spec]) {
+                Ok(sent) => self.signals_in_flight.push(sent),
+                Err(_) => bump(&counters.notifications_dropped),
+            }
+        }
+    }
+
+    /// Waits for socket readiness, a wake-up, or the next tick. The listener is polled only
+    /// while connections may be accepted.
+    fn sleep(&mut self, now: Instant) {
+        let mut fds = vec![libc::pollfd {
+            fd: self.wake.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        let accepting =
+            self.core.may_accept() && !self.accept_paused_until.is_some_and(|until| now < until);
+        if accepting {
+            fds.push(libc::pollfd {
+                fd: self.listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        for socket in self.sockets.values() {
+            let mut events = libc::POLLIN;
+            if socket.connecting || !socket.out.is_empty() {
+                events |= libc::POLLOUT;
+            }
+            fds.push(libc::pollfd {
+                fd: socket.stream.as_raw_fd(),
+                events,
+                revents: 0,
+            });
+        }
+        let timeout = TICK.as_millis() as libc::c_int;
+        // SAFETY:
+        // - `fds` is a valid array of `fds.len()` pollfd structs that lives across the call;
+        //   every descriptor in it is owned by this thread and open.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+    }
+}
+
+/// Whether `accept` failed for lack of descriptors or memory (retrying at once would spin).
+fn out_of_descriptors(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+/// How a round of reading a connection ended.
+enum ReadOutcome {
+    /// Still open.
+    Open,
+    /// The peer closed it or it broke.
+    Closed(String),
+    /// The peer broke the protocol or a bound.
+    Refused(String),
+}
+
+impl Socket {
+    fn new(stream: TcpStream, connecting: bool) -> Self {
+        Self {
+            stream,
+            decoder: FrameDecoder::default(),
+            out: Vec::new(),
+            connecting,
+            partial_since: None,
+        }
+    }
+
+    /// Reads up to [`READ_BUDGET`] bytes, one bounded frame at a time, and returns the
+    /// whole messages.
+    fn read(&mut self, now: Instant, frame_timeout: Duration) -> (Vec<Message>, ReadOutcome) {
+        let mut messages = Vec::new();
+        if self.connecting {
+            match self.stream.take_error() {
+                Ok(None) if self.stream.peer_addr().is_ok() => self.connecting = false,
+                Ok(None) => return (messages, ReadOutcome::Open),
+                Ok(Some(error)) | Err(error) => {
+                    return (messages, ReadOutcome::Closed(error.to_string()));
+                }
+            }
+        }
+        let mut buffer = [0u8; 16 * 1024];
+        let mut budget = READ_BUDGET;
+        let mut outcome = ReadOutcome::Open;
+        while budget > 0 {
+            let want = buffer.len().min(self.decoder.room()).min(budget);
+            let read = match self.stream.read(&mut buffer[..want]) {
+                Ok(0) => {
+                    outcome = ReadOutcome::Closed("the peer closed the connection".into());
+                    break;
+                }
+                Ok(n) => n,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                Err(error) => {
+                    outcome = ReadOutcome::Closed(error.to_string());
+                    break;
+                }
+            };
+            budget -= read;
+            if let Err(error) = self.decoder.push(&buffer[..read]) {
+                // Unreachable: `want` is at most the decoder's room.
+                return (messages, ReadOutcome::Refused(error.to_string()));
+            }
+            loop {
+                match self.decoder.next_message() {
+                    Ok(Some(message)) => messages.push(message),
+                    Ok(None) => break,
+                    Err(error) => {
+                        return (
+                            messages,
+                            ReadOutcome::Refused(format!("malformed frame: {error}")),
+                        );
+                    }
+                }
+            }
+        }
+        if !messages.is_empty() || !self.decoder.is_partial() {
+            // A frame finished: the clock restarts for the one that follows.
+            self.partial_since = None;
+        }
+        if self.decoder.is_partial()
+            && now.duration_since(*self.partial_since.get_or_insert(now)) > frame_timeout
+        {
+            return (
+                messages,
+                ReadOutcome::Refused(format!("a frame did not finish within {frame_timeout:?}")),
+            );
+        }
+        (messages, outcome)
+    }
+}

@@ -1,0 +1,49 @@
+//! Why a control-plane call failed, and how long a caller waits for the control thread.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Why a control-plane call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlError {
+    /// The listener could not bind.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The control thread could not start.
+    #[error("cannot start the control thread: {0}")]
+    Thread(#[source] io::Error),
+    /// The control thread has stopped.
+    #[error("the control plane has stopped")]
+    Stopped,
+    /// The control thread did not answer within [`REPLY_WAIT`] (it is stuck).
+    #[error("the control plane did not answer within {REPLY_WAIT:?}")]
+    Unresponsive,
+    /// No such local rail.
+    #[error("rail {rail} does not exist (this process has {rails})")]
+    UnknownRail {
+        /// The rail asked for.
+        rail: u16,
+        /// How many there are.
+        rails: usize,
+    },
+    /// The peer could not be reached or did not answer in time.
+    #[error("cannot reach the peer at {addr}: {reason}")]
+    Unreachable {
+        /// Its address.
+        addr: SocketAddr,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Longest a request that needs the control thread's answer waits for it (it answers within
+/// a tick unless stuck).
+pub const REPLY_WAIT: Duration = Duration::from_secs(2);

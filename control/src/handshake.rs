@@ -1,0 +1,1355 @@
+//! The control plane's sans-IO core: the peer table and the handshake state machine.
+//!
+//! [`Core`] is fed what happened — a connection accepted or dialed, a message received on
+//! connection `c`, a connection closed, an application request, a poller event, the time —
+//! and answers with [`Action`]s for the I/O driver ([`crate::driver`]) to carry out: dial,
+//! send a frame, close, command a poller, print a warning. It reads no clock, owns no socket
+//! and draws randomness only from its seeded generator, so every interleaving can be
+//! replayed in a unit test on virtual time. It calls the rails' fabrics ([`RailFabric`])
+//! directly: creating, connecting, staging and revoking queue pairs are synchronous and
+//! non-blocking.
+//!
+//! # Identity
+//! A peer is an incarnation reached at an address; its name is a label. Two live processes
+//! with the same name are two peers. The one place a restart is detected is
+//! [`Core::listener_at`]: the address a connection was dialed to answered with a new
+//! incarnation, so the old one no longer listens there — its endpoints retire
+//! (`PeerRestarted`) and fresh ones to the new incarnation take their place. A cluster
+//! directory, whose names are exclusive claims, reports the same through
+//! [`Core::peer_changed`].
+//!
+//! # Handshakes
+//! Every ConnectQp carries a fresh handshake id and the target's incarnation. Its reply is
+//! applied only if it arrives on the connection the request went out on, names that id, and
+//! the endpoint still waits for exactly that attempt; anything else is a stray reply,
+//! counted and ignored. An endpoint that leaves the attempt (retired, timed out, moved to a
+//! newer epoch) cancels it. A ConnectQp is answered only for the incarnation that said
+//! Hello on that connection; a notification is delivered only if it names this incarnation.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::mpsc::Sender;
+use std::time::{Duration, Instant};
+
+use railyard_dataplane::fabric::tcp::TcpAttachment;
+use railyard_dataplane::rng::SplitMix64;
+use railyard_dataplane::{Command, EndpointId, Epoch, Event};
+
+use crate::descriptor::SegmentDescriptor;
+use crate::directory::{Directory, P2pDirectory};
+use crate::endpoint::{Endpoint, EndpointKey, Incarnation, Input, Output, Phase};
+use crate::error::ControlError;
+use crate::host::HostId;
+use crate::policy::Policy;
+use crate::rail::{PeerLink, RailFabric, Revocation};
+use crate::shared::{ControlShared, EndpointView, Notification, NotificationBody, bump};
+use crate::warn::{RateLimiter, WarningKind};
+use crate::wire::{Message, QpSide, WireKey};
+
+/// A control connection, as the core names it. Never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct ConnId(pub(crate) u64);
+
+/// What the driver must do, in order.
+#[derive(Debug)]
+pub(crate) enum Action {
+    /// Open a TCP connection to `addr` for `conn` and report it with [`Core::dialed`], or
+    /// [`Core::closed`] if it fails at once.
+    Dial {
+        /// The connection's id.
+        conn: ConnId,
+        /// The peer's handshake listener.
+        addr: SocketAddr,
+    },
+    /// Queue `message` on `conn` (ignored if the driver has already closed it).
+    Send {
+        /// The connection.
+        conn: ConnId,
+        /// The frame.
+        message: Message,
+    },
+    /// Close `conn`; the core has forgotten it.
+    Close {
+        /// The connection.
+        conn: ConnId,
+    },
+    /// Send `command` to rail `rail`'s poller.
+    Command {
+        /// The rail.
+        rail: u16,
+        /// The command.
+        command: Command,
+    },
+    /// Send AddEndpoint for `view` at `epoch` to rail `rail`'s poller, and only then
+    /// publish the epoch in the view: a slice prepared for it is always pushed after the
+    /// command, and the poller (which drains submissions before commands) finds the
+    /// endpoint at that epoch.
+    AddEndpoint {
+        /// The rail.
+        rail: u16,
+        /// The endpoint.
+        view: Arc<EndpointView>,
+        /// Its new epoch.
+        epoch: Epoch,
+    },
+    /// A warning line the rate limiter let through.
+    Warn(String),
+}
+
+/// What the core is told about this process.
+#[derive(Clone, Debug)]
+pub(crate) struct Identity {
+    /// Segment name (a label).
+    pub(crate) name: String,
+    /// This process's incarnation.
+    pub(crate) incarnation: Incarnation,
+    /// Where the handshake listener is.
+    pub(crate) local_addr: SocketAddr,
+    /// This process's host.
+    pub(crate) host: HostId,
+}
+
+/// How warnings are limited.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WarnLimit {
+    /// Lines of one kind per window.
+    pub(crate) burst: u32,
+    /// The window.
+    pub(crate) window: Duration,
+}
+
+/// A peer incarnation as its Hello described it.
+#[derive(Clone, Debug)]
+struct PeerInfo {
+    name: String,
+    host: HostId,
+}
+
+/// One control connection, either direction.
+#[derive(Debug)]
+struct Conn {
+    /// Dialed: the peer's handshake listener. Accepted: the peer's source address.
+    addr: SocketAddr,
+    dialed: bool,
+    /// The local address the connection uses, once known.
+    local_ip: Option<IpAddr>,
+    /// The incarnation its Hello announced.
+    peer: Option<Incarnation>,
+    /// The peer's descriptor has been asked for on it and not yet received.
+    descriptor_pending: bool,
+    opened: Instant,
+}
+
+/// An application's connect waiting for the peer's Hello and descriptor.
+struct Waiting {
+    conn: ConnId,
+    local_rail: u16,
+    remote_rail: u16,
+    reply: Sender<Result<Arc<EndpointView>, ControlError>>,
+    deadline: Instant,
+}
+
+/// The handshake an endpoint waits for.
+struct Pending<Q> {
+    epoch: Epoch,
+    handshake: u64,
+    /// The connection the ConnectQp went out on: the only one its reply is taken from.
+    conn: ConnId,
+    qp: Q,
+}
+
+struct Active<Q> {
+    machine: Endpoint,
+    view: Arc<EndpointView>,
+    /// The peer's handshake listener.
+    addr: SocketAddr,
+    pending: Option<Pending<Q>>,
+    /// The epoch and number of the newest queue pair offered to the peer, until it is
+    /// announced retired (RetireQp).
+    offered: Option<(Epoch, u32)>,
+}
+
+struct Passive<Q> {
+    /// The peer's queue pair is connected to it; immediates arrive on it.
+    qp: Q,
+    remote_qp_num: u32,
+    local: QpSide,
+}
+
+/// The peer table and handshake state machine. See the module docs.
+pub(crate) struct Core<F: RailFabric> {
+    me: Identity,
+    policy: Policy,
+    shared: Arc<ControlShared>,
+    fabrics: Vec<F>,
+    conns: HashMap<ConnId, Conn>,
+    next_conn: u64,
+    /// The open dialed connection to each handshake address.
+    dialed: HashMap<SocketAddr, ConnId>,
+    /// Which incarnation listens at each address dialed: the newest Hello's.
+    listeners: HashMap<SocketAddr, Incarnation>,
+    /// What each peer incarnation's Hello said.
+    peers: HashMap<Incarnation, PeerInfo>,
+    descriptors: P2pDirectory,
+    active: HashMap<(u16, EndpointId), Active<F::Qp>>,
+    by_key: HashMap<EndpointKey, EndpointId>,
+    /// Ids whose endpoint drained, per rail.
+    free_ids: Vec<(u16, EndpointId)>,
+    /// The next first epoch of each id that was used (epochs continue across occupants).
+    next_epochs: HashMap<(u16, EndpointId), Epoch>,
+    /// Handshakes waiting for their reply, by id.
+    handshakes: HashMap<u64, (u16, EndpointId)>,
+    passive: HashMap<WireKey, Passive<F::Connected>>,
+    waiting: Vec<Waiting>,
+    warnings: RateLimiter,
+    rng: SplitMix64,
+    actions: VecDeque<Action>,
+    /// Scratch for immediates taken from passive queue pairs.
+    immediates: Vec<u32>,
+}
+
+impl<F: RailFabric> Core<F> {
+    /// A core over `fabrics` (one per rail), drawing endpoint jitter and handshake ids from
+    /// `seed`.
+    pub(crate) fn new(
+        me: Identity,
+        policy: Policy,
+        warn: WarnLimit,
+        seed: u64,
+        fabrics: Vec<F>,
+        shared: Arc<ControlShared>,
+    ) -> Self {
+        Self {
+            rng: SplitMix64::new(seed ^ me.incarnation.0),
+            me,
+            policy,
+            shared,
+            fabrics,
+            conns: HashMap::new(),
+            next_conn: 0,
+            dialed: HashMap::new(),
+            listeners: HashMap::new(),
+            peers: HashMap::new(),
+            descriptors: P2pDirectory::new(),
+            active: HashMap::new(),
+            by_key: HashMap::new(),
+            free_ids: Vec::new(),
+            next_epochs: HashMap::new(),
+            handshakes: HashMap::new(),
+            passive: HashMap::new(),
+            waiting: Vec::new(),
+            warnings: RateLimiter::new(warn.window, warn.burst),
+            actions: VecDeque::new(),
+            immediates: Vec::new(),
+        }
+    }
+
+    /// The next thing the driver must do.
+    pub(crate) fn next_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// This process's segment descriptor as it stands.
+    pub(crate) fn local_descriptor(&self) -> SegmentDescriptor {
+        SegmentDescriptor {
+            name: self.me.name.clone(),
+            incarnation: self.me.incarnation,
+            handshake_addr: self.me.local_addr.to_string(),
+            rails: self.fabrics.iter().map(RailFabric::describe).collect(),
+            regions: self.shared.regions(),
+        }
+    }
+
+    /// Counts and rate-limits a warning; an admitted line becomes [`Action::Warn`].
+    pub(crate) fn warn(&mut self, kind: WarningKind, message: String, now: Instant) {
+        let counters = &self.shared.counters;
+        match self.warnings.admit(kind, &message, now) {
+            Some(line) => {
+                bump(&counters.warnings_printed);
+                self.actions.push_back(Action::Warn(line));
+            }
+            None => bump(&counters.warnings_suppressed),
+        }
+    }
+
+    fn send(&mut self, conn: ConnId, message: Message) {
+        self.actions.push_back(Action::Send { conn, message });
+    }
+
+    fn hello(&self) -> Message {
+        Message::Hello {
+            name: self.me.name.clone(),
+            incarnation: self.me.incarnation,
+            host: self.me.host,
+        }
+    }
+
+    // ---- connections -------------------------------------------------------------------
+
+    /// Whether the listener may take another connection: fewer than
+    /// [`Policy::max_connections`] accepted, fewer than [`Policy::max_handshakes`] of them
+    /// before their Hello.
+    pub(crate) fn may_accept(&self) -> bool {
+        let (mut accepted, mut handshaking) = (0, 0);
+        for conn in self.conns.values().filter(|conn| !conn.dialed) {
+            accepted += 1;
+            handshaking += usize::from(conn.peer.is_none());
+        }
+        accepted < self.policy.max_connections && handshaking < self.policy.max_handshakes
+    }
+
+    fn new_conn(&mut self, addr: SocketAddr, dialed: bool, now: Instant) -> ConnId {
+        let id = ConnId(self.next_conn);
+        self.next_conn += 1;
+        self.conns.insert(
+            id,
+            Conn {
+                addr,
+                dialed,
+                local_ip: None,
+                peer: None,
+                descriptor_pending: dialed,
+                opened: now,
+            },
+        );
+        id
+    }
+
+    /// The driver accepted a connection from `addr` on local address `local_ip`.
+    pub(crate) fn accepted(&mut self, addr: SocketAddr, local_ip: IpAddr, now: Instant) -> ConnId {
+        let conn = self.new_conn(addr, false, now);
+        if let Some(state) = self.conns.get_mut(&conn) {
+            state.local_ip = Some(local_ip);
+        }
+        conn
+    }
+
+    /// The driver started the dial of `conn` from local address `local_ip`.
+    pub(crate) fn dialed(&mut self, conn: ConnId, local_ip: IpAddr) {
+        if let Some(state) = self.conns.get_mut(&conn) {
+            state.local_ip = Some(local_ip);
+        }
+    }
+
+    /// The open dialed connection to `addr`, dialing it if there is none: Hello and
+    /// GetDescriptor go first.
+    fn conn_to(&mut self, addr: SocketAddr, now: Instant) -> ConnId {
+        if let Some(&conn) = self.dialed.get(&addr) {
+            return conn;
+        }
+        let conn = self.new_conn(addr, true, now);
+        self.dialed.insert(addr, conn);
+        self.actions.push_back(Action::Dial { conn, addr });
+        self.send(conn, self.hello());
+        self.send(conn, Message::GetDescriptor);
+        conn
+    }
+
+    /// The driver saw `conn` close or fail (`reason`): handshakes waiting on it fail.
+    pub(crate) fn closed(&mut self, conn: ConnId, reason: &str, now: Instant) {
+        let Some(state) = self.conns.remove(&conn) else {
+            return;
+        };
+        self.actions.push_back(Action::Close { conn });
+        if self.dialed.get(&state.addr) == Some(&conn) {
+            self.dialed.remove(&state.addr);
+        }
+        let (failed, still_waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|waiting| waiting.conn == conn);
+        self.waiting = still_waiting;
+        for waiting in failed {
+            let _ = waiting.reply.send(Err(ControlError::Unreachable {
+                addr: state.addr,
+                reason: reason.to_string(),
+            }));
+        }
+        let failing: Vec<(u16, EndpointId, Epoch)> = self
+            .active
+            .iter()
+            .filter_map(|(&(rail, id), active)| {
+                let pending = active.pending.as_ref()?;
+                (pending.conn == conn).then_some((rail, id, pending.epoch))
+            })
+            .collect();
+        for (rail, id, epoch) in failing {
+            self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
+        }
+    }
+
+    /// Closes `conn` for breaking a bound or the protocol: counted, and a rate-limited
+    /// warning names the peer.
+    pub(crate) fn refuse(&mut self, conn: ConnId, reason: &str, now: Instant) {
+        let Some(state) = self.conns.get(&conn) else {
+            return;
+        };
+        let who = match state
+            .peer
+            .and_then(|peer| self.peers.get(&peer).map(|p| (peer, p)))
+        {
+            Some((incarnation, info)) => format!("{} ({incarnation}) at {}", info.name, state.addr),
+            None => state.addr.to_string(),
+        };
+        bump(&self.shared.counters.connections_closed);
+        self.warn(
+            WarningKind::Connection,
+            format!("closing the connection of {who}: {reason}"),
+            now,
+        );
+        self.closed(conn, reason, now);
+    }
+
+    /// Sends Bye on every connection (the driver flushes them before stopping).
+    pub(crate) fn say_goodbye(&mut self) {
+        let conns: Vec<ConnId> = self.conns.keys().copied().collect();
+        for conn in conns {
+            self.send(conn, Message::Bye);
+        }
+    }
+
+    // ---- messages ----------------------------------------------------------------------
+
+    /// A whole message arrived on `conn`.
+    pub(crate) fn received(&mut self, conn: ConnId, message: Message, now: Instant) {
+        let Some(state) = self.conns.get(&conn) else {
+            return;
+        };
+        let speaker = state.peer;
+        if speaker.is_none() && !matches!(message, Message::Hello { .. } | Message::Bye) {
+            return self.refuse(conn, "a message before Hello", now);
+        }
+        match message {
+            Message::Hello {
+                name,
+                incarnation,
+                host,
+            } => self.on_hello(conn, name, incarnation, host, now),
+            Message::GetDescriptor => {
+                let descriptor = self.local_descriptor();
+                self.send(conn, Message::Descriptor(descriptor));
+            }
+            Message::Descriptor(descriptor) => self.on_descriptor(conn, descriptor, now),
+            Message::ConnectQp {
+                key,
+                epoch,
+                handshake,
+                side,
+            } => self.on_connect_qp(conn, key, epoch, handshake, &side, now),
+            Message::ConnectQpReply {
+                key,
+                epoch,
+                handshake,
+                result,
+            } => self.on_connect_reply(conn, key, epoch, handshake, result, now),
+            Message::RetireQp {
+                key,
+                epoch: _,
+                qp_num,
+            } => self.on_retire_qp(conn, key, qp_num),
+            Message::Notify { target, bytes } => self.on_notify(conn, target, bytes, now),
+            Message::Bye => self.closed(conn, "the peer said goodbye", now),
+        }
+    }
+
+    fn on_hello(
+        &mut self,
+        conn: ConnId,
+        name: String,
+        incarnation: Incarnation,
+        host: HostId,
+        now: Instant,
+    ) {
+        let Some(state) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        match state.peer {
+            Some(known) if known != incarnation => {
+                let reason = format!("a second Hello as {incarnation} after {known}");
+                return self.refuse(conn, &reason, now);
+            }
+            Some(_) => return,
+            None => state.peer = Some(incarnation),
+        }
+        let (dialed, addr) = (state.dialed, state.addr);
+        if !dialed {
+            self.send(conn, self.hello());
+        }
+        self.peers.insert(incarnation, PeerInfo { name, host });
+        if dialed {
+            self.listener_at(addr, incarnation, now);
+        }
+        self.resolve_waiting(now);
+    }
+
+    /// The one place a restart is detected: `incarnation` answered at `addr`, the address
+    /// of a handshake listener. If another incarnation listened there before, it is gone.
+    fn listener_at(&mut self, addr: SocketAddr, incarnation: Incarnation, now: Instant) {
+        match self.listeners.insert(addr, incarnation) {
+            Some(old) if old != incarnation => {
+                let name = self.peer_name(incarnation);
+                self.peer_replaced(old, incarnation, name, addr, now);
+            }
+            _ => {}
+        }
+    }
+
+    /// Everything of `old` goes: its active endpoints fail with `PeerRestarted`, its passive
+    /// queue pairs are dropped. Fresh endpoints to `new` at `addr`, on the same rails, take
+    /// the retired ones' place (an application that asks for the peer again gets them;
+    /// nothing meant for `old` ever reaches them).
+    fn peer_replaced(
+        &mut self,
+        old: Incarnation,
+        new: Incarnation,
+        name: String,
+        addr: SocketAddr,
+        now: Instant,
+    ) {
+        bump(&self.shared.counters.peer_restarts);
+        self.warn(
+            WarningKind::Retire,
+            format!(
+                "{old} no longer listens at {addr}: {name} ({new}) does; retiring its endpoints"
+            ),
+            now,
+        );
+        let stale: Vec<(u16, EndpointId, u16)> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.machine.key().peer == old && a.machine.phase() != Phase::Retired)
+            .map(|(&(rail, id), a)| (rail, id, a.machine.key().remote_rail))
+            .collect();
+        for &(rail, id, _) in &stale {
+            self.handle_input(rail, id, Input::PeerRestarted, now);
+        }
+        for (rail, _, remote_rail) in stale {
+            self.endpoint_for(name.clone(), new, addr, rail, remote_rail, now);
+        }
+        self.forget_incarnation(old);
+    }
+
+    /// The name `peer`'s Hello gave (empty if it never said Hello).
+    fn peer_name(&self, peer: Incarnation) -> String {
+        self.peers
+            .get(&peer)
+            .map_or_else(String::new, |info| info.name.clone())
+    }
+
+    /// Drops what this side keeps for a peer incarnation that is gone: its Hello, its
+    /// descriptor and the passive queue pairs it connected (teardowns).
+    fn forget_incarnation(&mut self, gone: Incarnation) {
+        self.peers.remove(&gone);
+        self.descriptors.forget(gone);
+        let before = self.passive.len();
+        self.passive.retain(|key, _| key.initiator != gone);
+        for _ in self.passive.len()..before {
+            bump(&self.shared.counters.teardowns);
+        }
+    }
+
+    fn on_descriptor(&mut self, conn: ConnId, descriptor: SegmentDescriptor, now: Instant) {
+        let Some(state) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let incarnation = descriptor.incarnation;
+        if state.peer != Some(incarnation) {
+            let reason = format!("a descriptor of {incarnation} from another incarnation");
+            return self.refuse(conn, &reason, now);
+        }
+        state.descriptor_pending = false;
+        let fresh = self.descriptors.record(descriptor);
+        for active in self.active.values() {
+            if active.machine.key().peer == incarnation {
+                active.view.set_descriptor(fresh.clone());
+            }
+        }
+        self.resolve_waiting(now);
+    }
+
+    fn on_notify(&mut self, conn: ConnId, target: Incarnation, bytes: Vec<u8>, now: Instant) {
+        let Some(from) = self.conns.get(&conn).and_then(|state| state.peer) else {
+            return;
+        };
+        let name = self.peer_name(from);
+        if target != self.me.incarnation {
+            bump(&self.shared.counters.notifications_refused);
+            let me = self.me.incarnation;
+            return self.warn(
+                WarningKind::Handshake,
+                format!(
+                    "refusing a notification from {name} ({from}) meant for {target}: this process is {me}"
+                ),
+                now,
+            );
+        }
+        self.shared.deliver([Notification {
+            from: name,
+            incarnation: from,
+            body: NotificationBody::Bytes(bytes),
+        }]);
+    }
+
+    /// The initiator of a passive queue pair retired it: drop it if it is still that one,
+    /// so nothing buffered from it executes. Only the initiator itself may say so.
+    fn on_retire_qp(&mut self, conn: ConnId, key: WireKey, qp_num: u32) {
+        let speaker = self.conns.get(&conn).and_then(|state| state.peer);
+        if speaker != Some(key.initiator) || key.target != self.me.incarnation {
+            return;
+        }
+        let still_that_one = self
+            .passive
+            .get(&key)
+            .is_some_and(|passive| passive.remote_qp_num == qp_num);
+        if let Some(passive) = still_that_one.then(|| self.passive.remove(&key)).flatten() {
+            self.revoke_passive(key, passive);
+        }
+    }
+
+    // ---- the target's side of a handshake ----------------------------------------------
+
+    /// What is known of the peer `incarnation` reached over `conn`.
+    fn link(&self, conn: ConnId, incarnation: Incarnation) -> PeerLink {
+        PeerLink {
+            same_host: self
+                .peers
+                .get(&incarnation)
+                .is_some_and(|peer| peer.host.same_host_as(&self.me.host)),
+            local_ip: self
+                .conns
+                .get(&conn)
+                .and_then(|state| state.local_ip)
+                .unwrap_or(self.me.local_addr.ip()),
+        }
+    }
+
+    fn on_connect_qp(
+        &mut self,
+        conn: ConnId,
+        key: WireKey,
+        epoch: u64,
+        handshake: u64,
+        side: &QpSide,
+        now: Instant,
+    ) {
+        let speaker = self.conns.get(&conn).and_then(|state| state.peer);
+        let result = if speaker == Some(key.initiator) {
+            let link = self.link(conn, key.initiator);
+            self.answer_connect_qp(key, side, &link)
+        } else {
+            bump(&self.shared.counters.refused);
+            let reason = format!(
+                "the queue pair is asked for {} on the connection of {}",
+                key.initiator,
+                speaker.map_or_else(|| "no one".into(), |s| s.to_string())
+            );
+            self.warn(WarningKind::Handshake, reason.clone(), now);
+            Err(reason)
+        };
+        self.send(
+            conn,
+            Message::ConnectQpReply {
+                key,
+                epoch,
+                handshake,
+                result,
+            },
+        );
+    }
+
+    fn answer_connect_qp(
+        &mut self,
+        key: WireKey,
+        side: &QpSide,
+        link: &PeerLink,
+    ) -> Result<QpSide, String> {
+        if key.target != self.me.incarnation {
+            bump(&self.shared.counters.refused);
+            return Err(format!(
+                "the queue pair is meant for incarnation {}, this process is {}",
+                key.target, self.me.incarnation
+            ));
+        }
+        let Some(fabric) = self.fabrics.get(usize::from(key.target_rail)) else {
+            bump(&self.shared.counters.refused);
+            return Err(format!(
+                "rail {} does not exist (this process has {})",
+                key.target_rail,
+                self.fabrics.len()
+            ));
+        };
+        if let Some(existing) = self.passive.get(&key) {
+            if existing.remote_qp_num == side.info.qp_num {
+                bump(&self.shared.counters.idempotent_replies);
+                return Ok(existing.local.clone());
+            }
+        }
+        let connected = fabric
+            .create_target_qp(link, side)
+            .and_then(|(qp, local)| Ok((fabric.connect_qp(qp, side)?, local)));
+        let (qp, local) = match connected {
+            Ok(connected) => connected,
+            Err(reason) => {
+                bump(&self.shared.counters.refused);
+                return Err(reason);
+            }
+        };
+        bump(&self.shared.counters.passive_qps);
+        self.count_fabric(&local);
+        let replaced = self.passive.insert(
+            key,
+            Passive {
+                qp,
+                remote_qp_num: side.info.qp_num,
+                local: local.clone(),
+            },
+        );
+        if replaced.is_some() {
+            bump(&self.shared.counters.teardowns);
+        }
+        Ok(local)
+    }
+
+    /// Counts a new queue pair by fabric (its side's attachment says which).
+    fn count_fabric(&self, side: &QpSide) {
+        if TcpAttachment::is_tcp(&side.attachment) {
+            bump(&self.shared.counters.tcp_qps);
+        }
+    }
+
+    // ---- the initiator's side of a handshake -------------------------------------------
+
+    fn on_connect_reply(
+        &mut self,
+        conn: ConnId,
+        key: WireKey,
+        epoch: u64,
+        handshake: u64,
+        result: Result<QpSide, String>,
+        now: Instant,
+    ) {
+        let speaker = self.conns.get(&conn).and_then(|state| state.peer);
+        let endpoint = self.handshakes.get(&handshake).copied();
+        let found = endpoint.and_then(|endpoint| Some((endpoint, self.active.get_mut(&endpoint)?)));
+        let me = self.me.incarnation;
+        let Some(((rail, id), active)) = found.filter(|(_, active)| {
+            let machine_key = active.machine.key();
+            let expected = WireKey {
+                initiator: me,
+                target: machine_key.peer,
+                initiator_rail: machine_key.local_rail,
+                target_rail: machine_key.remote_rail,
+            };
+            key == expected
+                && speaker == Some(machine_key.peer)
+                && active.pending.as_ref().is_some_and(|pending| {
+                    pending.handshake == handshake
+                        && pending.conn == conn
+                        && pending.epoch.get() == epoch
+                })
+        }) else {
+            bump(&self.shared.counters.stray_replies);
+            return;
+        };
+        self.handshakes.remove(&handshake);
+        let Some(pending) = active.pending.take() else {
+            return;
+        };
+        let epoch = pending.epoch;
+        let fabric = &self.fabrics[usize::from(rail)];
+        let outcome = result
+            .and_then(|side| fabric.connect_qp(pending.qp, &side))
+            .and_then(|connected| fabric.stage(id, epoch, connected));
+        match outcome {
+            Ok(()) => self.handle_input(rail, id, Input::HandshakeDone { epoch }, now),
+            Err(reason) => {
+                let peer = active.view.peer_name.clone();
+                let target = key.target;
+                self.warn(
+                    WarningKind::Handshake,
+                    format!("queue pair for {peer} ({target}) at {epoch} refused: {reason}"),
+                    now,
+                );
+                self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
+            }
+        }
+    }
+
+    /// Creates a queue pair for `epoch` and sends its ConnectQp with a fresh handshake id
+    /// (fetching the descriptor first on a reconnect, on the same ordered connection).
+    fn create_qp(&mut self, rail: u16, id: EndpointId, epoch: Epoch, now: Instant) {
+        let Some(active) = self.active.get(&(rail, id)) else {
+            return;
+        };
+        let (addr, key, peer) = (
+            active.addr,
+            active.machine.key(),
+            active.view.peer_name.clone(),
+        );
+        let reconnect = epoch != active.view.first_epoch;
+        let conn = self.conn_to(addr, now);
+        let link = self.link(conn, key.peer);
+        let (qp, side) = match self.fabrics[usize::from(rail)].create_qp(&link) {
+            Ok(created) => created,
+            Err(reason) => {
+                self.warn(
+                    WarningKind::Handshake,
+                    format!("cannot create a queue pair for {peer}: {reason}"),
+                    now,
+                );
+                return self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
+            }
+        };
+        bump(&self.shared.counters.active_qps);
+        self.count_fabric(&side);
+        // The queue pair this one replaces is out of service for good.
+        self.announce_retired_qp(rail, id, None);
+        let qp_num = side.info.qp_num;
+        if reconnect {
+            bump(&self.shared.counters.reconnects);
+            self.warn(
+                WarningKind::Reconnect,
+                format!("reconnecting to {peer} ({}) at {epoch}", key.peer),
+                now,
+            );
+            self.descriptors.invalidate(key.peer);
+            if let Some(state) = self.conns.get_mut(&conn) {
+                state.descriptor_pending = true;
+            }
+            self.send(conn, Message::GetDescriptor);
+        }
+        let handshake = self.rng.next_u64();
+        self.send(
+            conn,
+            Message::ConnectQp {
+                key: WireKey {
+                    initiator: self.me.incarnation,
+                    target: key.peer,
+                    initiator_rail: key.local_rail,
+                    target_rail: key.remote_rail,
+                },
+                epoch: epoch.get(),
+                handshake,
+                side,
+            },
+        );
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        if let Some(replaced) = active.pending.replace(Pending {
+            epoch,
+            handshake,
+            conn,
+            qp,
+        }) {
+            self.handshakes.remove(&replaced.handshake);
+        }
+        active.offered = Some((epoch, qp_num));
+        self.handshakes.insert(handshake, (rail, id));
+    }
+
+    /// Tells the target that our queue pair of `epoch` (or any, with `None`) for endpoint
+    /// `id` is out of service, so that it executes nothing more it buffered from it.
+    fn announce_retired_qp(&mut self, rail: u16, id: EndpointId, epoch: Option<Epoch>) {
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        let Some((offered_epoch, qp_num)) = active.offered else {
+            return;
+        };
+        if epoch.is_some_and(|epoch| epoch != offered_epoch) {
+            return;
+        }
+        active.offered = None;
+        let key = active.machine.key();
+        let message = Message::RetireQp {
+            key: WireKey {
+                initiator: self.me.incarnation,
+                target: key.peer,
+                initiator_rail: key.local_rail,
+                target_rail: key.remote_rail,
+            },
+            epoch: offered_epoch.get(),
+            qp_num,
+        };
+        if let Some(&conn) = self.dialed.get(&active.addr) {
+            self.send(conn, message);
+        }
+    }
+
+    // ---- application requests ----------------------------------------------------------
+
+    /// The application wants an endpoint from `local_rail` to `remote_rail` of the process
+    /// listening at `addr`; the answer goes to `reply` once its Hello and descriptor are in.
+    pub(crate) fn connect(
+        &mut self,
+        addr: SocketAddr,
+        local_rail: u16,
+        remote_rail: u16,
+        reply: Sender<Result<Arc<EndpointView>, ControlError>>,
+        now: Instant,
+    ) {
+        if usize::from(local_rail) >= self.fabrics.len() {
+            let _ = reply.send(Err(ControlError::UnknownRail {
+                rail: local_rail,
+                rails: self.fabrics.len(),
+            }));
+            return;
+        }
+        let conn = self.conn_to(addr, now);
+        self.waiting.push(Waiting {
+            conn,
+            local_rail,
+            remote_rail,
+            reply,
+            deadline: now + self.policy.connect_timeout,
+        });
+        self.resolve_waiting(now);
+    }
+
+    /// The application retires an endpoint.
+    pub(crate) fn retire(&mut self, rail: u16, id: EndpointId, now: Instant) {
+        self.handle_input(rail, id, Input::Retire, now);
+    }
+
+    /// Sends `bytes` to incarnation `target` at `addr`.
+    pub(crate) fn notify(
+        &mut self,
+        addr: SocketAddr,
+        target: Incarnation,
+        bytes: Vec<u8>,
+        now: Instant,
+    ) {
+        let conn = self.conn_to(addr, now);
+        self.send(conn, Message::Notify { target, bytes });
+        bump(&self.shared.counters.notifications_sent);
+    }
+
+    /// A cluster directory saw `name` change: the same consequences as when a dialed
+    /// address answers with a new incarnation; for a peer that is simply gone, its
+    /// endpoints retire with `PeerUnavailable` (nothing waits for a transport timeout).
+    pub(crate) fn peer_changed(&mut self, name: &str, change: PeerChange, now: Instant) {
+        match change {
+            PeerChange::Restarted { old, new, addr } => {
+                let known = self.peers.contains_key(&old)
+                    || self.active.values().any(|a| {
+                        a.machine.key().peer == old && a.machine.phase() != Phase::Retired
+                    });
+                self.listeners.insert(addr, new);
+                if known {
+                    self.peer_replaced(old, new, name.to_string(), addr, now);
+                }
+            }
+            PeerChange::Gone { incarnation } => {
+                let gone: Vec<(u16, EndpointId)> = self
+                    .active
+                    .iter()
+                    .filter(|(_, a)| {
+                        a.machine.key().peer == incarnation && a.machine.phase() != Phase::Retired
+                    })
+                    .map(|(&key, _)| key)
+                    .collect();
+                if !gone.is_empty() {
+                    self.warn(
+                        WarningKind::Retire,
+                        format!(
+                            "peer {name} ({incarnation}) left the directory; retiring its endpoints"
+                        ),
+                        now,
+                    );
+                }
+                for (rail, id) in gone {
+                    self.handle_input(rail, id, Input::PeerGone, now);
+                }
+                self.forget_incarnation(incarnation);
+            }
+        }
+    }
+
+    /// Takes every passive queue pair of `peer` out of service.
+    pub(crate) fn revoke(&mut self, peer: Incarnation) -> Vec<Revocation> {
+        let keys: Vec<WireKey> = self
+            .passive
+            .keys()
+            .filter(|key| key.initiator == peer)
+            .copied()
+            .collect();
+        keys.into_iter()
+            .filter_map(|key| {
+                let passive = self.passive.remove(&key)?;
+                Some(self.revoke_passive(key, passive))
+            })
+            .collect()
+    }
+
+    fn revoke_passive(&mut self, key: WireKey, mut passive: Passive<F::Connected>) -> Revocation {
+        bump(&self.shared.counters.passive_retired);
+        // Immediates that arrived before are the application's: deliver them first.
+        let _ = self.deliver_immediates(key, &mut passive.qp);
+        match self.fabrics.get(usize::from(key.target_rail)) {
+            Some(fabric) => fabric.revoke(passive.qp),
+            // Unreachable: passive queue pairs exist only on rails that exist.
+            None => Revocation::done(),
+        }
+    }
+
+    // ---- endpoints ---------------------------------------------------------------------
+
+    /// Turns connects whose peer is known into endpoints.
+    fn resolve_waiting(&mut self, now: Instant) {
+        let mut still_waiting = Vec::new();
+        for waiting in std::mem::take(&mut self.waiting) {
+            let known = self.conns.get(&waiting.conn).and_then(|conn| {
+                let incarnation = conn.peer?;
+                (!conn.descriptor_pending).then_some((incarnation, conn.addr))
+            });
+            match known {
+                Some((incarnation, addr)) => {
+                    let name = self.peer_name(incarnation);
+                    let view = self.endpoint_for(
+                        name,
+                        incarnation,
+                        addr,
+                        waiting.local_rail,
+                        waiting.remote_rail,
+                        now,
+                    );
+                    let _ = waiting.reply.send(Ok(view));
+                }
+                None => still_waiting.push(waiting),
+            }
+        }
+        self.waiting = still_waiting;
+    }
+
+    fn expire_waiting(&mut self, now: Instant) {
+        let (expired, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|w| now >= w.deadline);
+        self.waiting = kept;
+        for waiting in expired {
+            let addr = self
+                .conns
+                .get(&waiting.conn)
+                .map_or(self.me.local_addr, |c| c.addr);
+            let _ = waiting.reply.send(Err(ControlError::Unreachable {
+                addr,
+                reason: "no handshake within the connect timeout".into(),
+            }));
+        }
+    }
+
+    /// The endpoint for a peer incarnation and rails, created if new.
+    fn endpoint_for(
+        &mut self,
+        peer_name: String,
+        incarnation: Incarnation,
+        addr: SocketAddr,
+        local_rail: u16,
+        remote_rail: u16,
+        now: Instant,
+    ) -> Arc<EndpointView> {
+        let key = EndpointKey {
+            peer: incarnation,
+            local_rail,
+            remote_rail,
+        };
+        if let Some(id) = self.by_key.get(&key) {
+            if let Some(active) = self.active.get(&(local_rail, *id)) {
+                if active.machine.phase() != Phase::Retired {
+                    return active.view.clone();
+                }
+            }
+        }
+        let id = match self
+            .free_ids
+            .iter()
+            .position(|&(rail, _)| rail == local_rail)
+        {
+            Some(position) => self.free_ids.swap_remove(position).1,
+            None => EndpointId(self.shared.endpoint_slots(local_rail) as u32),
+        };
+        let first_epoch = self
+            .next_epochs
+            .get(&(local_rail, id))
+            .copied()
+            .unwrap_or(Epoch::FIRST);
+        let view = Arc::new(EndpointView::new(
+            id,
+            key,
+            peer_name,
+            first_epoch,
+            self.descriptors.lookup(incarnation),
+        ));
+        self.shared.publish(local_rail, id, Some(view.clone()));
+        let seed = self.rng.next_u64();
+        let mut machine = Endpoint::new(key, self.policy.clone(), SplitMix64::new(seed));
+        machine.start_at(first_epoch);
+        self.by_key.insert(key, id);
+        self.active.insert(
+            (local_rail, id),
+            Active {
+                machine,
+                view: view.clone(),
+                addr,
+                pending: None,
+                offered: None,
+            },
+        );
+        self.handle_input(local_rail, id, Input::ConnectWanted, now);
+        view
+    }
+
+    /// A poller reported `event` on rail `rail`.
+    pub(crate) fn poller_event(&mut self, rail: u16, event: Event, now: Instant) {
+        match event {
+            Event::QpFailed {
+                endpoint,
+                epoch,
+                status,
+            } => {
+                self.announce_retired_qp(rail, endpoint, Some(epoch));
+                self.handle_input(rail, endpoint, Input::QpError { epoch, status }, now);
+            }
+            Event::QpFatal { endpoint, epoch } => {
+                self.announce_retired_qp(rail, endpoint, Some(epoch));
+                self.handle_input(rail, endpoint, Input::QpFatal { epoch }, now);
+            }
+            Event::ConnectFailed {
+                endpoint, epoch, ..
+            } => {
+                self.announce_retired_qp(rail, endpoint, Some(epoch));
+                self.handle_input(rail, endpoint, Input::HandshakeFailed { epoch }, now);
+            }
+            Event::Confirmed { endpoint, epoch } => {
+                self.handle_input(rail, endpoint, Input::Confirmed { epoch }, now);
+            }
+            Event::EndpointDrained { endpoint } => self.drained(rail, endpoint),
+            _ => {}
+        }
+    }
+
+    /// A retired endpoint has nothing in flight: its id may be reused.
+    fn drained(&mut self, rail: u16, id: EndpointId) {
+        let Some(active) = self.active.get(&(rail, id)) else {
+            return;
+        };
+        if active.machine.phase() != Phase::Retired {
+            return;
+        }
+        let next = active.machine.epoch().map_or(Epoch::FIRST, Epoch::next);
+        let key = active.machine.key();
+        self.active.remove(&(rail, id));
+        if self.by_key.get(&key) == Some(&id) {
+            self.by_key.remove(&key);
+        }
+        self.next_epochs.insert((rail, id), next);
+        self.shared.publish(rail, id, None);
+        self.free_ids.push((rail, id));
+    }
+
+    /// Timers: endpoint deadlines, connects waiting too long, accepted connections silent
+    /// past the connect timeout; then the immediates that arrived on passive queue pairs.
+    pub(crate) fn tick(&mut self, now: Instant) {
+        let due: Vec<(u16, EndpointId)> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.machine.next_timeout().is_some_and(|t| t <= now))
+            .map(|(&k, _)| k)
+            .collect();
+        for (rail, id) in due {
+            if let Some(active) = self.active.get_mut(&(rail, id)) {
+                active.machine.handle_timeout(now);
+            }
+            self.drive(rail, id, now);
+        }
+        self.expire_waiting(now);
+        let silent: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| {
+                c.peer.is_none() && now.duration_since(c.opened) > self.policy.connect_timeout
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for conn in silent {
+            self.closed(conn, "no handshake within the connect timeout", now);
+        }
+        self.take_immediates(now);
+    }
+
+    fn handle_input(&mut self, rail: u16, id: EndpointId, input: Input, now: Instant) {
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        active.machine.handle(input, now);
+        self.drive(rail, id, now);
+    }
+
+    /// Carries out an endpoint's outputs, then cancels a handshake it no longer waits for.
+    fn drive(&mut self, rail: u16, id: EndpointId, now: Instant) {
+        loop {
+            let Some(active) = self.active.get_mut(&(rail, id)) else {
+                return;
+            };
+            active.view.set_phase(active.machine.phase());
+            let Some(output) = active.machine.poll_output() else {
+                break;
+            };
+            match output {
+                Output::CreateQp { epoch } => self.create_qp(rail, id, epoch, now),
+                Output::ConnectQp { epoch } => {
+                    let view = active.view.clone();
+                    self.actions
+                        .push_back(Action::AddEndpoint { rail, view, epoch });
+                }
+                Output::RefreshDescriptor => {
+                    let (addr, peer) = (active.addr, active.machine.key().peer);
+                    self.descriptors.invalidate(peer);
+                    if let Some(&conn) = self.dialed.get(&addr) {
+                        if let Some(state) = self.conns.get_mut(&conn) {
+                            state.descriptor_pending = true;
+                        }
+                        self.send(conn, Message::GetDescriptor);
+                    }
+                }
+                Output::RetireEndpoint { reason } => {
+                    bump(&self.shared.counters.teardowns);
+                    let peer = active.view.peer_name.clone();
+                    let incarnation = active.machine.key().peer;
+                    self.actions.push_back(Action::Command {
+                        rail,
+                        command: Command::RetireEndpoint {
+                            endpoint: id,
+                            reason,
+                        },
+                    });
+                    self.warn(
+                        WarningKind::Retire,
+                        format!("endpoint {id:?} to {peer} ({incarnation}) retired: {reason}"),
+                        now,
+                    );
+                    self.announce_retired_qp(rail, id, None);
+                }
+                Output::OpenCircuit => {
+                    bump(&self.shared.counters.circuit_openings);
+                    let peer = active.view.peer_name.clone();
+                    self.actions.push_back(Action::Command {
+                        rail,
+                        command: Command::SetCircuit {
+                            endpoint: id,
+                            open: true,
+                        },
+                    });
+                    self.warn(
+                        WarningKind::Circuit,
+                        format!("circuit to {peer} opened: it fails fast with PeerUnavailable"),
+                        now,
+                    );
+                }
+                Output::CloseCircuit => {
+                    self.actions.push_back(Action::Command {
+                        rail,
+                        command: Command::SetCircuit {
+                            endpoint: id,
+                            open: false,
+                        },
+                    });
+                }
+            }
+        }
+        self.cancel_abandoned_handshake(rail, id);
+    }
+
+    /// An endpoint that is no longer connecting at its pending handshake's epoch (retired,
+    /// timed out, moved on) cancels it: a late reply finds no one waiting.
+    fn cancel_abandoned_handshake(&mut self, rail: u16, id: EndpointId) {
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        let waiting_for_it = active.pending.as_ref().is_some_and(|pending| {
+            active.machine.phase() == Phase::Connecting
+                && active.machine.epoch() == Some(pending.epoch)
+        });
+        if !waiting_for_it {
+            if let Some(abandoned) = active.pending.take() {
+                self.handshakes.remove(&abandoned.handshake);
+            }
+        }
+    }
+
+    // ---- immediates --------------------------------------------------------------------
+
+    /// Turns the immediates that arrived on passive queue pairs into notifications; drops
+    /// passive queue pairs that broke (their initiator sees its side fail and reconnects).
+    fn take_immediates(&mut self, now: Instant) {
+        let keys: Vec<WireKey> = self.passive.keys().copied().collect();
+        for key in keys {
+            let Some(mut passive) = self.passive.remove(&key) else {
+                continue;
+            };
+            match self.deliver_immediates(key, &mut passive.qp) {
+                Ok(()) => {
+                    self.passive.insert(key, passive);
+                }
+                Err(reason) => {
+                    bump(&self.shared.counters.teardowns);
+                    self.warn(
+                        WarningKind::Handshake,
+                        format!(
+                            "dropping the queue pair for {} rail {}: {reason}",
+                            key.initiator, key.initiator_rail
+                        ),
+                        now,
+                    );
+                }
+            }
+        }
+    }
+
+    /// Queues the immediates that arrived on `qp` (the passive queue pair of `key`) as
+    /// notifications.
+    ///
+    /// # Errors
+    /// The fabric's reason when the queue pair is broken.
+    fn deliver_immediates(&mut self, key: WireKey, qp: &mut F::Connected) -> Result<(), String> {
+        let Some(fabric) = self.fabrics.get(usize::from(key.target_rail)) else {
+            return Ok(());
+        };
+        self.immediates.clear();
+        let taken = fabric.take_immediates(qp, &mut self.immediates);
+        if !self.immediates.is_empty() {
+            let from = self.peer_name(key.initiator);
+            self.shared
+                .deliver(self.immediates.iter().map(|&imm| Notification {
+                    from: from.clone(),
+                    incarnation: key.initiator,
+                    body: NotificationBody::Immediate(imm),
+                }));
+        }
+        taken
+    }
+}
+
+/// What a cluster directory learned about a peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeerChange {
+    /// `old` was replaced by `new`, which listens at `addr`.
+    Restarted {
+        /// The incarnation that is gone.
+        old: Incarnation,
+        /// The one that replaced it.
+        new: Incarnation,
+        /// The new one's handshake address.
+        addr: SocketAddr,
+    },
+    /// `incarnation` is gone and nothing replaced it.
+    Gone {
+        /// The incarnation that is gone.
+        incarnation: Incarnation,
+    },
+}
+
+#[cfg(test)]
+#[path = "handshake_tests.rs"]
+mod tests;

@@ -1,0 +1,835 @@
+//! The handshake core on virtual time: several processes' cores wired together by an
+//! in-memory network whose deliveries a test can hold back and reorder, over a fake fabric
+//! that records which queue pair each endpoint was handed.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use railyard_dataplane::fabric::{QpInfo, WcStatus};
+use railyard_dataplane::{Command, EndpointId, Epoch, Event};
+
+use super::*;
+use crate::descriptor::RailDescriptor;
+use crate::shared::ControlShared;
+
+/// Who owns every fake queue pair, and what each process staged.
+#[derive(Default)]
+struct Registry {
+    next_qp: u32,
+    owner: HashMap<u32, Incarnation>,
+    /// (staging process, endpoint, epoch, the remote queue pair it is connected to).
+    staged: Vec<(Incarnation, EndpointId, Epoch, u32)>,
+    revoked: Vec<u32>,
+}
+
+#[derive(Clone)]
+struct FakeFabric {
+    registry: Arc<Mutex<Registry>>,
+    owner: Incarnation,
+}
+
+impl FakeFabric {
+    fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn new_qp(&self) -> (u32, QpSide) {
+        let mut registry = self.registry();
+        registry.next_qp += 1;
+        let qp_num = registry.next_qp;
+        registry.owner.insert(qp_num, self.owner);
+        let side = QpSide {
+            info: QpInfo {
+                qp_num,
+                lid: 0,
+                gid: [0; 16],
+                psn: 0,
+                path_mtu: 4096,
+            },
+            attachment: Vec::new(),
+        };
+        (qp_num, side)
+    }
+}
+
+impl RailFabric for FakeFabric {
+    type Qp = u32;
+    type Connected = (u32, u32);
+
+    fn create_qp(&self, _link: &PeerLink) -> Result<(u32, QpSide), String> {
+        Ok(self.new_qp())
+    }
+
+    fn create_target_qp(
+        &self,
+        _link: &PeerLink,
+        _initiator: &QpSide,
+    ) -> Result<(u32, QpSide), String> {
+        Ok(self.new_qp())
+    }
+
+    fn take_immediates(&self, _qp: &mut (u32, u32), _out: &mut Vec<u32>) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn connect_qp(&self, qp: u32, remote: &QpSide) -> Result<(u32, u32), String> {
+        Ok((qp, remote.info.qp_num))
+    }
+
+    fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: (u32, u32)) -> Result<(), String> {
+        let owner = self.owner;
+        self.registry().staged.push((owner, endpoint, epoch, qp.1));
+        Ok(())
+    }
+
+    fn revoke(&self, qp: (u32, u32)) -> Revocation {
+        self.registry().revoked.push(qp.0);
+        Revocation::done()
+    }
+
+    fn describe(&self) -> RailDescriptor {
+        RailDescriptor {
+            name: "fake".into(),
+            fabric: 0,
+            tcp_port: 0,
+        }
+    }
+}
+
+struct Proc {
+    core: Core<FakeFabric>,
+    shared: Arc<ControlShared>,
+    addr: SocketAddr,
+    incarnation: Incarnation,
+    commands: Vec<(u16, Command)>,
+    warnings: Vec<String>,
+    /// Whether the process is still up (a crashed one drops what reaches it).
+    up: bool,
+}
+
+type Delivery = (usize, ConnId, Message);
+
+/// Processes and the in-memory network between them.
+struct Net {
+    procs: Vec<Proc>,
+    links: HashMap<(usize, ConnId), (usize, ConnId)>,
+    wire: VecDeque<Delivery>,
+    held: Vec<Delivery>,
+    now: Instant,
+    registry: Arc<Mutex<Registry>>,
+    next_port: u16,
+}
+
+const NAME: &str = "decode";
+
+fn policy() -> Policy {
+    Policy {
+        backoff_min: Duration::from_millis(1),
+        ..Policy::default()
+    }
+}
+
+impl Net {
+    fn new() -> Self {
+        Self {
+            procs: Vec::new(),
+            links: HashMap::new(),
+            wire: VecDeque::new(),
+            held: Vec::new(),
+            now: Instant::now(),
+            registry: Arc::default(),
+            next_port: 40_000,
+        }
+    }
+
+    /// Starts a process named `name` listening at `addr` with `rails` rails.
+    fn spawn(&mut self, name: &str, addr: SocketAddr, incarnation: u64, rails: usize) -> usize {
+        let incarnation = Incarnation(incarnation);
+        let shared = ControlShared::new(rails);
+        let fabrics = (0..rails)
+            .map(|_| FakeFabric {
+                registry: self.registry.clone(),
+                owner: incarnation,
+            })
+            .collect();
+        let core = Core::new(
+            Identity {
+                name: name.into(),
+                incarnation,
+                local_addr: addr,
+                host: HostId::default(),
+            },
+            policy(),
+            WarnLimit {
+                burst: 1000,
+                window: Duration::from_secs(1),
+            },
+            incarnation.0,
+            fabrics,
+            shared.clone(),
+        );
+        self.procs.push(Proc {
+            core,
+            shared,
+            addr,
+            incarnation,
+            commands: Vec::new(),
+            warnings: Vec::new(),
+            up: true,
+        });
+        self.procs.len() - 1
+    }
+
+    /// A process crashes: its connections reset (the peers see them close).
+    fn crash(&mut self, index: usize) {
+        self.procs[index].up = false;
+        let links: Vec<((usize, ConnId), (usize, ConnId))> = self
+            .links
+            .iter()
+            .filter(|((from, _), _)| *from == index)
+            .map(|(a, b)| (*a, *b))
+            .collect();
+        for (mine, (peer, conn)) in links {
+            self.links.remove(&mine);
+            self.links.remove(&(peer, conn));
+            let now = self.now;
+            self.procs[peer].core.closed(conn, "reset", now);
+        }
+        self.wire.retain(|(to, _, _)| *to != index);
+    }
+
+    /// Carries out every process's actions.
+    fn pump(&mut self) {
+        for index in 0..self.procs.len() {
+            while let Some(action) = self.procs[index].core.next_action() {
+                self.carry_out(index, action);
+            }
+        }
+    }
+
+    fn carry_out(&mut self, index: usize, action: Action) {
+        let now = self.now;
+        match action {
+            Action::Dial { conn, addr } => {
+                let listener = self
+                    .procs
+                    .iter()
+                    .position(|proc| proc.up && proc.addr == addr);
+                let Some(target) = listener else {
+                    return self.procs[index].core.closed(conn, "refused", now);
+                };
+                self.next_port += 1;
+                let from = SocketAddr::new(self.procs[index].addr.ip(), self.next_port);
+                let accepted = self.procs[target].core.accepted(from, addr.ip(), now);
+                self.links.insert((index, conn), (target, accepted));
+                self.links.insert((target, accepted), (index, conn));
+                let ip = self.procs[index].addr.ip();
+                self.procs[index].core.dialed(conn, ip);
+            }
+            Action::Send { conn, message } => {
+                if let Some(&(to, their_conn)) = self.links.get(&(index, conn)) {
+                    self.wire.push_back((to, their_conn, message));
+                }
+            }
+            Action::Close { conn } => {
+                if let Some((peer, their_conn)) = self.links.remove(&(index, conn)) {
+                    self.links.remove(&(peer, their_conn));
+                    self.procs[peer].core.closed(their_conn, "closed", now);
+                }
+            }
+            Action::Command { rail, command } => self.procs[index].commands.push((rail, command)),
+            Action::AddEndpoint { rail, view, epoch } => {
+                view.set_epoch(epoch);
+                self.procs[index].commands.push((
+                    rail,
+                    Command::AddEndpoint {
+                        endpoint: view.id,
+                        epoch,
+                    },
+                ));
+            }
+            Action::Warn(line) => self.procs[index].warnings.push(line),
+        }
+    }
+
+    /// Delivers until nothing moves; messages `hold` picks are kept back instead.
+    fn settle_holding(&mut self, hold: impl Fn(usize, &Message) -> bool) {
+        for _ in 0..10_000 {
+            self.pump();
+            let Some((to, conn, message)) = self.wire.pop_front() else {
+                return;
+            };
+            if hold(to, &message) {
+                self.held.push((to, conn, message));
+                continue;
+            }
+            let now = self.now;
+            if self.procs[to].up {
+                self.procs[to].core.received(conn, message, now);
+            }
+        }
+        panic!("the network did not settle");
+    }
+
+    fn settle(&mut self) {
+        self.settle_holding(|_, _| false);
+    }
+
+    /// Delivers the held message `position` now.
+    fn release(&mut self, position: usize) {
+        let (to, conn, message) = self.held.remove(position);
+        let now = self.now;
+        self.procs[to].core.received(conn, message, now);
+    }
+
+    fn advance(&mut self, by: Duration) {
+        self.now += by;
+        let now = self.now;
+        for proc in &mut self.procs {
+            proc.core.tick(now);
+        }
+    }
+
+    /// Asks process `index` for an endpoint to `addr`, rails 0 → 0.
+    fn connect(
+        &mut self,
+        index: usize,
+        addr: SocketAddr,
+    ) -> Receiver<Result<Arc<EndpointView>, ControlError>> {
+        let (reply, answer) = mpsc::channel();
+        let now = self.now;
+        self.procs[index].core.connect(addr, 0, 0, reply, now);
+        answer
+    }
+
+    /// What process `index` staged: (endpoint's peer, owner of the remote queue pair).
+    fn staged_by(&self, index: usize) -> Vec<(EndpointId, Epoch, Incarnation, Incarnation)> {
+        let me = self.procs[index].incarnation;
+        let registry = self.registry.lock().unwrap_or_else(PoisonError::into_inner);
+        registry
+            .staged
+            .iter()
+            .filter(|(owner, ..)| *owner == me)
+            .map(|&(_, endpoint, epoch, remote)| {
+                let meant = self.procs[index]
+                    .shared
+                    .view(0, endpoint)
+                    .map_or(Incarnation(0), |view| view.key.peer);
+                (endpoint, epoch, meant, registry.owner[&remote])
+            })
+            .collect()
+    }
+
+    fn retired_endpoints(&self, index: usize) -> usize {
+        self.procs[index]
+            .commands
+            .iter()
+            .filter(|(_, command)| matches!(command, Command::RetireEndpoint { .. }))
+            .count()
+    }
+
+    fn stats(&self, index: usize) -> crate::shared::ControlStats {
+        self.procs[index].shared.stats()
+    }
+}
+
+fn addr(host: u8, port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, host)), port)
+}
+
+fn ready(answer: &Receiver<Result<Arc<EndpointView>, ControlError>>) -> Arc<EndpointView> {
+    let view = answer
+        .try_recv()
+        .expect("answered")
+        .expect("an endpoint, not an error");
+    assert_eq!(view.phase(), Phase::Ready, "{view:?}");
+    view
+}
+
+/// Every queue pair a process staged is connected to a queue pair of the peer its endpoint
+/// is for.
+fn assert_no_crossed_queue_pairs(net: &Net, index: usize) {
+    let staged = net.staged_by(index);
+    assert!(!staged.is_empty());
+    for (endpoint, epoch, meant, connected_to) in staged {
+        assert_eq!(
+            meant, connected_to,
+            "endpoint {endpoint:?} at {epoch} was handed a queue pair connected to {connected_to}, \
+             but it is for {meant}"
+        );
+    }
+}
+
+#[test]
+fn two_live_processes_with_one_name_are_two_peers() {
+    let mut net = Net::new();
+    let first = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let second = net.spawn(NAME, addr(1, 7001), 12, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let to_first = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let to_second = net.connect(prefill, addr(1, 7001));
+    net.settle();
+    let (a, b) = (ready(&to_first), ready(&to_second));
+    assert_eq!(a.key.peer, Incarnation(11));
+    assert_eq!(b.key.peer, Incarnation(12));
+    assert_eq!(
+        a.phase(),
+        Phase::Ready,
+        "the second peer did not retire the first"
+    );
+    assert_eq!(net.retired_endpoints(prefill), 0);
+    assert_eq!(net.stats(prefill).peer_restarts, 0);
+    assert_eq!(net.stats(first).passive_qps, 1);
+    assert_eq!(net.stats(second).passive_qps, 1);
+    assert_eq!(
+        a.descriptor().map(|d| d.incarnation),
+        Some(Incarnation(11)),
+        "each endpoint sees its own peer's descriptor"
+    );
+    assert_eq!(b.descriptor().map(|d| d.incarnation), Some(Incarnation(12)));
+    assert_no_crossed_queue_pairs(&net, prefill);
+}
+
+#[test]
+fn a_new_incarnation_at_the_same_address_replaces_the_old_one() {
+    let mut net = Net::new();
+    let old = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let view = ready(&answer);
+    net.crash(old);
+    net.settle();
+    // A process with another name takes the port; the initiator dials it again.
+    net.spawn("someone-else", addr(1, 7000), 13, 1);
+    let again = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    assert_eq!(view.phase(), Phase::Retired);
+    assert_eq!(net.stats(prefill).peer_restarts, 1);
+    let fresh = ready(&again);
+    assert_eq!(fresh.key.peer, Incarnation(13));
+    assert_no_crossed_queue_pairs(&net, prefill);
+}
+
+#[test]
+fn replies_cannot_cross_between_peers_opened_at_once() {
+    let mut net = Net::new();
+    let b = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let c = net.spawn(NAME, addr(1, 7001), 12, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let to_b = net.connect(prefill, addr(1, 7000));
+    let to_c = net.connect(prefill, addr(1, 7001));
+    // Both endpoints wait at epoch 1 on the same rails; hold both replies and let C's in
+    // first — the old matcher (rails and epoch only) gave it to whichever endpoint the
+    // map yielded first.
+    net.settle_holding(|to, message| to == 2 && matches!(message, Message::ConnectQpReply { .. }));
+    assert_eq!(net.held.len(), 2);
+    let c_first = net
+        .held
+        .iter()
+        .position(|(_, _, message)| {
+            matches!(message, Message::ConnectQpReply { key, .. } if key.target == Incarnation(12))
+        })
+        .expect("C's reply");
+    net.release(c_first);
+    net.release(0);
+    net.settle();
+    let (view_b, view_c) = (ready(&to_b), ready(&to_c));
+    assert_eq!(
+        (view_b.key.peer, view_c.key.peer),
+        (Incarnation(11), Incarnation(12))
+    );
+    assert_no_crossed_queue_pairs(&net, prefill);
+    assert_eq!(net.stats(prefill).stray_replies, 0);
+    let _ = (b, c);
+}
+
+#[test]
+fn a_reply_on_another_connection_or_with_another_id_is_stray() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    net.spawn(NAME, addr(1, 7001), 12, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let to_b = net.connect(prefill, addr(1, 7000));
+    let to_c = net.connect(prefill, addr(1, 7001));
+    net.settle_holding(|to, message| to == 2 && matches!(message, Message::ConnectQpReply { .. }));
+    let position = |net: &Net, target: u64| {
+        net.held
+            .iter()
+            .position(|(_, _, message)| {
+                matches!(message, Message::ConnectQpReply { key, .. } if key.target == Incarnation(target))
+            })
+            .expect("held")
+    };
+    // C's reply, delivered on B's connection: refused whatever it says.
+    let (_, b_conn, _) = net.held[position(&net, 11)].clone();
+    let (_, _, c_reply) = net.held[position(&net, 12)].clone();
+    let now = net.now;
+    net.procs[prefill]
+        .core
+        .received(b_conn, c_reply.clone(), now);
+    // B's connection, B's key, but a handshake id nobody waits for.
+    let Message::ConnectQpReply {
+        key, epoch, result, ..
+    } = net.held[position(&net, 11)].2.clone()
+    else {
+        unreachable!("held replies only");
+    };
+    let forged = Message::ConnectQpReply {
+        key,
+        epoch,
+        handshake: 0xdead_beef,
+        result,
+    };
+    net.procs[prefill].core.received(b_conn, forged, now);
+    assert_eq!(net.stats(prefill).stray_replies, 2);
+    assert!(net.staged_by(prefill).is_empty(), "nothing was staged");
+    // The genuine replies still connect both.
+    while !net.held.is_empty() {
+        net.release(0);
+    }
+    net.settle();
+    ready(&to_b);
+    ready(&to_c);
+    assert_no_crossed_queue_pairs(&net, prefill);
+}
+
+#[test]
+fn a_retired_endpoint_cancels_its_handshake_and_swallows_no_other_reply() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    net.spawn(NAME, addr(1, 7001), 12, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let to_b = net.connect(prefill, addr(1, 7000));
+    let to_c = net.connect(prefill, addr(1, 7001));
+    net.settle_holding(|to, message| to == 2 && matches!(message, Message::ConnectQpReply { .. }));
+    let view_b = to_b.try_recv().expect("answered").expect("endpoint");
+    let now = net.now;
+    net.procs[prefill].core.retire(0, view_b.id, now);
+    net.pump();
+    while !net.held.is_empty() {
+        net.release(0);
+    }
+    net.settle();
+    assert_eq!(view_b.phase(), Phase::Retired);
+    assert_eq!(
+        net.stats(prefill).stray_replies,
+        1,
+        "B's reply found no one"
+    );
+    let view_c = ready(&to_c);
+    assert_eq!(view_c.key.peer, Incarnation(12));
+    let staged = net.staged_by(prefill);
+    assert_eq!(
+        staged.len(),
+        1,
+        "only C's queue pair was staged: {staged:?}"
+    );
+    assert_no_crossed_queue_pairs(&net, prefill);
+}
+
+#[test]
+fn every_endpoint_bumped_to_the_same_epochs_reconnects_to_its_own_peer() {
+    let mut net = Net::new();
+    let targets: Vec<usize> = (0..4)
+        .map(|i| net.spawn(NAME, addr(1, 7000 + i), 100 + u64::from(i), 1))
+        .collect();
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answers: Vec<_> = (0..4)
+        .map(|i| net.connect(prefill, addr(1, 7000 + i)))
+        .collect();
+    net.settle();
+    let views: Vec<_> = answers.iter().map(ready).collect();
+    for round in 0..3 {
+        // A NIC blip: every endpoint's queue pair fails at once.
+        let now = net.now;
+        for view in &views {
+            let epoch = view.epoch().expect("connected");
+            net.procs[prefill].core.poller_event(
+                0,
+                Event::QpFailed {
+                    endpoint: view.id,
+                    epoch,
+                    status: WcStatus::RetryExcErr,
+                },
+                now,
+            );
+        }
+        net.advance(Duration::from_millis(50)); // past the backoff
+        // Replies come back in the reverse order of the requests.
+        net.settle_holding(|to, message| {
+            to == 4 && matches!(message, Message::ConnectQpReply { .. })
+        });
+        assert_eq!(net.held.len(), 4, "round {round}");
+        while let Some(last) = net.held.len().checked_sub(1) {
+            net.release(last);
+        }
+        net.settle();
+        let now = net.now;
+        for view in &views {
+            assert_eq!(view.phase(), Phase::Ready, "round {round}: {view:?}");
+            let epoch = view.epoch().expect("connected");
+            net.procs[prefill].core.poller_event(
+                0,
+                Event::Confirmed {
+                    endpoint: view.id,
+                    epoch,
+                },
+                now,
+            );
+        }
+        // Long enough up that the next failure is not a flap.
+        net.advance(policy().flap_after_ready * 2);
+    }
+    assert_no_crossed_queue_pairs(&net, prefill);
+    assert_eq!(
+        net.stats(prefill).reconnects,
+        12,
+        "one reconnect per endpoint per bump"
+    );
+    assert_eq!(net.stats(prefill).stray_replies, 0);
+    let _ = targets;
+}
+
+#[test]
+fn a_stale_attempt_reply_is_stray_after_the_endpoint_moved_on() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle_holding(|to, message| to == 1 && matches!(message, Message::ConnectQpReply { .. }));
+    let view = answer.try_recv().expect("answered").expect("endpoint");
+    // The handshake times out; the endpoint backs off and tries again at epoch 2.
+    net.advance(policy().connect_timeout + Duration::from_millis(1));
+    net.advance(Duration::from_millis(50));
+    net.settle_holding(|to, message| {
+        to == 1 && matches!(message, Message::ConnectQpReply { epoch: 1, .. })
+    });
+    assert_eq!(view.phase(), Phase::Ready);
+    assert_eq!(view.epoch(), Some(Epoch::new(2)));
+    net.release(0); // the reply of epoch 1 arrives late
+    net.settle();
+    assert_eq!(net.stats(prefill).stray_replies, 1);
+    assert_eq!(view.epoch(), Some(Epoch::new(2)));
+    assert_eq!(net.staged_by(prefill).len(), 1, "only epoch 2 was staged");
+}
+
+#[test]
+fn a_connect_qp_for_another_initiator_is_refused() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle_holding(|to, message| to == target && matches!(message, Message::ConnectQp { .. }));
+    let (to, conn, message) = net.held.remove(0);
+    let Message::ConnectQp {
+        key,
+        epoch,
+        handshake,
+        side,
+    } = message
+    else {
+        unreachable!("held ConnectQp only");
+    };
+    let impostor = WireKey {
+        initiator: Incarnation(99),
+        ..key
+    };
+    let now = net.now;
+    net.procs[to].core.received(
+        conn,
+        Message::ConnectQp {
+            key: impostor,
+            epoch,
+            handshake,
+            side,
+        },
+        now,
+    );
+    net.settle();
+    assert_eq!(net.stats(target).refused, 1);
+    assert_eq!(net.stats(target).passive_qps, 0);
+    let view = answer.try_recv().expect("answered").expect("endpoint");
+    assert_ne!(
+        view.phase(),
+        Phase::Ready,
+        "its own request was never answered"
+    );
+    assert_eq!(
+        net.stats(prefill).stray_replies,
+        1,
+        "the refusal named a key it did not ask"
+    );
+}
+
+#[test]
+fn a_notification_reaches_only_the_incarnation_it_names() {
+    let mut net = Net::new();
+    let old = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let view = ready(&answer);
+    let now = net.now;
+    net.procs[prefill]
+        .core
+        .notify(addr(1, 7000), view.key.peer, b"block 1".to_vec(), now);
+    net.settle();
+    let got = net.procs[old].shared.drain_notifications();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].incarnation, Incarnation(20));
+    assert_eq!(got[0].body, NotificationBody::Bytes(b"block 1".to_vec()));
+    // The target dies; another process takes its port under the same name.
+    net.crash(old);
+    net.settle();
+    let heir = net.spawn(NAME, addr(1, 7000), 13, 1);
+    let now = net.now;
+    net.procs[prefill]
+        .core
+        .notify(addr(1, 7000), view.key.peer, b"block 2".to_vec(), now);
+    net.settle();
+    assert!(net.procs[heir].shared.drain_notifications().is_empty());
+    assert_eq!(net.stats(heir).notifications_refused, 1);
+}
+
+#[test]
+fn nothing_but_hello_is_answered_before_hello() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    let conn = net.procs[target]
+        .core
+        .accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    net.procs[target]
+        .core
+        .received(conn, Message::GetDescriptor, now);
+    let mut actions = Vec::new();
+    while let Some(action) = net.procs[target].core.next_action() {
+        actions.push(action);
+    }
+    assert!(
+        !actions
+            .iter()
+            .any(|action| matches!(action, Action::Send { .. })),
+        "{actions:?}"
+    );
+    assert!(
+        actions
+            .iter()
+            .any(|action| matches!(action, Action::Close { conn: closed } if *closed == conn))
+    );
+    assert_eq!(net.stats(target).connections_closed, 1);
+}
+
+#[test]
+fn a_second_identity_or_a_foreign_descriptor_closes_the_connection() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    let hello = |incarnation| Message::Hello {
+        name: "x".into(),
+        incarnation: Incarnation(incarnation),
+        host: HostId::default(),
+    };
+    let conn = net.procs[target]
+        .core
+        .accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    net.procs[target].core.received(conn, hello(5), now);
+    net.procs[target].core.received(conn, hello(5), now);
+    assert_eq!(
+        net.stats(target).connections_closed,
+        0,
+        "a repeated Hello is harmless"
+    );
+    net.procs[target].core.received(conn, hello(6), now);
+    assert_eq!(net.stats(target).connections_closed, 1);
+    let conn = net.procs[target]
+        .core
+        .accepted(addr(3, 5001), addr(1, 7000).ip(), now);
+    net.procs[target].core.received(conn, hello(7), now);
+    let mut descriptor = net.procs[target].core.local_descriptor();
+    descriptor.incarnation = Incarnation(8);
+    net.procs[target]
+        .core
+        .received(conn, Message::Descriptor(descriptor), now);
+    assert_eq!(net.stats(target).connections_closed, 2);
+}
+
+#[test]
+fn accepting_stops_at_the_caps_and_silent_connections_time_out() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    let mut conns = Vec::new();
+    while core.may_accept() {
+        conns.push(core.accepted(addr(3, 5000), addr(1, 7000).ip(), now));
+        assert!(conns.len() <= policy().max_handshakes, "no cap");
+    }
+    assert_eq!(conns.len(), policy().max_handshakes);
+    // One says Hello: a handshake slot frees.
+    core.received(
+        conns[0],
+        Message::Hello {
+            name: "x".into(),
+            incarnation: Incarnation(5),
+            host: HostId::default(),
+        },
+        now,
+    );
+    assert!(core.may_accept());
+    net.advance(policy().connect_timeout + Duration::from_millis(1));
+    let closed = std::iter::from_fn(|| net.procs[target].core.next_action())
+        .filter(|action| matches!(action, Action::Close { .. }))
+        .count();
+    assert_eq!(
+        closed,
+        policy().max_handshakes - 1,
+        "every silent one, not the speaker"
+    );
+}
+
+#[test]
+fn a_directory_restart_replaces_endpoints_and_gone_retires_them() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let view = ready(&answer);
+    net.spawn(NAME, addr(1, 7100), 12, 1);
+    let now = net.now;
+    net.procs[prefill].core.peer_changed(
+        NAME,
+        PeerChange::Restarted {
+            old: Incarnation(11),
+            new: Incarnation(12),
+            addr: addr(1, 7100),
+        },
+        now,
+    );
+    net.settle();
+    assert_eq!(view.phase(), Phase::Retired);
+    assert_eq!(net.stats(prefill).peer_restarts, 1);
+    let replacement = net.procs[prefill]
+        .shared
+        .view(0, EndpointId(1))
+        .expect("a fresh endpoint");
+    assert_eq!(replacement.key.peer, Incarnation(12));
+    assert_eq!(replacement.phase(), Phase::Ready);
+    let now = net.now;
+    net.procs[prefill].core.peer_changed(
+        NAME,
+        PeerChange::Gone {
+            incarnation: Incarnation(12),
+        },
+        now,
+    );
+    net.pump();
+    assert_eq!(replacement.phase(), Phase::Retired);
+    assert_no_crossed_queue_pairs(&net, prefill);
+}

@@ -1,0 +1,384 @@
+//! What the control thread shares with the application and the pollers' re-prepare hooks:
+//! the endpoint views (one per endpoint, read without locks on the data path), the
+//! published regions, the notification queue and the counters. The control thread is the
+//! only writer of views and counters.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use railyard_dataplane::{EndpointId, Epoch, FailReason, RepairCause, Reprepare, Slice};
+
+use crate::descriptor::{RegionDescriptor, SegmentDescriptor};
+use crate::endpoint::{EndpointKey, Incarnation, Phase};
+
+/// An endpoint as the application and the re-prepare hook see it.
+#[derive(Debug)]
+pub struct EndpointView {
+    /// Its id on its local rail's poller.
+    pub id: EndpointId,
+    /// Its key.
+    pub key: EndpointKey,
+    /// The peer's segment name.
+    pub peer_name: String,
+    /// The first epoch of this endpoint: older slices on this id were meant for a previous
+    /// occupant.
+    pub(crate) first_epoch: Epoch,
+    /// The epoch whose queue pair the poller has (0: none yet).
+    epoch: AtomicU64,
+    phase: AtomicU8,
+    descriptor: RwLock<Option<Arc<SegmentDescriptor>>>,
+}
+
+impl EndpointView {
+    pub(crate) fn new(
+        id: EndpointId,
+        key: EndpointKey,
+        peer_name: String,
+        first_epoch: Epoch,
+        descriptor: Option<Arc<SegmentDescriptor>>,
+    ) -> Self {
+        Self {
+            id,
+            key,
+            peer_name,
+            first_epoch,
+            epoch: AtomicU64::new(0),
+            phase: AtomicU8::new(0),
+            descriptor: RwLock::new(descriptor),
+        }
+    }
+
+    /// The epoch slices should be prepared for now, once a queue pair was handed over.
+    pub fn epoch(&self) -> Option<Epoch> {
+        match self.epoch.load(Ordering::Acquire) {
+            0 => None,
+            n => Some(Epoch::new(n)),
+        }
+    }
+
+    /// Where the endpoint stands.
+    pub fn phase(&self) -> Phase {
+        match self.phase.load(Ordering::Acquire) {
+            0 => Phase::Idle,
+            1 => Phase::Connecting,
+            2 => Phase::Ready,
+            3 => Phase::Backoff,
+            4 => Phase::CircuitOpen,
+            _ => Phase::Retired,
+        }
+    }
+
+    /// The peer's newest descriptor.
+    pub fn descriptor(&self) -> Option<Arc<SegmentDescriptor>> {
+        self.descriptor
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Sleeps in 1 ms steps until the endpoint is ready or `deadline` passes.
+    pub fn wait_ready(&self, deadline: Instant) -> bool {
+        loop {
+            if self.phase() == Phase::Ready && self.epoch().is_some() {
+                return true;
+            }
+            if Instant::now() >= deadline || self.phase() == Phase::Retired {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    pub(crate) fn set_phase(&self, phase: Phase) {
+        let code = match phase {
+            Phase::Idle => 0,
+            Phase::Connecting => 1,
+            Phase::Ready => 2,
+            Phase::Backoff => 3,
+            Phase::CircuitOpen => 4,
+            Phase::Retired => 5,
+        };
+        self.phase.store(code, Ordering::Release);
+    }
+
+    /// Publishes the epoch slices are prepared for: only after the poller was commanded
+    /// to expect it.
+    pub(crate) fn set_epoch(&self, epoch: Epoch) {
+        self.epoch.store(epoch.get(), Ordering::Release);
+    }
+
+    pub(crate) fn set_descriptor(&self, descriptor: Arc<SegmentDescriptor>) {
+        *self
+            .descriptor
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = Some(descriptor);
+    }
+}
+
+/// What the control plane has done, for reports and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ControlStats {
+    /// Queue pairs this side created as dialer.
+    pub active_qps: u64,
+    /// Active queue pairs created after an endpoint's first (reconnects).
+    pub reconnects: u64,
+    /// ConnectQp requests answered by creating a passive queue pair.
+    pub passive_qps: u64,
+    /// Of the active and passive queue pairs, those on the TCP fabric.
+    pub tcp_qps: u64,
+    /// ConnectQp requests answered idempotently (same peer, same queue pair).
+    pub idempotent_replies: u64,
+    /// Passive queue pairs replaced or dropped, and endpoints retired: teardowns.
+    pub teardowns: u64,
+    /// Passive queue pairs taken out of service because their initiator retired them
+    /// (RetireQp) or the application revoked their peer.
+    pub passive_retired: u64,
+    /// Peers seen coming back as a new incarnation.
+    pub peer_restarts: u64,
+    /// Circuit openings.
+    pub circuit_openings: u64,
+    /// ConnectQp requests refused.
+    pub refused: u64,
+    /// Warning lines printed.
+    pub warnings_printed: u64,
+    /// Warning lines suppressed by the rate limit.
+    pub warnings_suppressed: u64,
+    /// Notifications sent.
+    pub notifications_sent: u64,
+    /// Notifications not sent because the batch they rode on failed.
+    pub notifications_dropped: u64,
+    /// Notifications received.
+    pub notifications_received: u64,
+    /// Notifications refused: meant for another incarnation (one that had this address).
+    pub notifications_refused: u64,
+    /// ConnectQp replies that matched no handshake waiting on that connection (an old
+    /// attempt, a retired endpoint, another connection): ignored.
+    pub stray_replies: u64,
+    /// Connections closed for breaking a bound (output not read, a frame never finished)
+    /// or the protocol (a message before Hello, a second identity).
+    pub connections_closed: u64,
+    /// Times the listener stopped accepting at a cap (connections, handshakes) or because
+    /// the process ran out of file descriptors.
+    pub accept_pauses: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) active_qps: AtomicU64,
+    pub(crate) reconnects: AtomicU64,
+    pub(crate) passive_qps: AtomicU64,
+    pub(crate) tcp_qps: AtomicU64,
+    pub(crate) idempotent_replies: AtomicU64,
+    pub(crate) teardowns: AtomicU64,
+    pub(crate) passive_retired: AtomicU64,
+    pub(crate) peer_restarts: AtomicU64,
+    pub(crate) circuit_openings: AtomicU64,
+    pub(crate) refused: AtomicU64,
+    pub(crate) warnings_printed: AtomicU64,
+    pub(crate) warnings_suppressed: AtomicU64,
+    pub(crate) notifications_sent: AtomicU64,
+    pub(crate) notifications_dropped: AtomicU64,
+    pub(crate) notifications_received: AtomicU64,
+    pub(crate) notifications_refused: AtomicU64,
+    pub(crate) stray_replies: AtomicU64,
+    pub(crate) connections_closed: AtomicU64,
+    pub(crate) accept_pauses: AtomicU64,
+}
+
+pub(crate) fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Per rail: the endpoints by id, read by the re-prepare hook.
+#[derive(Debug, Default)]
+struct RailShared {
+    endpoints: RwLock<Vec<Option<Arc<EndpointView>>>>,
+}
+
+/// What the control thread shares with pollers' re-prepare hooks and the application.
+/// Create it first, give each poller its hook, then start the [`ControlPlane`] with it.
+#[derive(Debug)]
+pub struct ControlShared {
+    rails: Vec<RailShared>,
+    pub(crate) counters: Counters,
+    regions: RwLock<(u64, Vec<RegionDescriptor>)>,
+    notifications: Mutex<VecDeque<Notification>>,
+}
+
+impl ControlShared {
+    /// Shared state for `rails` rails.
+    pub fn new(rails: usize) -> Arc<Self> {
+        Arc::new(Self {
+            rails: (0..rails).map(|_| RailShared::default()).collect(),
+            counters: Counters::default(),
+            regions: RwLock::new((0, Vec::new())),
+            notifications: Mutex::new(VecDeque::new()),
+        })
+    }
+
+    /// The re-prepare hook for rail `rail`'s poller: rewrites a stale slice's rkey from the
+    /// peer's newest descriptor (unless it is zero-length) and stamps the current epoch;
+    /// refuses slices meant for a previous occupant of the endpoint id, or whose range the
+    /// peer no longer registers.
+    pub fn reprepare_hook(self: &Arc<Self>, rail: u16) -> impl Reprepare + 'static {
+        let shared = self.clone();
+        move |slice: &mut Slice, current: Epoch, _cause: RepairCause| {
+            let view = shared
+                .view(rail, slice.endpoint)
+                .ok_or(FailReason::EndpointRetired)?;
+            if slice.epoch.is_older_than(view.first_epoch) {
+                return Err(FailReason::EndpointRetired);
+            }
+            if slice.len == 0 {
+                // Names no memory (a bare immediate): only the epoch changes.
+                slice.epoch = current;
+                return Ok(());
+            }
+            let descriptor = view.descriptor().ok_or(FailReason::RemoteAccess)?;
+            let rkey = descriptor
+                .rkey_for(
+                    slice.remote_addr,
+                    u64::from(slice.len),
+                    view.key.remote_rail,
+                )
+                .ok_or(FailReason::RemoteAccess)?;
+            slice.rkey = rkey;
+            slice.epoch = current;
+            Ok(())
+        }
+    }
+
+    /// The endpoint `id` of rail `rail`, while it exists: how a [`RequestFailure`]'s
+    /// endpoint is named as a peer.
+    ///
+    /// [`RequestFailure`]: railyard_dataplane::RequestFailure
+    pub fn view(&self, rail: u16, id: EndpointId) -> Option<Arc<EndpointView>> {
+        self.rails
+            .get(usize::from(rail))?
+            .endpoints
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id.0 as usize)?
+            .clone()
+    }
+
+    /// Publishes this process's regions (a new generation of its descriptor).
+    pub fn set_regions(&self, regions: Vec<RegionDescriptor>) {
+        let mut guard = self.regions.write().unwrap_or_else(PoisonError::into_inner);
+        guard.0 += 1;
+        guard.1 = regions;
+    }
+
+    /// Takes the notifications peers sent, oldest first.
+    pub fn drain_notifications(&self) -> Vec<Notification> {
+        self.notifications
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain(..)
+            .collect()
+    }
+
+    /// This process's published regions.
+    pub(crate) fn regions(&self) -> Vec<RegionDescriptor> {
+        self.regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .1
+            .clone()
+    }
+
+    /// Queues notifications for the application (the oldest are dropped beyond
+    /// [`NOTIFICATION_QUEUE`]), counting each as received.
+    pub(crate) fn deliver(&self, notifications: impl IntoIterator<Item = Notification>) {
+        let mut queue = self
+            .notifications
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for notification in notifications {
+            bump(&self.counters.notifications_received);
+            if queue.len() >= NOTIFICATION_QUEUE {
+                queue.pop_front();
+            }
+            queue.push_back(notification);
+        }
+    }
+
+    /// Publishes `view` as endpoint `view.id` of `rail`, or clears the slot (`None`).
+    pub(crate) fn publish(&self, rail: u16, id: EndpointId, view: Option<Arc<EndpointView>>) {
+        let Some(rail) = self.rails.get(usize::from(rail)) else {
+            return;
+        };
+        let mut endpoints = rail
+            .endpoints
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let index = id.0 as usize;
+        if endpoints.len() <= index {
+            endpoints.resize(index + 1, None);
+        }
+        endpoints[index] = view;
+    }
+
+    /// How many endpoint slots `rail` has (the next fresh id).
+    pub(crate) fn endpoint_slots(&self, rail: u16) -> usize {
+        self.rails.get(usize::from(rail)).map_or(0, |rail| {
+            rail.endpoints
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .len()
+        })
+    }
+
+    /// What the control plane has done so far.
+    pub fn stats(&self) -> ControlStats {
+        let c = &self.counters;
+        let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        ControlStats {
+            active_qps: get(&c.active_qps),
+            reconnects: get(&c.reconnects),
+            passive_qps: get(&c.passive_qps),
+            tcp_qps: get(&c.tcp_qps),
+            idempotent_replies: get(&c.idempotent_replies),
+            teardowns: get(&c.teardowns),
+            passive_retired: get(&c.passive_retired),
+            peer_restarts: get(&c.peer_restarts),
+            circuit_openings: get(&c.circuit_openings),
+            refused: get(&c.refused),
+            warnings_printed: get(&c.warnings_printed),
+            warnings_suppressed: get(&c.warnings_suppressed),
+            notifications_sent: get(&c.notifications_sent),
+            notifications_dropped: get(&c.notifications_dropped),
+            notifications_received: get(&c.notifications_received),
+            notifications_refused: get(&c.notifications_refused),
+            stray_replies: get(&c.stray_replies),
+            connections_closed: get(&c.connections_closed),
+            accept_pauses: get(&c.accept_pauses),
+        }
+    }
+}
+
+/// A notification a peer sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// The sender's segment name.
+    pub from: String,
+    /// The sender's incarnation.
+    pub incarnation: Incarnation,
+    /// What it said.
+    pub body: NotificationBody,
+}
+
+/// What a notification carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NotificationBody {
+    /// Bytes sent on the control connection ([`ControlPlane::notify`]).
+    Bytes(Vec<u8>),
+    /// A 32-bit value that arrived as a WRITE_WITH_IMM's immediate on a rail
+    /// ([`ControlPlane::signal`]).
+    Immediate(u32),
+}
+
+/// Notifications kept for the application before the oldest are dropped.
+pub(crate) const NOTIFICATION_QUEUE: usize = 64 * 1024;
