@@ -15,7 +15,7 @@ use clap::{Args, ValueEnum};
 use railyard::dataplane::RequestOutcome;
 use railyard::dataplane::rng::SplitMix64;
 use railyard::engine::{
-    DirectoryChoice, Engine, FabricChoice, Op, Peer, RailChoice, Region, Transfer,
+    DirectoryChoice, Engine, FabricChoice, Op, Peer, RailChoice, Region, Transfer, default_name,
 };
 
 use super::size::{format_size, parse_size};
@@ -132,7 +132,10 @@ fn start_target(args: &BenchArgs, rails: usize) -> anyhow::Result<(TargetChild, 
     let mut command = Command::new(std::env::current_exe().context("finding this binary")?);
     command
         .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
-        .args(["--name", "railyard-bench-target"])
+        .args([
+            "--name",
+            &default_name("bench-target"),
+        ])
         .args(["--pool", &args.pool.to_string()])
         .args([
             "--fabric",
@@ -501,12 +504,8 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     validate(args)?;
     let request_bytes = args.block_size * args.batch;
     let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
-    // A name of its own in a directory, so that two benches never claim the same one.
-    let name = match args.directory {
-        DirectoryChoice::P2p => "railyard-bench".to_string(),
-        DirectoryChoice::Etcd(_) => format!("railyard-bench-{}", std::process::id()),
-    };
-    let engine = Engine::builder(name)
+    // A name of its own, so that two benches never claim the same one in a directory.
+    let engine = Engine::builder(default_name("bench"))
         .fabric(args.fabric)
         .rails(rails)
         .verbs(args.verbs.config())

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use clap::Args;
 use railyard::control::NotificationBody;
-use railyard::engine::{DirectoryChoice, Engine, FabricChoice, RailChoice};
+use railyard::engine::{DirectoryChoice, Engine, FabricChoice, RailChoice, default_name};
 
 use super::size::{format_size, parse_size};
 
@@ -30,9 +30,10 @@ pub(crate) struct ServeArgs {
     /// Software rails (default: one per NUMA node, from the topology plan).
     #[arg(long)]
     rails: Option<NonZeroUsize>,
-    /// The segment name peers see.
-    #[arg(long, default_value = "railyard-serve")]
-    name: String,
+    /// The segment name peers see (default `serve-<host>-<pid>`). A label: two processes
+    /// with one name are still two peers, but a cluster directory holds each name once.
+    #[arg(long)]
+    name: Option<String>,
     /// Exit when standard input closes (how `railyard bench` stops the target it starts).
     #[arg(long)]
     until_stdin_closes: bool,
@@ -45,7 +46,8 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         bail!("--pool must be more than 0 bytes");
     }
     let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
-    let engine = Engine::builder(args.name.clone())
+    let name = args.name.clone().unwrap_or_else(|| default_name("serve"));
+    let engine = Engine::builder(name)
         .listen(args.listen)
         .fabric(args.fabric)
         .rails(rails)

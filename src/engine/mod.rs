@@ -62,7 +62,7 @@ use railyard_control::{
     Notification, Policy, RegionDescriptor, SegmentDescriptor,
 };
 use railyard_dataplane::fabric::MemoryRegion;
-use railyard_dataplane::fabric::soft::Backing;
+use railyard_dataplane::fabric::soft::{Backing, FaultHandle};
 pub use railyard_dataplane::fabric::verbs::RailConfig;
 use railyard_dataplane::{Batch, CounterSnapshot, DEFAULT_DEADLINE, IdleStrategy, PollerHandle};
 use railyard_topology::{HostTopology, PlanOptions, RailKind};
@@ -567,8 +567,22 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+/// A segment name unique on this host and across hosts, `<role>-<host>-<pid>` (for
+/// example `serve-node7-4121`): what `railyard serve` and `railyard bench` use unless told
+/// otherwise. Names are labels — two engines with the same name are still two peers — but a
+/// cluster directory claims them exclusively, and people read them in logs.
+pub fn default_name(role: &str) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_string())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".into());
+    format!("{role}-{host}-{}", std::process::id())
+}
+
 impl Engine {
-    /// A builder for an engine named `name` (its segment name, what peers see).
+    /// A builder for an engine named `name` (its segment name, what peers see; see
+    /// [`default_name`]).
     pub fn builder(name: impl Into<String>) -> EngineBuilder {
         EngineBuilder {
             name: name.into(),
@@ -960,6 +974,14 @@ impl Engine {
             .inner
             .control
             .signal(peer.views.clone(), value, batch.clone())?)
+    }
+
+    /// The fault plan of rail `rail`, to make its queue pairs fail on purpose: for chaos
+    /// drills and tests of what an application does when links fail. Host rails (soft and
+    /// TCP) only; `None` on verbs or for a rail that does not exist. An empty plan (the
+    /// default) costs one atomic load per post.
+    pub fn faults(&self, rail: usize) -> Option<FaultHandle> {
+        self.inner.rails.faults(rail)
     }
 
     /// Takes the notifications peers sent, oldest first.

@@ -10,7 +10,7 @@ use railyard_control::{
     ControlConfig, ControlPlane, ControlRail, ControlShared, HostMode, HostRail, RailFabric,
 };
 use railyard_dataplane::fabric::host::HostFabric;
-use railyard_dataplane::fabric::soft::{SoftBuffer, SoftConfig, SoftDevice};
+use railyard_dataplane::fabric::soft::{FaultHandle, SoftBuffer, SoftConfig, SoftDevice};
 use railyard_dataplane::fabric::tcp::{TcpConfig, TcpDevice};
 use railyard_dataplane::fabric::verbs::{RailConfig, VerbsFabric, VerbsRail};
 use railyard_dataplane::fabric::{Access, Fabric, MemoryRegion};
@@ -212,6 +212,14 @@ impl Rails {
                 Some(HostMode::Auto) | None => "soft+tcp",
             },
             Self::Verbs(_) => "verbs",
+        }
+    }
+
+    /// Rail `index`'s fault plan (host rails: its soft and TCP queue pairs).
+    pub(crate) fn faults(&self, index: usize) -> Option<FaultHandle> {
+        match self {
+            Self::Host(rails) => rails.get(index).map(|rail| rail.soft.faults()),
+            Self::Verbs(_) => None,
         }
     }
 
