@@ -65,14 +65,22 @@ fn write_and_check(
         len,
     };
     let batch = submitter.submit(peer, &[write]).expect("submitted");
-    assert!(done(&batch), "write to target {target}: {:?}", batch.outcomes());
+    assert!(
+        done(&batch),
+        "write to target {target}: {:?}",
+        batch.outcomes()
+    );
     let read = Transfer {
         op: Op::Read,
         local: back,
         ..write
     };
     let batch = submitter.submit(peer, &[read]).expect("submitted");
-    assert!(done(&batch), "read from target {target}: {:?}", batch.outcomes());
+    assert!(
+        done(&batch),
+        "read from target {target}: {:?}",
+        batch.outcomes()
+    );
     assert!(
         bytes_of(back)[..len as usize] == bytes_of(source)[..len as usize],
         "target {target} round {round}: what was read back is not what was written"
@@ -118,7 +126,10 @@ fn two_serve_processes_with_one_name_are_two_peers_under_load() {
         .collect();
     assert_eq!(peers[0].name(), peers[1].name());
     assert_ne!(peers[0].incarnation(), peers[1].incarnation());
-    assert!(!peers[0].is_retired(), "opening the second retired the first");
+    assert!(
+        !peers[0].is_retired(),
+        "opening the second retired the first"
+    );
 
     const ROUNDS: usize = 500;
     const BLOCKS: u64 = 4; // 16 KiB per batch
@@ -266,7 +277,10 @@ fn eight_targets_opened_at_once_and_bumped_together_get_only_their_own_bytes() {
     // addresses differ: its requests fail and both endpoints reconnect once more.
     let per_endpoint = (2 * THREADS * ROUNDS) as u64;
     let bumps_each = per_endpoint.div_ceil(LIFE) - 1;
-    assert!(bumps_each >= 5, "the test bumps every endpoint several times");
+    assert!(
+        bumps_each >= 5,
+        "the test bumps every endpoint several times"
+    );
     let bumps = TARGETS as u64 * bumps_each;
     assert!(
         (bumps..=bumps + 1).contains(&control.reconnects),
@@ -296,14 +310,23 @@ fn a_process_that_takes_over_a_port_gets_nothing_meant_for_its_predecessor() {
     assert!(done(&batch));
     drop(first); // killed
 
-    let (heir, heir_memory, fresh) =
-        take_over(&engine, &mut submitter, source, (addr, &peer, first_base), "decode");
+    let (heir, heir_memory, fresh) = take_over(
+        &engine,
+        &mut submitter,
+        source,
+        (addr, &peer, first_base),
+        "decode",
+    );
     // The heir is a peer of its own: writes to it, opened as itself, land.
     let batch = submitter
         .submit(&fresh, &[write(source, heir_memory.addr)])
         .expect("submitted");
     assert!(done(&batch));
-    assert!(bytes_of(heir_memory)[..BLOCK as usize].iter().all(|&b| b == 0x5a));
+    assert!(
+        bytes_of(heir_memory)[..BLOCK as usize]
+            .iter()
+            .all(|&b| b == 0x5a)
+    );
     drop(heir);
 
     take_over(
@@ -347,13 +370,19 @@ fn take_over(
         .submit(predecessor, &[write(source, remote)])
         .expect("submitted");
     batch.wait(Instant::now() + BOUND);
-    assert!(!done(&batch), "{heir_name}: a write to a dead process cannot succeed");
+    assert!(
+        !done(&batch),
+        "{heir_name}: a write to a dead process cannot succeed"
+    );
     engine
         .notify(predecessor, b"meant for the dead".to_vec())
         .expect("queued");
     let end = Instant::now() + BOUND;
     while heir.stats().control.notifications_refused == 0 {
-        assert!(Instant::now() < end, "{heir_name}: the notification never arrived");
+        assert!(
+            Instant::now() < end,
+            "{heir_name}: the notification never arrived"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(heir.drain_notifications().is_empty(), "{heir_name}");

@@ -488,7 +488,7 @@ impl<F: RailFabric> Driver<F> {
             revents: 0,
         }];
         let accepting =
-            self.core.may_accept() && !self.accept_paused_until.is_some_and(|until| now < until);
+            self.core.may_accept() && self.accept_paused_until.is_none_or(|until| now >= until);
         if accepting {
             fds.push(libc::pollfd {
                 fd: self.listener.as_raw_fd(),

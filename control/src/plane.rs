@@ -1,10 +1,10 @@
 //! The control plane's public handle: [`ControlPlane`] starts the control thread — the I/O
-//! [`driver`](crate::driver) around the sans-IO [`handshake`](crate::handshake) core — and
+//! driver (`driver.rs`) around the sans-IO handshake core (`handshake.rs`) — and
 //! passes the application's requests to it over a channel plus a wake-up socket.
 //!
 //! # Endpoints and ids
 //! Endpoints are keyed by [`EndpointKey`](crate::EndpointKey) (peer incarnation and rails),
-//! never by address or name. Each gets a small [`EndpointId`] on its local rail; an id is
+//! never by address or name. Each gets a small `EndpointId` on its local rail; an id is
 //! reused only after the poller reports the previous endpoint drained, and its epochs
 //! continue from the previous occupant's, so a slice prepared for the old endpoint is always
 //! older than the new one: the re-prepare hook ([`ControlShared::reprepare_hook`]) refuses
@@ -17,7 +17,7 @@
 //! The listener answers ConnectQp idempotently: a request naming the same initiator
 //! incarnation, rails and queue-pair number as the passive queue pair it already has is
 //! answered with that queue pair's side and changes nothing. Identity, restarts and which
-//! reply belongs to which endpoint are the core's: see [`crate::handshake`].
+//! reply belongs to which endpoint are the core's: see `handshake.rs`.
 //!
 //! # Notifications
 //! Bytes go over the control connection ([`ControlPlane::notify`]), addressed to one

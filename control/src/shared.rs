@@ -198,7 +198,7 @@ struct RailShared {
 }
 
 /// What the control thread shares with pollers' re-prepare hooks and the application.
-/// Create it first, give each poller its hook, then start the [`ControlPlane`] with it.
+/// Create it first, give each poller its hook, then start the [`ControlPlane`](crate::ControlPlane) with it.
 #[derive(Debug)]
 pub struct ControlShared {
     rails: Vec<RailShared>,
@@ -373,10 +373,10 @@ pub struct Notification {
 /// What a notification carries.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NotificationBody {
-    /// Bytes sent on the control connection ([`ControlPlane::notify`]).
+    /// Bytes sent on the control connection ([`ControlPlane::notify`](crate::ControlPlane::notify)).
     Bytes(Vec<u8>),
     /// A 32-bit value that arrived as a WRITE_WITH_IMM's immediate on a rail
-    /// ([`ControlPlane::signal`]).
+    /// ([`ControlPlane::signal`](crate::ControlPlane::signal)).
     Immediate(u32),
 }
 

@@ -132,10 +132,7 @@ fn start_target(args: &BenchArgs, rails: usize) -> anyhow::Result<(TargetChild, 
     let mut command = Command::new(std::env::current_exe().context("finding this binary")?);
     command
         .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
-        .args([
-            "--name",
-            &default_name("bench-target"),
-        ])
+        .args(["--name", &default_name("bench-target")])
         .args(["--pool", &args.pool.to_string()])
         .args([
             "--fabric",

@@ -36,10 +36,30 @@ impl Serve {
     }
 
     pub fn start_named(name: &str, pool: &str, extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        let mut options = vec!["--pool", pool, "--name", name];
+        options.extend_from_slice(extra);
+        Self::spawn(Command::new(env!("CARGO_BIN_EXE_railyard")), &options)
+    }
+
+    /// `railyard serve` (one rail) that may hold at most `descriptors` open files.
+    pub fn start_with_descriptor_limit(descriptors: u32, pool: &str) -> Self {
+        let mut shell = Command::new("sh");
+        shell
+            .arg("-c")
+            .arg(format!("ulimit -n {descriptors} && exec \"$0\" \"$@\""))
+            .arg(env!("CARGO_BIN_EXE_railyard"));
+        Self::spawn(
+            shell,
+            &["--pool", pool, "--name", "limited", "--rails", "1"],
+        )
+    }
+
+    /// Runs `command` with `serve` and `options` appended: the binary, or a shell that
+    /// execs it.
+    fn spawn(mut command: Command, options: &[&str]) -> Self {
+        let mut child = command
             .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
-            .args(["--pool", pool, "--name", name])
-            .args(extra)
+            .args(options)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
