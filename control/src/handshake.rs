@@ -376,6 +376,23 @@ impl<F: RailFabric> Core<F> {
         for (rail, id, epoch) in failing {
             self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
         }
+        if let Some(peer) = state.peer {
+            self.forget_if_unused(peer);
+        }
+    }
+
+    /// Forgets what `peer`'s Hello and descriptor said once nothing refers to it any more —
+    /// no connection, endpoint, passive queue pair or dialed address — so that peers that
+    /// come and go (or a flood of Hellos) cost nothing lasting.
+    fn forget_if_unused(&mut self, peer: Incarnation) {
+        let used = self.conns.values().any(|conn| conn.peer == Some(peer))
+            || self.active.values().any(|a| a.machine.key().peer == peer)
+            || self.passive.keys().any(|key| key.initiator == peer)
+            || self.listeners.values().any(|&listener| listener == peer);
+        if !used {
+            self.peers.remove(&peer);
+            self.descriptors.forget(peer);
+        }
     }
 
     /// Closes `conn` for breaking a bound or the protocol: counted, and a rate-limited

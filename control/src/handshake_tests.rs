@@ -833,3 +833,123 @@ fn a_directory_restart_replaces_endpoints_and_gone_retires_them() {
     assert_eq!(replacement.phase(), Phase::Retired);
     assert_no_crossed_queue_pairs(&net, prefill);
 }
+
+#[test]
+fn a_retire_qp_is_honoured_only_from_its_initiator_for_the_current_queue_pair() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    ready(&answer);
+    let registry = net.registry.clone();
+    let initiator_qp = {
+        let registry = registry.lock().unwrap_or_else(PoisonError::into_inner);
+        *registry
+            .owner
+            .iter()
+            .find(|(_, owner)| **owner == Incarnation(20))
+            .expect("the initiator's queue pair")
+            .0
+    };
+    let key = WireKey {
+        initiator: Incarnation(20),
+        target: Incarnation(11),
+        initiator_rail: 0,
+        target_rail: 0,
+    };
+    let retire = |qp_num| Message::RetireQp {
+        key,
+        epoch: 1,
+        qp_num,
+    };
+    let now = net.now;
+    // Another process names it; the initiator names another queue pair: both ignored.
+    let stranger = net.procs[target]
+        .core
+        .accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    let hello = Message::Hello {
+        name: "stranger".into(),
+        incarnation: Incarnation(30),
+        host: HostId::default(),
+    };
+    net.procs[target].core.received(stranger, hello, now);
+    net.procs[target]
+        .core
+        .received(stranger, retire(initiator_qp), now);
+    let initiator_conn = *net
+        .links
+        .iter()
+        .find(|((proc, _), (other, _))| *proc == target && *other == prefill)
+        .expect("the initiator's connection")
+        .0;
+    net.procs[target]
+        .core
+        .received(initiator_conn.1, retire(initiator_qp + 1000), now);
+    assert_eq!(net.stats(target).passive_retired, 0);
+    assert!(
+        registry
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .revoked
+            .is_empty()
+    );
+    // The initiator names its own queue pair: revoked.
+    net.procs[target]
+        .core
+        .received(initiator_conn.1, retire(initiator_qp), now);
+    assert_eq!(net.stats(target).passive_retired, 1);
+    assert_eq!(
+        registry
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .revoked
+            .len(),
+        1
+    );
+}
+
+#[test]
+fn a_bye_fails_the_handshakes_waiting_on_its_connection() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle_holding(|to, message| {
+        to == prefill && matches!(message, Message::ConnectQpReply { .. })
+    });
+    let view = answer.try_recv().expect("answered").expect("endpoint");
+    assert_eq!(view.phase(), Phase::Connecting);
+    net.procs[target].core.say_goodbye();
+    net.held.clear();
+    net.settle_holding(|to, message| {
+        to == prefill && matches!(message, Message::ConnectQpReply { .. })
+    });
+    assert_eq!(
+        view.phase(),
+        Phase::Backoff,
+        "the handshake on the closed connection failed at once"
+    );
+}
+
+#[test]
+fn peers_that_come_and_go_leave_nothing_behind() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    for incarnation in 0..1000 {
+        let conn = net.procs[target]
+            .core
+            .accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+        let hello = Message::Hello {
+            name: "passer-by".into(),
+            incarnation: Incarnation(1000 + incarnation),
+            host: HostId::default(),
+        };
+        net.procs[target].core.received(conn, hello, now);
+        net.procs[target].core.received(conn, Message::Bye, now);
+    }
+    let core = &net.procs[target].core;
+    assert!(core.conns.is_empty());
+    assert!(core.peers.is_empty(), "{} peers kept", core.peers.len());
+}
