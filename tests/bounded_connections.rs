@@ -1,7 +1,7 @@
 //! What one connection may cost a target is bounded: a peer that sends and never reads, a
 //! peer that never finishes its frames, and ten thousand connections at once leave a
-//! `railyard serve` process's memory within a few MiB of where it was, and a peer with
-//! real work keeps moving bytes throughout.
+//! `railyard serve` process's memory within a few MiB of where it was; a peer with real
+//! work keeps moving bytes throughout, and a new peer gets in during the flood.
 
 mod common;
 
@@ -50,6 +50,7 @@ fn hello(name: &str, incarnation: u64) -> Vec<u8> {
         name: name.into(),
         incarnation: Incarnation(incarnation),
         host: HostId::this_process(),
+        listen: String::new(),
     }
     .encode()
 }
@@ -195,7 +196,23 @@ fn abusive_connections_leave_the_target_bounded_and_other_peers_moving() {
 
         let flooding = flood(addr, FLOOD.min(descriptors.saturating_sub(256) as usize));
         assert!(flooding.len() >= 1000, "only {} sockets", flooding.len());
-        let end = Instant::now() + Duration::from_secs(3);
+        // A peer that arrives during the flood gets in: silent connections are evicted,
+        // oldest first, to make room for one that speaks.
+        let newcomer = Engine::builder("newcomer")
+            .rails(RailChoice::Count(NonZeroUsize::MIN))
+            .idle(IdleStrategy::gentle())
+            .build()
+            .expect("the engine starts");
+        let end = Instant::now() + BOUND;
+        let joined = loop {
+            sample();
+            match newcomer.open(&target.addr) {
+                Ok(peer) => break peer,
+                Err(error) => assert!(Instant::now() < end, "kept out by the flood: {error}"),
+            }
+        };
+        assert!(!joined.is_retired());
+        let end = Instant::now() + Duration::from_secs(2);
         while Instant::now() < end {
             sample();
             std::thread::sleep(Duration::from_millis(50));

@@ -139,6 +139,7 @@ fn say_in_order(addr: SocketAddr, name: &str, incarnation: Incarnation, messages
         name: name.into(),
         incarnation,
         host: HostId::this_process(),
+        listen: String::new(),
     }
     .encode();
     for message in messages {

@@ -389,10 +389,6 @@ fn take_over(
     let stats = heir.stats().control;
     assert_eq!(stats.notifications_refused, 1, "{heir_name}: {stats:?}");
     assert!(
-        stats.refused >= 1,
-        "{heir_name}: the predecessor's queue pair was refused: {stats:?}"
-    );
-    assert!(
         bytes_of(heir_memory).iter().all(|&byte| byte == 0),
         "{heir_name}: a byte meant for the predecessor landed in the heir"
     );

@@ -82,6 +82,17 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// Bytes read from one connection per round, so that one busy peer cannot starve others.
 const READ_BUDGET: usize = 256 * 1024;
 
+/// TCP keepalive on every control connection: a peer whose host died without a reset (a
+/// half-open connection) is closed by the kernel after about 10 s + 3 × 2 s of silence
+/// instead of holding a connection slot forever.
+fn keep_alive(stream: &TcpStream) {
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(10))
+        .with_interval(Duration::from_secs(2))
+        .with_retries(3);
+    let _ = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive);
+}
+
 /// A notification waiting for its batch.
 struct HeldNotification {
     addr: SocketAddr,
@@ -94,11 +105,17 @@ struct HeldNotification {
 struct Socket {
     stream: TcpStream,
     decoder: FrameDecoder,
+    /// Frames queued; `out[sent..]` is still to be written.
     out: Vec<u8>,
+    sent: usize,
     /// A non-blocking connect still in progress.
     connecting: bool,
+    /// `poll` reported it readable (or closed) since it was last read.
+    readable: bool,
     /// Since when part of a frame has been buffered.
     partial_since: Option<Instant>,
+    /// Since when queued output has waited without a byte taken.
+    stalled_since: Option<Instant>,
 }
 
 /// How the driver prints warnings.
@@ -248,8 +265,8 @@ impl<F: RailFabric> Driver<F> {
                 Action::Close { conn } => {
                     if let Some(mut socket) = self.sockets.remove(&conn) {
                         // Best effort: a refusal or Bye queued before the close goes out.
-                        if !socket.connecting && !socket.out.is_empty() {
-                            let _ = socket.stream.write(&socket.out);
+                        if !socket.connecting && socket.queued() > 0 {
+                            let _ = socket.stream.write(&socket.out[socket.sent..]);
                         }
                     }
                 }
@@ -292,6 +309,7 @@ impl<F: RailFabric> Driver<F> {
                 Err(error) => return Err(error),
             };
             let stream: TcpStream = socket.into();
+            keep_alive(&stream);
             let local_ip = stream.local_addr()?.ip();
             Ok((stream, connecting, local_ip))
         })();
@@ -304,17 +322,36 @@ impl<F: RailFabric> Driver<F> {
         }
     }
 
-    /// Queues a frame on `conn`; a peer with more than its share unread is closed.
+    /// Queues a frame on `conn`. A peer with more than [`Policy::max_queued_output`] unread is
+    /// closed; the application's notifications may fill only half of that, and beyond it
+    /// are dropped (and counted) rather than blamed on the peer.
+    ///
+    /// [`Policy::max_queued_output`]: crate::policy::Policy::max_queued_output
     fn queue(&mut self, conn: ConnId, message: &Message, now: Instant) {
         let Some(socket) = self.sockets.get_mut(&conn) else {
+            if matches!(message, Message::Notify { .. }) {
+                bump(&self.shared.counters.notifications_dropped);
+            }
             return;
         };
         let frame = message.encode();
-        if socket.out.len() + frame.len() > self.policy.max_queued_output {
+        let queued = socket.queued() + frame.len();
+        let bound = self.policy.max_queued_output;
+        if matches!(message, Message::Notify { .. }) {
+            if queued > bound / 2 {
+                bump(&self.shared.counters.notifications_dropped);
+                let message = format!(
+                    "dropping a notification of {} bytes: {} bytes are already queued for that peer",
+                    frame.len(),
+                    socket.queued()
+                );
+                return self.core.warn(WarningKind::Connection, message, now);
+            }
+            bump(&self.shared.counters.notifications_sent);
+        } else if queued > bound {
             let reason = format!(
-                "it does not read: {} bytes are queued for it (the bound is {})",
-                socket.out.len(),
-                self.policy.max_queued_output
+                "it does not read: {} bytes are queued for it (the bound is {bound})",
+                socket.queued(),
             );
             return self.core.refuse(conn, &reason, now);
         }
@@ -344,6 +381,7 @@ impl<F: RailFabric> Driver<F> {
                         continue;
                     };
                     let _ = stream.set_nodelay(true);
+                    keep_alive(&stream);
                     let conn = self.core.accepted(addr, local_ip, now);
                     self.sockets.insert(conn, Socket::new(stream, false));
                 }
@@ -371,6 +409,9 @@ impl<F: RailFabric> Driver<F> {
             let Some(socket) = self.sockets.get_mut(&conn) else {
                 continue;
             };
+            if !socket.readable && !socket.connecting && socket.partial_since.is_none() {
+                continue;
+            }
             let (messages, outcome) = socket.read(now, self.policy.frame_timeout);
             for message in messages {
                 self.core.received(conn, message, now);
@@ -384,23 +425,40 @@ impl<F: RailFabric> Driver<F> {
         }
     }
 
+    /// Writes what is queued; a peer that takes no byte for [`Policy::frame_timeout`] while
+    /// output waits is closed.
+    ///
+    /// [`Policy::frame_timeout`]: crate::policy::Policy::frame_timeout
     fn flush(&mut self, now: Instant) {
         let mut broken = Vec::new();
+        let mut stalled = Vec::new();
         for (&conn, socket) in &mut self.sockets {
-            if socket.connecting || socket.out.is_empty() {
+            if socket.connecting || socket.queued() == 0 {
                 continue;
             }
-            match socket.stream.write(&socket.out) {
-                Ok(n) => {
-                    socket.out.drain(..n);
-                }
+            match socket.stream.write(&socket.out[socket.sent..]) {
+                Ok(n) => socket.wrote(n),
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
                 Err(error) => broken.push((conn, error.to_string())),
             }
+            if socket.queued() == 0 {
+                socket.stalled_since = None;
+            } else if now.duration_since(*socket.stalled_since.get_or_insert(now))
+                > self.policy.frame_timeout
+            {
+                stalled.push(conn);
+            }
         }
         for (conn, reason) in broken {
             self.core.closed(conn, &reason, now);
+        }
+        for conn in stalled {
+            let reason = format!(
+                "it does not read: nothing of its queued output was taken for {:?}",
+                self.policy.frame_timeout
+            );
+            self.core.refuse(conn, &reason, now);
         }
         self.carry_out(now);
     }
@@ -496,9 +554,11 @@ impl<F: RailFabric> Driver<F> {
                 revents: 0,
             });
         }
-        for socket in self.sockets.values() {
+        let first_socket = fds.len();
+        let mut polled = Vec::with_capacity(self.sockets.len());
+        for (&conn, socket) in &self.sockets {
             let mut events = libc::POLLIN;
-            if socket.connecting || !socket.out.is_empty() {
+            if socket.connecting || socket.queued() > 0 {
                 events |= libc::POLLOUT;
             }
             fds.push(libc::pollfd {
@@ -506,12 +566,23 @@ impl<F: RailFabric> Driver<F> {
                 events,
                 revents: 0,
             });
+            polled.push(conn);
         }
         let timeout = TICK.as_millis() as libc::c_int;
         // SAFETY:
         // - `fds` is a valid array of `fds.len()` pollfd structs that lives across the call;
         //   every descriptor in it is owned by this thread and open.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        if ready <= 0 {
+            return;
+        }
+        for (conn, fd) in polled.iter().zip(&fds[first_socket..]) {
+            if fd.revents & !libc::POLLOUT != 0 {
+                if let Some(socket) = self.sockets.get_mut(conn) {
+                    socket.readable = true;
+                }
+            }
+        }
     }
 }
 
@@ -539,8 +610,34 @@ impl Socket {
             stream,
             decoder: FrameDecoder::default(),
             out: Vec::new(),
+            sent: 0,
             connecting,
+            // Bytes may have arrived before the first poll.
+            readable: true,
             partial_since: None,
+            stalled_since: None,
+        }
+    }
+
+    /// Bytes queued and not yet written.
+    fn queued(&self) -> usize {
+        self.out.len() - self.sent
+    }
+
+    /// `n` more bytes were written: the cursor moves, and the buffer is compacted when half
+    /// of it is written (each byte is moved at most once) or released when empty.
+    fn wrote(&mut self, n: usize) {
+        self.sent += n;
+        if n > 0 {
+            self.stalled_since = None;
+        }
+        if self.sent == self.out.len() {
+            self.out.clear();
+            self.out.shrink_to(FrameDecoder::KEPT_CAPACITY);
+            self.sent = 0;
+        } else if self.sent > self.out.len() / 2 {
+            self.out.drain(..self.sent);
+            self.sent = 0;
         }
     }
 
@@ -557,11 +654,15 @@ impl Socket {
                 }
             }
         }
+        self.readable = false;
         let mut buffer = [0u8; 16 * 1024];
         let mut budget = READ_BUDGET;
         let mut outcome = ReadOutcome::Open;
         while budget > 0 {
             let want = buffer.len().min(self.decoder.room()).min(budget);
+            if want == 0 {
+                break;
+            }
             let read = match self.stream.read(&mut buffer[..want]) {
                 Ok(0) => {
                     outcome = ReadOutcome::Closed("the peer closed the connection".into());

@@ -34,6 +34,14 @@ pub enum ControlError {
         /// How many there are.
         rails: usize,
     },
+    /// A notification larger than one frame carries.
+    #[error("a notification of {len} bytes is larger than the {max} bytes one can carry")]
+    TooLarge {
+        /// Its length.
+        len: usize,
+        /// The most allowed ([`crate::wire::MAX_NOTIFY`]).
+        max: usize,
+    },
     /// The peer could not be reached or did not answer in time.
     #[error("cannot reach the peer at {addr}: {reason}")]
     Unreachable {

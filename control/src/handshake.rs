@@ -12,11 +12,13 @@
 //! # Identity
 //! A peer is an incarnation reached at an address; its name is a label. Two live processes
 //! with the same name are two peers. The one place a restart is detected is
-//! [`Core::listener_at`]: the address a connection was dialed to answered with a new
-//! incarnation, so the old one no longer listens there — its endpoints retire
-//! (`PeerRestarted`) and fresh ones to the new incarnation take their place. A cluster
-//! directory, whose names are exclusive claims, reports the same through
-//! [`Core::peer_changed`].
+//! [`Core::listener_at`]: an address a connection was dialed to answered with a new
+//! incarnation, or a peer's Hello announced a listener address another incarnation had, so
+//! the old one no longer listens there — its endpoints retire (`PeerRestarted`), fresh ones
+//! to the new incarnation take their place, and the queue pairs it connected here go. A
+//! cluster directory, whose names are exclusive claims, reports the same through
+//! [`Core::peer_changed`]. An initiator that leaves no connection behind (crashed, nothing
+//! replaced it) has its queue pairs taken out of service after [`Policy::passive_linger`].
 //!
 //! # Handshakes
 //! Every ConnectQp carries a fresh handshake id and the target's incarnation. Its reply is
@@ -26,7 +28,7 @@
 //! newer epoch) cancels it. A ConnectQp is answered only for the incarnation that said
 //! Hello on that connection; a notification is delivered only if it names this incarnation.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
@@ -136,8 +138,9 @@ struct Conn {
     local_ip: Option<IpAddr>,
     /// The incarnation its Hello announced.
     peer: Option<Incarnation>,
-    /// The peer's descriptor has been asked for on it and not yet received.
-    descriptor_pending: bool,
+    /// Descriptors asked for on it (GetDescriptor) and not yet received; a Descriptor
+    /// nobody asked for closes the connection.
+    descriptors_asked: u32,
     opened: Instant,
 }
 
@@ -175,6 +178,9 @@ struct Passive<Q> {
     qp: Q,
     remote_qp_num: u32,
     local: QpSide,
+    /// The connection its ConnectQp came on: a ConnectQp still buffered on an older one
+    /// (which the initiator gave up) never replaces it.
+    conn: ConnId,
 }
 
 /// The peer table and handshake state machine. See the module docs.
@@ -201,6 +207,9 @@ pub(crate) struct Core<F: RailFabric> {
     /// Handshakes waiting for their reply, by id.
     handshakes: HashMap<u64, (u16, EndpointId)>,
     passive: HashMap<WireKey, Passive<F::Connected>>,
+    /// Initiators holding target queue pairs here with no control connection left, since
+    /// when.
+    orphaned_since: HashMap<Incarnation, Instant>,
     waiting: Vec<Waiting>,
     warnings: RateLimiter,
     rng: SplitMix64,
@@ -238,6 +247,7 @@ impl<F: RailFabric> Core<F> {
             next_epochs: HashMap::new(),
             handshakes: HashMap::new(),
             passive: HashMap::new(),
+            orphaned_since: HashMap::new(),
             waiting: Vec::new(),
             warnings: RateLimiter::new(warn.window, warn.burst),
             actions: VecDeque::new(),
@@ -277,26 +287,32 @@ impl<F: RailFabric> Core<F> {
         self.actions.push_back(Action::Send { conn, message });
     }
 
+    /// Asks for the peer's descriptor on `conn`; connects waiting on it wait for the answer.
+    fn ask_descriptor(&mut self, conn: ConnId) {
+        if let Some(state) = self.conns.get_mut(&conn) {
+            state.descriptors_asked += 1;
+            self.send(conn, Message::GetDescriptor);
+        }
+    }
+
     fn hello(&self) -> Message {
         Message::Hello {
             name: self.me.name.clone(),
             incarnation: self.me.incarnation,
             host: self.me.host,
+            listen: self.me.local_addr.to_string(),
         }
     }
 
     // ---- connections -------------------------------------------------------------------
 
     /// Whether the listener may take another connection: fewer than
-    /// [`Policy::max_connections`] accepted, fewer than [`Policy::max_handshakes`] of them
-    /// before their Hello.
+    /// [`Policy::max_connections`] accepted. (Beyond [`Policy::max_handshakes`] before their
+    /// Hello, [`Self::accepted`] closes the oldest silent one instead: a flood of silent
+    /// connections churns but cannot keep a peer that speaks out.)
     pub(crate) fn may_accept(&self) -> bool {
-        let (mut accepted, mut handshaking) = (0, 0);
-        for conn in self.conns.values().filter(|conn| !conn.dialed) {
-            accepted += 1;
-            handshaking += usize::from(conn.peer.is_none());
-        }
-        accepted < self.policy.max_connections && handshaking < self.policy.max_handshakes
+        let accepted = self.conns.values().filter(|conn| !conn.dialed).count();
+        accepted < self.policy.max_connections
     }
 
     fn new_conn(&mut self, addr: SocketAddr, dialed: bool, now: Instant) -> ConnId {
@@ -309,7 +325,7 @@ impl<F: RailFabric> Core<F> {
                 dialed,
                 local_ip: None,
                 peer: None,
-                descriptor_pending: dialed,
+                descriptors_asked: 0,
                 opened: now,
             },
         );
@@ -321,6 +337,20 @@ impl<F: RailFabric> Core<F> {
         let conn = self.new_conn(addr, false, now);
         if let Some(state) = self.conns.get_mut(&conn) {
             state.local_ip = Some(local_ip);
+        }
+        let silent = || {
+            self.conns
+                .iter()
+                .filter(|(_, state)| !state.dialed && state.peer.is_none())
+        };
+        if silent().count() > self.policy.max_handshakes {
+            if let Some(oldest) = silent().map(|(&id, _)| id).min() {
+                let reason = format!(
+                    "more than {} connections have not said Hello; the oldest goes",
+                    self.policy.max_handshakes
+                );
+                self.refuse(oldest, &reason, now);
+            }
         }
         conn
     }
@@ -342,7 +372,7 @@ impl<F: RailFabric> Core<F> {
         self.dialed.insert(addr, conn);
         self.actions.push_back(Action::Dial { conn, addr });
         self.send(conn, self.hello());
-        self.send(conn, Message::GetDescriptor);
+        self.ask_descriptor(conn);
         conn
     }
 
@@ -381,17 +411,18 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    /// Forgets what `peer`'s Hello and descriptor said once nothing refers to it any more —
-    /// no connection, endpoint, passive queue pair or dialed address — so that peers that
-    /// come and go (or a flood of Hellos) cost nothing lasting.
+    /// Forgets what `peer`'s Hello and descriptor said, and where it listens, once nothing
+    /// refers to it any more — no connection, endpoint or target queue pair — so that peers
+    /// that come and go (or a flood of Hellos) cost nothing lasting. (With nothing of it
+    /// left, there is nothing to retire when another process takes its address.)
     fn forget_if_unused(&mut self, peer: Incarnation) {
         let used = self.conns.values().any(|conn| conn.peer == Some(peer))
             || self.active.values().any(|a| a.machine.key().peer == peer)
-            || self.passive.keys().any(|key| key.initiator == peer)
-            || self.listeners.values().any(|&listener| listener == peer);
+            || self.passive.keys().any(|key| key.initiator == peer);
         if !used {
             self.peers.remove(&peer);
             self.descriptors.forget(peer);
+            self.listeners.retain(|_, listener| *listener != peer);
         }
     }
 
@@ -441,7 +472,8 @@ impl<F: RailFabric> Core<F> {
                 name,
                 incarnation,
                 host,
-            } => self.on_hello(conn, name, incarnation, host, now),
+                listen,
+            } => self.on_hello(conn, name, incarnation, host, &listen, now),
             Message::GetDescriptor => {
                 let descriptor = self.local_descriptor();
                 self.send(conn, Message::Descriptor(descriptor));
@@ -475,6 +507,7 @@ impl<F: RailFabric> Core<F> {
         name: String,
         incarnation: Incarnation,
         host: HostId,
+        listen: &str,
         now: Instant,
     ) {
         let Some(state) = self.conns.get_mut(&conn) else {
@@ -493,14 +526,28 @@ impl<F: RailFabric> Core<F> {
             self.send(conn, self.hello());
         }
         self.peers.insert(incarnation, PeerInfo { name, host });
-        if dialed {
-            self.listener_at(addr, incarnation, now);
+        // Where it listens: the address dialed, or what it announces (an unspecified IP is
+        // the one it connects from).
+        let listener = if dialed {
+            Some(addr)
+        } else {
+            listen.parse::<SocketAddr>().ok().map(|announced| {
+                if announced.ip().is_unspecified() {
+                    SocketAddr::new(addr.ip(), announced.port())
+                } else {
+                    announced
+                }
+            })
+        };
+        if let Some(listener) = listener {
+            self.listener_at(listener, incarnation, now);
         }
         self.resolve_waiting(now);
     }
 
-    /// The one place a restart is detected: `incarnation` answered at `addr`, the address
-    /// of a handshake listener. If another incarnation listened there before, it is gone.
+    /// The one place a restart is detected: `incarnation` listens at `addr` — it answered
+    /// there when dialed, or announced it in the Hello of a connection it made. If another
+    /// incarnation listened there before, it is gone.
     fn listener_at(&mut self, addr: SocketAddr, incarnation: Incarnation, now: Instant) {
         match self.listeners.insert(addr, incarnation) {
             Some(old) if old != incarnation => {
@@ -570,11 +617,14 @@ impl<F: RailFabric> Core<F> {
             return;
         };
         let incarnation = descriptor.incarnation;
+        if state.descriptors_asked == 0 {
+            return self.refuse(conn, "a descriptor nobody asked for", now);
+        }
         if state.peer != Some(incarnation) {
             let reason = format!("a descriptor of {incarnation} from another incarnation");
             return self.refuse(conn, &reason, now);
         }
-        state.descriptor_pending = false;
+        state.descriptors_asked -= 1;
         let fresh = self.descriptors.record(descriptor);
         for active in self.active.values() {
             if active.machine.key().peer == incarnation {
@@ -652,7 +702,7 @@ impl<F: RailFabric> Core<F> {
         let speaker = self.conns.get(&conn).and_then(|state| state.peer);
         let result = if speaker == Some(key.initiator) {
             let link = self.link(conn, key.initiator);
-            self.answer_connect_qp(key, side, &link)
+            self.answer_connect_qp(key, side, &link, conn)
         } else {
             bump(&self.shared.counters.refused);
             let reason = format!(
@@ -679,6 +729,7 @@ impl<F: RailFabric> Core<F> {
         key: WireKey,
         side: &QpSide,
         link: &PeerLink,
+        conn: ConnId,
     ) -> Result<QpSide, String> {
         if key.target != self.me.incarnation {
             bump(&self.shared.counters.refused);
@@ -695,10 +746,35 @@ impl<F: RailFabric> Core<F> {
                 self.fabrics.len()
             ));
         };
-        if let Some(existing) = self.passive.get(&key) {
+        let existing = self.passive.get(&key);
+        if let Some(existing) = existing {
             if existing.remote_qp_num == side.info.qp_num {
                 bump(&self.shared.counters.idempotent_replies);
                 return Ok(existing.local.clone());
+            }
+            if existing.conn > conn {
+                bump(&self.shared.counters.refused);
+                return Err(
+                    "a ConnectQp from an older connection than the queue pair it would replace"
+                        .into(),
+                );
+            }
+        } else {
+            let of_peer = self
+                .passive
+                .keys()
+                .filter(|held| held.initiator == key.initiator)
+                .count();
+            if of_peer >= self.policy.max_queue_pairs_per_peer
+                || self.passive.len() >= self.policy.max_target_queue_pairs
+            {
+                bump(&self.shared.counters.refused);
+                return Err(format!(
+                    "too many queue pairs: {of_peer} of {} held here (at most {} per peer, {} in all)",
+                    key.initiator,
+                    self.policy.max_queue_pairs_per_peer,
+                    self.policy.max_target_queue_pairs
+                ));
             }
         }
         let connected = fabric
@@ -719,6 +795,7 @@ impl<F: RailFabric> Core<F> {
                 qp,
                 remote_qp_num: side.info.qp_num,
                 local: local.clone(),
+                conn,
             },
         );
         if replaced.is_some() {
@@ -820,7 +897,7 @@ impl<F: RailFabric> Core<F> {
         bump(&self.shared.counters.active_qps);
         self.count_fabric(&side);
         // The queue pair this one replaces is out of service for good.
-        self.announce_retired_qp(rail, id, None);
+        self.announce_retired_qp(rail, id, None, now);
         let qp_num = side.info.qp_num;
         if reconnect {
             bump(&self.shared.counters.reconnects);
@@ -830,10 +907,7 @@ impl<F: RailFabric> Core<F> {
                 now,
             );
             self.descriptors.invalidate(key.peer);
-            if let Some(state) = self.conns.get_mut(&conn) {
-                state.descriptor_pending = true;
-            }
-            self.send(conn, Message::GetDescriptor);
+            self.ask_descriptor(conn);
         }
         let handshake = self.rng.next_u64();
         self.send(
@@ -867,7 +941,13 @@ impl<F: RailFabric> Core<F> {
 
     /// Tells the target that our queue pair of `epoch` (or any, with `None`) for endpoint
     /// `id` is out of service, so that it executes nothing more it buffered from it.
-    fn announce_retired_qp(&mut self, rail: u16, id: EndpointId, epoch: Option<Epoch>) {
+    fn announce_retired_qp(
+        &mut self,
+        rail: u16,
+        id: EndpointId,
+        epoch: Option<Epoch>,
+        now: Instant,
+    ) {
         let Some(active) = self.active.get_mut(&(rail, id)) else {
             return;
         };
@@ -878,7 +958,7 @@ impl<F: RailFabric> Core<F> {
             return;
         }
         active.offered = None;
-        let key = active.machine.key();
+        let (key, addr) = (active.machine.key(), active.addr);
         let message = Message::RetireQp {
             key: WireKey {
                 initiator: self.me.incarnation,
@@ -889,9 +969,10 @@ impl<F: RailFabric> Core<F> {
             epoch: offered_epoch.get(),
             qp_num,
         };
-        if let Some(&conn) = self.dialed.get(&active.addr) {
-            self.send(conn, message);
-        }
+        // Dialing if needed: a queue pair the target keeps would still execute what it
+        // buffered from it.
+        let conn = self.conn_to(addr, now);
+        self.send(conn, message);
     }
 
     // ---- application requests ----------------------------------------------------------
@@ -939,7 +1020,6 @@ impl<F: RailFabric> Core<F> {
     ) {
         let conn = self.conn_to(addr, now);
         self.send(conn, Message::Notify { target, bytes });
-        bump(&self.shared.counters.notifications_sent);
     }
 
     /// A cluster directory saw `name` change: the same consequences as when a dialed
@@ -952,7 +1032,13 @@ impl<F: RailFabric> Core<F> {
                     || self.active.values().any(|a| {
                         a.machine.key().peer == old && a.machine.phase() != Phase::Retired
                     });
-                self.listeners.insert(addr, new);
+                match self.listeners.get(&addr) {
+                    // A Hello there already said who listens now; a late event changes nothing.
+                    Some(&current) if current != old => {}
+                    _ => {
+                        self.listeners.insert(addr, new);
+                    }
+                }
                 if known {
                     self.peer_replaced(old, new, name.to_string(), addr, now);
                 }
@@ -978,6 +1064,8 @@ impl<F: RailFabric> Core<F> {
                 for (rail, id) in gone {
                     self.handle_input(rail, id, Input::PeerGone, now);
                 }
+                self.listeners
+                    .retain(|_, listener| *listener != incarnation);
                 self.forget_incarnation(incarnation);
             }
         }
@@ -1018,7 +1106,7 @@ impl<F: RailFabric> Core<F> {
         for waiting in std::mem::take(&mut self.waiting) {
             let known = self.conns.get(&waiting.conn).and_then(|conn| {
                 let incarnation = conn.peer?;
-                (!conn.descriptor_pending).then_some((incarnation, conn.addr))
+                (conn.descriptors_asked == 0).then_some((incarnation, conn.addr))
             });
             match known {
                 Some((incarnation, addr)) => {
@@ -1125,17 +1213,17 @@ impl<F: RailFabric> Core<F> {
                 epoch,
                 status,
             } => {
-                self.announce_retired_qp(rail, endpoint, Some(epoch));
+                self.announce_retired_qp(rail, endpoint, Some(epoch), now);
                 self.handle_input(rail, endpoint, Input::QpError { epoch, status }, now);
             }
             Event::QpFatal { endpoint, epoch } => {
-                self.announce_retired_qp(rail, endpoint, Some(epoch));
+                self.announce_retired_qp(rail, endpoint, Some(epoch), now);
                 self.handle_input(rail, endpoint, Input::QpFatal { epoch }, now);
             }
             Event::ConnectFailed {
                 endpoint, epoch, ..
             } => {
-                self.announce_retired_qp(rail, endpoint, Some(epoch));
+                self.announce_retired_qp(rail, endpoint, Some(epoch), now);
                 self.handle_input(rail, endpoint, Input::HandshakeFailed { epoch }, now);
             }
             Event::Confirmed { endpoint, epoch } => {
@@ -1163,6 +1251,7 @@ impl<F: RailFabric> Core<F> {
         self.next_epochs.insert((rail, id), next);
         self.shared.publish(rail, id, None);
         self.free_ids.push((rail, id));
+        self.forget_if_unused(key.peer);
     }
 
     /// Timers: endpoint deadlines, connects waiting too long, accepted connections silent
@@ -1192,7 +1281,44 @@ impl<F: RailFabric> Core<F> {
         for conn in silent {
             self.closed(conn, "no handshake within the connect timeout", now);
         }
+        self.expire_orphaned_queue_pairs(now);
         self.take_immediates(now);
+    }
+
+    /// Takes out of service the target queue pairs of initiators that have had no control
+    /// connection for [`Policy::passive_linger`]: a crashed initiator cannot say RetireQp.
+    fn expire_orphaned_queue_pairs(&mut self, now: Instant) {
+        if self.passive.is_empty() && self.orphaned_since.is_empty() {
+            return;
+        }
+        let connected: HashSet<Incarnation> =
+            self.conns.values().filter_map(|conn| conn.peer).collect();
+        let orphans: HashSet<Incarnation> = self
+            .passive
+            .keys()
+            .map(|key| key.initiator)
+            .filter(|initiator| !connected.contains(initiator))
+            .collect();
+        self.orphaned_since
+            .retain(|initiator, _| orphans.contains(initiator));
+        for initiator in orphans {
+            let since = *self.orphaned_since.entry(initiator).or_insert(now);
+            if now.duration_since(since) < self.policy.passive_linger {
+                continue;
+            }
+            self.orphaned_since.remove(&initiator);
+            let revoked = self.revoke(initiator).len();
+            let name = self.peer_name(initiator);
+            self.warn(
+                WarningKind::Retire,
+                format!(
+                    "{name} ({initiator}) has had no connection for {:?}: its {revoked} queue pair(s) here go",
+                    self.policy.passive_linger
+                ),
+                now,
+            );
+            self.forget_if_unused(initiator);
+        }
     }
 
     fn handle_input(&mut self, rail: u16, id: EndpointId, input: Input, now: Instant) {
@@ -1224,10 +1350,7 @@ impl<F: RailFabric> Core<F> {
                     let (addr, peer) = (active.addr, active.machine.key().peer);
                     self.descriptors.invalidate(peer);
                     if let Some(&conn) = self.dialed.get(&addr) {
-                        if let Some(state) = self.conns.get_mut(&conn) {
-                            state.descriptor_pending = true;
-                        }
-                        self.send(conn, Message::GetDescriptor);
+                        self.ask_descriptor(conn);
                     }
                 }
                 Output::RetireEndpoint { reason } => {
@@ -1246,7 +1369,7 @@ impl<F: RailFabric> Core<F> {
                         format!("endpoint {id:?} to {peer} ({incarnation}) retired: {reason}"),
                         now,
                     );
-                    self.announce_retired_qp(rail, id, None);
+                    self.announce_retired_qp(rail, id, None, now);
                 }
                 Output::OpenCircuit => {
                     bump(&self.shared.counters.circuit_openings);

@@ -734,6 +734,7 @@ fn a_second_identity_or_a_foreign_descriptor_closes_the_connection() {
         name: "x".into(),
         incarnation: Incarnation(incarnation),
         host: HostId::default(),
+        listen: String::new(),
     };
     let conn = net.procs[target]
         .core
@@ -760,37 +761,63 @@ fn a_second_identity_or_a_foreign_descriptor_closes_the_connection() {
 }
 
 #[test]
-fn accepting_stops_at_the_caps_and_silent_connections_time_out() {
+fn silent_connections_are_evicted_oldest_first_and_time_out() {
     let mut net = Net::new();
     let target = net.spawn(NAME, addr(1, 7000), 11, 1);
     let now = net.now;
+    let cap = policy().max_handshakes;
     let core = &mut net.procs[target].core;
-    let mut conns = Vec::new();
-    while core.may_accept() {
-        conns.push(core.accepted(addr(3, 5000), addr(1, 7000).ip(), now));
-        assert!(conns.len() <= policy().max_handshakes, "no cap");
-    }
-    assert_eq!(conns.len(), policy().max_handshakes);
-    // One says Hello: a handshake slot frees.
+    let silent: Vec<ConnId> = (0..cap)
+        .map(|_| core.accepted(addr(3, 5000), addr(1, 7000).ip(), now))
+        .collect();
+    while core.next_action().is_some() {}
+    // One more: the oldest silent one goes, the newcomer stays.
+    let newcomer = core.accepted(addr(3, 5001), addr(1, 7000).ip(), now);
+    let closed: Vec<ConnId> = std::iter::from_fn(|| core.next_action())
+        .filter_map(|action| match action {
+            Action::Close { conn } => Some(conn),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(closed, vec![silent[0]]);
     core.received(
-        conns[0],
+        newcomer,
         Message::Hello {
             name: "x".into(),
             incarnation: Incarnation(5),
             host: HostId::default(),
+            listen: String::new(),
         },
         now,
     );
-    assert!(core.may_accept());
+    assert_eq!(net.stats(target).connections_closed, 1);
     net.advance(policy().connect_timeout + Duration::from_millis(1));
     let closed = std::iter::from_fn(|| net.procs[target].core.next_action())
         .filter(|action| matches!(action, Action::Close { .. }))
         .count();
-    assert_eq!(
-        closed,
-        policy().max_handshakes - 1,
-        "every silent one, not the speaker"
-    );
+    assert_eq!(closed, cap - 1, "every silent one, not the speaker");
+}
+
+#[test]
+fn the_listener_stops_at_the_connection_cap() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    let mut accepted = 0;
+    while core.may_accept() {
+        let conn = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+        let hello = Message::Hello {
+            name: "x".into(),
+            incarnation: Incarnation(1000 + accepted),
+            host: HostId::default(),
+            listen: String::new(),
+        };
+        core.received(conn, hello, now);
+        accepted += 1;
+        assert!(accepted <= 100_000, "no cap");
+    }
+    assert_eq!(accepted as usize, policy().max_connections);
 }
 
 #[test]
@@ -872,6 +899,7 @@ fn a_retire_qp_is_honoured_only_from_its_initiator_for_the_current_queue_pair() 
         name: "stranger".into(),
         incarnation: Incarnation(30),
         host: HostId::default(),
+        listen: String::new(),
     };
     net.procs[target].core.received(stranger, hello, now);
     net.procs[target]
@@ -945,6 +973,7 @@ fn peers_that_come_and_go_leave_nothing_behind() {
             name: "passer-by".into(),
             incarnation: Incarnation(1000 + incarnation),
             host: HostId::default(),
+            listen: String::new(),
         };
         net.procs[target].core.received(conn, hello, now);
         net.procs[target].core.received(conn, Message::Bye, now);
@@ -952,4 +981,205 @@ fn peers_that_come_and_go_leave_nothing_behind() {
     let core = &net.procs[target].core;
     assert!(core.conns.is_empty());
     assert!(core.peers.is_empty(), "{} peers kept", core.peers.len());
+}
+
+#[test]
+fn an_initiator_restarted_at_its_announced_address_loses_its_queue_pairs_here() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let old = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(old, addr(1, 7000));
+    net.settle();
+    ready(&answer);
+    assert_eq!(net.stats(target).passive_qps, 1);
+    net.crash(old);
+    net.settle();
+    // Its successor at the same address (another name) connects: the old one is gone.
+    let new = net.spawn("prefill-2", addr(2, 7000), 21, 1);
+    let answer = net.connect(new, addr(1, 7000));
+    net.settle();
+    ready(&answer);
+    let core = &net.procs[target].core;
+    assert!(
+        core.passive
+            .keys()
+            .all(|key| key.initiator == Incarnation(21)),
+        "the dead initiator's queue pair is gone"
+    );
+    assert_eq!(net.stats(target).peer_restarts, 1);
+    // Another initiator with the same name elsewhere takes nothing away.
+    let twin = net.spawn("prefill-2", addr(2, 7001), 22, 1);
+    let answer = net.connect(twin, addr(1, 7000));
+    net.settle();
+    ready(&answer);
+    assert_eq!(net.procs[target].core.passive.len(), 2);
+    assert_eq!(net.stats(target).peer_restarts, 1);
+}
+
+#[test]
+fn a_crashed_initiators_queue_pairs_go_after_the_linger() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    ready(&answer);
+    net.crash(prefill);
+    net.settle();
+    net.advance(Duration::from_millis(1));
+    assert_eq!(
+        net.procs[target].core.passive.len(),
+        1,
+        "kept while it may come back"
+    );
+    net.advance(policy().passive_linger);
+    assert!(net.procs[target].core.passive.is_empty());
+    assert_eq!(net.stats(target).passive_retired, 1);
+    assert!(
+        net.procs[target].core.peers.is_empty(),
+        "nothing of it is left"
+    );
+}
+
+#[test]
+fn queue_pairs_per_initiator_are_capped() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    let conn = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    core.received(
+        conn,
+        Message::Hello {
+            name: "greedy".into(),
+            incarnation: Incarnation(5),
+            host: HostId::default(),
+            listen: String::new(),
+        },
+        now,
+    );
+    let cap = policy().max_queue_pairs_per_peer;
+    for rail in 0..=cap {
+        let side = QpSide {
+            info: QpInfo {
+                qp_num: 1 + rail as u32,
+                lid: 0,
+                gid: [0; 16],
+                psn: 0,
+                path_mtu: 4096,
+            },
+            attachment: Vec::new(),
+        };
+        core.received(
+            conn,
+            Message::ConnectQp {
+                key: WireKey {
+                    initiator: Incarnation(5),
+                    target: Incarnation(11),
+                    initiator_rail: rail as u16,
+                    target_rail: 0,
+                },
+                epoch: 1,
+                handshake: rail as u64,
+                side,
+            },
+            now,
+        );
+    }
+    assert_eq!(core.passive.len(), cap);
+    assert_eq!(net.stats(target).refused, 1);
+}
+
+#[test]
+fn a_connect_qp_left_on_an_older_connection_never_replaces_a_newer_queue_pair() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    let hello = || Message::Hello {
+        name: "prefill".into(),
+        incarnation: Incarnation(5),
+        host: HostId::default(),
+        listen: String::new(),
+    };
+    let connect = |qp_num: u32, epoch: u64| Message::ConnectQp {
+        key: WireKey {
+            initiator: Incarnation(5),
+            target: Incarnation(11),
+            initiator_rail: 0,
+            target_rail: 0,
+        },
+        epoch,
+        handshake: u64::from(qp_num),
+        side: QpSide {
+            info: QpInfo {
+                qp_num,
+                lid: 0,
+                gid: [0; 16],
+                psn: 0,
+                path_mtu: 4096,
+            },
+            attachment: Vec::new(),
+        },
+    };
+    let core = &mut net.procs[target].core;
+    let older = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    let newer = core.accepted(addr(3, 5001), addr(1, 7000).ip(), now);
+    core.received(older, hello(), now);
+    core.received(newer, hello(), now);
+    core.received(newer, connect(2, 2), now);
+    // The abandoned connection's request is read only now.
+    core.received(older, connect(1, 1), now);
+    let remote: Vec<u32> = core.passive.values().map(|p| p.remote_qp_num).collect();
+    assert_eq!(remote, vec![2]);
+    assert_eq!(net.stats(target).refused, 1);
+}
+
+#[test]
+fn a_descriptor_nobody_asked_for_closes_the_connection() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    let conn = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    core.received(
+        conn,
+        Message::Hello {
+            name: "x".into(),
+            incarnation: Incarnation(5),
+            host: HostId::default(),
+            listen: String::new(),
+        },
+        now,
+    );
+    let mut descriptor = core.local_descriptor();
+    descriptor.incarnation = Incarnation(5);
+    core.received(conn, Message::Descriptor(descriptor), now);
+    assert_eq!(net.stats(target).connections_closed, 1);
+}
+
+#[test]
+fn a_late_directory_restart_does_not_undo_a_newer_hello() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    ready(&answer);
+    let now = net.now;
+    // The directory reports 11 replaced by 12 there, but a Hello already said 11 listens:
+    // the stale report changes who listens only if it names the current one as old.
+    net.procs[prefill].core.peer_changed(
+        NAME,
+        PeerChange::Restarted {
+            old: Incarnation(10),
+            new: Incarnation(12),
+            addr: addr(1, 7000),
+        },
+        now,
+    );
+    assert_eq!(
+        net.procs[prefill].core.listeners.get(&addr(1, 7000)),
+        Some(&Incarnation(11))
+    );
+    assert_eq!(net.stats(prefill).peer_restarts, 0);
 }

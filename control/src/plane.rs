@@ -51,6 +51,7 @@ use crate::host::HostId;
 use crate::policy::Policy;
 use crate::rail::{RailFabric, Revocation};
 use crate::random::random_u64;
+use crate::wire::MAX_NOTIFY;
 
 /// How to run a control plane.
 #[derive(Clone, Debug)]
@@ -311,7 +312,7 @@ impl ControlPlane {
     /// it (its [`ControlStats::notifications_refused`]).
     ///
     /// # Errors
-    /// [`ControlError::Stopped`].
+    /// [`ControlError::TooLarge`] beyond [`MAX_NOTIFY`] bytes; [`ControlError::Stopped`].
     pub fn notify(
         &self,
         addr: SocketAddr,
@@ -319,6 +320,12 @@ impl ControlPlane {
         bytes: Vec<u8>,
         after: Option<Batch>,
     ) -> Result<(), ControlError> {
+        if bytes.len() > MAX_NOTIFY {
+            return Err(ControlError::TooLarge {
+                len: bytes.len(),
+                max: MAX_NOTIFY,
+            });
+        }
         self.request(Request::Notify {
             addr,
             target,

@@ -33,9 +33,19 @@ pub struct Policy {
     /// Bytes queued for one connection that the peer has not read; beyond this the peer is
     /// closed (it does not read). Default 4 MiB: four of the largest frames.
     pub max_queued_output: usize,
-    /// How long a frame that has begun may take to arrive whole; a peer that trickles or
-    /// never finishes one is closed. Default 10 s.
+    /// How long a frame that has begun may take to arrive whole, and how long queued output
+    /// may wait without the peer taking a byte; a peer that trickles, never finishes a
+    /// frame or stops reading is closed. Default 10 s.
     pub frame_timeout: Duration,
+    /// Target queue pairs one initiator incarnation may hold here; its next ConnectQp is
+    /// refused. Default 256 (16 rails on each side).
+    pub max_queue_pairs_per_peer: usize,
+    /// Target queue pairs all initiators together may hold here. Default 16 384.
+    pub max_target_queue_pairs: usize,
+    /// How long the target queue pairs of an initiator with no control connection left are
+    /// kept before they are taken out of service (a crashed initiator leaves them
+    /// otherwise). Default 30 s.
+    pub passive_linger: Duration,
 }
 
 impl Default for Policy {
@@ -53,6 +63,9 @@ impl Default for Policy {
             max_connections: 1024,
             max_queued_output: 4 << 20,
             frame_timeout: Duration::from_secs(10),
+            max_queue_pairs_per_peer: 256,
+            max_target_queue_pairs: 16 * 1024,
+            passive_linger: Duration::from_secs(30),
         }
     }
 }

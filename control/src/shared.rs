@@ -145,14 +145,18 @@ pub struct ControlStats {
     pub warnings_printed: u64,
     /// Warning lines suppressed by the rate limit.
     pub warnings_suppressed: u64,
-    /// Notifications sent.
+    /// Notifications sent (queued on the control connection, or posted as an immediate).
     pub notifications_sent: u64,
-    /// Notifications not sent because the batch they rode on failed.
+    /// Notifications not sent: the batch they rode on failed, the connection closed before
+    /// they went out, or the peer had half of `Policy::max_queued_output` still unread.
     pub notifications_dropped: u64,
     /// Notifications received.
     pub notifications_received: u64,
     /// Notifications refused: meant for another incarnation (one that had this address).
     pub notifications_refused: u64,
+    /// Notifications received but discarded, oldest first, because the application did not
+    /// drain them before [`NOTIFICATION_QUEUE`] entries or [`NOTIFICATION_BYTES`] piled up.
+    pub notifications_discarded: u64,
     /// ConnectQp replies that matched no handshake waiting on that connection (an old
     /// attempt, a retired endpoint, another connection): ignored.
     pub stray_replies: u64,
@@ -182,6 +186,7 @@ pub(crate) struct Counters {
     pub(crate) notifications_dropped: AtomicU64,
     pub(crate) notifications_received: AtomicU64,
     pub(crate) notifications_refused: AtomicU64,
+    pub(crate) notifications_discarded: AtomicU64,
     pub(crate) stray_replies: AtomicU64,
     pub(crate) connections_closed: AtomicU64,
     pub(crate) accept_pauses: AtomicU64,
@@ -204,7 +209,24 @@ pub struct ControlShared {
     rails: Vec<RailShared>,
     pub(crate) counters: Counters,
     regions: RwLock<(u64, Vec<RegionDescriptor>)>,
-    notifications: Mutex<VecDeque<Notification>>,
+    notifications: Mutex<Received>,
+}
+
+/// Notifications waiting for the application, and the bytes they hold.
+#[derive(Debug, Default)]
+struct Received {
+    queue: VecDeque<Notification>,
+    bytes: usize,
+}
+
+impl Notification {
+    /// Bytes it holds.
+    fn size(&self) -> usize {
+        match &self.body {
+            NotificationBody::Bytes(bytes) => bytes.len(),
+            NotificationBody::Immediate(_) => 4,
+        }
+    }
 }
 
 impl ControlShared {
@@ -214,7 +236,7 @@ impl ControlShared {
             rails: (0..rails).map(|_| RailShared::default()).collect(),
             counters: Counters::default(),
             regions: RwLock::new((0, Vec::new())),
-            notifications: Mutex::new(VecDeque::new()),
+            notifications: Mutex::new(Received::default()),
         })
     }
 
@@ -273,11 +295,12 @@ impl ControlShared {
 
     /// Takes the notifications peers sent, oldest first.
     pub fn drain_notifications(&self) -> Vec<Notification> {
-        self.notifications
+        let mut received = self
+            .notifications
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .drain(..)
-            .collect()
+            .unwrap_or_else(PoisonError::into_inner);
+        received.bytes = 0;
+        received.queue.drain(..).collect()
     }
 
     /// This process's published regions.
@@ -289,19 +312,25 @@ impl ControlShared {
             .clone()
     }
 
-    /// Queues notifications for the application (the oldest are dropped beyond
-    /// [`NOTIFICATION_QUEUE`]), counting each as received.
+    /// Queues notifications for the application, counting each as received; beyond
+    /// [`NOTIFICATION_QUEUE`] entries or [`NOTIFICATION_BYTES`] the oldest are discarded
+    /// (and counted).
     pub(crate) fn deliver(&self, notifications: impl IntoIterator<Item = Notification>) {
-        let mut queue = self
+        let mut received = self
             .notifications
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         for notification in notifications {
             bump(&self.counters.notifications_received);
-            if queue.len() >= NOTIFICATION_QUEUE {
-                queue.pop_front();
+            received.bytes += notification.size();
+            received.queue.push_back(notification);
+            while received.queue.len() > NOTIFICATION_QUEUE || received.bytes > NOTIFICATION_BYTES {
+                let Some(oldest) = received.queue.pop_front() else {
+                    break;
+                };
+                received.bytes -= oldest.size();
+                bump(&self.counters.notifications_discarded);
             }
-            queue.push_back(notification);
         }
     }
 
@@ -352,6 +381,7 @@ impl ControlShared {
             notifications_dropped: get(&c.notifications_dropped),
             notifications_received: get(&c.notifications_received),
             notifications_refused: get(&c.notifications_refused),
+            notifications_discarded: get(&c.notifications_discarded),
             stray_replies: get(&c.stray_replies),
             connections_closed: get(&c.connections_closed),
             accept_pauses: get(&c.accept_pauses),
@@ -380,5 +410,40 @@ pub enum NotificationBody {
     Immediate(u32),
 }
 
-/// Notifications kept for the application before the oldest are dropped.
-pub(crate) const NOTIFICATION_QUEUE: usize = 64 * 1024;
+/// Notifications kept for the application before the oldest are discarded.
+pub const NOTIFICATION_QUEUE: usize = 64 * 1024;
+/// Bytes of notifications kept for the application before the oldest are discarded.
+pub const NOTIFICATION_BYTES: usize = 64 << 20;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes(n: usize) -> Notification {
+        Notification {
+            from: "peer".into(),
+            incarnation: Incarnation(1),
+            body: NotificationBody::Bytes(vec![0; n]),
+        }
+    }
+
+    #[test]
+    fn the_notification_queue_is_bounded_in_bytes_and_entries() {
+        let shared = ControlShared::new(0);
+        let large = NOTIFICATION_BYTES / 4 + 1;
+        shared.deliver((0..4).map(|_| bytes(large)));
+        let stats = shared.stats();
+        assert_eq!(stats.notifications_received, 4);
+        assert_eq!(stats.notifications_discarded, 1, "the oldest went");
+        assert_eq!(shared.drain_notifications().len(), 3);
+        shared.deliver((0..NOTIFICATION_QUEUE + 10).map(|_| bytes(1)));
+        assert_eq!(shared.stats().notifications_discarded, 11);
+        assert_eq!(shared.drain_notifications().len(), NOTIFICATION_QUEUE);
+        shared.deliver([bytes(NOTIFICATION_BYTES)]);
+        assert_eq!(
+            shared.drain_notifications().len(),
+            1,
+            "draining emptied the byte count"
+        );
+    }
+}

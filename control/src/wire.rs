@@ -26,6 +26,8 @@ pub const HEADER_LEN: usize = 12;
 pub const MAX_BODY: usize = 1 << 20;
 /// Longest name or address string.
 pub const MAX_STRING: usize = 4096;
+/// Most bytes one notification carries (the body also holds the target and a length).
+pub const MAX_NOTIFY: usize = MAX_BODY - 12;
 /// Longest fabric attachment.
 pub const MAX_ATTACHMENT: usize = 1024;
 
@@ -57,7 +59,7 @@ pub struct QpSide {
 /// One handshake message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
-    /// Who is speaking: the process's name, incarnation and host.
+    /// Who is speaking: the process's name, incarnation, host and handshake listener.
     Hello {
         /// Segment name.
         name: String,
@@ -65,6 +67,10 @@ pub enum Message {
         incarnation: Incarnation,
         /// Its host and PID namespace (which fabric can reach it).
         host: HostId,
+        /// Where its handshake listener is, as it bound it (an unspecified IP means the
+        /// address the connection comes from); empty when it does not listen. A new
+        /// incarnation announcing an address means the one that listened there is gone.
+        listen: String,
     },
     /// Asks for the listener's segment descriptor.
     GetDescriptor,
@@ -373,6 +379,7 @@ impl Message {
                 name,
                 incarnation,
                 host,
+                listen,
             } => {
                 body.string(name);
                 body.u64(incarnation.0);
@@ -380,6 +387,7 @@ impl Message {
                     body.u8(byte);
                 }
                 body.u64(host.pid_namespace);
+                body.string(listen);
                 HELLO
             }
             Self::GetDescriptor => GET_DESCRIPTOR,
@@ -456,6 +464,7 @@ impl Message {
                     boot_id: r.array("boot id")?,
                     pid_namespace: r.u64("pid namespace")?,
                 },
+                listen: r.string("listen address")?,
             },
             GET_DESCRIPTOR => Self::GetDescriptor,
             DESCRIPTOR => Self::Descriptor(read_descriptor(&mut r)?),
@@ -524,18 +533,25 @@ pub fn decode_header(header: &[u8; HEADER_LEN]) -> Result<(u16, usize), WireErro
     Ok((kind, len as usize))
 }
 
-/// Splits a byte stream into messages. Holds at most one whole frame ([`FRAME_BOUND`]
-/// bytes): the reader asks [`Self::room`] how much it may push, and decodes before reading
-/// more.
+/// Splits a byte stream into messages. Holds at most one whole frame's worth of bytes
+/// ([`FRAME_BOUND`]): the reader asks [`Self::room`] how much it may push, and decodes before
+/// reading more. Decoding a message costs its own length (a cursor moves; the buffer is
+/// compacted once per push), and an emptied buffer gives back what it grew beyond
+/// [`Self::KEPT_CAPACITY`].
 #[derive(Debug, Default)]
 pub struct FrameDecoder {
     buffer: Vec<u8>,
+    /// Where the next undecoded byte is.
+    start: usize,
 }
 
 /// The most bytes a [`FrameDecoder`] buffers: one header and the largest body.
 pub const FRAME_BOUND: usize = HEADER_LEN + MAX_BODY;
 
 impl FrameDecoder {
+    /// Capacity an empty decoder keeps; more is released.
+    pub const KEPT_CAPACITY: usize = 64 * 1024;
+
     /// Appends bytes read from the stream.
     ///
     /// # Errors
@@ -544,21 +560,29 @@ impl FrameDecoder {
     pub fn push(&mut self, bytes: &[u8]) -> Result<(), WireError> {
         if bytes.len() > self.room() {
             return Err(WireError::TooLong {
-                len: u32::try_from(self.buffer.len() + bytes.len()).unwrap_or(u32::MAX),
+                len: u32::try_from(self.buffered() + bytes.len()).unwrap_or(u32::MAX),
             });
+        }
+        if self.start > 0 {
+            self.buffer.drain(..self.start);
+            self.start = 0;
         }
         self.buffer.extend_from_slice(bytes);
         Ok(())
     }
 
+    fn buffered(&self) -> usize {
+        self.buffer.len() - self.start
+    }
+
     /// How many more bytes [`Self::push`] accepts.
     pub fn room(&self) -> usize {
-        FRAME_BOUND - self.buffer.len()
+        FRAME_BOUND - self.buffered()
     }
 
     /// Whether part of a frame is buffered.
     pub fn is_partial(&self) -> bool {
-        !self.buffer.is_empty()
+        self.buffered() > 0
     }
 
     /// The next whole message, `Ok(None)` when more bytes are needed.
@@ -566,15 +590,21 @@ impl FrameDecoder {
     /// # Errors
     /// The first malformed frame; the stream cannot be trusted after it.
     pub fn next_message(&mut self) -> Result<Option<Message>, WireError> {
-        let Some(header) = self.buffer.first_chunk::<HEADER_LEN>() else {
+        let rest = &self.buffer[self.start..];
+        let Some(header) = rest.first_chunk::<HEADER_LEN>() else {
             return Ok(None);
         };
         let (kind, len) = decode_header(header)?;
-        if self.buffer.len() < HEADER_LEN + len {
+        if rest.len() < HEADER_LEN + len {
             return Ok(None);
         }
-        let message = Message::decode_body(kind, &self.buffer[HEADER_LEN..HEADER_LEN + len]);
-        self.buffer.drain(..HEADER_LEN + len);
+        let message = Message::decode_body(kind, &rest[HEADER_LEN..HEADER_LEN + len]);
+        self.start += HEADER_LEN + len;
+        if self.start == self.buffer.len() {
+            self.buffer.clear();
+            self.buffer.shrink_to(Self::KEPT_CAPACITY);
+            self.start = 0;
+        }
         message.map(Some)
     }
 
@@ -588,9 +618,9 @@ impl FrameDecoder {
         let message = decoder
             .next_message()?
             .ok_or(WireError::Truncated { field: "frame" })?;
-        if !decoder.buffer.is_empty() {
+        if decoder.is_partial() {
             return Err(WireError::Trailing {
-                extra: decoder.buffer.len(),
+                extra: decoder.buffered(),
             });
         }
         Ok(message)
@@ -674,16 +704,22 @@ mod tests {
 
     fn message() -> impl Strategy<Value = Message> {
         prop_oneof![
-            ("\\PC{0,24}", any::<u64>(), any::<[u8; 16]>(), any::<u64>()).prop_map(
-                |(name, i, boot_id, pid_namespace)| Message::Hello {
+            (
+                "\\PC{0,24}",
+                any::<u64>(),
+                any::<[u8; 16]>(),
+                any::<u64>(),
+                "[0-9.:]{0,21}"
+            )
+                .prop_map(|(name, i, boot_id, pid_namespace, listen)| Message::Hello {
                     name,
                     incarnation: Incarnation(i),
                     host: HostId {
                         boot_id,
                         pid_namespace,
                     },
-                }
-            ),
+                    listen,
+                }),
             Just(Message::GetDescriptor),
             descriptor().prop_map(Message::Descriptor),
             (key(), any::<u64>(), any::<u64>(), side()).prop_map(

@@ -104,6 +104,7 @@ pub fn handshake_once(
         name: name.into(),
         incarnation,
         host: HostId::this_process(),
+        listen: String::new(),
     }
     .encode();
     frames.extend(

@@ -231,4 +231,13 @@ pub enum TransferError {
         /// The rail.
         rail: usize,
     },
+    /// A notification larger than one control frame carries
+    /// ([`railyard_control::wire::MAX_NOTIFY`]).
+    #[error("a notification of {len} bytes is larger than the {max} bytes one can carry")]
+    NotificationTooLarge {
+        /// Its length.
+        len: usize,
+        /// The most allowed.
+        max: usize,
+    },
 }

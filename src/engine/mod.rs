@@ -821,15 +821,17 @@ impl Engine {
     /// queue pairs (up to the connect timeout).
     ///
     /// # Errors
-    /// [`PeerError`] when the address is bad, the name unknown, or the peer cannot be
-    /// reached in time.
+    /// [`PeerError`] when the address is bad, the name unknown, the peer cannot be reached
+    /// in time, or the process answering is not the one asked for (the directory's record
+    /// is stale, or it restarted while being opened).
     pub fn open(&self, target: &str) -> Result<Peer, PeerError> {
         let resolved;
-        let target = if target.contains(':') {
-            target
+        let (target, expected) = if target.contains(':') {
+            (target, None)
         } else {
-            resolved = self.inner.directory.resolve(target)?.handshake_addr;
-            &resolved
+            let descriptor = self.inner.directory.resolve(target)?;
+            resolved = descriptor.handshake_addr;
+            (resolved.as_str(), Some(descriptor.incarnation))
         };
         let addr = target
             .to_socket_addrs()
@@ -844,6 +846,13 @@ impl Engine {
             .control
             .connect(addr, 0, 0)
             .map_err(|error| unreachable(error.to_string()))?;
+        let incarnation = first.key.peer;
+        if let Some(expected) = expected.filter(|&expected| expected != incarnation) {
+            return Err(unreachable(format!(
+                "the directory names incarnation {expected} there, but {incarnation} answers: \
+                 the record is stale (look the name up again)"
+            )));
+        }
         let deadline = Instant::now() + self.inner.connect_timeout;
         if !first.wait_ready(deadline) {
             return Err(unreachable(format!(
@@ -859,6 +868,13 @@ impl Engine {
                 .control
                 .connect(addr, rail as u16, (rail % remote_rails) as u16)
                 .map_err(|error| unreachable(error.to_string()))?;
+            if view.key.peer != incarnation {
+                return Err(unreachable(format!(
+                    "the process there changed while it was being opened ({incarnation}, then \
+                     {}); open it again",
+                    view.key.peer
+                )));
+            }
             if !view.wait_ready(deadline) {
                 return Err(unreachable(format!("rail {rail} did not connect")));
             }

@@ -149,13 +149,21 @@ impl EngineSubmitter {
     /// batch fails).
     ///
     /// # Errors
-    /// As [`Self::submit`].
+    /// As [`Self::submit`]; [`TransferError::NotificationTooLarge`] (nothing submitted)
+    /// beyond [`MAX_NOTIFY`](railyard_control::wire::MAX_NOTIFY) bytes.
     pub fn submit_and_notify(
         &mut self,
         peer: &Peer,
         transfers: &[Transfer],
         notification: Vec<u8>,
     ) -> Result<Batch, TransferError> {
+        let max = railyard_control::wire::MAX_NOTIFY;
+        if notification.len() > max {
+            return Err(TransferError::NotificationTooLarge {
+                len: notification.len(),
+                max,
+            });
+        }
         let batch = self.submit(peer, transfers)?;
         self.engine
             .notify_after(peer, notification, &batch)
