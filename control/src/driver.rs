@@ -16,7 +16,7 @@
 //! [`Policy::frame_timeout`]: crate::policy::Policy::frame_timeout
 //! [`Policy::max_queued_output`]: crate::policy::Policy::max_queued_output
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -34,9 +34,9 @@ use crate::error::ControlError;
 use crate::handshake::{Action, ConnId, Core, PeerChange};
 use crate::policy::Policy;
 use crate::rail::{RailFabric, Revocation};
-use crate::shared::{ControlShared, EndpointView, bump};
+use crate::shared::{ControlShared, EndpointView, bump, bump_by};
 use crate::warn::WarningKind;
-use crate::wire::{FrameDecoder, Message};
+use crate::wire::{FrameDecoder, MAX_BODY, MAX_HELLO_BODY, Message};
 
 /// What the application asks of the control thread.
 pub(crate) enum Request {
@@ -108,6 +108,10 @@ struct Socket {
     /// Frames queued; `out[sent..]` is still to be written.
     out: Vec<u8>,
     sent: usize,
+    /// The application's notifications, encoded, waiting for `out` to drain below half
+    /// its bound, and the bytes they hold.
+    notifications: VecDeque<Vec<u8>>,
+    notification_bytes: usize,
     /// A non-blocking connect still in progress.
     connecting: bool,
     /// `poll` reported it readable (or closed) since it was last read.
@@ -264,6 +268,10 @@ impl<F: RailFabric> Driver<F> {
                 Action::Send { conn, message } => self.queue(conn, &message, now),
                 Action::Close { conn } => {
                     if let Some(mut socket) = self.sockets.remove(&conn) {
+                        bump_by(
+                            &self.shared.counters.notifications_dropped,
+                            socket.notifications.len(),
+                        );
                         // Best effort: a refusal or Bye queued before the close goes out.
                         if !socket.connecting && socket.queued() > 0 {
                             let _ = socket.stream.write(&socket.out[socket.sent..]);
@@ -322,9 +330,11 @@ impl<F: RailFabric> Driver<F> {
         }
     }
 
-    /// Queues a frame on `conn`. A peer with more than [`Policy::max_queued_output`] unread is
-    /// closed; the application's notifications may fill only half of that, and beyond it
-    /// are dropped (and counted) rather than blamed on the peer.
+    /// Queues a frame on `conn`; a peer with more than [`Policy::max_queued_output`] of
+    /// protocol frames unread is closed. The application's notifications wait in a queue of
+    /// their own (up to the same bound, beyond which they are dropped and counted, never
+    /// blamed on the peer) and move to the socket while less than half the bound is queued
+    /// there.
     ///
     /// [`Policy::max_queued_output`]: crate::policy::Policy::max_queued_output
     fn queue(&mut self, conn: ConnId, message: &Message, now: Instant) {
@@ -335,20 +345,23 @@ impl<F: RailFabric> Driver<F> {
             return;
         };
         let frame = message.encode();
-        let queued = socket.queued() + frame.len();
         let bound = self.policy.max_queued_output;
         if matches!(message, Message::Notify { .. }) {
-            if queued > bound / 2 {
+            if socket.notification_bytes + frame.len() > bound {
                 bump(&self.shared.counters.notifications_dropped);
                 let message = format!(
-                    "dropping a notification of {} bytes: {} bytes are already queued for that peer",
+                    "dropping a notification of {} bytes: {} bytes of notifications already \
+                     wait for that peer",
                     frame.len(),
-                    socket.queued()
+                    socket.notification_bytes
                 );
                 return self.core.warn(WarningKind::Connection, message, now);
             }
-            bump(&self.shared.counters.notifications_sent);
-        } else if queued > bound {
+            socket.notification_bytes += frame.len();
+            socket.notifications.push_back(frame);
+            return;
+        }
+        if socket.queued() + frame.len() > bound {
             let reason = format!(
                 "it does not read: {} bytes are queued for it (the bound is {bound})",
                 socket.queued(),
@@ -365,7 +378,7 @@ impl<F: RailFabric> Driver<F> {
         }
         self.accept_paused_until = None;
         loop {
-            let may_accept = self.core.may_accept();
+            let may_accept = self.core.may_accept(now);
             if !may_accept {
                 if !self.at_cap {
                     bump(&self.shared.counters.accept_pauses);
@@ -409,10 +422,14 @@ impl<F: RailFabric> Driver<F> {
             let Some(socket) = self.sockets.get_mut(&conn) else {
                 continue;
             };
-            if !socket.readable && !socket.connecting && socket.partial_since.is_none() {
-                continue;
-            }
-            let (messages, outcome) = socket.read(now, self.policy.frame_timeout);
+            let (messages, outcome) = if socket.readable || socket.connecting {
+                socket.read(now, self.policy.frame_timeout)
+            } else {
+                (
+                    Vec::new(),
+                    socket.frame_overdue(now, self.policy.frame_timeout),
+                )
+            };
             for message in messages {
                 self.core.received(conn, message, now);
             }
@@ -432,8 +449,16 @@ impl<F: RailFabric> Driver<F> {
     fn flush(&mut self, now: Instant) {
         let mut broken = Vec::new();
         let mut stalled = Vec::new();
+        let half = self.policy.max_queued_output / 2;
         for (&conn, socket) in &mut self.sockets {
-            if socket.connecting || socket.queued() == 0 {
+            if socket.connecting {
+                continue;
+            }
+            bump_by(
+                &self.shared.counters.notifications_sent,
+                socket.admit_notifications(half),
+            );
+            if socket.queued() == 0 {
                 continue;
             }
             match socket.stream.write(&socket.out[socket.sent..]) {
@@ -546,7 +571,7 @@ impl<F: RailFabric> Driver<F> {
             revents: 0,
         }];
         let accepting =
-            self.core.may_accept() && self.accept_paused_until.is_none_or(|until| now >= until);
+            self.core.may_accept(now) && self.accept_paused_until.is_none_or(|until| now >= until);
         if accepting {
             fds.push(libc::pollfd {
                 fd: self.listener.as_raw_fd(),
@@ -558,7 +583,7 @@ impl<F: RailFabric> Driver<F> {
         let mut polled = Vec::with_capacity(self.sockets.len());
         for (&conn, socket) in &self.sockets {
             let mut events = libc::POLLIN;
-            if socket.connecting || socket.queued() > 0 {
+            if socket.connecting || socket.queued() > 0 || !socket.notifications.is_empty() {
                 events |= libc::POLLOUT;
             }
             fds.push(libc::pollfd {
@@ -606,17 +631,38 @@ enum ReadOutcome {
 
 impl Socket {
     fn new(stream: TcpStream, connecting: bool) -> Self {
+        // A connection's first frame is a Hello: nothing larger is buffered before it.
+        let mut decoder = FrameDecoder::default();
+        decoder.set_max_body(MAX_HELLO_BODY);
         Self {
             stream,
-            decoder: FrameDecoder::default(),
+            decoder,
             out: Vec::new(),
             sent: 0,
+            notifications: VecDeque::new(),
+            notification_bytes: 0,
             connecting,
             // Bytes may have arrived before the first poll.
             readable: true,
             partial_since: None,
             stalled_since: None,
         }
+    }
+
+    /// Moves waiting notifications to the output while less than `half` is queued there (at
+    /// least one when it is empty); returns how many moved.
+    fn admit_notifications(&mut self, half: usize) -> usize {
+        let mut moved = 0;
+        while let Some(frame) = self.notifications.front() {
+            if self.queued() > 0 && self.queued() + frame.len() > half {
+                break;
+            }
+            self.notification_bytes -= frame.len();
+            self.out.extend_from_slice(frame);
+            self.notifications.pop_front();
+            moved += 1;
+        }
+        moved
     }
 
     /// Bytes queued and not yet written.
@@ -683,7 +729,10 @@ impl Socket {
             }
             loop {
                 match self.decoder.next_message() {
-                    Ok(Some(message)) => messages.push(message),
+                    Ok(Some(message)) => {
+                        self.decoder.set_max_body(MAX_BODY);
+                        messages.push(message);
+                    }
                     Ok(None) => break,
                     Err(error) => {
                         return (
@@ -698,14 +747,22 @@ impl Socket {
             // A frame finished: the clock restarts for the one that follows.
             self.partial_since = None;
         }
-        if self.decoder.is_partial()
-            && now.duration_since(*self.partial_since.get_or_insert(now)) > frame_timeout
-        {
-            return (
-                messages,
-                ReadOutcome::Refused(format!("a frame did not finish within {frame_timeout:?}")),
-            );
+        if self.decoder.is_partial() {
+            self.partial_since.get_or_insert(now);
         }
-        (messages, outcome)
+        match self.frame_overdue(now, frame_timeout) {
+            ReadOutcome::Open => (messages, outcome),
+            overdue => (messages, overdue),
+        }
+    }
+
+    /// Whether a frame has been arriving for longer than `frame_timeout` (no system call).
+    fn frame_overdue(&self, now: Instant, frame_timeout: Duration) -> ReadOutcome {
+        match self.partial_since {
+            Some(since) if now.duration_since(since) > frame_timeout => {
+                ReadOutcome::Refused(format!("a frame did not finish within {frame_timeout:?}"))
+            }
+            _ => ReadOutcome::Open,
+        }
     }
 }

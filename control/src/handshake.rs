@@ -49,6 +49,10 @@ use crate::shared::{ControlShared, EndpointView, Notification, NotificationBody,
 use crate::warn::{RateLimiter, WarningKind};
 use crate::wire::{Message, QpSide, WireKey};
 
+/// How long an accepted connection is safe from eviction before its Hello: time for the
+/// driver to read a Hello sent right after the connect.
+pub(crate) const EVICTABLE_AFTER: Duration = Duration::from_millis(100);
+
 /// A control connection, as the core names it. Never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct ConnId(pub(crate) u64);
@@ -126,6 +130,9 @@ pub(crate) struct WarnLimit {
 struct PeerInfo {
     name: String,
     host: HostId,
+    /// Where it says it listens (from an accepted connection's Hello): where this side
+    /// probes before giving up on its target queue pairs.
+    listen: Option<SocketAddr>,
 }
 
 /// One control connection, either direction.
@@ -173,6 +180,15 @@ struct Active<Q> {
     offered: Option<(Epoch, u32)>,
 }
 
+/// An initiator with target queue pairs here and no control connection.
+#[derive(Clone, Copy, Debug)]
+struct Orphan {
+    /// Since when it has had none.
+    since: Instant,
+    /// When a probe of its listener was started, if one was.
+    probed: Option<Instant>,
+}
+
 struct Passive<Q> {
     /// The peer's queue pair is connected to it; immediates arrive on it.
     qp: Q,
@@ -207,9 +223,8 @@ pub(crate) struct Core<F: RailFabric> {
     /// Handshakes waiting for their reply, by id.
     handshakes: HashMap<u64, (u16, EndpointId)>,
     passive: HashMap<WireKey, Passive<F::Connected>>,
-    /// Initiators holding target queue pairs here with no control connection left, since
-    /// when.
-    orphaned_since: HashMap<Incarnation, Instant>,
+    /// Initiators holding target queue pairs here with no control connection left.
+    orphans: HashMap<Incarnation, Orphan>,
     waiting: Vec<Waiting>,
     warnings: RateLimiter,
     rng: SplitMix64,
@@ -247,7 +262,7 @@ impl<F: RailFabric> Core<F> {
             next_epochs: HashMap::new(),
             handshakes: HashMap::new(),
             passive: HashMap::new(),
-            orphaned_since: HashMap::new(),
+            orphans: HashMap::new(),
             waiting: Vec::new(),
             warnings: RateLimiter::new(warn.window, warn.burst),
             actions: VecDeque::new(),
@@ -307,12 +322,24 @@ impl<F: RailFabric> Core<F> {
     // ---- connections -------------------------------------------------------------------
 
     /// Whether the listener may take another connection: fewer than
-    /// [`Policy::max_connections`] accepted. (Beyond [`Policy::max_handshakes`] before their
-    /// Hello, [`Self::accepted`] closes the oldest silent one instead: a flood of silent
-    /// connections churns but cannot keep a peer that speaks out.)
-    pub(crate) fn may_accept(&self) -> bool {
-        let accepted = self.conns.values().filter(|conn| !conn.dialed).count();
-        accepted < self.policy.max_connections
+    /// [`Policy::max_connections`] accepted, and either fewer than
+    /// [`Policy::max_handshakes`] of them before their Hello or the oldest of those silent
+    /// for [`EVICTABLE_AFTER`] — [`Self::accepted`] then closes it to make room, so a flood
+    /// of silent connections churns but cannot keep a peer that speaks out.
+    pub(crate) fn may_accept(&self, now: Instant) -> bool {
+        let mut accepted = 0;
+        let mut silent = 0;
+        let mut oldest_silent: Option<Instant> = None;
+        for conn in self.conns.values().filter(|conn| !conn.dialed) {
+            accepted += 1;
+            if conn.peer.is_none() {
+                silent += 1;
+                oldest_silent = Some(oldest_silent.map_or(conn.opened, |t| t.min(conn.opened)));
+            }
+        }
+        let room_for_one_more = silent < self.policy.max_handshakes
+            || oldest_silent.is_some_and(|opened| now.duration_since(opened) >= EVICTABLE_AFTER);
+        accepted < self.policy.max_connections && room_for_one_more
     }
 
     fn new_conn(&mut self, addr: SocketAddr, dialed: bool, now: Instant) -> ConnId {
@@ -344,7 +371,10 @@ impl<F: RailFabric> Core<F> {
                 .filter(|(_, state)| !state.dialed && state.peer.is_none())
         };
         if silent().count() > self.policy.max_handshakes {
-            if let Some(oldest) = silent().map(|(&id, _)| id).min() {
+            if let Some(oldest) = silent()
+                .min_by_key(|(id, state)| (state.opened, **id))
+                .map(|(&id, _)| id)
+            {
                 let reason = format!(
                     "more than {} connections have not said Hello; the oldest goes",
                     self.policy.max_handshakes
@@ -525,29 +555,23 @@ impl<F: RailFabric> Core<F> {
         if !dialed {
             self.send(conn, self.hello());
         }
-        self.peers.insert(incarnation, PeerInfo { name, host });
-        // Where it listens: the address dialed, or what it announces (an unspecified IP is
-        // the one it connects from).
-        let listener = if dialed {
+        let listen = if dialed {
             Some(addr)
         } else {
-            listen.parse::<SocketAddr>().ok().map(|announced| {
-                if announced.ip().is_unspecified() {
-                    SocketAddr::new(addr.ip(), announced.port())
-                } else {
-                    announced
-                }
-            })
+            announced_listener(listen, addr)
         };
-        if let Some(listener) = listener {
-            self.listener_at(listener, incarnation, now);
+        self.peers
+            .insert(incarnation, PeerInfo { name, host, listen });
+        if dialed {
+            self.listener_at(addr, incarnation, now);
         }
         self.resolve_waiting(now);
     }
 
-    /// The one place a restart is detected: `incarnation` listens at `addr` — it answered
-    /// there when dialed, or announced it in the Hello of a connection it made. If another
-    /// incarnation listened there before, it is gone.
+    /// The one place a restart is detected: `incarnation` answered at `addr`, an address this
+    /// side dialed. If another incarnation listened there before, it is gone. (What a peer
+    /// announces in its own Hello is only a hint of where to probe it: two containers
+    /// behind one NAT, or loopback addresses on two hosts, can announce the same one.)
     fn listener_at(&mut self, addr: SocketAddr, incarnation: Incarnation, now: Instant) {
         match self.listeners.insert(addr, incarnation) {
             Some(old) if old != incarnation => {
@@ -1033,42 +1057,51 @@ impl<F: RailFabric> Core<F> {
                         a.machine.key().peer == old && a.machine.phase() != Phase::Retired
                     });
                 match self.listeners.get(&addr) {
-                    // A Hello there already said who listens now; a late event changes nothing.
-                    Some(&current) if current != old => {}
+                    // A Hello there already said who listens now (`new` itself, or a third
+                    // process): the event changes nothing there; `old` is gone all the same.
+                    Some(&current) if current != old => {
+                        if known && current != new {
+                            self.peer_gone(name, old, now);
+                        } else if known {
+                            self.peer_replaced(old, new, name.to_string(), addr, now);
+                        }
+                    }
                     _ => {
                         self.listeners.insert(addr, new);
+                        if known {
+                            self.peer_replaced(old, new, name.to_string(), addr, now);
+                        }
                     }
                 }
-                if known {
-                    self.peer_replaced(old, new, name.to_string(), addr, now);
-                }
             }
-            PeerChange::Gone { incarnation } => {
-                let gone: Vec<(u16, EndpointId)> = self
-                    .active
-                    .iter()
-                    .filter(|(_, a)| {
-                        a.machine.key().peer == incarnation && a.machine.phase() != Phase::Retired
-                    })
-                    .map(|(&key, _)| key)
-                    .collect();
-                if !gone.is_empty() {
-                    self.warn(
-                        WarningKind::Retire,
-                        format!(
-                            "peer {name} ({incarnation}) left the directory; retiring its endpoints"
-                        ),
-                        now,
-                    );
-                }
-                for (rail, id) in gone {
-                    self.handle_input(rail, id, Input::PeerGone, now);
-                }
-                self.listeners
-                    .retain(|_, listener| *listener != incarnation);
-                self.forget_incarnation(incarnation);
-            }
+            PeerChange::Gone { incarnation } => self.peer_gone(name, incarnation, now),
         }
+    }
+
+    /// `incarnation` is gone and nothing replaced it: its endpoints retire with
+    /// `PeerUnavailable` (nothing waits for a transport timeout).
+    fn peer_gone(&mut self, name: &str, incarnation: Incarnation, now: Instant) {
+        let gone: Vec<(u16, EndpointId)> = self
+            .active
+            .iter()
+            .filter(|(_, a)| {
+                a.machine.key().peer == incarnation && a.machine.phase() != Phase::Retired
+            })
+            .map(|(&key, _)| key)
+            .collect();
+        if !gone.is_empty() {
+            self.warn(
+                WarningKind::Retire,
+                format!("peer {name} ({incarnation}) left the directory; retiring its endpoints"),
+                now,
+            );
+        }
+        for (rail, id) in gone {
+            self.handle_input(rail, id, Input::PeerGone, now);
+        }
+        self.listeners
+            .retain(|_, listener| *listener != incarnation);
+        self.forget_incarnation(incarnation);
     }
 
     /// Takes every passive queue pair of `peer` out of service.
@@ -1286,33 +1319,54 @@ impl<F: RailFabric> Core<F> {
     }
 
     /// Takes out of service the target queue pairs of initiators that have had no control
-    /// connection for [`Policy::passive_linger`]: a crashed initiator cannot say RetireQp.
+    /// connection for [`Policy::passive_linger`] — a crashed initiator cannot say RetireQp —
+    /// unless a probe of the listener it announced reaches it again: a live initiator whose
+    /// connection dropped keeps them.
     fn expire_orphaned_queue_pairs(&mut self, now: Instant) {
-        if self.passive.is_empty() && self.orphaned_since.is_empty() {
+        if self.passive.is_empty() && self.orphans.is_empty() {
             return;
         }
         let connected: HashSet<Incarnation> =
             self.conns.values().filter_map(|conn| conn.peer).collect();
-        let orphans: HashSet<Incarnation> = self
+        let orphaned: HashSet<Incarnation> = self
             .passive
             .keys()
             .map(|key| key.initiator)
             .filter(|initiator| !connected.contains(initiator))
             .collect();
-        self.orphaned_since
-            .retain(|initiator, _| orphans.contains(initiator));
-        for initiator in orphans {
-            let since = *self.orphaned_since.entry(initiator).or_insert(now);
-            if now.duration_since(since) < self.policy.passive_linger {
+        self.orphans
+            .retain(|initiator, _| orphaned.contains(initiator));
+        for initiator in orphaned {
+            let orphan = *self.orphans.entry(initiator).or_insert(Orphan {
+                since: now,
+                probed: None,
+            });
+            if now.duration_since(orphan.since) < self.policy.passive_linger {
                 continue;
             }
-            self.orphaned_since.remove(&initiator);
+            let listen = self.peers.get(&initiator).and_then(|peer| peer.listen);
+            match (orphan.probed, listen) {
+                (None, Some(listen)) => {
+                    // Its Hello, if it answers, makes it connected again.
+                    self.conn_to(listen, now);
+                    if let Some(orphan) = self.orphans.get_mut(&initiator) {
+                        orphan.probed = Some(now);
+                    }
+                    continue;
+                }
+                (Some(probed), _) if now.duration_since(probed) < self.policy.connect_timeout => {
+                    continue;
+                }
+                _ => {}
+            }
+            self.orphans.remove(&initiator);
             let revoked = self.revoke(initiator).len();
             let name = self.peer_name(initiator);
             self.warn(
                 WarningKind::Retire,
                 format!(
-                    "{name} ({initiator}) has had no connection for {:?}: its {revoked} queue pair(s) here go",
+                    "{name} ({initiator}) has had no connection for {:?} and did not answer at its \
+                     listener: its {revoked} queue pair(s) here go",
                     self.policy.passive_linger
                 ),
                 now,
@@ -1469,6 +1523,20 @@ impl<F: RailFabric> Core<F> {
         }
         taken
     }
+}
+
+/// Where a peer that connected from `source` says it listens (`announced`, from its Hello):
+/// an unspecified IP is the one it connects from; a loopback address from another host, or
+/// nothing parseable, says nothing.
+fn announced_listener(announced: &str, source: SocketAddr) -> Option<SocketAddr> {
+    let announced: SocketAddr = announced.parse().ok()?;
+    if announced.ip().is_unspecified() {
+        return Some(SocketAddr::new(source.ip(), announced.port()));
+    }
+    if announced.ip().is_loopback() && !source.ip().is_loopback() {
+        return None;
+    }
+    Some(announced)
 }
 
 /// What a cluster directory learned about a peer.

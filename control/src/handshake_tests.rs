@@ -805,7 +805,7 @@ fn the_listener_stops_at_the_connection_cap() {
     let now = net.now;
     let core = &mut net.procs[target].core;
     let mut accepted = 0;
-    while core.may_accept() {
+    while core.may_accept(now) {
         let conn = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
         let hello = Message::Hello {
             name: "x".into(),
@@ -984,64 +984,6 @@ fn peers_that_come_and_go_leave_nothing_behind() {
 }
 
 #[test]
-fn an_initiator_restarted_at_its_announced_address_loses_its_queue_pairs_here() {
-    let mut net = Net::new();
-    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
-    let old = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let answer = net.connect(old, addr(1, 7000));
-    net.settle();
-    ready(&answer);
-    assert_eq!(net.stats(target).passive_qps, 1);
-    net.crash(old);
-    net.settle();
-    // Its successor at the same address (another name) connects: the old one is gone.
-    let new = net.spawn("prefill-2", addr(2, 7000), 21, 1);
-    let answer = net.connect(new, addr(1, 7000));
-    net.settle();
-    ready(&answer);
-    let core = &net.procs[target].core;
-    assert!(
-        core.passive
-            .keys()
-            .all(|key| key.initiator == Incarnation(21)),
-        "the dead initiator's queue pair is gone"
-    );
-    assert_eq!(net.stats(target).peer_restarts, 1);
-    // Another initiator with the same name elsewhere takes nothing away.
-    let twin = net.spawn("prefill-2", addr(2, 7001), 22, 1);
-    let answer = net.connect(twin, addr(1, 7000));
-    net.settle();
-    ready(&answer);
-    assert_eq!(net.procs[target].core.passive.len(), 2);
-    assert_eq!(net.stats(target).peer_restarts, 1);
-}
-
-#[test]
-fn a_crashed_initiators_queue_pairs_go_after_the_linger() {
-    let mut net = Net::new();
-    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    ready(&answer);
-    net.crash(prefill);
-    net.settle();
-    net.advance(Duration::from_millis(1));
-    assert_eq!(
-        net.procs[target].core.passive.len(),
-        1,
-        "kept while it may come back"
-    );
-    net.advance(policy().passive_linger);
-    assert!(net.procs[target].core.passive.is_empty());
-    assert_eq!(net.stats(target).passive_retired, 1);
-    assert!(
-        net.procs[target].core.peers.is_empty(),
-        "nothing of it is left"
-    );
-}
-
-#[test]
 fn queue_pairs_per_initiator_are_capped() {
     let mut net = Net::new();
     let target = net.spawn(NAME, addr(1, 7000), 11, 1);
@@ -1182,4 +1124,98 @@ fn a_late_directory_restart_does_not_undo_a_newer_hello() {
         Some(&Incarnation(11))
     );
     assert_eq!(net.stats(prefill).peer_restarts, 0);
+}
+
+#[test]
+fn initiators_announcing_one_address_do_not_disturb_each_other() {
+    // Two containers behind one NAT, or loopback addresses of two hosts: both announce the
+    // same listener. Neither is taken for the other's restart.
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let first = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let second = net.spawn("prefill", addr(2, 7000), 21, 1);
+    let to_first = net.connect(first, addr(1, 7000));
+    net.settle();
+    let to_second = net.connect(second, addr(1, 7000));
+    net.settle();
+    let (a, b) = (ready(&to_first), ready(&to_second));
+    assert_eq!(net.procs[target].core.passive.len(), 2);
+    assert_eq!(net.stats(target).peer_restarts, 0);
+    assert_eq!((a.phase(), b.phase()), (Phase::Ready, Phase::Ready));
+}
+
+#[test]
+fn a_crashed_initiators_queue_pairs_go_after_the_linger_and_a_probe() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    ready(&answer);
+    net.crash(prefill);
+    net.settle();
+    net.advance(Duration::from_millis(1));
+    net.advance(policy().passive_linger);
+    net.settle();
+    assert_eq!(
+        net.procs[target].core.passive.len(),
+        1,
+        "kept while the probe of its listener runs"
+    );
+    net.advance(policy().connect_timeout);
+    assert!(net.procs[target].core.passive.is_empty());
+    assert_eq!(net.stats(target).passive_retired, 1);
+    assert!(
+        net.procs[target].core.peers.is_empty(),
+        "nothing of it is left"
+    );
+}
+
+#[test]
+fn a_successor_at_the_initiators_listener_does_not_keep_its_queue_pairs() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let old = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(old, addr(1, 7000));
+    net.settle();
+    ready(&answer);
+    net.crash(old);
+    net.settle();
+    net.spawn("prefill", addr(2, 7000), 21, 1); // answers the probe, as someone else
+    net.advance(Duration::from_millis(1));
+    net.advance(policy().passive_linger);
+    net.settle();
+    net.advance(policy().connect_timeout);
+    assert!(net.procs[target].core.passive.is_empty());
+}
+
+#[test]
+fn a_live_initiator_whose_connection_dropped_keeps_its_queue_pairs() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let view = ready(&answer);
+    // The control connection drops (a keepalive, a stall); the data path is fine.
+    let conn = *net
+        .links
+        .keys()
+        .find(|(proc, _)| *proc == target)
+        .expect("the connection");
+    let now = net.now;
+    net.procs[target].core.closed(conn.1, "dropped", now);
+    net.settle();
+    net.advance(Duration::from_millis(1));
+    net.advance(policy().passive_linger);
+    net.settle();
+    net.advance(policy().connect_timeout);
+    net.settle();
+    assert_eq!(
+        net.procs[target].core.passive.len(),
+        1,
+        "the probe found it alive"
+    );
+    assert_eq!(net.stats(target).passive_retired, 0);
+    assert_eq!(view.phase(), Phase::Ready);
 }

@@ -148,7 +148,8 @@ pub struct ControlStats {
     /// Notifications sent (queued on the control connection, or posted as an immediate).
     pub notifications_sent: u64,
     /// Notifications not sent: the batch they rode on failed, the connection closed before
-    /// they went out, or the peer had half of `Policy::max_queued_output` still unread.
+    /// they went out, or `Policy::max_queued_output` of notifications already waited for
+    /// the peer.
     pub notifications_dropped: u64,
     /// Notifications received.
     pub notifications_received: u64,
@@ -192,6 +193,10 @@ pub(crate) struct Counters {
     pub(crate) accept_pauses: AtomicU64,
 }
 
+pub(crate) fn bump_by(counter: &AtomicU64, n: usize) {
+    counter.fetch_add(n as u64, Ordering::Relaxed);
+}
+
 pub(crate) fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
@@ -222,10 +227,11 @@ struct Received {
 impl Notification {
     /// Bytes it holds.
     fn size(&self) -> usize {
-        match &self.body {
+        let body = match &self.body {
             NotificationBody::Bytes(bytes) => bytes.len(),
             NotificationBody::Immediate(_) => 4,
-        }
+        };
+        self.from.len() + body
     }
 }
 
@@ -439,7 +445,7 @@ mod tests {
         shared.deliver((0..NOTIFICATION_QUEUE + 10).map(|_| bytes(1)));
         assert_eq!(shared.stats().notifications_discarded, 11);
         assert_eq!(shared.drain_notifications().len(), NOTIFICATION_QUEUE);
-        shared.deliver([bytes(NOTIFICATION_BYTES)]);
+        shared.deliver([bytes(NOTIFICATION_BYTES - "peer".len())]);
         assert_eq!(
             shared.drain_notifications().len(),
             1,

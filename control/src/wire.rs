@@ -538,12 +538,28 @@ pub fn decode_header(header: &[u8; HEADER_LEN]) -> Result<(u16, usize), WireErro
 /// reading more. Decoding a message costs its own length (a cursor moves; the buffer is
 /// compacted once per push), and an emptied buffer gives back what it grew beyond
 /// [`Self::KEPT_CAPACITY`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct FrameDecoder {
     buffer: Vec<u8>,
     /// Where the next undecoded byte is.
     start: usize,
+    /// The largest body the next frame may declare.
+    max_body: usize,
 }
+
+impl Default for FrameDecoder {
+    fn default() -> Self {
+        Self {
+            buffer: Vec::new(),
+            start: 0,
+            max_body: MAX_BODY,
+        }
+    }
+}
+
+/// The largest body a Hello can have (a name and an address of [`MAX_STRING`] bytes and the
+/// fixed fields): what a connection's first frame may declare.
+pub const MAX_HELLO_BODY: usize = 2 * (4 + MAX_STRING) + 8 + 16 + 8;
 
 /// The most bytes a [`FrameDecoder`] buffers: one header and the largest body.
 pub const FRAME_BOUND: usize = HEADER_LEN + MAX_BODY;
@@ -575,6 +591,12 @@ impl FrameDecoder {
         self.buffer.len() - self.start
     }
 
+    /// Bounds the body the following frames may declare (at most [`MAX_BODY`]): before a
+    /// peer has said Hello, a frame larger than a Hello is refused from its header alone.
+    pub fn set_max_body(&mut self, max_body: usize) {
+        self.max_body = max_body.min(MAX_BODY);
+    }
+
     /// How many more bytes [`Self::push`] accepts.
     pub fn room(&self) -> usize {
         FRAME_BOUND - self.buffered()
@@ -595,6 +617,9 @@ impl FrameDecoder {
             return Ok(None);
         };
         let (kind, len) = decode_header(header)?;
+        if len > self.max_body {
+            return Err(WireError::TooLong { len: len as u32 });
+        }
         if rest.len() < HEADER_LEN + len {
             return Ok(None);
         }
@@ -811,6 +836,41 @@ mod tests {
         assert_eq!(
             decoder.next_message(),
             Err(WireError::TooLong { len: u32::MAX })
+        );
+    }
+
+    #[test]
+    fn a_bounded_decoder_refuses_a_larger_frame_from_its_header() {
+        let hello = Message::Hello {
+            name: "n".repeat(MAX_STRING),
+            incarnation: Incarnation(1),
+            host: HostId::default(),
+            listen: "1".repeat(MAX_STRING),
+        }
+        .encode();
+        assert_eq!(
+            hello.len(),
+            HEADER_LEN + MAX_HELLO_BODY,
+            "the largest Hello fits"
+        );
+        let mut decoder = FrameDecoder::default();
+        decoder.set_max_body(MAX_HELLO_BODY);
+        decoder.push(&hello).unwrap();
+        assert!(matches!(
+            decoder.next_message(),
+            Ok(Some(Message::Hello { .. }))
+        ));
+        let notify = Message::Notify {
+            target: Incarnation(1),
+            bytes: vec![0; MAX_HELLO_BODY],
+        }
+        .encode();
+        decoder.push(&notify[..HEADER_LEN]).unwrap();
+        assert_eq!(
+            decoder.next_message(),
+            Err(WireError::TooLong {
+                len: (MAX_HELLO_BODY + 12) as u32
+            })
         );
     }
 

@@ -63,15 +63,25 @@ fn a_speaker_gets_in_past_silent_connections_at_the_cap() {
         waited < Duration::from_secs(1),
         "answered after {waited:?}: the speaker waited for the silent ones to time out"
     );
-    // The oldest silent one made room at once; the other was closed for saying nothing.
-    for mut connection in silent {
-        connection
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .expect("timeout");
-        let mut byte = [0u8; 1];
-        assert_eq!(
-            connection.read(&mut byte).expect("closed, not timed out"),
-            0
-        );
-    }
+    // The oldest silent one made room at once; the other is still open, until it is closed
+    // for saying nothing within the connect timeout.
+    assert_eq!(plane.stats().connections_closed, 1, "{:?}", plane.stats());
+    let mut silent = silent.into_iter();
+    let (mut oldest, mut other) = (silent.next().expect("two"), silent.next().expect("two"));
+    let mut byte = [0u8; 1];
+    oldest
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .expect("timeout");
+    assert_eq!(oldest.read(&mut byte).expect("evicted at once"), 0);
+    other.set_nonblocking(true).expect("non-blocking");
+    assert_eq!(
+        other.read(&mut byte).map_err(|error| error.kind()),
+        Err(std::io::ErrorKind::WouldBlock),
+        "the newer silent connection was closed early"
+    );
+    other.set_nonblocking(false).expect("blocking");
+    other
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    assert_eq!(other.read(&mut byte).expect("closed, not timed out"), 0);
 }

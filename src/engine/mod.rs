@@ -848,6 +848,8 @@ impl Engine {
             .map_err(|error| unreachable(error.to_string()))?;
         let incarnation = first.key.peer;
         if let Some(expected) = expected.filter(|&expected| expected != incarnation) {
+            // Not the process asked for: nothing is kept of it.
+            let _ = self.inner.control.retire(&first);
             return Err(unreachable(format!(
                 "the directory names incarnation {expected} there, but {incarnation} answers: \
                  the record is stale (look the name up again)"
@@ -869,6 +871,9 @@ impl Engine {
                 .connect(addr, rail as u16, (rail % remote_rails) as u16)
                 .map_err(|error| unreachable(error.to_string()))?;
             if view.key.peer != incarnation {
+                for opened in views.iter().chain([&view]) {
+                    let _ = self.inner.control.retire(opened);
+                }
                 return Err(unreachable(format!(
                     "the process there changed while it was being opened ({incarnation}, then \
                      {}); open it again",
