@@ -41,16 +41,7 @@ impl FakeFabric {
         registry.next_qp += 1;
         let qp_num = registry.next_qp;
         registry.owner.insert(qp_num, self.owner);
-        let side = QpSide {
-            info: QpInfo {
-                qp_num,
-                lid: 0,
-                gid: [0; 16],
-                psn: 0,
-                path_mtu: 4096,
-            },
-            attachment: Vec::new(),
-        };
+        let side = qp_side(qp_num);
         (qp_num, side)
     }
 }
@@ -336,6 +327,61 @@ impl Net {
     }
 }
 
+/// A target (incarnation 11, named [`NAME`], at 10.0.0.1:7000) and an initiator (20,
+/// "prefill", at 10.0.0.2:7000) with one ready endpoint from the initiator to the target:
+/// (network, target, initiator, endpoint).
+fn connected_pair() -> (Net, usize, usize, Arc<EndpointView>) {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let initiator = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(initiator, addr(1, 7000));
+    net.settle();
+    let view = ready(&answer);
+    (net, target, initiator, view)
+}
+
+type Answer = Receiver<Result<Arc<EndpointView>, ControlError>>;
+
+/// Two targets named [`NAME`] (11 at 10.0.0.1:7000, 12 at :7001) and an initiator that
+/// opens both at once, on the same rails, both waiting at epoch 1: their ConnectQp replies
+/// are held in `net.held`. (network, initiator, answer for 11, answer for 12).
+fn two_targets_with_replies_held() -> (Net, usize, Answer, Answer) {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    net.spawn(NAME, addr(1, 7001), 12, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let to_b = net.connect(prefill, addr(1, 7000));
+    let to_c = net.connect(prefill, addr(1, 7001));
+    net.settle_holding(|to, message| {
+        to == prefill && matches!(message, Message::ConnectQpReply { .. })
+    });
+    (net, prefill, to_b, to_c)
+}
+
+/// A Hello from a raw peer named `name` (it does not listen).
+fn hello_from(name: &str, incarnation: u64) -> Message {
+    Message::Hello {
+        name: name.into(),
+        incarnation: Incarnation(incarnation),
+        host: HostId::default(),
+        listen: String::new(),
+    }
+}
+
+/// A fake queue pair's side.
+fn qp_side(qp_num: u32) -> QpSide {
+    QpSide {
+        info: QpInfo {
+            qp_num,
+            lid: 0,
+            gid: [0; 16],
+            psn: 0,
+            path_mtu: 4096,
+        },
+        attachment: Vec::new(),
+    }
+}
+
 fn addr(host: u8, port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, host)), port)
 }
@@ -396,12 +442,7 @@ fn two_live_processes_with_one_name_are_two_peers() {
 
 #[test]
 fn a_new_incarnation_at_the_same_address_replaces_the_old_one() {
-    let mut net = Net::new();
-    let old = net.spawn(NAME, addr(1, 7000), 11, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    let view = ready(&answer);
+    let (mut net, old, prefill, view) = connected_pair();
     net.crash(old);
     net.settle();
     // A process with another name takes the port; the initiator dials it again.
@@ -417,17 +458,10 @@ fn a_new_incarnation_at_the_same_address_replaces_the_old_one() {
 
 #[test]
 fn replies_cannot_cross_between_peers_opened_at_once() {
-    let mut net = Net::new();
-    let b = net.spawn(NAME, addr(1, 7000), 11, 1);
-    let c = net.spawn(NAME, addr(1, 7001), 12, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let to_b = net.connect(prefill, addr(1, 7000));
-    let to_c = net.connect(prefill, addr(1, 7001));
-    // Both endpoints wait at epoch 1 on the same rails; hold both replies and let C's in
-    // first — the old matcher (rails and epoch only) gave it to whichever endpoint the
-    // map yielded first.
-    net.settle_holding(|to, message| to == 2 && matches!(message, Message::ConnectQpReply { .. }));
+    let (mut net, prefill, to_b, to_c) = two_targets_with_replies_held();
     assert_eq!(net.held.len(), 2);
+    // Both endpoints wait at epoch 1 on the same rails; C's reply goes in first — the old
+    // matcher (rails and epoch only) gave it to whichever endpoint the map yielded first.
     let c_first = net
         .held
         .iter()
@@ -445,18 +479,11 @@ fn replies_cannot_cross_between_peers_opened_at_once() {
     );
     assert_no_crossed_queue_pairs(&net, prefill);
     assert_eq!(net.stats(prefill).stray_replies, 0);
-    let _ = (b, c);
 }
 
 #[test]
 fn a_reply_on_another_connection_or_with_another_id_is_stray() {
-    let mut net = Net::new();
-    net.spawn(NAME, addr(1, 7000), 11, 1);
-    net.spawn(NAME, addr(1, 7001), 12, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let to_b = net.connect(prefill, addr(1, 7000));
-    let to_c = net.connect(prefill, addr(1, 7001));
-    net.settle_holding(|to, message| to == 2 && matches!(message, Message::ConnectQpReply { .. }));
+    let (mut net, prefill, to_b, to_c) = two_targets_with_replies_held();
     let position = |net: &Net, target: u64| {
         net.held
             .iter()
@@ -500,13 +527,7 @@ fn a_reply_on_another_connection_or_with_another_id_is_stray() {
 
 #[test]
 fn a_retired_endpoint_cancels_its_handshake_and_swallows_no_other_reply() {
-    let mut net = Net::new();
-    net.spawn(NAME, addr(1, 7000), 11, 1);
-    net.spawn(NAME, addr(1, 7001), 12, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let to_b = net.connect(prefill, addr(1, 7000));
-    let to_c = net.connect(prefill, addr(1, 7001));
-    net.settle_holding(|to, message| to == 2 && matches!(message, Message::ConnectQpReply { .. }));
+    let (mut net, prefill, to_b, to_c) = two_targets_with_replies_held();
     let view_b = to_b.try_recv().expect("answered").expect("endpoint");
     let now = net.now;
     net.procs[prefill].core.retire(0, view_b.id, now);
@@ -668,12 +689,7 @@ fn a_connect_qp_for_another_initiator_is_refused() {
 
 #[test]
 fn a_notification_reaches_only_the_incarnation_it_names() {
-    let mut net = Net::new();
-    let old = net.spawn(NAME, addr(1, 7000), 11, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    let view = ready(&answer);
+    let (mut net, old, prefill, view) = connected_pair();
     let now = net.now;
     net.procs[prefill]
         .core
@@ -730,12 +746,7 @@ fn a_second_identity_or_a_foreign_descriptor_closes_the_connection() {
     let mut net = Net::new();
     let target = net.spawn(NAME, addr(1, 7000), 11, 1);
     let now = net.now;
-    let hello = |incarnation| Message::Hello {
-        name: "x".into(),
-        incarnation: Incarnation(incarnation),
-        host: HostId::default(),
-        listen: String::new(),
-    };
+    let hello = |incarnation| hello_from("x", incarnation);
     let conn = net.procs[target]
         .core
         .accepted(addr(3, 5000), addr(1, 7000).ip(), now);
@@ -780,16 +791,7 @@ fn silent_connections_are_evicted_oldest_first_and_time_out() {
         })
         .collect();
     assert_eq!(closed, vec![silent[0]]);
-    core.received(
-        newcomer,
-        Message::Hello {
-            name: "x".into(),
-            incarnation: Incarnation(5),
-            host: HostId::default(),
-            listen: String::new(),
-        },
-        now,
-    );
+    core.received(newcomer, hello_from("x", 5), now);
     assert_eq!(net.stats(target).connections_closed, 1);
     net.advance(policy().connect_timeout + Duration::from_millis(1));
     let closed = std::iter::from_fn(|| net.procs[target].core.next_action())
@@ -807,12 +809,7 @@ fn the_listener_stops_at_the_connection_cap() {
     let mut accepted = 0;
     while core.may_accept(now) {
         let conn = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
-        let hello = Message::Hello {
-            name: "x".into(),
-            incarnation: Incarnation(1000 + accepted),
-            host: HostId::default(),
-            listen: String::new(),
-        };
+        let hello = hello_from("x", 1000 + accepted);
         core.received(conn, hello, now);
         accepted += 1;
         assert!(accepted <= 100_000, "no cap");
@@ -822,12 +819,7 @@ fn the_listener_stops_at_the_connection_cap() {
 
 #[test]
 fn a_directory_restart_replaces_endpoints_and_gone_retires_them() {
-    let mut net = Net::new();
-    net.spawn(NAME, addr(1, 7000), 11, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    let view = ready(&answer);
+    let (mut net, _, prefill, view) = connected_pair();
     net.spawn(NAME, addr(1, 7100), 12, 1);
     let now = net.now;
     net.procs[prefill].core.peer_changed(
@@ -863,12 +855,7 @@ fn a_directory_restart_replaces_endpoints_and_gone_retires_them() {
 
 #[test]
 fn a_retire_qp_is_honoured_only_from_its_initiator_for_the_current_queue_pair() {
-    let mut net = Net::new();
-    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    ready(&answer);
+    let (mut net, target, prefill, _) = connected_pair();
     let registry = net.registry.clone();
     let initiator_qp = {
         let registry = registry.lock().unwrap_or_else(PoisonError::into_inner);
@@ -895,12 +882,7 @@ fn a_retire_qp_is_honoured_only_from_its_initiator_for_the_current_queue_pair() 
     let stranger = net.procs[target]
         .core
         .accepted(addr(3, 5000), addr(1, 7000).ip(), now);
-    let hello = Message::Hello {
-        name: "stranger".into(),
-        incarnation: Incarnation(30),
-        host: HostId::default(),
-        listen: String::new(),
-    };
+    let hello = hello_from("stranger", 30);
     net.procs[target].core.received(stranger, hello, now);
     net.procs[target]
         .core
@@ -969,12 +951,7 @@ fn peers_that_come_and_go_leave_nothing_behind() {
         let conn = net.procs[target]
             .core
             .accepted(addr(3, 5000), addr(1, 7000).ip(), now);
-        let hello = Message::Hello {
-            name: "passer-by".into(),
-            incarnation: Incarnation(1000 + incarnation),
-            host: HostId::default(),
-            listen: String::new(),
-        };
+        let hello = hello_from("passer-by", 1000 + incarnation);
         net.procs[target].core.received(conn, hello, now);
         net.procs[target].core.received(conn, Message::Bye, now);
     }
@@ -990,28 +967,10 @@ fn queue_pairs_per_initiator_are_capped() {
     let now = net.now;
     let core = &mut net.procs[target].core;
     let conn = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
-    core.received(
-        conn,
-        Message::Hello {
-            name: "greedy".into(),
-            incarnation: Incarnation(5),
-            host: HostId::default(),
-            listen: String::new(),
-        },
-        now,
-    );
+    core.received(conn, hello_from("greedy", 5), now);
     let cap = policy().max_queue_pairs_per_peer;
     for rail in 0..=cap {
-        let side = QpSide {
-            info: QpInfo {
-                qp_num: 1 + rail as u32,
-                lid: 0,
-                gid: [0; 16],
-                psn: 0,
-                path_mtu: 4096,
-            },
-            attachment: Vec::new(),
-        };
+        let side = qp_side(1 + rail as u32);
         core.received(
             conn,
             Message::ConnectQp {
@@ -1037,12 +996,7 @@ fn a_connect_qp_left_on_an_older_connection_never_replaces_a_newer_queue_pair() 
     let mut net = Net::new();
     let target = net.spawn(NAME, addr(1, 7000), 11, 1);
     let now = net.now;
-    let hello = || Message::Hello {
-        name: "prefill".into(),
-        incarnation: Incarnation(5),
-        host: HostId::default(),
-        listen: String::new(),
-    };
+    let hello = || hello_from("prefill", 5);
     let connect = |qp_num: u32, epoch: u64| Message::ConnectQp {
         key: WireKey {
             initiator: Incarnation(5),
@@ -1052,16 +1006,7 @@ fn a_connect_qp_left_on_an_older_connection_never_replaces_a_newer_queue_pair() 
         },
         epoch,
         handshake: u64::from(qp_num),
-        side: QpSide {
-            info: QpInfo {
-                qp_num,
-                lid: 0,
-                gid: [0; 16],
-                psn: 0,
-                path_mtu: 4096,
-            },
-            attachment: Vec::new(),
-        },
+        side: qp_side(qp_num),
     };
     let core = &mut net.procs[target].core;
     let older = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
@@ -1083,16 +1028,7 @@ fn a_descriptor_nobody_asked_for_closes_the_connection() {
     let now = net.now;
     let core = &mut net.procs[target].core;
     let conn = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
-    core.received(
-        conn,
-        Message::Hello {
-            name: "x".into(),
-            incarnation: Incarnation(5),
-            host: HostId::default(),
-            listen: String::new(),
-        },
-        now,
-    );
+    core.received(conn, hello_from("x", 5), now);
     let mut descriptor = core.local_descriptor();
     descriptor.incarnation = Incarnation(5);
     core.received(conn, Message::Descriptor(descriptor), now);
@@ -1101,12 +1037,7 @@ fn a_descriptor_nobody_asked_for_closes_the_connection() {
 
 #[test]
 fn a_late_directory_restart_does_not_undo_a_newer_hello() {
-    let mut net = Net::new();
-    net.spawn(NAME, addr(1, 7000), 11, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    ready(&answer);
+    let (mut net, _, prefill, _) = connected_pair();
     let now = net.now;
     // The directory reports 11 replaced by 12 there, but a Hello already said 11 listens:
     // the stale report changes who listens only if it names the current one as old.
@@ -1146,12 +1077,7 @@ fn initiators_announcing_one_address_do_not_disturb_each_other() {
 
 #[test]
 fn a_crashed_initiators_queue_pairs_go_after_the_linger_and_a_probe() {
-    let mut net = Net::new();
-    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    ready(&answer);
+    let (mut net, target, prefill, _) = connected_pair();
     net.crash(prefill);
     net.settle();
     net.advance(Duration::from_millis(1));
@@ -1173,12 +1099,7 @@ fn a_crashed_initiators_queue_pairs_go_after_the_linger_and_a_probe() {
 
 #[test]
 fn a_successor_at_the_initiators_listener_does_not_keep_its_queue_pairs() {
-    let mut net = Net::new();
-    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
-    let old = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let answer = net.connect(old, addr(1, 7000));
-    net.settle();
-    ready(&answer);
+    let (mut net, target, old, _) = connected_pair();
     net.crash(old);
     net.settle();
     net.spawn("prefill", addr(2, 7000), 21, 1); // answers the probe, as someone else
@@ -1191,12 +1112,7 @@ fn a_successor_at_the_initiators_listener_does_not_keep_its_queue_pairs() {
 
 #[test]
 fn a_live_initiator_whose_connection_dropped_keeps_its_queue_pairs() {
-    let mut net = Net::new();
-    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
-    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    let view = ready(&answer);
+    let (mut net, target, _, view) = connected_pair();
     // The control connection drops (a keepalive, a stall); the data path is fine.
     let conn = *net
         .links
