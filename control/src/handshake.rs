@@ -12,13 +12,13 @@
 //! # Identity
 //! A peer is an incarnation reached at an address; its name is a label. Two live processes
 //! with the same name are two peers. The one place a restart is detected is
-//! [`Core::listener_at`]: an address a connection was dialed to answered with a new
-//! incarnation, or a peer's Hello announced a listener address another incarnation had, so
+//! [`Core::listener_at`]: an address this side dialed answered with a new incarnation, so
 //! the old one no longer listens there — its endpoints retire (`PeerRestarted`), fresh ones
 //! to the new incarnation take their place, and the queue pairs it connected here go. A
 //! cluster directory, whose names are exclusive claims, reports the same through
-//! [`Core::peer_changed`]. An initiator that leaves no connection behind (crashed, nothing
-//! replaced it) has its queue pairs taken out of service after [`Policy::passive_linger`].
+//! [`Core::peer_changed`]. What a peer announces as its listener is only where to probe it:
+//! an initiator that has had no connection for [`Policy::passive_linger`] is dialed there,
+//! and its queue pairs here go unless the same incarnation answers.
 //!
 //! # Handshakes
 //! Every ConnectQp carries a fresh handshake id and the target's incarnation. Its reply is
