@@ -15,7 +15,7 @@
 //!              timeout▼    │                  ▼
 //!                    Backoff ◀────────── (flap? count it; 3 in 30 s ──▶ CircuitOpen)
 //!                                                          CircuitOpen ──cooldown──▶ Connecting
-//!                                                          (on probation: the first
+//!        any live state ──peer unreachable (no Pong)──▶    (on probation: the first
 //!                                                          success closes it for good)
 //! ```
 //!
@@ -107,6 +107,9 @@ pub enum Input {
     PeerRestarted,
     /// The peer is gone (a cluster directory saw its lease expire): nothing will answer.
     PeerGone,
+    /// The peer stopped answering on its control connection (no Pong within the liveness
+    /// timeout): it may be stopped, partitioned or dead without a reset.
+    PeerUnreachable,
     /// The application no longer wants the endpoint.
     Retire,
 }
@@ -138,6 +141,9 @@ pub enum Output {
     OpenCircuit,
     /// Close the circuit: slices flow again.
     CloseCircuit,
+    /// The peer is unreachable: open the circuit and take the current queue pair out of
+    /// service, so that what is posted on it is flushed and fails with `PeerUnavailable`.
+    Unreachable,
 }
 
 /// Where an endpoint stands.
@@ -358,6 +364,15 @@ impl Endpoint {
                 }
                 _ => self.stats.stale_inputs += 1,
             },
+            Input::PeerUnreachable => match self.state {
+                State::Idle | State::CircuitOpen { .. } => self.stats.stale_inputs += 1,
+                _ => {
+                    self.open_circuit(now);
+                    // Replaces the plain opening: the queue pair goes too.
+                    self.outputs.pop_back();
+                    self.outputs.push_back(Output::Unreachable);
+                }
+            },
             Input::PeerRestarted => self.retire(FailReason::PeerRestarted),
             Input::PeerGone => self.retire(FailReason::PeerUnavailable),
             Input::Retire => self.retire(FailReason::EndpointRetired),
@@ -367,6 +382,20 @@ impl Endpoint {
     fn retire(&mut self, reason: FailReason) {
         self.state = State::Retired;
         self.outputs.push_back(Output::RetireEndpoint { reason });
+    }
+
+    /// Fails fast for a cooldown (doubling with each opening), then tries a queue pair on
+    /// probation.
+    fn open_circuit(&mut self, now: Instant) {
+        let cooldown = self.policy.cooldown(self.openings);
+        self.openings = self.openings.saturating_add(1);
+        self.probation = false;
+        self.flaps.clear();
+        self.stats.circuit_openings += 1;
+        self.state = State::CircuitOpen {
+            until: now + cooldown,
+        };
+        self.outputs.push_back(Output::OpenCircuit);
     }
 
     /// Asks for a queue pair at the next epoch.
@@ -398,16 +427,7 @@ impl Endpoint {
         }
         let reopen = self.probation;
         if reopen || self.flaps.len() >= self.policy.flaps_to_open as usize {
-            let cooldown = self.policy.cooldown(self.openings);
-            self.openings = self.openings.saturating_add(1);
-            self.probation = false;
-            self.flaps.clear();
-            self.stats.circuit_openings += 1;
-            self.state = State::CircuitOpen {
-                until: now + cooldown,
-            };
-            self.outputs.push_back(Output::OpenCircuit);
-            return;
+            return self.open_circuit(now);
         }
         let bound = self.policy.backoff_bound(self.attempt);
         self.attempt = self.attempt.saturating_add(1);
@@ -683,5 +703,39 @@ mod tests {
             }]
         );
         assert_eq!(e.phase(), Phase::Retired);
+    }
+
+    #[test]
+    fn an_unreachable_peer_opens_the_circuit_at_once_and_is_tried_again_after_the_cooldown() {
+        let t0 = Instant::now();
+        let mut e = endpoint(1);
+        e.handle(Input::ConnectWanted, t0);
+        connect(&mut e, t0);
+        let long_lived = t0 + ms(60_000);
+        e.handle(Input::PeerUnreachable, long_lived);
+        assert_eq!(outputs(&mut e), [Output::Unreachable]);
+        assert_eq!(e.phase(), Phase::CircuitOpen);
+        assert_eq!(e.stats().circuit_openings, 1);
+        e.handle(Input::PeerUnreachable, long_lived);
+        assert!(outputs(&mut e).is_empty(), "already open");
+        assert_eq!(
+            e.next_timeout(),
+            Some(long_lived + Policy::default().cooldown_min)
+        );
+        let probation = run_timer(&mut e);
+        let epoch = connect(&mut e, probation);
+        e.handle(Input::Confirmed { epoch }, probation);
+        assert_eq!(e.phase(), Phase::Ready);
+        // Back: the next opening starts from the shortest cooldown again.
+        e.handle(Input::PeerUnreachable, probation + ms(1));
+        assert_eq!(
+            e.next_timeout(),
+            Some(probation + ms(1) + Policy::default().cooldown_min)
+        );
+        // Connecting or backing off, it opens just the same; idle, nothing to open.
+        let mut idle = endpoint(2);
+        idle.handle(Input::PeerUnreachable, t0);
+        assert!(outputs(&mut idle).is_empty());
+        assert_eq!(idle.phase(), Phase::Idle);
     }
 }

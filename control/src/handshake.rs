@@ -149,6 +149,10 @@ struct Conn {
     /// nobody asked for closes the connection.
     descriptors_asked: u32,
     opened: Instant,
+    /// When the peer last said anything on it.
+    last_heard: Instant,
+    /// When this side last sent a Ping on it.
+    last_ping: Option<Instant>,
 }
 
 /// An application's connect waiting for the peer's Hello and descriptor.
@@ -354,6 +358,8 @@ impl<F: RailFabric> Core<F> {
                 peer: None,
                 descriptors_asked: 0,
                 opened: now,
+                last_heard: now,
+                last_ping: None,
             },
         );
         id
@@ -490,9 +496,10 @@ impl<F: RailFabric> Core<F> {
 
     /// A whole message arrived on `conn`.
     pub(crate) fn received(&mut self, conn: ConnId, message: Message, now: Instant) {
-        let Some(state) = self.conns.get(&conn) else {
+        let Some(state) = self.conns.get_mut(&conn) else {
             return;
         };
+        state.last_heard = now;
         let speaker = state.peer;
         if speaker.is_none() && !matches!(message, Message::Hello { .. } | Message::Bye) {
             return self.refuse(conn, "a message before Hello", now);
@@ -528,6 +535,61 @@ impl<F: RailFabric> Core<F> {
             } => self.on_retire_qp(conn, key, qp_num),
             Message::Notify { target, bytes } => self.on_notify(conn, target, bytes, now),
             Message::Bye => self.closed(conn, "the peer said goodbye", now),
+            Message::Ping { nonce } => self.send(conn, Message::Pong { nonce }),
+            // Heard: that is all a Pong is for.
+            Message::Pong { .. } => {}
+        }
+    }
+
+    /// Pings quiet connections; a peer that has said nothing for
+    /// [`Policy::liveness_timeout`] is unreachable: its connection closes and, if this side
+    /// dialed it, the endpoints to it at that address open their circuits at once.
+    fn check_liveness(&mut self, now: Instant) {
+        let mut quiet = Vec::new();
+        let mut silent = Vec::new();
+        for (&id, conn) in &self.conns {
+            let Some(peer) = conn.peer else { continue };
+            let heard = now.duration_since(conn.last_heard);
+            if heard >= self.policy.liveness_timeout {
+                silent.push((id, peer, conn.addr, conn.dialed, heard));
+            } else if heard >= self.policy.keepalive_interval
+                && conn
+                    .last_ping
+                    .is_none_or(|at| now.duration_since(at) >= self.policy.keepalive_interval)
+            {
+                quiet.push(id);
+            }
+        }
+        for id in quiet {
+            let nonce = self.rng.next_u64();
+            if let Some(conn) = self.conns.get_mut(&id) {
+                conn.last_ping = Some(now);
+            }
+            self.send(id, Message::Ping { nonce });
+        }
+        for (id, peer, addr, dialed, heard) in silent {
+            self.shared.record_detection(heard);
+            let name = self.peer_name(peer);
+            self.warn(
+                WarningKind::Retire,
+                format!(
+                    "{name} ({peer}) at {addr} said nothing for {heard:?}: unreachable; failing \
+                     its work fast"
+                ),
+                now,
+            );
+            if dialed {
+                let endpoints: Vec<(u16, EndpointId)> = self
+                    .active
+                    .iter()
+                    .filter(|(_, a)| a.addr == addr && a.machine.key().peer == peer)
+                    .map(|(&key, _)| key)
+                    .collect();
+                for (rail, endpoint) in endpoints {
+                    self.handle_input(rail, endpoint, Input::PeerUnreachable, now);
+                }
+            }
+            self.closed(id, "no answer within the liveness timeout", now);
         }
     }
 
@@ -1314,6 +1376,7 @@ impl<F: RailFabric> Core<F> {
         for conn in silent {
             self.closed(conn, "no handshake within the connect timeout", now);
         }
+        self.check_liveness(now);
         self.expire_orphaned_queue_pairs(now);
         self.take_immediates(now);
     }
@@ -1440,6 +1503,14 @@ impl<F: RailFabric> Core<F> {
                         format!("circuit to {peer} opened: it fails fast with PeerUnavailable"),
                         now,
                     );
+                }
+                Output::Unreachable => {
+                    bump(&self.shared.counters.circuit_openings);
+                    self.actions.push_back(Action::Command {
+                        rail,
+                        command: Command::Unreachable { endpoint: id },
+                    });
+                    self.announce_retired_qp(rail, id, None, now);
                 }
                 Output::CloseCircuit => {
                     self.actions.push_back(Action::Command {

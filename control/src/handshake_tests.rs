@@ -99,6 +99,8 @@ struct Proc {
     warnings: Vec<String>,
     /// Whether the process is still up (a crashed one drops what reaches it).
     up: bool,
+    /// Stopped: up, connections open, but it neither handles nor answers anything.
+    stopped: bool,
 }
 
 type Delivery = (usize, ConnId, Message);
@@ -116,9 +118,13 @@ struct Net {
 
 const NAME: &str = "decode";
 
+/// The tests' policy: liveness is left to the tests about it (time here moves in jumps of
+/// seconds, with no one answering pings in between).
 fn policy() -> Policy {
     Policy {
         backoff_min: Duration::from_millis(1),
+        keepalive_interval: Duration::from_secs(3600),
+        liveness_timeout: Duration::from_secs(7200),
         ..Policy::default()
     }
 }
@@ -138,6 +144,17 @@ impl Net {
 
     /// Starts a process named `name` listening at `addr` with `rails` rails.
     fn spawn(&mut self, name: &str, addr: SocketAddr, incarnation: u64, rails: usize) -> usize {
+        self.spawn_with(name, addr, incarnation, rails, policy())
+    }
+
+    fn spawn_with(
+        &mut self,
+        name: &str,
+        addr: SocketAddr,
+        incarnation: u64,
+        rails: usize,
+        policy: Policy,
+    ) -> usize {
         let incarnation = Incarnation(incarnation);
         let shared = ControlShared::new(rails);
         let fabrics = (0..rails)
@@ -153,7 +170,7 @@ impl Net {
                 local_addr: addr,
                 host: HostId::default(),
             },
-            policy(),
+            policy,
             WarnLimit {
                 burst: 1000,
                 window: Duration::from_secs(1),
@@ -170,8 +187,15 @@ impl Net {
             commands: Vec::new(),
             warnings: Vec::new(),
             up: true,
+            stopped: false,
         });
         self.procs.len() - 1
+    }
+
+    /// A process stops (SIGSTOP): it keeps its connections but handles nothing; what reaches
+    /// it is lost to the test.
+    fn stop(&mut self, index: usize) {
+        self.procs[index].stopped = true;
     }
 
     /// A process crashes: its connections reset (the peers see them close).
@@ -258,7 +282,7 @@ impl Net {
                 continue;
             }
             let now = self.now;
-            if self.procs[to].up {
+            if self.procs[to].up && !self.procs[to].stopped {
                 self.procs[to].core.received(conn, message, now);
             }
         }
@@ -279,8 +303,18 @@ impl Net {
     fn advance(&mut self, by: Duration) {
         self.now += by;
         let now = self.now;
-        for proc in &mut self.procs {
+        for proc in self.procs.iter_mut().filter(|proc| !proc.stopped) {
             proc.core.tick(now);
+        }
+    }
+
+    /// Advances `by` in steps of `step`, delivering everything between steps (the way real
+    /// time passes for live processes that answer pings).
+    fn run_for(&mut self, by: Duration, step: Duration) {
+        let end = self.now + by;
+        while self.now < end {
+            self.advance(step);
+            self.settle();
         }
     }
 
@@ -1134,4 +1168,70 @@ fn a_live_initiator_whose_connection_dropped_keeps_its_queue_pairs() {
     );
     assert_eq!(net.stats(target).passive_retired, 0);
     assert_eq!(view.phase(), Phase::Ready);
+}
+
+fn lively() -> Policy {
+    Policy {
+        keepalive_interval: Duration::from_millis(250),
+        liveness_timeout: Duration::from_millis(1500),
+        ..policy()
+    }
+}
+
+#[test]
+fn live_peers_keep_their_connections_through_quiet_times() {
+    let mut net = Net::new();
+    net.spawn_with(NAME, addr(1, 7000), 11, 1, lively());
+    let prefill = net.spawn_with("prefill", addr(2, 7000), 20, 1, lively());
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let view = ready(&answer);
+    net.run_for(Duration::from_secs(10), Duration::from_millis(50));
+    assert_eq!(view.phase(), Phase::Ready);
+    assert_eq!(net.stats(prefill).unreachable_peers, 0);
+    assert_eq!(net.stats(1).unreachable_peers, 0);
+    assert_eq!(net.links.len(), 2, "one connection, both ends open");
+}
+
+#[test]
+fn a_stopped_peer_is_unreachable_within_the_liveness_timeout() {
+    let mut net = Net::new();
+    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, lively());
+    let prefill = net.spawn_with("prefill", addr(2, 7000), 20, 1, lively());
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let view = ready(&answer);
+    let stopped_at = net.now;
+    net.stop(target);
+    let mut detected = None;
+    while net.now < stopped_at + Duration::from_secs(5) {
+        net.advance(Duration::from_millis(10));
+        net.settle();
+        if view.phase() == Phase::CircuitOpen {
+            detected = Some(net.now - stopped_at);
+            break;
+        }
+    }
+    let detected = detected.expect("the circuit opened");
+    assert!(
+        detected <= Duration::from_millis(1510),
+        "unreachable after {detected:?}"
+    );
+    let stats = net.stats(prefill);
+    assert_eq!(stats.unreachable_peers, 1);
+    assert!((1500..=1510).contains(&stats.max_detection_ms), "{stats:?}");
+    assert!(
+        net.procs[prefill]
+            .commands
+            .iter()
+            .any(|(_, command)| matches!(
+                command,
+                Command::Unreachable { endpoint } if *endpoint == view.id
+            )),
+        "the poller was told to fail its work fast"
+    );
+    assert!(
+        !net.links.keys().any(|(proc, _)| *proc == prefill),
+        "the dead connection is closed, never reused"
+    );
 }

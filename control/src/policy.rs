@@ -42,6 +42,13 @@ pub struct Policy {
     pub max_queue_pairs_per_peer: usize,
     /// Target queue pairs all initiators together may hold here. Default 16 384.
     pub max_target_queue_pairs: usize,
+    /// A control connection quiet this long is sent a Ping. Default 250 ms.
+    pub keepalive_interval: Duration,
+    /// A peer that has said nothing (not even a Pong) on its control connection this long
+    /// is unreachable: the connection closes and, if this side dialed it, the endpoints to
+    /// it open their circuits at once (their work fails with `PeerUnavailable`). Default
+    /// 1.5 s.
+    pub liveness_timeout: Duration,
     /// How long the target queue pairs of an initiator with no control connection left are
     /// kept before they are taken out of service (a crashed initiator leaves them
     /// otherwise). Default 30 s.
@@ -66,6 +73,8 @@ impl Default for Policy {
             max_queue_pairs_per_peer: 256,
             max_target_queue_pairs: 16 * 1024,
             passive_linger: Duration::from_secs(30),
+            keepalive_interval: Duration::from_millis(250),
+            liveness_timeout: Duration::from_millis(1500),
         }
     }
 }

@@ -167,6 +167,14 @@ pub struct ControlStats {
     /// Times the listener stopped accepting at a cap (connections, handshakes) or because
     /// the process ran out of file descriptors.
     pub accept_pauses: u64,
+    /// Peers declared unreachable: silent on their control connection for the liveness
+    /// timeout.
+    pub unreachable_peers: u64,
+    /// How long the last of them had been silent when declared unreachable, in ms (the
+    /// detection time, measured from the last thing it said).
+    pub last_detection_ms: u64,
+    /// The longest such detection time, in ms.
+    pub max_detection_ms: u64,
 }
 
 #[derive(Debug, Default)]
@@ -191,6 +199,9 @@ pub(crate) struct Counters {
     pub(crate) stray_replies: AtomicU64,
     pub(crate) connections_closed: AtomicU64,
     pub(crate) accept_pauses: AtomicU64,
+    pub(crate) unreachable_peers: AtomicU64,
+    pub(crate) last_detection_ms: AtomicU64,
+    pub(crate) max_detection_ms: AtomicU64,
 }
 
 pub(crate) fn bump_by(counter: &AtomicU64, n: usize) {
@@ -340,6 +351,16 @@ impl ControlShared {
         }
     }
 
+    /// Counts a peer declared unreachable after `silent`.
+    pub(crate) fn record_detection(&self, silent: Duration) {
+        let ms = u64::try_from(silent.as_millis()).unwrap_or(u64::MAX);
+        bump(&self.counters.unreachable_peers);
+        self.counters.last_detection_ms.store(ms, Ordering::Relaxed);
+        self.counters
+            .max_detection_ms
+            .fetch_max(ms, Ordering::Relaxed);
+    }
+
     /// Publishes `view` as endpoint `view.id` of `rail`, or clears the slot (`None`).
     pub(crate) fn publish(&self, rail: u16, id: EndpointId, view: Option<Arc<EndpointView>>) {
         let Some(rail) = self.rails.get(usize::from(rail)) else {
@@ -391,6 +412,9 @@ impl ControlShared {
             stray_replies: get(&c.stray_replies),
             connections_closed: get(&c.connections_closed),
             accept_pauses: get(&c.accept_pauses),
+            unreachable_peers: get(&c.unreachable_peers),
+            last_detection_ms: get(&c.last_detection_ms),
+            max_detection_ms: get(&c.max_detection_ms),
         }
     }
 }

@@ -121,6 +121,16 @@ pub enum Message {
     },
     /// The sender is closing the connection.
     Bye,
+    /// Are you there? Sent on a connection that has been quiet; answered with [`Self::Pong`].
+    Ping {
+        /// Echoed in the answer.
+        nonce: u64,
+    },
+    /// The answer to a [`Self::Ping`].
+    Pong {
+        /// The ping's nonce.
+        nonce: u64,
+    },
 }
 
 /// Why bytes are not a message.
@@ -180,6 +190,8 @@ const CONNECT_QP_REPLY: u16 = 5;
 const NOTIFY: u16 = 6;
 const BYE: u16 = 7;
 const RETIRE_QP: u16 = 8;
+const PING: u16 = 9;
+const PONG: u16 = 10;
 
 /// Appends fields to a body.
 #[derive(Default)]
@@ -440,6 +452,14 @@ impl Message {
                 NOTIFY
             }
             Self::Bye => BYE,
+            Self::Ping { nonce } => {
+                body.u64(*nonce);
+                PING
+            }
+            Self::Pong { nonce } => {
+                body.u64(*nonce);
+                PONG
+            }
         };
         let mut frame = Vec::with_capacity(HEADER_LEN + body.0.len());
         frame.extend_from_slice(&MAGIC);
@@ -505,6 +525,12 @@ impl Message {
                 bytes: r.bytes(MAX_BODY, "notify bytes")?,
             },
             BYE => Self::Bye,
+            PING => Self::Ping {
+                nonce: r.u64("nonce")?,
+            },
+            PONG => Self::Pong {
+                nonce: r.u64("nonce")?,
+            },
             found => return Err(WireError::UnknownType { found }),
         };
         r.finish()?;
@@ -780,6 +806,8 @@ mod tests {
                 }
             ),
             Just(Message::Bye),
+            any::<u64>().prop_map(|nonce| Message::Ping { nonce }),
+            any::<u64>().prop_map(|nonce| Message::Pong { nonce }),
         ]
     }
 
@@ -801,7 +829,7 @@ mod tests {
         }
 
         #[test]
-        fn any_body_of_any_type_decodes_or_errs(kind in 0u16..10, body in prop::collection::vec(any::<u8>(), 0..256)) {
+        fn any_body_of_any_type_decodes_or_errs(kind in 0u16..12, body in prop::collection::vec(any::<u8>(), 0..256)) {
             let _ = Message::decode_body(kind, &body);
         }
 

@@ -168,6 +168,13 @@ pub enum Command {
         /// Open (fail fast) or closed (carry traffic).
         open: bool,
     },
+    /// The peer stopped answering: open the circuit (as `SetCircuit`) and take the current
+    /// queue pair out of service, so that what is posted on it is flushed and fails with
+    /// `PeerUnavailable` instead of waiting for its deadline.
+    Unreachable {
+        /// The endpoint.
+        endpoint: EndpointId,
+    },
     /// Resolve everything (in-flight work is flushed; queued work fails with `Shutdown`) and
     /// stop the thread.
     Shutdown,
@@ -973,6 +980,17 @@ impl<F: Fabric> Poller<F> {
                 }
                 Control::Command(Command::SetCircuit { endpoint, open }) => {
                     self.set_circuit(endpoint, open);
+                }
+                Control::Command(Command::Unreachable { endpoint }) => {
+                    self.set_circuit(endpoint, true);
+                    let current = self.endpoint(endpoint).and_then(|e| match e.link {
+                        Link::Up(qp) => Some(qp),
+                        _ => None,
+                    });
+                    if let Some(qp) = current {
+                        // Its flush finds the circuit open: PeerUnavailable.
+                        self.take_down(endpoint, qp);
+                    }
                 }
             }
         }
