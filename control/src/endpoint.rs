@@ -105,8 +105,13 @@ pub enum Input {
     },
     /// The peer came back as a new incarnation: this endpoint is for the old one.
     PeerRestarted,
-    /// The peer is gone (a cluster directory saw its lease expire): nothing will answer.
+    /// A cluster directory lost the peer's lease (it died, stalled, or lost etcd): new work
+    /// fails fast until it is back. Not terminal: a lease lost by a healthy process is
+    /// claimed again.
     PeerGone,
+    /// The directory sees the same incarnation again (it claimed its name anew): try a
+    /// queue pair now instead of waiting out the cooldown.
+    PeerReturned,
     /// The peer stopped answering on its control connection (no Pong within the liveness
     /// timeout): it may be stopped, partitioned or dead without a reset.
     PeerUnreachable,
@@ -374,7 +379,17 @@ impl Endpoint {
                 }
             },
             Input::PeerRestarted => self.retire(FailReason::PeerRestarted),
-            Input::PeerGone => self.retire(FailReason::PeerUnavailable),
+            Input::PeerGone => match self.state {
+                State::Idle | State::CircuitOpen { .. } => self.stats.stale_inputs += 1,
+                _ => self.open_circuit(now),
+            },
+            Input::PeerReturned => match self.state {
+                State::CircuitOpen { .. } => {
+                    self.probation = true;
+                    self.create_qp(now);
+                }
+                _ => self.stats.stale_inputs += 1,
+            },
             Input::Retire => self.retire(FailReason::EndpointRetired),
         }
     }
@@ -690,19 +705,26 @@ mod tests {
     }
 
     #[test]
-    fn a_peer_gone_from_the_directory_retires_the_endpoint_with_peer_unavailable() {
+    fn a_lease_lost_opens_the_circuit_and_the_same_incarnation_back_closes_it() {
         let t0 = Instant::now();
         let mut e = endpoint(1);
         e.handle(Input::ConnectWanted, t0);
         connect(&mut e, t0);
-        e.handle(Input::PeerGone, t0);
+        e.handle(Input::PeerGone, t0 + ms(5000));
+        assert_eq!(outputs(&mut e), [Output::OpenCircuit]);
         assert_eq!(
-            outputs(&mut e),
-            [Output::RetireEndpoint {
-                reason: FailReason::PeerUnavailable
-            }]
+            e.phase(),
+            Phase::CircuitOpen,
+            "not retired: it may come back"
         );
-        assert_eq!(e.phase(), Phase::Retired);
+        // Back long before the cooldown: a trial queue pair at once.
+        e.handle(Input::PeerReturned, t0 + ms(5100));
+        let epoch = connect(&mut e, t0 + ms(5100));
+        assert_eq!(epoch, Epoch::new(2));
+        e.handle(Input::Confirmed { epoch }, t0 + ms(5101));
+        assert_eq!(e.phase(), Phase::Ready);
+        e.handle(Input::PeerReturned, t0 + ms(5200));
+        assert!(outputs(&mut e).is_empty(), "only an open circuit is closed");
     }
 
     #[test]

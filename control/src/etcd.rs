@@ -16,7 +16,8 @@
 //! alive, and watches the prefix. What it learns goes two ways: the peer table that
 //! [`EtcdDirectory::resolve`] reads, and [`PeerEvents`] to the control thread — a new
 //! incarnation under a known name is [`PeerChange::Restarted`], a deleted key
-//! [`PeerChange::Gone`] — so endpoints of the old incarnation retire at once instead of
+//! [`PeerChange::Gone`] (its endpoints fail fast; the same incarnation claiming the name
+//! again is [`PeerChange::Returned`]) — so endpoints of the old incarnation retire at once instead of
 //! waiting for a transport timeout.
 //!
 //! # Outages
@@ -713,7 +714,12 @@ impl Session {
         }) {
             return;
         }
+        let listed = peers.contains_key(&name);
         match self.last_seen.insert(name.clone(), new) {
+            // Reported gone, and the same process holds the name again.
+            Some(old) if old == new && !listed => self
+                .events
+                .changed(name.clone(), PeerChange::Returned { incarnation: new }),
             Some(old) if old != new => match descriptor.handshake_addr.parse::<SocketAddr>() {
                 Ok(addr) => self
                     .events

@@ -1080,7 +1080,13 @@ impl<F: RailFabric> Core<F> {
             }));
             return;
         }
+        // The answer carries the peer's current descriptor, even for an endpoint that
+        // exists already: its regions may have changed since it was last fetched.
+        let fresh = !self.dialed.contains_key(&addr);
         let conn = self.conn_to(addr, now);
+        if !fresh {
+            self.ask_descriptor(conn);
+        }
         self.waiting.push(Waiting {
             conn,
             local_rail,
@@ -1123,7 +1129,11 @@ impl<F: RailFabric> Core<F> {
                     // process): the event changes nothing there; `old` is gone all the same.
                     Some(&current) if current != old => {
                         if known && current != new {
-                            self.peer_gone(name, old, now);
+                            // A third process listens there: `old` is gone for good.
+                            for (rail, id) in self.endpoints_of(old) {
+                                self.handle_input(rail, id, Input::PeerRestarted, now);
+                            }
+                            self.forget_incarnation(old);
                         } else if known {
                             self.peer_replaced(old, new, name.to_string(), addr, now);
                         }
@@ -1137,33 +1147,43 @@ impl<F: RailFabric> Core<F> {
                 }
             }
             PeerChange::Gone { incarnation } => self.peer_gone(name, incarnation, now),
+            PeerChange::Returned { incarnation } => {
+                for (rail, id) in self.endpoints_of(incarnation) {
+                    self.handle_input(rail, id, Input::PeerReturned, now);
+                }
+            }
         }
     }
 
-    /// `incarnation` is gone and nothing replaced it: its endpoints retire with
-    /// `PeerUnavailable` (nothing waits for a transport timeout).
+    /// The directory lost `incarnation`'s lease and nothing replaced it: its endpoints fail
+    /// new work fast (their circuits open) without waiting for a transport timeout. Nothing
+    /// is forgotten: a healthy process that lost its lease claims its name again, and then
+    /// [`PeerChange::Returned`] tries its endpoints at once.
     fn peer_gone(&mut self, name: &str, incarnation: Incarnation, now: Instant) {
-        let gone: Vec<(u16, EndpointId)> = self
-            .active
-            .iter()
-            .filter(|(_, a)| {
-                a.machine.key().peer == incarnation && a.machine.phase() != Phase::Retired
-            })
-            .map(|(&key, _)| key)
-            .collect();
+        let gone = self.endpoints_of(incarnation);
         if !gone.is_empty() {
             self.warn(
-                WarningKind::Retire,
-                format!("peer {name} ({incarnation}) left the directory; retiring its endpoints"),
+                WarningKind::Circuit,
+                format!(
+                    "peer {name} ({incarnation}) lost its directory lease; failing its work fast"
+                ),
                 now,
             );
         }
         for (rail, id) in gone {
             self.handle_input(rail, id, Input::PeerGone, now);
         }
-        self.listeners
-            .retain(|_, listener| *listener != incarnation);
-        self.forget_incarnation(incarnation);
+    }
+
+    /// The live endpoints to `incarnation`.
+    fn endpoints_of(&self, incarnation: Incarnation) -> Vec<(u16, EndpointId)> {
+        self.active
+            .iter()
+            .filter(|(_, a)| {
+                a.machine.key().peer == incarnation && a.machine.phase() != Phase::Retired
+            })
+            .map(|(&key, _)| key)
+            .collect()
     }
 
     /// Takes every passive queue pair of `peer` out of service.
@@ -1622,9 +1642,15 @@ pub enum PeerChange {
         /// The new one's handshake address.
         addr: SocketAddr,
     },
-    /// `incarnation` is gone and nothing replaced it.
+    /// `incarnation`'s lease is gone and nothing replaced it: it died, stalled or lost the
+    /// directory. Its endpoints fail fast until it returns or a new incarnation replaces it.
     Gone {
         /// The incarnation that is gone.
+        incarnation: Incarnation,
+    },
+    /// `incarnation`, reported gone, holds its name again (a healthy process re-claimed it).
+    Returned {
+        /// The incarnation that is back.
         incarnation: Incarnation,
     },
 }

@@ -852,7 +852,7 @@ fn the_listener_stops_at_the_connection_cap() {
 }
 
 #[test]
-fn a_directory_restart_replaces_endpoints_and_gone_retires_them() {
+fn a_directory_restart_replaces_endpoints_and_a_lost_lease_fails_fast_until_it_returns() {
     let (mut net, _, prefill, view) = connected_pair();
     net.spawn(NAME, addr(1, 7100), 12, 1);
     let now = net.now;
@@ -874,16 +874,40 @@ fn a_directory_restart_replaces_endpoints_and_gone_retires_them() {
         .expect("a fresh endpoint");
     assert_eq!(replacement.key.peer, Incarnation(12));
     assert_eq!(replacement.phase(), Phase::Ready);
+    // Its lease is lost: new work fails fast, nothing is retired.
     let now = net.now;
-    net.procs[prefill].core.peer_changed(
-        NAME,
-        PeerChange::Gone {
-            incarnation: Incarnation(12),
-        },
-        now,
+    let gone = PeerChange::Gone {
+        incarnation: Incarnation(12),
+    };
+    net.procs[prefill].core.peer_changed(NAME, gone, now);
+    net.settle();
+    assert_eq!(replacement.phase(), Phase::CircuitOpen);
+    assert!(
+        net.procs[prefill]
+            .commands
+            .iter()
+            .any(|(_, command)| matches!(
+                command,
+                Command::SetCircuit { endpoint, open: true } if *endpoint == replacement.id
+            ))
     );
-    net.pump();
-    assert_eq!(replacement.phase(), Phase::Retired);
+    // The same incarnation claims its name again: a trial queue pair at once.
+    let now = net.now;
+    let back = PeerChange::Returned {
+        incarnation: Incarnation(12),
+    };
+    net.procs[prefill].core.peer_changed(NAME, back, now);
+    net.settle();
+    assert_eq!(replacement.phase(), Phase::Ready);
+    assert!(
+        net.procs[prefill]
+            .commands
+            .iter()
+            .any(|(_, command)| matches!(
+                command,
+                Command::SetCircuit { endpoint, open: false } if *endpoint == replacement.id
+            ))
+    );
     assert_no_crossed_queue_pairs(&net, prefill);
 }
 

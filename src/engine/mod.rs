@@ -484,13 +484,26 @@ impl Peer {
         self.addr
     }
 
-    /// Whether its endpoints are retired: this incarnation restarted or left the directory
-    /// (or the application retired them). Transfers to it fail at once; open the peer
-    /// again (by name, with a directory) to reach what replaced it.
+    /// Whether its endpoints are retired: this incarnation was replaced by a new one at its
+    /// address or under its name (or the application retired them). Transfers to it fail at
+    /// once; open the peer again (by name, with a directory) to reach what replaced it.
     pub fn is_retired(&self) -> bool {
         self.views
             .iter()
             .all(|view| view.phase() == railyard_control::Phase::Retired)
+    }
+
+    /// Whether transfers to it fail at once (`PeerUnavailable`, or retired): it stopped
+    /// answering, lost its directory lease, or kept failing. Unlike [`Self::is_retired`]
+    /// this passes: its endpoints try again after a cooldown, or at once when the
+    /// directory sees it back, and the same `Peer` carries traffic again.
+    pub fn is_unavailable(&self) -> bool {
+        self.views.iter().all(|view| {
+            matches!(
+                view.phase(),
+                railyard_control::Phase::CircuitOpen | railyard_control::Phase::Retired
+            )
+        })
     }
 
     /// Its newest descriptor (name, incarnation, rails, regions).
