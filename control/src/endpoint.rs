@@ -21,7 +21,10 @@
 //!
 //! Who is charged: a work-request error (LOC_LEN, LOC_PROT, REM_ACCESS, REM_INV_REQ) is the
 //! slice's fault — the queue pair is replaced at once, no flap is counted, and the descriptor
-//! is refreshed so the slice can be re-prepared once. A transport error (RETRY_EXC, a flush
+//! is refreshed so the slice can be re-prepared once; but beyond
+//! [`Policy::free_work_request_errors`] within [`Policy::work_request_window`] they back off
+//! and count as flaps, so a run of persistently bad slices cannot replace queue pairs back to
+//! back. A transport error (RETRY_EXC, a flush
 //! on a live queue pair, QP fatal) or a failed handshake is the peer's: it backs off with
 //! full jitter, and counts as a flap when the queue pair had been ready for less than
 //! [`Policy::flap_after_ready`] (a failed handshake always does). Enough flaps open the
@@ -208,6 +211,8 @@ pub struct Endpoint {
     attempt: u32,
     /// Flap times inside the window.
     flaps: VecDeque<Instant>,
+    /// Work-request errors inside the window.
+    work_request_errors: VecDeque<Instant>,
     /// Circuit openings since it last closed for good (the cooldown exponent).
     openings: u32,
     /// The circuit was open and a trial queue pair is in use: its first success closes the
@@ -229,6 +234,7 @@ impl Endpoint {
             first_epoch: Epoch::FIRST,
             attempt: 0,
             flaps: VecDeque::new(),
+            work_request_errors: VecDeque::new(),
             openings: 0,
             probation: false,
             outputs: VecDeque::new(),
@@ -339,9 +345,7 @@ impl Endpoint {
                     since,
                 } if current == epoch => {
                     if status.is_work_request_error() {
-                        self.stats.work_request_reconnects += 1;
-                        self.outputs.push_back(Output::RefreshDescriptor);
-                        self.create_qp(now);
+                        self.work_request_error(now);
                     } else {
                         let flap = now.duration_since(since) < self.policy.flap_after_ready;
                         self.transport_failure(now, flap);
@@ -397,6 +401,26 @@ impl Endpoint {
     fn retire(&mut self, reason: FailReason) {
         self.state = State::Retired;
         self.outputs.push_back(Output::RetireEndpoint { reason });
+    }
+
+    /// A slice's own work request was wrong: refresh the descriptor and replace the queue
+    /// pair — at once while such errors are rare, else backing off and counting a flap.
+    fn work_request_error(&mut self, now: Instant) {
+        self.outputs.push_back(Output::RefreshDescriptor);
+        self.work_request_errors.push_back(now);
+        while self
+            .work_request_errors
+            .front()
+            .is_some_and(|&at| now.duration_since(at) > self.policy.work_request_window)
+        {
+            self.work_request_errors.pop_front();
+        }
+        if self.work_request_errors.len() <= self.policy.free_work_request_errors as usize {
+            self.stats.work_request_reconnects += 1;
+            self.create_qp(now);
+        } else {
+            self.transport_failure(now, true);
+        }
     }
 
     /// Fails fast for a cooldown (doubling with each opening), then tries a queue pair on
@@ -759,5 +783,66 @@ mod tests {
         idle.handle(Input::PeerUnreachable, t0);
         assert!(outputs(&mut idle).is_empty());
         assert_eq!(idle.phase(), Phase::Idle);
+    }
+
+    #[test]
+    fn repeated_work_request_errors_back_off_and_open_the_circuit() {
+        let t0 = Instant::now();
+        let mut e = endpoint(1);
+        e.handle(Input::ConnectWanted, t0);
+        let mut now = t0;
+        let mut epoch = connect(&mut e, now);
+        let fail = |e: &mut Endpoint, epoch, now| {
+            e.handle(
+                Input::QpError {
+                    epoch,
+                    status: WcStatus::RemAccessErr,
+                },
+                now,
+            );
+        };
+        // Two are free: the queue pair is replaced at once.
+        for _ in 0..2 {
+            now += ms(1);
+            fail(&mut e, epoch, now);
+            epoch = connect(&mut e, now);
+        }
+        assert_eq!(e.stats().flaps, 0);
+        // The third within the window backs off and is a flap.
+        now += ms(1);
+        fail(&mut e, epoch, now);
+        assert_eq!(outputs(&mut e), [Output::RefreshDescriptor]);
+        assert_eq!(e.phase(), Phase::Backoff);
+        assert_eq!(e.stats().flaps, 1);
+        // Persistently bad: the circuit opens after three such flaps, not after N slices.
+        for _ in 0..2 {
+            now = run_timer(&mut e);
+            epoch = connect(&mut e, now);
+            fail(&mut e, epoch, now);
+        }
+        assert_eq!(e.phase(), Phase::CircuitOpen);
+        assert_eq!(
+            e.stats().reconnects,
+            4,
+            "bounded, whatever the number of bad slices"
+        );
+        // A window later, one is free again.
+        let mut fresh = endpoint(2);
+        fresh.handle(Input::ConnectWanted, t0);
+        let first = connect(&mut fresh, t0);
+        fail(&mut fresh, first, t0);
+        let second = connect(&mut fresh, t0);
+        fail(&mut fresh, second, t0);
+        let third = connect(&mut fresh, t0);
+        fail(
+            &mut fresh,
+            third,
+            t0 + Policy::default().work_request_window + ms(1),
+        );
+        assert_eq!(
+            fresh.phase(),
+            Phase::Connecting,
+            "the first two left the window"
+        );
     }
 }

@@ -18,6 +18,13 @@ pub struct Policy {
     pub flaps_to_open: u32,
     /// The window flaps are counted in.
     pub flap_window: Duration,
+    /// Work-request errors (the slice's fault: a bad key, length or range) within
+    /// [`Self::work_request_window`] that replace the queue pair at once; more back off and
+    /// count as flaps, like transport errors, so persistently bad slices cannot replace
+    /// queue pairs back to back. Default 2.
+    pub free_work_request_errors: u32,
+    /// See [`Self::free_work_request_errors`]. Default 1 s.
+    pub work_request_window: Duration,
     /// First circuit cooldown; each reopening doubles it.
     pub cooldown_min: Duration,
     /// Largest circuit cooldown.
@@ -63,6 +70,8 @@ impl Default for Policy {
             flap_after_ready: Duration::from_secs(1),
             flaps_to_open: 3,
             flap_window: Duration::from_secs(30),
+            free_work_request_errors: 2,
+            work_request_window: Duration::from_secs(1),
             cooldown_min: Duration::from_secs(5),
             cooldown_max: Duration::from_secs(300),
             connect_timeout: Duration::from_secs(2),

@@ -20,7 +20,8 @@
 //! which flushes everything else outstanding on it, marks the endpoint down and reports
 //! [`Event::QpFailed`] so the owner of endpoints can reconnect at a new epoch. Flushed and
 //! transport-failed slices are retried (within [`PollerConfig::retry_budget`]) at the new
-//! epoch; a slice whose own work request was wrong (length, protection, access) is
+//! epoch — those flushed behind another slice's work-request error without being charged
+//! for it; a slice whose own work request was wrong (length, protection, access) is
 //! re-prepared once and fails the second time, so it can never take a fresh queue pair down
 //! twice. A WRITE_WITH_IMM that was flushed or cut off is never retried: its immediate may
 //! have been delivered, and an immediate is delivered at most once.
@@ -752,6 +753,9 @@ struct Endpoint {
     confirmed: bool,
     /// What slices fail with once retired.
     retired_reason: FailReason,
+    /// The newest queue pair a work-request error took down: the slices flushed behind that
+    /// error are innocent, and are retried without being charged to their budgets.
+    failed_by_work_request: Option<QpNum>,
 }
 
 /// One posted work request's slot.
@@ -1034,6 +1038,7 @@ impl<F: Fabric> Poller<F> {
             circuit_open: false,
             confirmed: false,
             retired_reason: FailReason::EndpointRetired,
+            failed_by_work_request: None,
         });
     }
 
@@ -1289,15 +1294,18 @@ impl<F: Fabric> Poller<F> {
         if self.stopping {
             return self.fail(slice, FailReason::Shutdown);
         }
-        match self.endpoint(id) {
+        let innocent = match self.endpoint(id) {
             None => return self.fail(slice, FailReason::EndpointRetired),
             Some(e) if e.link == Link::Retired => {
                 let reason = e.retired_reason;
                 return self.fail(slice, reason);
             }
             Some(e) if e.circuit_open => return self.fail(slice, FailReason::PeerUnavailable),
-            Some(_) => {}
-        }
+            // Flushed behind another slice's work-request error: not this slice's doing.
+            Some(e) => {
+                status == WcStatus::WrFlushErr && e.failed_by_work_request == Some(completion.qp)
+            }
+        };
         let retry = if status.is_work_request_error() {
             let first = slice.flags & FLAG_WR_ERROR_SEEN == 0;
             slice.flags |= FLAG_WR_ERROR_SEEN;
@@ -1306,6 +1314,8 @@ impl<F: Fabric> Poller<F> {
             // Flushed or cut off after it was posted: the target may have delivered its
             // immediate already, and an immediate is delivered at most once.
             false
+        } else if innocent {
+            true
         } else if slice.retries < self.config.retry_budget {
             slice.retries += 1;
             true
@@ -1337,6 +1347,13 @@ impl<F: Fabric> Poller<F> {
 
     /// An error completion moved `qp` to ERR: flush it and mark the endpoint down.
     fn queue_pair_failed(&mut self, id: EndpointId, qp: QpNum, status: WcStatus) {
+        if status.is_work_request_error() {
+            if let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) {
+                if endpoint.link == Link::Up(qp) {
+                    endpoint.failed_by_work_request = Some(qp);
+                }
+            }
+        }
         if let Some(epoch) = self.take_down(id, qp) {
             self.emit(Event::QpFailed {
                 endpoint: id,

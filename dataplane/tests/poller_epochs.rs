@@ -8,7 +8,8 @@ use common::*;
 use railyard_dataplane::fabric::WcStatus;
 use railyard_dataplane::fabric::scripted::ScriptedFabric;
 use railyard_dataplane::{
-    Command, Epoch, FailReason, FailStale, RepairCause, RequestOutcome, Slice, Submitter,
+    Command, Epoch, FailReason, FailStale, PollerConfig, PollerHandle, RepairCause, RequestOutcome,
+    Slice, SliceSpec, Submitter,
 };
 
 /// The descriptor owner's hook: rewrite keys for the current epoch, refuse odd requests.
@@ -165,4 +166,41 @@ fn a_bad_work_request_takes_a_queue_pair_down_at_most_once() {
     );
     assert_eq!(failure.epoch, Epoch::FIRST.next());
     assert!(failure.to_string().contains("REM_ACCESS_ERR"), "{failure}");
+}
+
+#[test]
+fn slices_flushed_behind_a_bad_work_request_are_not_charged_for_it() {
+    let (fabric, script) = ScriptedFabric::new();
+    let config = PollerConfig {
+        retry_budget: 0,
+        ..config()
+    };
+    let poller = PollerHandle::spawn(config, fabric, refresh).unwrap();
+    poller
+        .send(Command::AddEndpoint {
+            endpoint: ENDPOINT,
+            epoch: Epoch::FIRST,
+        })
+        .unwrap();
+    let mut control = Reconnector::new(&poller);
+    let mut submitter = Submitter::new(&[&poller], 64).unwrap();
+    // Four in flight; the first is refused by the target and the other three are flushed
+    // behind it. With no retry budget at all, they go on at the next epoch all the same.
+    script.hold(true);
+    script.fail_nth(0, WcStatus::RemAccessErr);
+    let specs: Vec<SliceSpec> = (0..4).map(|request| write(request, Epoch::FIRST)).collect();
+    let batch = submitter.submit(4, &specs, deadline()).unwrap();
+    eventually("the bad request to fail its queue pair", || {
+        script.posted().len() >= 4 && script.outstanding() == 0
+    });
+    script.hold(false);
+    control.serve_until_complete(&poller, &batch);
+    for request in 0..4 {
+        assert_eq!(
+            batch.outcome(request),
+            Some(RequestOutcome::Done),
+            "request {request}"
+        );
+    }
+    assert_eq!(control.failures, [WcStatus::RemAccessErr]);
 }
