@@ -1,5 +1,5 @@
 //! The four failure reproductions, each with seeds of its own, through the library and
-//! through `railyard chaos --json`.
+//! through `railyard chaos --json`; and a minute of `railyard chaos soak`.
 
 use std::process::Command;
 use std::sync::{Mutex, PoisonError};
@@ -132,4 +132,38 @@ fn the_cli_prints_the_counts_as_json_and_rejects_unknown_scenarios() {
 fn the_largest_seed_is_a_seed_like_any_other() {
     let counts = held(Scenario::HandshakeChurn, u64::MAX);
     assert_eq!(counts["seed"], u64::MAX);
+}
+
+/// A minute of target processes killed and taken over, stopped and let go, and queue pairs
+/// failing in bursts, as `railyard chaos soak` runs it: nothing lost, late or misdirected,
+/// every stop failing fast within the bound, no growth.
+#[test]
+fn a_minute_of_soak_loses_nothing_and_fails_fast() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+    let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args([
+            "chaos",
+            "soak",
+            "--duration",
+            "60",
+            "--seed",
+            "11",
+            "--json",
+        ])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .expect("runs");
+    let counts: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("one JSON object");
+    assert!(output.status.success(), "{counts}");
+    assert_eq!(counts["passed"], true, "{counts}");
+    assert_eq!(counts["lost"], 0);
+    assert_eq!(counts["mismatched_blocks"], 0);
+    assert!(counts["kills"].as_u64() >= Some(1), "{counts}");
+    assert!(counts["stops"].as_u64() >= Some(1), "{counts}");
+    assert!(counts["bytes_verified"].as_u64() > Some(0), "{counts}");
+    assert!(
+        counts["detection_ms_max"].as_u64() <= Some(2500),
+        "{counts}"
+    );
 }

@@ -9,11 +9,15 @@
 //! | [`race`] `teardown-race` | full-rate submitters while endpoints are retired and queue pairs fail thousands of times | no crash, nothing lost or resolved twice, no stale post |
 //! | [`churn`] `handshake-churn` | one peer repeats its handshake; two peers on one host | no teardown, no reconnect, bounded warnings |
 //! | [`replica`] `dead-replica` | one of four peers dies; a new process takes its port | live peers keep ≥ 80 % throughput, the dead one fails fast, nothing reaches the newcomer |
+//!
+//! [`soak`] (`railyard chaos soak --duration D`) runs target processes under a seeded mix of
+//! kills with port takeovers, stops and queue-pair errors for a whole duration.
 
 pub mod churn;
 pub mod node;
 pub mod race;
 pub mod replica;
+pub mod soak;
 pub mod storm;
 
 use std::net::SocketAddr;

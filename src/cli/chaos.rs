@@ -1,6 +1,7 @@
 //! `railyard chaos <scenario>`: run one of the failure reproductions and print its counts.
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::Args;
@@ -8,8 +9,15 @@ use railyard::chaos::{self, Scenario};
 
 #[derive(Debug, Args)]
 pub(crate) struct ChaosArgs {
-    /// reconnect-storm, teardown-race, handshake-churn or dead-replica.
+    /// reconnect-storm, teardown-race, handshake-churn, dead-replica, or soak (target
+    /// processes under a seeded mix of kills, port takeovers, stops and queue-pair errors).
     scenario: String,
+    /// How long the soak runs, in seconds (soak only).
+    #[arg(long, default_value_t = 60)]
+    duration: u64,
+    /// Target processes of the soak (soak only).
+    #[arg(long, default_value_t = 3)]
+    targets: usize,
     /// Seeds the fault plan and every jitter: the same seed repeats the same failures.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -22,27 +30,46 @@ pub(crate) struct ChaosArgs {
 const VIOLATED: u8 = 1;
 
 pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
+    if args.scenario == "soak" {
+        let config = chaos::soak::SoakConfig {
+            binary: std::env::current_exe().context("finding this binary")?,
+            duration: Duration::from_secs(args.duration),
+            seed: args.seed,
+            targets: args.targets,
+        };
+        let report = chaos::soak::run(&config).context("the soak could not run")?;
+        let outcome = chaos::Outcome {
+            violations: report.violations(),
+            counts: serde_json::to_value(&report)?,
+        };
+        return Ok(print(&outcome, "soak", args));
+    }
     let Some(scenario) = Scenario::from_name(&args.scenario) else {
         let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
         bail!(
-            "unknown scenario {:?}; the scenarios are {}",
+            "unknown scenario {:?}; the scenarios are {} and soak",
             args.scenario,
             names.join(", ")
         );
     };
     let outcome = chaos::run(scenario, args.seed)
         .with_context(|| format!("scenario {} could not run", scenario.name()))?;
+    Ok(print(&outcome, scenario.name(), args))
+}
+
+/// Prints `outcome` (as JSON with `--json`); the exit status says whether it held.
+fn print(outcome: &chaos::Outcome, name: &str, args: &ChaosArgs) -> ExitCode {
     let passed = outcome.violations.is_empty();
     if args.json {
-        let mut counts = outcome.counts;
+        let mut counts = outcome.counts.clone();
         if let Some(object) = counts.as_object_mut() {
-            object.insert("scenario".into(), scenario.name().into());
+            object.insert("scenario".into(), name.into());
             object.insert("passed".into(), passed.into());
             object.insert("violations".into(), outcome.violations.clone().into());
         }
         println!("{counts}");
     } else {
-        println!("{} (seed {})", scenario.name(), args.seed);
+        println!("{name} (seed {})", args.seed);
         if let Some(object) = outcome.counts.as_object() {
             for (name, value) in object {
                 println!("  {name:<28} {value}");
@@ -55,9 +82,9 @@ pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
             println!("VIOLATED: {violation}");
         }
     }
-    Ok(if passed {
+    if passed {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(VIOLATED)
-    })
+    }
 }

@@ -1,0 +1,565 @@
+//! `railyard chaos soak`: several target processes (`railyard serve`), an initiator engine
+//! in this process with workers writing, reading back and comparing blocks for the whole
+//! duration, and a seeded schedule of every failure the engine must ride out — a target
+//! killed (SIGKILL) and a newcomer on its port (under the same name or another), a target
+//! stopped (SIGSTOP: no reset) and let go again, and bursts of queue-pair errors.
+//!
+//! It reports requests, failures by reason, bytes verified, how long stopped targets took to
+//! fail fast (from the signal to the first `PeerUnavailable`), and this process's resident
+//! memory and open descriptors after warming up and at the end. A violation is: a request
+//! lost (unresolved by its deadline plus [`SLACK`]), resolved late, a block read back that
+//! is not what was written (unverified or misdirected bytes), a stopped target not failing
+//! fast within [`DETECTION_BOUND`], or growth beyond [`RSS_GROWTH_BOUND`] /
+//! [`FD_GROWTH_BOUND`].
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use railyard_dataplane::fabric::WcStatus;
+use railyard_dataplane::fabric::soft::{Fault, QpMatch};
+use railyard_dataplane::rng::SplitMix64;
+use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
+
+use crate::engine::{Engine, Op, Peer, RailChoice, Region, Transfer};
+
+/// How late past its deadline a request may resolve (the poller's flush grace and
+/// scheduling on a small machine).
+pub const SLACK: Duration = Duration::from_secs(2);
+/// How soon after SIGSTOP work to the stopped target must fail fast.
+pub const DETECTION_BOUND: Duration = Duration::from_millis(2500);
+/// Resident memory this process may gain between warm-up and the end.
+pub const RSS_GROWTH_BOUND: u64 = 64 << 10; // KiB
+/// Open descriptors this process may gain between warm-up and the end.
+pub const FD_GROWTH_BOUND: u64 = 64;
+
+/// Bytes per block written and read back.
+const BLOCK: u64 = 64 << 10;
+/// Blocks per worker in each target's pool.
+const SLOTS: u64 = 16;
+/// Each target's pool.
+const POOL: &str = "8MiB";
+/// Writers.
+const WORKERS: usize = 2;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct SoakConfig {
+    /// The `railyard` binary (its `serve` subcommand runs the targets).
+    pub binary: PathBuf,
+    /// How long.
+    pub duration: Duration,
+    /// Seeds the fault schedule and the workers' choices.
+    pub seed: u64,
+    /// Target processes.
+    pub targets: usize,
+}
+
+/// What happened.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct SoakReport {
+    /// The seed.
+    pub seed: u64,
+    /// Seconds run.
+    pub duration_s: f64,
+    /// Requests submitted.
+    pub requests: u64,
+    /// Requests done.
+    pub done: u64,
+    /// Failed requests by reason.
+    pub failures: BTreeMap<String, u64>,
+    /// Requests not resolved by their deadline plus the slack.
+    pub lost: u64,
+    /// Requests resolved, but after their deadline plus the slack.
+    pub late: u64,
+    /// Bytes written, read back and found as written.
+    pub bytes_verified: u64,
+    /// Blocks read back that were not what was written there.
+    pub mismatched_blocks: u64,
+    /// Targets killed, each replaced by a newcomer on its port.
+    pub kills: u64,
+    /// Of those newcomers, the ones under the dead target's name.
+    pub same_name_takeovers: u64,
+    /// Targets stopped and let go again.
+    pub stops: u64,
+    /// Bursts of injected queue-pair errors.
+    pub qp_error_bursts: u64,
+    /// Peers opened again (after a takeover or a failure).
+    pub reopens: u64,
+    /// From SIGSTOP to the first request failing fast, per stop, in ms: median.
+    pub detection_ms_p50: u64,
+    /// The same, 99th percentile.
+    pub detection_ms_p99: u64,
+    /// The same, longest.
+    pub detection_ms_max: u64,
+    /// Stops after which nothing failed fast within the bound.
+    pub undetected_stops: u64,
+    /// This process's resident memory after warm-up, KiB.
+    pub rss_kib_start: u64,
+    /// At the end.
+    pub rss_kib_end: u64,
+    /// Its open descriptors after warm-up.
+    pub fds_start: u64,
+    /// At the end.
+    pub fds_end: u64,
+}
+
+impl SoakReport {
+    /// The promises the run broke.
+    pub fn violations(&self) -> Vec<String> {
+        let mut broken = Vec::new();
+        if self.lost > 0 {
+            broken.push(format!("{} request(s) never resolved", self.lost));
+        }
+        if self.late > 0 {
+            broken.push(format!(
+                "{} request(s) resolved past their deadline + {SLACK:?}",
+                self.late
+            ));
+        }
+        if self.mismatched_blocks > 0 {
+            broken.push(format!(
+                "{} block(s) read back were not what was written",
+                self.mismatched_blocks
+            ));
+        }
+        if self.undetected_stops > 0 || self.detection_ms_max > DETECTION_BOUND.as_millis() as u64 {
+            broken.push(format!(
+                "a stopped target failed fast only after {} ms ({} never within {DETECTION_BOUND:?})",
+                self.detection_ms_max, self.undetected_stops
+            ));
+        }
+        if self.done == 0 {
+            broken.push("no request succeeded".into());
+        }
+        let rss = self.rss_kib_end.saturating_sub(self.rss_kib_start);
+        if rss > RSS_GROWTH_BOUND {
+            broken.push(format!("resident memory grew by {rss} KiB"));
+        }
+        let fds = self.fds_end.saturating_sub(self.fds_start);
+        if fds > FD_GROWTH_BOUND {
+            broken.push(format!("open descriptors grew by {fds}"));
+        }
+        broken
+    }
+}
+
+/// A `railyard serve` child.
+struct Target {
+    child: Child,
+    /// Closing it stops the child (`--until-stdin-closes`).
+    _stdin: ChildStdin,
+    addr: SocketAddr,
+    pool_base: u64,
+    /// Changes with every newcomer: part of every block's pattern.
+    generation: u8,
+}
+
+impl Target {
+    fn start(binary: &Path, name: &str, listen: SocketAddr, generation: u8) -> Result<Self> {
+        let mut child = Command::new(binary)
+            .args(["serve", "--until-stdin-closes", "--rails", "1"])
+            .args(["--pool", POOL, "--name", name])
+            .args(["--listen", &listen.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        let stdin = child.stdin.take().context("piped stdin")?;
+        let stdout = child.stdout.take().context("piped stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let first = lines
+            .next()
+            .context("serve printed nothing")?
+            .context("reading serve's first line")?;
+        // Drain the rest so the child never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        // listening ADDR incarnation INC pool 0xBASE LEN
+        let words: Vec<&str> = first.split_whitespace().collect();
+        let (Some(addr), Some(base)) = (words.get(1), words.get(5)) else {
+            bail!("unexpected first line from serve: {first:?}");
+        };
+        Ok(Self {
+            addr: addr.parse().context("serve's address")?,
+            pool_base: u64::from_str_radix(base.trim_start_matches("0x"), 16)
+                .context("serve's pool address")?,
+            child,
+            _stdin: stdin,
+            generation,
+        })
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        // SAFETY: kill(2) on our own child's pid, alive until it is waited for.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        self.signal(libc::SIGCONT);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What workers see of a target: where it is, and the peer they share.
+struct Slot {
+    addr: SocketAddr,
+    pool_base: u64,
+    generation: u8,
+    peer: Option<Peer>,
+    /// When it was stopped, until a worker sees it fail fast.
+    stopped_at: Option<Instant>,
+}
+
+/// Counts the workers add to.
+#[derive(Default)]
+struct Tally {
+    requests: AtomicU64,
+    done: AtomicU64,
+    lost: AtomicU64,
+    late: AtomicU64,
+    bytes_verified: AtomicU64,
+    mismatched_blocks: AtomicU64,
+    reopens: AtomicU64,
+    failures: Mutex<BTreeMap<String, u64>>,
+    detections: Mutex<Vec<u64>>,
+}
+
+fn count(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Resident memory and open descriptors of this process.
+fn footprint() -> (u64, u64) {
+    let rss = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:"))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|kib| kib.parse().ok())
+        })
+        .unwrap_or(0);
+    let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |dir| dir.count() as u64);
+    (rss, fds)
+}
+
+/// The pattern of a block: it names the target, its generation, the writer and the round,
+/// so a block that landed anywhere else, or stale, does not compare equal.
+fn fill(bytes: &mut [u8], tag: u64) {
+    let mut rng = SplitMix64::new(tag);
+    for chunk in bytes.chunks_mut(8) {
+        let word = rng.next_u64().to_le_bytes();
+        chunk.copy_from_slice(&word[..chunk.len()]);
+    }
+}
+
+/// Runs the soak.
+///
+/// # Errors
+/// When a target or the engine cannot start.
+pub fn run(config: &SoakConfig) -> Result<SoakReport> {
+    let mut rng = SplitMix64::new(config.seed ^ 0x50a4);
+    let mut targets = Vec::new();
+    for index in 0..config.targets.max(2) {
+        let listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        targets.push(Target::start(
+            &config.binary,
+            &format!("soak-{index}"),
+            listen,
+            0,
+        )?);
+    }
+    let engine = Engine::builder(crate::engine::default_name("soak"))
+        .rails(RailChoice::Count(NonZeroUsize::MIN))
+        .idle(IdleStrategy::gentle())
+        .build()
+        .context("starting the initiator")?;
+    let slots: Vec<RwLock<Slot>> = targets
+        .iter()
+        .map(|target| {
+            RwLock::new(Slot {
+                addr: target.addr,
+                pool_base: target.pool_base,
+                generation: target.generation,
+                peer: None,
+                stopped_at: None,
+            })
+        })
+        .collect();
+    let tally = Tally::default();
+    let stop = AtomicBool::new(false);
+    let started = Instant::now();
+    let end = started + config.duration;
+    let mut report = SoakReport {
+        seed: config.seed,
+        ..SoakReport::default()
+    };
+    std::thread::scope(|scope| -> Result<()> {
+        for worker in 0..WORKERS {
+            let (engine, slots, tally, stop) = (&engine, &slots, &tally, &stop);
+            let seed = config.seed ^ (worker as u64 + 1) << 32;
+            scope.spawn(move || work(engine, slots, tally, stop, worker, seed));
+        }
+        // Warm up, then take the footprint the end is compared with.
+        std::thread::sleep(Duration::from_secs(2).min(config.duration / 4));
+        (report.rss_kib_start, report.fds_start) = footprint();
+        let result = inject(
+            config,
+            &engine,
+            &mut targets,
+            &slots,
+            &mut rng,
+            end,
+            &mut report,
+        );
+        stop.store(true, Ordering::Relaxed);
+        result
+    })?;
+    (report.rss_kib_end, report.fds_end) = footprint();
+    report.duration_s = started.elapsed().as_secs_f64();
+    report.requests = tally.requests.load(Ordering::Relaxed);
+    report.done = tally.done.load(Ordering::Relaxed);
+    report.lost = tally.lost.load(Ordering::Relaxed);
+    report.late = tally.late.load(Ordering::Relaxed);
+    report.bytes_verified = tally.bytes_verified.load(Ordering::Relaxed);
+    report.mismatched_blocks = tally.mismatched_blocks.load(Ordering::Relaxed);
+    report.reopens = tally.reopens.load(Ordering::Relaxed);
+    report.failures = tally
+        .failures
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    let mut detections = tally
+        .detections
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone();
+    detections.sort_unstable();
+    let at = |q: f64| {
+        detections
+            .get(((detections.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(0)
+    };
+    report.detection_ms_p50 = at(0.5);
+    report.detection_ms_p99 = at(0.99);
+    report.detection_ms_max = detections.last().copied().unwrap_or(0);
+    report.undetected_stops = report.stops.saturating_sub(detections.len() as u64);
+    Ok(report)
+}
+
+fn write(slot: &RwLock<Slot>) -> std::sync::RwLockWriteGuard<'_, Slot> {
+    slot.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The fault schedule: until `end`, one failure every 1–3 s.
+fn inject(
+    config: &SoakConfig,
+    engine: &Engine,
+    targets: &mut [Target],
+    slots: &[RwLock<Slot>],
+    rng: &mut SplitMix64,
+    end: Instant,
+    report: &mut SoakReport,
+) -> Result<()> {
+    while Instant::now() + Duration::from_secs(4) < end {
+        std::thread::sleep(Duration::from_millis(1000 + rng.below(2000)));
+        let index = rng.below(targets.len() as u64) as usize;
+        match rng.below(3) {
+            0 => {
+                // Killed; a newcomer takes its port.
+                let addr = targets[index].addr;
+                targets[index].signal(libc::SIGKILL);
+                let _ = targets[index].child.wait();
+                let same_name = rng.below(2) == 0;
+                let name = if same_name {
+                    format!("soak-{index}")
+                } else {
+                    format!("soak-{index}-newcomer-{}", report.kills)
+                };
+                let generation = targets[index].generation.wrapping_add(1);
+                let newcomer = Target::start(&config.binary, &name, addr, generation)?;
+                {
+                    let mut slot = write(&slots[index]);
+                    slot.pool_base = newcomer.pool_base;
+                    slot.generation = generation;
+                    slot.peer = None;
+                    slot.stopped_at = None;
+                }
+                targets[index] = newcomer;
+                report.kills += 1;
+                report.same_name_takeovers += u64::from(same_name);
+            }
+            1 => {
+                // Stopped without a reset, then let go.
+                write(&slots[index]).stopped_at = Some(Instant::now());
+                targets[index].signal(libc::SIGSTOP);
+                std::thread::sleep(Duration::from_secs(3));
+                targets[index].signal(libc::SIGCONT);
+                write(&slots[index]).stopped_at = None;
+                report.stops += 1;
+            }
+            _ => {
+                // Queue pairs fail now and then for a second.
+                if let Some(faults) = engine.faults(0) {
+                    faults.add(Fault::Random {
+                        on: QpMatch::Any,
+                        per_million: 50_000,
+                        status: WcStatus::RetryExcErr,
+                    });
+                    std::thread::sleep(Duration::from_secs(1));
+                    faults.clear();
+                    report.qp_error_bursts += 1;
+                }
+            }
+        }
+    }
+    std::thread::sleep(end.saturating_duration_since(Instant::now()));
+    Ok(())
+}
+
+/// One worker: write a block to a target, read it back, compare; until told to stop.
+fn work(
+    engine: &Engine,
+    slots: &[RwLock<Slot>],
+    tally: &Tally,
+    stop: &AtomicBool,
+    worker: usize,
+    seed: u64,
+) {
+    let mut rng = SplitMix64::new(seed);
+    let (Ok(source), Ok(back), Ok(mut submitter)) = (
+        engine.alloc(BLOCK, None),
+        engine.alloc(BLOCK, None),
+        engine.submitter(),
+    ) else {
+        return;
+    };
+    let mut round = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        round += 1;
+        let index = rng.below(slots.len() as u64) as usize;
+        let Some((peer, remote, generation)) = peer_of(engine, &slots[index], tally) else {
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
+        };
+        let tag =
+            (index as u64) << 56 | u64::from(generation) << 48 | (worker as u64) << 40 | round;
+        let slot = remote + (worker as u64 * SLOTS + round % SLOTS) * BLOCK;
+        // SAFETY: `source` is this worker's own region; no transfer of it is in flight.
+        fill(unsafe { region_bytes(source) }, tag);
+        let write = Transfer {
+            op: Op::Write,
+            local: source,
+            local_offset: 0,
+            remote_addr: slot,
+            len: BLOCK,
+        };
+        let Some(written) = transfer(&mut submitter, &peer, write, &slots[index], tally) else {
+            continue;
+        };
+        if !written {
+            continue;
+        }
+        let read = Transfer {
+            op: Op::Read,
+            local: back,
+            ..write
+        };
+        if transfer(&mut submitter, &peer, read, &slots[index], tally) == Some(true) {
+            // SAFETY: both regions are this worker's own; no transfer of them is in flight.
+            let same = unsafe { region_bytes(back) == region_bytes(source) };
+            if same {
+                tally.bytes_verified.fetch_add(BLOCK, Ordering::Relaxed);
+            } else {
+                count(&tally.mismatched_blocks);
+            }
+        }
+    }
+}
+
+/// # Safety
+/// No transfer of `region` may be in flight while the slice is used.
+unsafe fn region_bytes<'a>(region: Region) -> &'a mut [u8] {
+    // SAFETY: the region is registered memory of `region.len` bytes owned by the engine,
+    // which outlives the workers; the caller keeps transfers away while it is used.
+    unsafe { std::slice::from_raw_parts_mut(region.addr as *mut u8, region.len as usize) }
+}
+
+/// The shared peer of a target, opened (again) when there is none or it was retired.
+fn peer_of(engine: &Engine, slot: &RwLock<Slot>, tally: &Tally) -> Option<(Peer, u64, u8)> {
+    {
+        let slot = slot.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(peer) = slot.peer.as_ref().filter(|peer| !peer.is_retired()) {
+            return Some((peer.clone(), slot.pool_base, slot.generation));
+        }
+    }
+    let addr = slot.read().unwrap_or_else(PoisonError::into_inner).addr;
+    let opened = engine.open(&addr.to_string()).ok()?;
+    count(&tally.reopens);
+    let mut slot = slot.write().unwrap_or_else(PoisonError::into_inner);
+    slot.peer = Some(opened.clone());
+    Some((opened, slot.pool_base, slot.generation))
+}
+
+/// Submits one transfer and waits for it: `Some(true)` done, `Some(false)` failed, `None`
+/// not submitted. Counts everything, and a stopped target's first fast failure.
+fn transfer(
+    submitter: &mut crate::engine::EngineSubmitter,
+    peer: &Peer,
+    transfer: Transfer,
+    slot: &RwLock<Slot>,
+    tally: &Tally,
+) -> Option<bool> {
+    let submitted = Instant::now();
+    let batch = submitter.submit(peer, &[transfer]).ok()?;
+    count(&tally.requests);
+    let bound = submitted + DEFAULT_DEADLINE + SLACK;
+    let status = batch.wait(bound);
+    if !status.is_complete() {
+        count(&tally.lost);
+        return Some(false);
+    }
+    if Instant::now() > bound {
+        count(&tally.late);
+    }
+    match batch.outcomes().first().copied().flatten() {
+        Some(RequestOutcome::Done) => {
+            count(&tally.done);
+            Some(true)
+        }
+        Some(RequestOutcome::Failed(reason)) => {
+            *tally
+                .failures
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(reason.to_string())
+                .or_default() += 1;
+            if reason == FailReason::PeerUnavailable {
+                let mut slot = slot.write().unwrap_or_else(PoisonError::into_inner);
+                if let Some(stopped) = slot.stopped_at.take() {
+                    let ms = stopped.elapsed().as_millis() as u64;
+                    tally
+                        .detections
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(ms);
+                }
+            }
+            Some(false)
+        }
+        None => Some(false),
+    }
+}
