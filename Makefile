@@ -19,8 +19,8 @@ run: build
 	./target/release/railyard bench
 
 test: deps
-	$(CARGO) test --workspace --all-targets --features etcd
-	$(CARGO) test --workspace --doc --features etcd
+	$(CARGO) test --workspace --all-targets --features etcd,sabotage
+	$(CARGO) test --workspace --doc --features etcd,sabotage
 	$(MAKE) --no-print-directory loom
 
 # The verbs data path on real hardware: RAILYARD_TEST_VERBS_DEVICE=<device> make test-rdma
@@ -44,7 +44,7 @@ bench: deps
 lint: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy --workspace --all-targets --features etcd -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features etcd,sabotage -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --features etcd
 
 fmt:

@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use railyard_dataplane::fabric::tcp::TcpAttachment;
 use railyard_dataplane::rng::SplitMix64;
+use railyard_dataplane::sabotage::{self, Protection};
 use railyard_dataplane::{Command, EndpointId, Epoch, Event};
 
 use crate::descriptor::SegmentDescriptor;
@@ -545,6 +546,9 @@ impl<F: RailFabric> Core<F> {
     /// [`Policy::liveness_timeout`] is unreachable: its connection closes and, if this side
     /// dialed it, the endpoints to it at that address open their circuits at once.
     fn check_liveness(&mut self, now: Instant) {
+        if sabotage::is_off(Protection::Liveness) {
+            return;
+        }
         let mut quiet = Vec::new();
         let mut silent = Vec::new();
         for (&id, conn) in &self.conns {
@@ -817,7 +821,7 @@ impl<F: RailFabric> Core<F> {
         link: &PeerLink,
         conn: ConnId,
     ) -> Result<QpSide, String> {
-        if key.target != self.me.incarnation {
+        if key.target != self.me.incarnation && !sabotage::is_off(Protection::IncarnationCheck) {
             bump(&self.shared.counters.refused);
             return Err(format!(
                 "the queue pair is meant for incarnation {}, this process is {}",
@@ -834,7 +838,9 @@ impl<F: RailFabric> Core<F> {
         };
         let existing = self.passive.get(&key);
         if let Some(existing) = existing {
-            if existing.remote_qp_num == side.info.qp_num {
+            if existing.remote_qp_num == side.info.qp_num
+                && !sabotage::is_off(Protection::IdempotentReplies)
+            {
                 bump(&self.shared.counters.idempotent_replies);
                 return Ok(existing.local.clone());
             }

@@ -30,6 +30,7 @@ mod poller;
 mod quiesce;
 pub mod ring;
 pub mod rng;
+pub mod sabotage;
 mod slice;
 mod submitter;
 mod sync;

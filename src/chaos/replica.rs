@@ -212,6 +212,9 @@ pub fn run(seed: u64) -> Result<ReplicaReport> {
     }
     let mut initiator = Node::start("prefill-0", 1, any_port(), seed, policy, None)?;
     let source = initiator.alloc(SLICES_PER_BATCH as usize * SLICE_LEN)?;
+    // Never zeros: a byte of it landing in the newcomer's (zeroed) memory must show.
+    // SAFETY: nothing transfers from the source yet.
+    unsafe { initiator.regions[source].buffer.as_mut_slice() }.fill(0xA5);
     let local = initiator.regions[source].regions[0];
     let mut views = Vec::new();
     let mut bases = Vec::new();

@@ -1,0 +1,98 @@
+//! The detectors can fail: with one protection switched off (the `sabotage` feature, which
+//! `make test` enables and release builds never do), the scenario that guards it reports a
+//! violation. Each test holds a process-wide switch, so they take turns.
+
+#![cfg(feature = "sabotage")]
+
+mod common;
+
+use std::num::NonZeroUsize;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use common::{BOUND, Serve, done};
+use railyard::chaos::{self, Scenario};
+use railyard::dataplane::sabotage::{self, Protection};
+use railyard::dataplane::{FailReason, IdleStrategy, RequestOutcome};
+use railyard::engine::{Engine, FabricChoice, Op, RailChoice, Transfer};
+
+static ONE_SWITCH_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn violations_without(
+    protection: Protection,
+    scenario: Scenario,
+) -> (Vec<String>, serde_json::Value) {
+    let _turn = ONE_SWITCH_AT_A_TIME
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let _off = sabotage::turn_off(protection);
+    let outcome = chaos::run(scenario, 5).expect("the scenario runs");
+    (outcome.violations, outcome.counts)
+}
+
+#[test]
+fn without_the_epoch_check_the_reconnect_storm_posts_stale_work() {
+    let (violations, counts) = violations_without(Protection::EpochCheck, Scenario::ReconnectStorm);
+    assert!(counts["stale_posts"].as_u64() > Some(0), "{counts}");
+    assert!(
+        violations.iter().any(|v| v.starts_with("stale_posts")),
+        "{violations:?}"
+    );
+}
+
+#[test]
+fn without_idempotent_replies_the_handshake_churn_tears_queue_pairs_down() {
+    let (violations, counts) =
+        violations_without(Protection::IdempotentReplies, Scenario::HandshakeChurn);
+    assert!(counts["teardowns"].as_u64() > Some(0), "{counts}");
+    assert!(
+        violations.iter().any(|v| v.starts_with("teardowns")),
+        "{violations:?}"
+    );
+}
+
+/// With liveness off, a stopped target is noticed only at the deadline: its work fails as
+/// `Timeout` after 5 s, never fast as `PeerUnavailable`.
+#[test]
+fn without_liveness_a_stopped_target_is_detected_only_past_the_bound() {
+    let _turn = ONE_SWITCH_AT_A_TIME
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let _off = sabotage::turn_off(Protection::Liveness);
+    let target = Serve::start_with("8MiB", &["--rails", "1", "--fabric", "tcp"]);
+    let engine = Engine::builder("prefill")
+        .fabric(FabricChoice::Tcp)
+        .rails(RailChoice::Count(NonZeroUsize::MIN))
+        .idle(IdleStrategy::gentle())
+        .build()
+        .expect("the engine starts");
+    let peer = engine.open(&target.addr).expect("the target answers");
+    let source = engine.alloc(1 << 20, None).expect("memory");
+    let write = Transfer {
+        op: Op::Write,
+        local: source,
+        local_offset: 0,
+        remote_addr: target.pool_base,
+        len: 1 << 20,
+    };
+    let mut submitter = engine.submitter().expect("a submitter");
+    assert!(done(&submitter.submit(&peer, &[write]).expect("submitted")));
+    // SAFETY: a signal to our own child, alive until `target` drops.
+    unsafe { libc::kill(target.child.id() as libc::pid_t, libc::SIGSTOP) };
+    let stopped = Instant::now();
+    let batch = submitter.submit(&peer, &[write]).expect("submitted");
+    batch.wait(Instant::now() + BOUND);
+    let resolved = stopped.elapsed();
+    assert_ne!(
+        batch.outcomes(),
+        vec![Some(RequestOutcome::Failed(FailReason::PeerUnavailable))],
+        "failed fast without liveness?"
+    );
+    assert!(
+        resolved > Duration::from_millis(2500),
+        "resolved after {resolved:?}: the detector would not have caught the loss"
+    );
+    assert_eq!(engine.stats().control.unreachable_peers, 0);
+    // SAFETY: as above.
+    unsafe { libc::kill(target.child.id() as libc::pid_t, libc::SIGCONT) };
+}
