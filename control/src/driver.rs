@@ -422,14 +422,15 @@ impl<F: RailFabric> Driver<F> {
             let Some(socket) = self.sockets.get_mut(&conn) else {
                 continue;
             };
-            let (messages, outcome) = if socket.readable || socket.connecting {
+            let (messages, outcome, got_bytes) = if socket.readable || socket.connecting {
                 socket.read(now, self.policy.frame_timeout)
             } else {
-                (
-                    Vec::new(),
-                    socket.frame_overdue(now, self.policy.frame_timeout),
-                )
+                let overdue = socket.frame_overdue(now, self.policy.frame_timeout);
+                (Vec::new(), overdue, false)
             };
+            if got_bytes {
+                self.core.heard(conn, now);
+            }
             for message in messages {
                 self.core.received(conn, message, now);
             }
@@ -689,14 +690,15 @@ impl Socket {
 
     /// Reads up to [`READ_BUDGET`] bytes, one bounded frame at a time, and returns the
     /// whole messages.
-    fn read(&mut self, now: Instant, frame_timeout: Duration) -> (Vec<Message>, ReadOutcome) {
+    /// Also says whether any byte arrived.
+    fn read(&mut self, now: Instant, frame_timeout: Duration) -> (Vec<Message>, ReadOutcome, bool) {
         let mut messages = Vec::new();
         if self.connecting {
             match self.stream.take_error() {
                 Ok(None) if self.stream.peer_addr().is_ok() => self.connecting = false,
-                Ok(None) => return (messages, ReadOutcome::Open),
+                Ok(None) => return (messages, ReadOutcome::Open, false),
                 Ok(Some(error)) | Err(error) => {
-                    return (messages, ReadOutcome::Closed(error.to_string()));
+                    return (messages, ReadOutcome::Closed(error.to_string()), false);
                 }
             }
         }
@@ -725,7 +727,7 @@ impl Socket {
             budget -= read;
             if let Err(error) = self.decoder.push(&buffer[..read]) {
                 // Unreachable: `want` is at most the decoder's room.
-                return (messages, ReadOutcome::Refused(error.to_string()));
+                return (messages, ReadOutcome::Refused(error.to_string()), true);
             }
             loop {
                 match self.decoder.next_message() {
@@ -738,6 +740,7 @@ impl Socket {
                         return (
                             messages,
                             ReadOutcome::Refused(format!("malformed frame: {error}")),
+                            true,
                         );
                     }
                 }
@@ -750,9 +753,10 @@ impl Socket {
         if self.decoder.is_partial() {
             self.partial_since.get_or_insert(now);
         }
+        let got_bytes = budget < READ_BUDGET;
         match self.frame_overdue(now, frame_timeout) {
-            ReadOutcome::Open => (messages, outcome),
-            overdue => (messages, overdue),
+            ReadOutcome::Open => (messages, outcome, got_bytes),
+            overdue => (messages, overdue, got_bytes),
         }
     }
 

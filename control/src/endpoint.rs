@@ -23,8 +23,8 @@
 //! slice's fault — the queue pair is replaced at once, no flap is counted, and the descriptor
 //! is refreshed so the slice can be re-prepared once; but beyond
 //! [`Policy::free_work_request_errors`] within [`Policy::work_request_window`] they back off
-//! and count as flaps, so a run of persistently bad slices cannot replace queue pairs back to
-//! back. A transport error (RETRY_EXC, a flush
+//! (up to that window, still no flap), so a run of persistently bad slices cannot replace
+//! queue pairs back to back, nor open the circuit on the good slices behind them. A transport error (RETRY_EXC, a flush
 //! on a live queue pair, QP fatal) or a failed handshake is the peer's: it backs off with
 //! full jitter, and counts as a flap when the queue pair had been ready for less than
 //! [`Policy::flap_after_ready`] (a failed handshake always does). Enough flaps open the
@@ -149,8 +149,8 @@ pub enum Output {
     OpenCircuit,
     /// Close the circuit: slices flow again.
     CloseCircuit,
-    /// The peer is unreachable: open the circuit and take the current queue pair out of
-    /// service, so that what is posted on it is flushed and fails with `PeerUnavailable`.
+    /// The peer is unreachable: take the current queue pair out of service (the circuit is
+    /// open), so that what is posted on it is flushed and fails with `PeerUnavailable`.
     Unreachable,
 }
 
@@ -374,11 +374,12 @@ impl Endpoint {
                 _ => self.stats.stale_inputs += 1,
             },
             Input::PeerUnreachable => match self.state {
-                State::Idle | State::CircuitOpen { .. } => self.stats.stale_inputs += 1,
+                State::Idle => self.stats.stale_inputs += 1,
+                // Open already (a lost lease, flaps): the cooldown stands, but what is
+                // posted on the queue pair must still be flushed.
+                State::CircuitOpen { .. } => self.outputs.push_back(Output::Unreachable),
                 _ => {
                     self.open_circuit(now);
-                    // Replaces the plain opening: the queue pair goes too.
-                    self.outputs.pop_back();
                     self.outputs.push_back(Output::Unreachable);
                 }
             },
@@ -404,7 +405,9 @@ impl Endpoint {
     }
 
     /// A slice's own work request was wrong: refresh the descriptor and replace the queue
-    /// pair — at once while such errors are rare, else backing off and counting a flap.
+    /// pair — at once while such errors are rare, else after a backoff that grows up to
+    /// [`Policy::work_request_window`] (no flap: a bad slice never opens the circuit on the
+    /// good ones).
     fn work_request_error(&mut self, now: Instant) {
         self.outputs.push_back(Output::RefreshDescriptor);
         self.work_request_errors.push_back(now);
@@ -415,12 +418,23 @@ impl Endpoint {
         {
             self.work_request_errors.pop_front();
         }
-        if self.work_request_errors.len() <= self.policy.free_work_request_errors as usize {
+        let free = self.policy.free_work_request_errors as usize;
+        let excess = self.work_request_errors.len().saturating_sub(free);
+        if excess == 0 {
             self.stats.work_request_reconnects += 1;
-            self.create_qp(now);
-        } else {
-            self.transport_failure(now, true);
+            return self.create_qp(now);
         }
+        // The slices' fault, not the peer's: no flap, so the circuit stays closed and good
+        // slices keep flowing between replacements; but each replacement waits longer, up
+        // to the window.
+        let bound = self
+            .policy
+            .backoff_bound(excess as u32 - 1)
+            .min(self.policy.work_request_window);
+        let jitter = self.rng.below(bound.as_nanos() as u64 + 1);
+        self.state = State::Backoff {
+            until: now + std::time::Duration::from_nanos(jitter),
+        };
     }
 
     /// Fails fast for a cooldown (doubling with each opening), then tries a queue pair on
@@ -759,11 +773,13 @@ mod tests {
         connect(&mut e, t0);
         let long_lived = t0 + ms(60_000);
         e.handle(Input::PeerUnreachable, long_lived);
-        assert_eq!(outputs(&mut e), [Output::Unreachable]);
+        assert_eq!(outputs(&mut e), [Output::OpenCircuit, Output::Unreachable]);
         assert_eq!(e.phase(), Phase::CircuitOpen);
         assert_eq!(e.stats().circuit_openings, 1);
-        e.handle(Input::PeerUnreachable, long_lived);
-        assert!(outputs(&mut e).is_empty(), "already open");
+        // Open already: the queue pair is taken down again, the cooldown stands.
+        e.handle(Input::PeerUnreachable, long_lived + ms(100));
+        assert_eq!(outputs(&mut e), [Output::Unreachable]);
+        assert_eq!(e.stats().circuit_openings, 1);
         assert_eq!(
             e.next_timeout(),
             Some(long_lived + Policy::default().cooldown_min)
@@ -786,7 +802,7 @@ mod tests {
     }
 
     #[test]
-    fn repeated_work_request_errors_back_off_and_open_the_circuit() {
+    fn repeated_work_request_errors_back_off_but_never_open_the_circuit() {
         let t0 = Instant::now();
         let mut e = endpoint(1);
         e.handle(Input::ConnectWanted, t0);
@@ -807,24 +823,29 @@ mod tests {
             fail(&mut e, epoch, now);
             epoch = connect(&mut e, now);
         }
-        assert_eq!(e.stats().flaps, 0);
-        // The third within the window backs off and is a flap.
+        // The third within the window backs off; no flap.
         now += ms(1);
         fail(&mut e, epoch, now);
         assert_eq!(outputs(&mut e), [Output::RefreshDescriptor]);
         assert_eq!(e.phase(), Phase::Backoff);
-        assert_eq!(e.stats().flaps, 1);
-        // Persistently bad: the circuit opens after three such flaps, not after N slices.
-        for _ in 0..2 {
-            now = run_timer(&mut e);
+        // Persistently bad: replacements keep backing off, never faster than the backoff
+        // allows and never slower than the window; the circuit never opens.
+        let mut replacements = 0;
+        let end = now + ms(10_000);
+        while now < end {
+            if e.phase() == Phase::Backoff {
+                now = run_timer(&mut e);
+            }
             epoch = connect(&mut e, now);
+            replacements += 1;
             fail(&mut e, epoch, now);
+            assert_ne!(e.phase(), Phase::CircuitOpen);
         }
-        assert_eq!(e.phase(), Phase::CircuitOpen);
-        assert_eq!(
-            e.stats().reconnects,
-            4,
-            "bounded, whatever the number of bad slices"
+        assert_eq!(e.stats().flaps, 0);
+        assert_eq!(e.stats().circuit_openings, 0);
+        assert!(
+            (10..=200).contains(&replacements),
+            "{replacements} replacements in 10 s of bad slices"
         );
         // A window later, one is free again.
         let mut fresh = endpoint(2);

@@ -230,6 +230,9 @@ pub(crate) struct Core<F: RailFabric> {
     passive: HashMap<WireKey, Passive<F::Connected>>,
     /// Initiators holding target queue pairs here with no control connection left.
     orphans: HashMap<Incarnation, Orphan>,
+    /// When each listener was last dialed again for endpoints left without a connection
+    /// (at most once per keepalive interval).
+    redialed: HashMap<SocketAddr, Instant>,
     waiting: Vec<Waiting>,
     warnings: RateLimiter,
     rng: SplitMix64,
@@ -268,6 +271,7 @@ impl<F: RailFabric> Core<F> {
             handshakes: HashMap::new(),
             passive: HashMap::new(),
             orphans: HashMap::new(),
+            redialed: HashMap::new(),
             waiting: Vec::new(),
             warnings: RateLimiter::new(warn.window, warn.burst),
             actions: VecDeque::new(),
@@ -549,14 +553,25 @@ impl<F: RailFabric> Core<F> {
         if sabotage::is_off(Protection::Liveness) {
             return;
         }
+        self.redial_live_peers(now);
         let mut quiet = Vec::new();
         let mut silent = Vec::new();
         for (&id, conn) in &self.conns {
-            let Some(peer) = conn.peer else { continue };
             let heard = now.duration_since(conn.last_heard);
+            // A dialed connection to a listener this side has endpoints to must say Hello
+            // within the same bound (a stopped process's kernel still accepts the connect).
+            let peer = match conn.peer {
+                Some(peer) => peer,
+                None if conn.dialed => match self.listeners.get(&conn.addr) {
+                    Some(&listener) => listener,
+                    None => continue,
+                },
+                None => continue,
+            };
             if heard >= self.policy.liveness_timeout {
                 silent.push((id, peer, conn.addr, conn.dialed, heard));
-            } else if heard >= self.policy.keepalive_interval
+            } else if conn.peer.is_some()
+                && heard >= self.policy.keepalive_interval
                 && conn
                     .last_ping
                     .is_none_or(|at| now.duration_since(at) >= self.policy.keepalive_interval)
@@ -572,28 +587,68 @@ impl<F: RailFabric> Core<F> {
             self.send(id, Message::Ping { nonce });
         }
         for (id, peer, addr, dialed, heard) in silent {
-            self.shared.record_detection(heard);
-            let name = self.peer_name(peer);
-            self.warn(
-                WarningKind::Retire,
-                format!(
-                    "{name} ({peer}) at {addr} said nothing for {heard:?}: unreachable; failing \
-                     its work fast"
-                ),
-                now,
-            );
             if dialed {
                 let endpoints: Vec<(u16, EndpointId)> = self
                     .active
                     .iter()
-                    .filter(|(_, a)| a.addr == addr && a.machine.key().peer == peer)
+                    .filter(|(_, a)| {
+                        a.addr == addr
+                            && a.machine.key().peer == peer
+                            && a.machine.phase() != Phase::Retired
+                    })
                     .map(|(&key, _)| key)
                     .collect();
+                if !endpoints.is_empty() {
+                    self.shared.record_detection(heard);
+                    let name = self.peer_name(peer);
+                    self.warn(
+                        WarningKind::Retire,
+                        format!(
+                            "{name} ({peer}) at {addr} said nothing for {heard:?}: unreachable; \
+                             failing its work fast"
+                        ),
+                        now,
+                    );
+                }
                 for (rail, endpoint) in endpoints {
                     self.handle_input(rail, endpoint, Input::PeerUnreachable, now);
                 }
             }
             self.closed(id, "no answer within the liveness timeout", now);
+        }
+    }
+
+    /// Dials again the listeners of peers with endpoints that carry traffic (ready, or
+    /// backing off) but no control connection — it closed under them (a stall of either
+    /// side, a refusal): without one, nothing would notice the peer stop. An endpoint whose
+    /// circuit is open dials when its cooldown ends.
+    fn redial_live_peers(&mut self, now: Instant) {
+        let interval = self.policy.keepalive_interval;
+        let orphaned: HashSet<SocketAddr> = self
+            .active
+            .values()
+            .filter(|a| matches!(a.machine.phase(), Phase::Ready | Phase::Backoff))
+            .map(|a| a.addr)
+            .filter(|addr| !self.dialed.contains_key(addr))
+            .filter(|addr| {
+                self.redialed
+                    .get(addr)
+                    .is_none_or(|&at| now.duration_since(at) >= interval)
+            })
+            .collect();
+        self.redialed
+            .retain(|_, at| now.duration_since(*at) < interval);
+        for addr in orphaned {
+            self.redialed.insert(addr, now);
+            self.conn_to(addr, now);
+        }
+    }
+
+    /// The driver read bytes from `conn`: the peer is alive even if its frame is not whole
+    /// yet (a large descriptor on a slow link).
+    pub(crate) fn heard(&mut self, conn: ConnId, now: Instant) {
+        if let Some(state) = self.conns.get_mut(&conn) {
+            state.last_heard = now;
         }
     }
 
@@ -821,7 +876,7 @@ impl<F: RailFabric> Core<F> {
         link: &PeerLink,
         conn: ConnId,
     ) -> Result<QpSide, String> {
-        if key.target != self.me.incarnation && !sabotage::is_off(Protection::IncarnationCheck) {
+        if key.target != self.me.incarnation {
             bump(&self.shared.counters.refused);
             return Err(format!(
                 "the queue pair is meant for incarnation {}, this process is {}",
@@ -1531,7 +1586,6 @@ impl<F: RailFabric> Core<F> {
                     );
                 }
                 Output::Unreachable => {
-                    bump(&self.shared.counters.circuit_openings);
                     self.actions.push_back(Action::Command {
                         rail,
                         command: Command::Unreachable { endpoint: id },

@@ -1259,3 +1259,82 @@ fn a_stopped_peer_is_unreachable_within_the_liveness_timeout() {
         "the dead connection is closed, never reused"
     );
 }
+
+/// Steps time by 10 ms until `view`'s circuit opens (bounded); how long it took.
+fn until_circuit_opens(net: &mut Net, view: &EndpointView, within: Duration) -> Option<Duration> {
+    let started = net.now;
+    while net.now < started + within {
+        net.advance(Duration::from_millis(10));
+        net.settle();
+        if view.phase() == Phase::CircuitOpen {
+            return Some(net.now - started);
+        }
+    }
+    None
+}
+
+#[test]
+fn liveness_outlives_the_control_connection_closing_under_a_ready_endpoint() {
+    let mut net = Net::new();
+    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, lively());
+    let prefill = net.spawn_with("prefill", addr(2, 7000), 20, 1, lively());
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let view = ready(&answer);
+    // The target gives up on the connection (say, the initiator stalled past the timeout).
+    let accepted = net
+        .links
+        .keys()
+        .find(|(proc, _)| *proc == target)
+        .map(|&(_, conn)| conn)
+        .expect("the target's side");
+    let now = net.now;
+    net.procs[target].core.closed(accepted, "stalled", now);
+    net.run_for(Duration::from_millis(500), Duration::from_millis(10));
+    assert_eq!(net.links.len(), 2, "the initiator dialed again");
+    assert_eq!(view.phase(), Phase::Ready);
+    // Now the target stops: still noticed.
+    net.stop(target);
+    let took = until_circuit_opens(&mut net, &view, Duration::from_secs(5));
+    assert!(
+        took.is_some_and(|took| took <= Duration::from_millis(1510)),
+        "{took:?}"
+    );
+}
+
+#[test]
+fn a_lease_lost_before_liveness_fires_still_flushes_posted_work() {
+    let mut net = Net::new();
+    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, lively());
+    let prefill = net.spawn_with("prefill", addr(2, 7000), 20, 1, lively());
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let view = ready(&answer);
+    net.stop(target);
+    let now = net.now;
+    let gone = PeerChange::Gone {
+        incarnation: Incarnation(11),
+    };
+    net.procs[prefill].core.peer_changed(NAME, gone, now);
+    net.settle();
+    assert_eq!(view.phase(), Phase::CircuitOpen);
+    let took_down = |net: &Net| {
+        net.procs[prefill].commands.iter().any(|(_, command)| {
+            matches!(command, Command::Unreachable { endpoint } if *endpoint == view.id)
+        })
+    };
+    assert!(
+        !took_down(&net),
+        "a lost lease alone leaves the queue pair up"
+    );
+    net.run_for(Duration::from_millis(1600), Duration::from_millis(10));
+    assert!(
+        took_down(&net),
+        "liveness took the queue pair down all the same"
+    );
+    assert_eq!(
+        net.stats(prefill).circuit_openings,
+        1,
+        "one opening, not two"
+    );
+}

@@ -19,9 +19,9 @@ pub struct Policy {
     /// The window flaps are counted in.
     pub flap_window: Duration,
     /// Work-request errors (the slice's fault: a bad key, length or range) within
-    /// [`Self::work_request_window`] that replace the queue pair at once; more back off and
-    /// count as flaps, like transport errors, so persistently bad slices cannot replace
-    /// queue pairs back to back. Default 2.
+    /// [`Self::work_request_window`] that replace the queue pair at once; more back off
+    /// (up to the window; no flap, so the circuit stays closed for the good slices), so
+    /// persistently bad slices cannot replace queue pairs back to back. Default 2.
     pub free_work_request_errors: u32,
     /// See [`Self::free_work_request_errors`]. Default 1 s.
     pub work_request_window: Duration,

@@ -9,9 +9,6 @@ pub enum Protection {
     /// The poller's epoch rule: a slice older than its endpoint's queue pair is posted as it
     /// is instead of re-prepared (stale addresses and keys reach the fabric).
     EpochCheck,
-    /// The target's check that a ConnectQp names its own incarnation (a process that took
-    /// over a port accepts queue pairs meant for its predecessor).
-    IncarnationCheck,
     /// Idempotent ConnectQp replies: a repeated request replaces the passive queue pair.
     IdempotentReplies,
     /// Liveness: silent control connections are never declared unreachable.
@@ -24,7 +21,7 @@ mod switches {
 
     use super::Protection;
 
-    static OFF: [AtomicBool; 4] = [const { AtomicBool::new(false) }; 4];
+    static OFF: [AtomicBool; 3] = [const { AtomicBool::new(false) }; 3];
 
     fn switch(protection: Protection) -> &'static AtomicBool {
         &OFF[protection as usize]

@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -83,6 +84,11 @@ pub struct SoakReport {
     pub bytes_verified: u64,
     /// Blocks read back that were not what was written there.
     pub mismatched_blocks: u64,
+    /// Blocks found at the end in a target's memory that were meant for another target, or
+    /// for an earlier process on its port (checked through a fresh peer, after the run).
+    pub misdirected_blocks: u64,
+    /// Requests to a stopped target that failed by their deadline instead of fast.
+    pub timeouts_while_stopped: u64,
     /// Targets killed, each replaced by a newcomer on its port.
     pub kills: u64,
     /// Of those newcomers, the ones under the dead target's name.
@@ -99,7 +105,9 @@ pub struct SoakReport {
     pub detection_ms_p99: u64,
     /// The same, longest.
     pub detection_ms_max: u64,
-    /// Stops after which nothing failed fast within the bound.
+    /// Stops of a target whose peer was carrying traffic (the ones timed).
+    pub timed_stops: u64,
+    /// Timed stops after which nothing failed fast while stopped.
     pub undetected_stops: u64,
     /// This process's resident memory after warm-up, KiB.
     pub rss_kib_start: u64,
@@ -122,6 +130,18 @@ impl SoakReport {
             broken.push(format!(
                 "{} request(s) resolved past their deadline + {SLACK:?}",
                 self.late
+            ));
+        }
+        if self.misdirected_blocks > 0 {
+            broken.push(format!(
+                "{} block(s) landed in a process they were not meant for",
+                self.misdirected_blocks
+            ));
+        }
+        if self.timeouts_while_stopped > 0 {
+            broken.push(format!(
+                "{} request(s) to a stopped target waited for their deadline",
+                self.timeouts_while_stopped
             ));
         }
         if self.mismatched_blocks > 0 {
@@ -164,33 +184,65 @@ struct Target {
 
 impl Target {
     fn start(binary: &Path, name: &str, listen: SocketAddr, generation: u8) -> Result<Self> {
-        let mut child = Command::new(binary)
+        let mut command = Command::new(binary);
+        command
             .args(["serve", "--until-stdin-closes", "--rails", "1"])
             .args(["--pool", POOL, "--name", name])
             .args(["--listen", &listen.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: the closure runs in the child between fork and exec and calls only
+        // prctl(2), which is async-signal-safe; it touches no memory of the parent.
+        unsafe {
+            command.pre_exec(|| {
+                // Dies with the soak, even stopped: no orphan keeps a port or its memory.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = command
             .spawn()
             .with_context(|| format!("starting {}", binary.display()))?;
-        let stdin = child.stdin.take().context("piped stdin")?;
-        let stdout = child.stdout.take().context("piped stdout")?;
-        let mut lines = BufReader::new(stdout).lines();
-        let first = lines
-            .next()
-            .context("serve printed nothing")?
-            .context("reading serve's first line")?;
-        // Drain the rest so the child never blocks on a full pipe.
-        std::thread::spawn(move || lines.for_each(drop));
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("serve's pipes were not set up");
+        };
+        let (first_line, first) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            let _ = first_line.send(lines.next());
+            // Drain the rest so the child never blocks on a full pipe.
+            lines.for_each(drop);
+        });
+        let first = match first.recv_timeout(Duration::from_secs(10)) {
+            Ok(Some(Ok(line))) => line,
+            outcome => {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("serve did not say where it listens: {outcome:?}");
+            }
+        };
         // listening ADDR incarnation INC pool 0xBASE LEN
         let words: Vec<&str> = first.split_whitespace().collect();
-        let (Some(addr), Some(base)) = (words.get(1), words.get(5)) else {
+        let parsed = match (words.get(1), words.get(5)) {
+            (Some(addr), Some(base)) => addr
+                .parse::<SocketAddr>()
+                .ok()
+                .zip(u64::from_str_radix(base.trim_start_matches("0x"), 16).ok()),
+            _ => None,
+        };
+        let Some((addr, pool_base)) = parsed else {
+            let _ = child.kill();
+            let _ = child.wait();
             bail!("unexpected first line from serve: {first:?}");
         };
         Ok(Self {
-            addr: addr.parse().context("serve's address")?,
-            pool_base: u64::from_str_radix(base.trim_start_matches("0x"), 16)
-                .context("serve's pool address")?,
+            addr,
+            pool_base,
             child,
             _stdin: stdin,
             generation,
@@ -205,6 +257,10 @@ impl Target {
 
 impl Drop for Target {
     fn drop(&mut self) {
+        // Waited for already (killed): its pid may belong to another process by now.
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
         self.signal(libc::SIGCONT);
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -230,6 +286,7 @@ struct Tally {
     late: AtomicU64,
     bytes_verified: AtomicU64,
     mismatched_blocks: AtomicU64,
+    timeouts_while_stopped: AtomicU64,
     reopens: AtomicU64,
     failures: Mutex<BTreeMap<String, u64>>,
     detections: Mutex<Vec<u64>>,
@@ -255,14 +312,69 @@ fn footprint() -> (u64, u64) {
     (rss, fds)
 }
 
-/// The pattern of a block: it names the target, its generation, the writer and the round,
-/// so a block that landed anywhere else, or stale, does not compare equal.
+/// The pattern of a block: its first 8 bytes are `tag` — which names the target, its
+/// generation, the writer and the round — and the rest follows from it, so a block that
+/// landed anywhere else, or stale, does not compare equal and says where it was meant to go.
 fn fill(bytes: &mut [u8], tag: u64) {
     let mut rng = SplitMix64::new(tag);
     for chunk in bytes.chunks_mut(8) {
         let word = rng.next_u64().to_le_bytes();
         chunk.copy_from_slice(&word[..chunk.len()]);
     }
+    bytes[..8].copy_from_slice(&tag.to_le_bytes());
+}
+
+/// A block tag: target index, the generation of the process on its port, writer, round.
+fn tag(index: usize, generation: u8, worker: usize, round: u64) -> u64 {
+    (index as u64) << 56 | u64::from(generation) << 48 | (worker as u64) << 40 | round
+}
+
+/// After the run: reads every target's written slots through a fresh peer and counts the
+/// blocks tagged for another target or another generation (a process that had the port).
+fn misdirected(engine: &Engine, slots: &[RwLock<Slot>]) -> u64 {
+    let len = WORKERS as u64 * SLOTS * BLOCK;
+    let Ok(back) = engine.alloc(len, None) else {
+        return 0;
+    };
+    let Ok(mut submitter) = engine.submitter() else {
+        return 0;
+    };
+    let mut wrong = 0;
+    for (index, slot) in slots.iter().enumerate() {
+        let (addr, base, generation) = {
+            let slot = slot.read().unwrap_or_else(PoisonError::into_inner);
+            (slot.addr, slot.pool_base, slot.generation)
+        };
+        let Ok(peer) = engine.open(&addr.to_string()) else {
+            continue;
+        };
+        let read = Transfer {
+            op: Op::Read,
+            local: back,
+            local_offset: 0,
+            remote_addr: base,
+            len,
+        };
+        let Ok(batch) = submitter.submit(&peer, &[read]) else {
+            continue;
+        };
+        batch.wait(Instant::now() + DEFAULT_DEADLINE + SLACK);
+        if batch.outcomes() != vec![Some(RequestOutcome::Done)] {
+            continue;
+        }
+        // SAFETY: the read has resolved; nothing else uses `back`.
+        let bytes = unsafe { region_bytes(back) };
+        for block in bytes.chunks(BLOCK as usize) {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&block[..8]);
+            let found = u64::from_le_bytes(word);
+            let meant = tag(index, generation, 0, 0) & !((1 << 48) - 1);
+            if found != 0 && found & !((1 << 48) - 1) != meant {
+                wrong += 1;
+            }
+        }
+    }
+    wrong
 }
 
 /// Runs the soak.
@@ -335,6 +447,8 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
     report.late = tally.late.load(Ordering::Relaxed);
     report.bytes_verified = tally.bytes_verified.load(Ordering::Relaxed);
     report.mismatched_blocks = tally.mismatched_blocks.load(Ordering::Relaxed);
+    report.timeouts_while_stopped = tally.timeouts_while_stopped.load(Ordering::Relaxed);
+    report.misdirected_blocks = misdirected(&engine, &slots);
     report.reopens = tally.reopens.load(Ordering::Relaxed);
     report.failures = tally
         .failures
@@ -356,7 +470,7 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
     report.detection_ms_p50 = at(0.5);
     report.detection_ms_p99 = at(0.99);
     report.detection_ms_max = detections.last().copied().unwrap_or(0);
-    report.undetected_stops = report.stops.saturating_sub(detections.len() as u64);
+    report.undetected_stops = report.timed_stops.saturating_sub(detections.len() as u64);
     Ok(report)
 }
 
@@ -403,8 +517,17 @@ fn inject(
                 report.same_name_takeovers += u64::from(same_name);
             }
             1 => {
-                // Stopped without a reset, then let go.
-                write(&slots[index]).stopped_at = Some(Instant::now());
+                // Stopped without a reset, then let go. Timed only when its peer was carrying
+                // traffic: a circuit open already would fail fast for another reason.
+                {
+                    let mut slot = write(&slots[index]);
+                    let carrying = slot
+                        .peer
+                        .as_ref()
+                        .is_some_and(|peer| !peer.is_unavailable());
+                    slot.stopped_at = carrying.then(Instant::now);
+                    report.timed_stops += u64::from(carrying);
+                }
                 targets[index].signal(libc::SIGSTOP);
                 std::thread::sleep(Duration::from_secs(3));
                 targets[index].signal(libc::SIGCONT);
@@ -468,7 +591,7 @@ fn work(
             len: BLOCK,
         };
         let Some(written) = transfer(&mut submitter, &peer, write, &slots[index], tally) else {
-            continue;
+            return; // lost: a violation; its buffers are not safe to reuse
         };
         if !written {
             continue;
@@ -478,7 +601,11 @@ fn work(
             local: back,
             ..write
         };
-        if transfer(&mut submitter, &peer, read, &slots[index], tally) == Some(true) {
+        let read = transfer(&mut submitter, &peer, read, &slots[index], tally);
+        if read.is_none() {
+            return; // lost, as above
+        }
+        if read == Some(true) {
             // SAFETY: both regions are this worker's own; no transfer of them is in flight.
             let same = unsafe { region_bytes(back) == region_bytes(source) };
             if same {
@@ -514,8 +641,16 @@ fn peer_of(engine: &Engine, slot: &RwLock<Slot>, tally: &Tally) -> Option<(Peer,
     Some((opened, slot.pool_base, slot.generation))
 }
 
-/// Submits one transfer and waits for it: `Some(true)` done, `Some(false)` failed, `None`
-/// not submitted. Counts everything, and a stopped target's first fast failure.
+fn slot_stopped(slot: &RwLock<Slot>) -> bool {
+    slot.read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .stopped_at
+        .is_some()
+}
+
+/// Submits one transfer and waits for it: `Some(true)` done, `Some(false)` failed or
+/// refused, `None` lost (unresolved past its deadline and the slack). Counts everything,
+/// and a stopped target's first fast failure.
 fn transfer(
     submitter: &mut crate::engine::EngineSubmitter,
     peer: &Peer,
@@ -524,13 +659,16 @@ fn transfer(
     tally: &Tally,
 ) -> Option<bool> {
     let submitted = Instant::now();
-    let batch = submitter.submit(peer, &[transfer]).ok()?;
+    let Ok(batch) = submitter.submit(peer, &[transfer]) else {
+        return Some(false);
+    };
     count(&tally.requests);
     let bound = submitted + DEFAULT_DEADLINE + SLACK;
     let status = batch.wait(bound);
     if !status.is_complete() {
         count(&tally.lost);
-        return Some(false);
+        // The fabric may still read the source: the worker must not touch it again.
+        return None;
     }
     if Instant::now() > bound {
         count(&tally.late);
@@ -547,6 +685,9 @@ fn transfer(
                 .unwrap_or_else(PoisonError::into_inner)
                 .entry(reason.to_string())
                 .or_default() += 1;
+            if reason == FailReason::Timeout && slot_stopped(slot) {
+                count(&tally.timeouts_while_stopped);
+            }
             if reason == FailReason::PeerUnavailable {
                 let mut slot = slot.write().unwrap_or_else(PoisonError::into_inner);
                 if let Some(stopped) = slot.stopped_at.take() {
