@@ -1217,11 +1217,33 @@ impl<F: RailFabric> Core<F> {
     }
 
     /// The directory lost `incarnation`'s lease and nothing replaced it: its endpoints fail
-    /// new work fast (their circuits open) without waiting for a transport timeout. Nothing
-    /// is forgotten: a healthy process that lost its lease claims its name again, and then
+    /// new work fast (their circuits open) without waiting for a transport timeout — unless
+    /// its control connection is alive, which says more than the directory. Nothing is
+    /// forgotten: a healthy process that lost its lease claims its name again, and then
     /// [`PeerChange::Returned`] tries its endpoints at once.
     fn peer_gone(&mut self, name: &str, incarnation: Incarnation, now: Instant) {
-        let gone = self.endpoints_of(incarnation);
+        // A peer this side heard from within the liveness timeout is alive whatever etcd
+        // says (it lost etcd, not its peers): transfers never depend on the directory, and
+        // liveness fails its work fast if it does stop.
+        let alive: HashSet<SocketAddr> = self
+            .conns
+            .values()
+            .filter(|conn| {
+                conn.dialed
+                    && conn.peer == Some(incarnation)
+                    && now.duration_since(conn.last_heard) < self.policy.liveness_timeout
+            })
+            .map(|conn| conn.addr)
+            .collect();
+        let gone: Vec<(u16, EndpointId)> = self
+            .endpoints_of(incarnation)
+            .into_iter()
+            .filter(|key| {
+                self.active
+                    .get(key)
+                    .is_some_and(|active| !alive.contains(&active.addr))
+            })
+            .collect();
         if !gone.is_empty() {
             self.warn(
                 WarningKind::Circuit,
