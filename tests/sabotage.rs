@@ -26,7 +26,12 @@ fn violations_without(
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
     let _off = sabotage::turn_off(protection);
-    let outcome = chaos::run(scenario, 5).expect("the scenario runs");
+    let outcome = chaos::run(
+        scenario,
+        5,
+        std::path::Path::new(env!("CARGO_BIN_EXE_railyard")),
+    )
+    .expect("the scenario runs");
     (outcome.violations, outcome.counts)
 }
 

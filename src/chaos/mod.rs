@@ -1,20 +1,21 @@
 //! Reproductions of the four production failures of DESIGN.md §1, on the soft fabric with
 //! fault plans: each scenario runs whole nodes (rails, pollers, control planes) in this
-//! process, injects its failure deterministically from a seed, and reports what happened
-//! as counts. `railyard chaos <scenario>` prints them; the integration tests assert them.
+//! process — `dead-replica` its targets as `railyard serve` processes — injects its failure
+//! deterministically from a seed, and reports what happened as counts. `railyard chaos <scenario>` prints them; the integration tests assert them.
 //!
 //! | scenario | what it does | what must hold |
 //! |---|---|---|
 //! | [`storm`] `reconnect-storm` | a LOC_LEN_ERR with stale keys waiting behind it | no stale post, ≤ 1 reconnect, nothing lost |
 //! | [`race`] `teardown-race` | full-rate submitters while endpoints are retired and queue pairs fail thousands of times | no crash, nothing lost or resolved twice, no stale post |
 //! | [`churn`] `handshake-churn` | one peer repeats its handshake; two peers on one host | no teardown, no reconnect, bounded warnings |
-//! | [`replica`] `dead-replica` | one of four peers dies; a new process takes its port | live peers keep ≥ 80 % throughput, the dead one fails fast, nothing reaches the newcomer |
+//! | [`replica`] `dead-replica` | four `railyard serve` processes; one is killed, one stopped (no reset); newcomers take their ports | live peers keep ≥ 80 % throughput, the killed one fails fast, the stopped one within 2.5 s, nothing reaches a newcomer |
 //!
 //! [`soak`] (`railyard chaos soak --duration D`) runs target processes under a seeded mix of
 //! kills with port takeovers, stops and queue-pair errors for a whole duration.
 
 pub mod churn;
 pub mod node;
+mod process;
 pub mod race;
 pub mod replica;
 pub mod soak;
@@ -77,11 +78,12 @@ pub struct Outcome {
     pub violations: Vec<String>,
 }
 
-/// Runs `scenario` with `seed`.
+/// Runs `scenario` with `seed`; `binary` is the `railyard` executable whose `serve` runs
+/// the target processes of the scenarios that need real ones (`dead-replica`).
 ///
 /// # Errors
 /// When the scenario could not run at all (a node did not start, a peer never connected).
-pub fn run(scenario: Scenario, seed: u64) -> anyhow::Result<Outcome> {
+pub fn run(scenario: Scenario, seed: u64, binary: &std::path::Path) -> anyhow::Result<Outcome> {
     fn outcome<R: serde::Serialize>(
         report: &R,
         violations: Vec<String>,
@@ -105,7 +107,7 @@ pub fn run(scenario: Scenario, seed: u64) -> anyhow::Result<Outcome> {
             outcome(&report, report.violations())
         }
         Scenario::DeadReplica => {
-            let report = replica::run(seed)?;
+            let report = replica::run(seed, binary)?;
             outcome(&report, report.violations())
         }
     }

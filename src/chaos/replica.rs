@@ -1,31 +1,37 @@
-//! `dead-replica`: one dead peer must not degrade the others, must fail fast, and a new
-//! process on its port must never receive what was meant for the dead one.
+//! `dead-replica`: one dead peer must not degrade the others, must fail fast — whether it
+//! dies with a reset or just stops answering — and a new process on its port must never
+//! receive what was meant for the dead one.
 //!
-//! One initiator writes to four targets, one submitter thread each, batches of 64 KiB
-//! slices with the default 5 s deadline. Mid-run target 3 dies: its control plane and
-//! pollers stop, its listener closes, and the fault plan kills the link to it (in one
-//! process nothing else would stop bytes from arriving). Its endpoint's queue pair fails
-//! (RETRY_EXC_ERR), reconnects are refused, the flaps open its circuit and its requests
-//! fail with `PeerUnavailable`. Then a new process with a new incarnation takes the port and
-//! registers memory of its own; when the endpoint's cooldown ends it dials the newcomer,
-//! which refuses the queue pair meant for its predecessor, and the endpoint is retired with
-//! `PeerRestarted` (a fresh endpoint to the newcomer takes its place; nothing submitted for
-//! the old process can use it). Elsewhere every client kept sending to the dead endpoint, transfers hung
-//! for 60 s, and a process that reused the port was taken for the dead one.
+//! Four `railyard serve` target processes; an initiator engine in this process writes to
+//! each from a submitter thread of its own (batches of four 64 KiB writes from a
+//! pattern-filled source, the default 5 s deadline).
+//! - Phase 1: target 3 is killed (SIGKILL: its sockets reset). Requests to it must fail
+//!   within the deadline, the batches in flight at the kill must all resolve, and the three
+//!   live peers keep at least 80 % of their throughput. A newcomer under *another* name
+//!   takes its port.
+//! - Phase 2: target 2 is stopped (SIGSTOP: no reset, its memory still writable — only
+//!   liveness can tell). Its requests must fail fast (`PeerUnavailable`) within 2.5 s. Then
+//!   it is killed and a newcomer under the *same* name takes its port.
+//!
+//! At the end each newcomer's memory is read through a fresh peer: nothing is written to a
+//! newcomer on purpose, so any non-zero byte there was meant for its predecessor.
+//! Elsewhere every client kept sending to the dead endpoint, transfers hung for 60 s, and a
+//! process that reused the port was taken for the dead one.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::num::NonZeroUsize;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
-use railyard_control::{EndpointView, Policy};
-use railyard_dataplane::fabric::soft::{Fault, QpMatch};
-use railyard_dataplane::{FailReason, PollerHandle, RequestOutcome, SliceSpec, Submitter};
+use anyhow::{Context, Result};
+use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
 use serde::Serialize;
 
-use super::node::Node;
-use super::{BOUND, any_port, write_slice};
+use super::process::Target;
+use super::{BOUND, any_port, fill_pattern};
+use crate::engine::{Engine, EngineSubmitter, Op, Peer, RailChoice, Region, Transfer};
 
 /// What happened.
 #[derive(Debug, Serialize)]
@@ -36,26 +42,30 @@ pub struct ReplicaReport {
     pub live_throughput_ratio: f64,
     /// The lowest of the three live peers' own ratios.
     pub min_live_peer_ratio: f64,
-    /// Longest a request to the dead peer took to fail after the kill, in ms.
+    /// Longest a request to the killed peer took to resolve after the kill, in ms.
     pub dead_peer_max_fail_ms: u64,
     /// The batch deadline, in ms.
     pub deadline_ms: u64,
-    /// Requests to the dead peer that failed with `PeerUnavailable`.
+    /// Requests to the killed peer that failed with `PeerUnavailable`.
     pub dead_peer_unavailable: u64,
-    /// Requests to the dead peer that failed with `PeerRestarted`.
+    /// Requests to the killed peer that failed with `PeerRestarted`.
     pub dead_peer_restarted: u64,
-    /// Requests to the dead peer that failed otherwise.
+    /// Requests to the killed peer that failed otherwise.
     pub dead_peer_other_failures: u64,
-    /// Whether the newcomer is a new incarnation.
+    /// Batches in flight (submitted, unresolved) when a target was killed or stopped.
+    pub in_flight_at_failure: u64,
+    /// Of those, the ones that resolved later than their deadline plus a second.
+    pub in_flight_late: u64,
+    /// From SIGSTOP of target 2 to its first request failing fast, in ms (0: never).
+    pub stopped_peer_detection_ms: u64,
+    /// Whether both newcomers are new incarnations (compared with what their predecessors
+    /// printed).
     pub newcomer_is_new_incarnation: bool,
-    /// Bytes of the newcomer's memory written by transfers meant for the dead process.
+    /// Non-zero bytes found in the newcomers' memory: meant for their predecessors.
     pub misdirected: u64,
-    /// Queue pairs the newcomer accepted: the initiator's fresh endpoints to the new
-    /// incarnation, which carry nothing meant for the old one.
-    pub newcomer_endpoints: u64,
-    /// Queue-pair requests the newcomer refused (meant for its predecessor).
-    pub newcomer_refused: u64,
-    /// Times the initiator's circuit to the dead peer opened.
+    /// Whether the newcomers' memory could be read (through a fresh peer each).
+    pub newcomers_checked: bool,
+    /// Circuits the initiator opened.
     pub circuit_openings: u64,
 }
 
@@ -75,11 +85,28 @@ impl ReplicaReport {
                 self.dead_peer_max_fail_ms, self.deadline_ms
             ));
         }
-        if self.dead_peer_unavailable == 0 {
-            broken.push("no request to the dead peer failed with PeerUnavailable".into());
+        if self.dead_peer_unavailable + self.dead_peer_restarted == 0 {
+            broken.push("no request to the dead peer failed fast".into());
+        }
+        if self.in_flight_late > 0 {
+            broken.push(format!(
+                "{} batch(es) in flight at a failure resolved past their deadline",
+                self.in_flight_late
+            ));
+        }
+        if self.stopped_peer_detection_ms == 0
+            || self.stopped_peer_detection_ms > DETECTION_BOUND.as_millis() as u64
+        {
+            broken.push(format!(
+                "the stopped peer failed fast after {} ms (bound {DETECTION_BOUND:?}; 0: never)",
+                self.stopped_peer_detection_ms
+            ));
         }
         if !self.newcomer_is_new_incarnation {
-            broken.push("the newcomer was taken for the dead process".into());
+            broken.push("a newcomer was taken for the dead process".into());
+        }
+        if !self.newcomers_checked {
+            broken.push("the newcomers' memory could not be read".into());
         }
         if self.misdirected != 0 {
             broken.push(format!("misdirected = {} (must be 0)", self.misdirected));
@@ -89,25 +116,30 @@ impl ReplicaReport {
 }
 
 const PEERS: usize = 4;
-const DEAD: usize = 3;
-const SLICE_LEN: usize = 64 * 1024;
-const SLICES_PER_BATCH: u32 = 8;
-const DEADLINE: Duration = railyard_dataplane::DEFAULT_DEADLINE;
+/// Killed in phase 1.
+const KILLED: usize = 3;
+/// Stopped in phase 2.
+const STOPPED: usize = 2;
+const BLOCK: u64 = 64 * 1024;
+const BLOCKS_PER_BATCH: u64 = 4;
 const WINDOW: Duration = Duration::from_millis(500);
+/// How soon a stopped target's requests must fail fast.
+const DETECTION_BOUND: Duration = Duration::from_millis(2500);
 
-/// Completed bytes of one peer's submitter, with when they completed.
+/// One peer's submitter's log.
 #[derive(Default)]
 struct PeerLog {
+    /// (when, bytes done) per batch.
     completions: Mutex<Vec<(Instant, u64)>>,
-    /// After the kill: (how long the batch took, outcome of its first request).
-    failures: Mutex<Vec<(Duration, RequestOutcome)>>,
+    /// Per batch: (submitted, resolved, outcome of its first failed request).
+    failures: Mutex<Vec<(Instant, Instant, RequestOutcome)>>,
+    /// Per batch: (submitted, resolved).
+    batches: Mutex<Vec<(Instant, Instant)>>,
 }
 
 impl PeerLog {
     fn bytes_between(&self, from: Instant, to: Instant) -> u64 {
-        self.completions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        lock(&self.completions)
             .iter()
             .filter(|(at, _)| *at >= from && *at < to)
             .map(|(_, bytes)| bytes)
@@ -115,72 +147,51 @@ impl PeerLog {
     }
 }
 
-struct Peer<'a> {
-    poller: &'a PollerHandle,
-    view: Arc<EndpointView>,
-    source: railyard_dataplane::fabric::MemoryRegion,
-    target_base: u64,
-    log: &'a PeerLog,
-    killed_at: &'a Mutex<Option<Instant>>,
-    stop: &'a AtomicBool,
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn submit_loop(peer: &Peer<'_>) -> Result<()> {
-    let mut submitter = Submitter::new(&[peer.poller], 256)?;
-    let descriptor = peer.view.descriptor().context("descriptor")?;
-    let rkey = descriptor
-        .rkey_for(peer.target_base, SLICE_LEN as u64, 0)
-        .context("target region")?;
-    while !peer.stop.load(Ordering::Relaxed) {
-        let epoch = peer
-            .view
-            .epoch()
-            .unwrap_or(railyard_dataplane::Epoch::FIRST);
-        let specs: Vec<SliceSpec> = (0..SLICES_PER_BATCH)
-            .map(|i| {
-                let offset = u64::from(i) * SLICE_LEN as u64;
-                write_slice(
-                    &peer.view,
-                    epoch,
-                    i,
-                    (peer.source, offset),
-                    (peer.target_base + offset, rkey),
-                    SLICE_LEN,
-                )
-            })
-            .collect();
+fn submit_loop(
+    engine: &Engine,
+    peer: &Peer,
+    base: u64,
+    source: Region,
+    log: &PeerLog,
+    stop: &AtomicBool,
+) -> Result<()> {
+    let mut submitter = engine.submitter()?;
+    let writes: Vec<Transfer> = (0..BLOCKS_PER_BATCH)
+        .map(|i| Transfer {
+            op: Op::Write,
+            local: source,
+            local_offset: i * BLOCK,
+            remote_addr: base + i * BLOCK,
+            len: BLOCK,
+        })
+        .collect();
+    while !stop.load(Ordering::Relaxed) {
         let submitted = Instant::now();
-        let batch = submitter.submit(SLICES_PER_BATCH as usize, &specs, submitted + DEADLINE)?;
-        batch.wait(submitted + DEADLINE + Duration::from_secs(1));
-        let now = Instant::now();
+        let Ok(batch) = submitter.submit(peer, &writes) else {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        };
+        batch.wait(submitted + DEFAULT_DEADLINE + BOUND);
+        let resolved = Instant::now();
         let outcomes = batch.outcomes();
         let done = outcomes
             .iter()
             .filter(|o| **o == Some(RequestOutcome::Done))
             .count() as u64;
-        peer.log
-            .completions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push((now, done * SLICE_LEN as u64));
-        let killed = *peer
-            .killed_at
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if done < u64::from(SLICES_PER_BATCH) {
-            if killed.is_some_and(|at| submitted >= at) {
-                let outcome = outcomes
-                    .iter()
-                    .flatten()
-                    .find(|o| **o != RequestOutcome::Done)
-                    .copied()
-                    .unwrap_or(RequestOutcome::Failed(FailReason::Timeout));
-                peer.log
-                    .failures
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push((now.duration_since(submitted), outcome));
-            }
+        lock(&log.completions).push((resolved, done * BLOCK));
+        lock(&log.batches).push((submitted, resolved));
+        if done < BLOCKS_PER_BATCH {
+            let outcome = outcomes
+                .iter()
+                .flatten()
+                .find(|o| **o != RequestOutcome::Done)
+                .copied()
+                .unwrap_or(RequestOutcome::Failed(FailReason::Timeout));
+            lock(&log.failures).push((submitted, resolved, outcome));
             // An application told "unavailable" routes elsewhere instead of spinning.
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -188,156 +199,199 @@ fn submit_loop(peer: &Peer<'_>) -> Result<()> {
     Ok(())
 }
 
-/// Runs the scenario.
+/// Batches of `log` in flight at `at`, and how many of them resolved past their deadline
+/// plus a second.
+fn in_flight_at(log: &PeerLog, at: Instant) -> (u64, u64) {
+    let batches = lock(&log.batches);
+    let spanning: Vec<_> = batches
+        .iter()
+        .filter(|(submitted, resolved)| *submitted < at && *resolved > at)
+        .collect();
+    let late = spanning
+        .iter()
+        .filter(|(submitted, resolved)| {
+            resolved.duration_since(*submitted) > DEFAULT_DEADLINE + Duration::from_secs(1)
+        })
+        .count();
+    (spanning.len() as u64, late as u64)
+}
+
+/// Reads a newcomer's first `len` bytes through a fresh peer; counts the non-zero ones.
+fn nonzero_bytes(engine: &Engine, newcomer: &Target, len: u64) -> Option<u64> {
+    let peer = engine.open(&newcomer.addr.to_string()).ok()?;
+    let back = engine.alloc(len, None).ok()?;
+    let mut submitter: EngineSubmitter = engine.submitter().ok()?;
+    let read = Transfer {
+        op: Op::Read,
+        local: back,
+        local_offset: 0,
+        remote_addr: newcomer.pool_base,
+        len,
+    };
+    let batch = submitter.submit(&peer, &[read]).ok()?;
+    batch.wait(Instant::now() + DEFAULT_DEADLINE + BOUND);
+    if batch.outcomes() != vec![Some(RequestOutcome::Done)] {
+        return None;
+    }
+    // SAFETY: the read has resolved; nothing else uses `back`.
+    let bytes = unsafe { std::slice::from_raw_parts(back.addr as *const u8, len as usize) };
+    Some(bytes.iter().filter(|&&b| b != 0).count() as u64)
+}
+
+/// Runs the scenario, with `binary`'s `serve` as the targets.
 ///
 /// # Errors
-/// When the nodes cannot start or connect.
-pub fn run(seed: u64) -> Result<ReplicaReport> {
-    let policy = Policy {
-        cooldown_min: Duration::from_millis(300),
-        ..Policy::default()
-    };
-    let mut targets = Vec::new();
-    for n in 0..PEERS {
-        let mut node = Node::start(
-            &format!("decode-{n}"),
-            1,
-            any_port(),
-            seed.wrapping_add(n as u64),
-            Policy::default(),
-            None,
-        )?;
-        node.alloc(SLICES_PER_BATCH as usize * SLICE_LEN)?;
-        targets.push(Some(node));
+/// When the targets or the initiator cannot start or connect.
+pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
+    let mut targets: Vec<Target> = (0..PEERS)
+        .map(|n| Target::start(binary, &format!("decode-{n}"), any_port(), 0))
+        .collect::<Result<_>>()?;
+    let engine = Engine::builder("prefill-0")
+        .rails(RailChoice::Count(NonZeroUsize::MIN))
+        .idle(IdleStrategy::gentle())
+        .build()
+        .context("starting the initiator")?;
+    let len = BLOCKS_PER_BATCH * BLOCK;
+    let mut sources = Vec::new();
+    let mut peers = Vec::new();
+    for (n, target) in targets.iter().enumerate() {
+        let source = engine.alloc(len, None)?;
+        // SAFETY: nothing transfers from it yet. Never zeros: a byte of it landing in a
+        // newcomer's (zeroed) memory must show.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(source.addr as *mut u8, len as usize) };
+        fill_pattern(bytes, seed ^ n as u64);
+        bytes
+            .iter_mut()
+            .filter(|b| **b == 0)
+            .for_each(|b| *b = 0xA5);
+        sources.push(source);
+        peers.push(
+            engine
+                .open(&target.addr.to_string())
+                .with_context(|| format!("opening target {n}"))?,
+        );
     }
-    let mut initiator = Node::start("prefill-0", 1, any_port(), seed, policy, None)?;
-    let source = initiator.alloc(SLICES_PER_BATCH as usize * SLICE_LEN)?;
-    // Never zeros: a byte of it landing in the newcomer's (zeroed) memory must show.
-    // SAFETY: nothing transfers from the source yet.
-    unsafe { initiator.regions[source].buffer.as_mut_slice() }.fill(0xA5);
-    let local = initiator.regions[source].regions[0];
-    let mut views = Vec::new();
-    let mut bases = Vec::new();
-    let dead_addr: SocketAddr = targets[DEAD].as_ref().context("target")?.addr();
-    let dead_incarnation = targets[DEAD]
-        .as_ref()
-        .context("target")?
-        .control
-        .incarnation();
-    for target in targets.iter().flatten() {
-        let view = initiator.control.connect(target.addr(), 0, 0)?;
-        if !view.wait_ready(Instant::now() + BOUND) {
-            bail!("{} never connected: {:?}", target.name, view.phase());
-        }
-        views.push(view);
-        bases.push(target.regions[0].buffer.region().addr);
-    }
-
     let logs: Vec<PeerLog> = (0..PEERS).map(|_| PeerLog::default()).collect();
-    let killed_at = Mutex::new(None);
     let stop = AtomicBool::new(false);
-    let newcomer_written = AtomicU64::new(0);
-    let mut newcomer_facts = (false, 0u64, 0u64);
-    std::thread::scope(|scope| -> Result<()> {
+    let mut newcomers = Vec::new();
+    let mut predecessors = Vec::new();
+    let (killed_at, stopped_at) = std::thread::scope(|scope| -> Result<(Instant, Instant)> {
         let threads: Vec<_> = (0..PEERS)
             .map(|n| {
-                let peer = Peer {
-                    poller: &initiator.pollers[0],
-                    view: views[n].clone(),
-                    source: local,
-                    target_base: bases[n],
-                    log: &logs[n],
-                    killed_at: &killed_at,
-                    stop: &stop,
-                };
-                scope.spawn(move || submit_loop(&peer))
+                let (engine, peer, log, stop) = (&engine, &peers[n], &logs[n], &stop);
+                let (base, source) = (targets[n].pool_base, sources[n]);
+                scope.spawn(move || submit_loop(engine, peer, base, source, log, stop))
             })
             .collect();
-        std::thread::sleep(Duration::from_millis(200) + WINDOW);
-        // Target 3 dies: the link to it goes dark, then the process.
-        initiator.faults(0).add(Fault::KillLink {
-            on: QpMatch::Endpoint(views[DEAD].id),
-        });
-        *killed_at.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
-        drop(targets[DEAD].take());
-        std::thread::sleep(Duration::from_millis(300));
-        // A new process takes the port.
-        let mut newcomer = Node::start(
-            "decode-3",
-            1,
-            dead_addr,
-            seed ^ 0xdead,
-            Policy::default(),
-            None,
-        )?;
-        newcomer.alloc(SLICES_PER_BATCH as usize * SLICE_LEN)?;
-        std::thread::sleep(WINDOW + Duration::from_millis(200));
+        let phases = (|| -> Result<(Instant, Instant)> {
+            std::thread::sleep(WINDOW + Duration::from_millis(200));
+            // Phase 1: killed, with a reset; another name takes the port.
+            targets[KILLED].signal(libc::SIGKILL);
+            let killed_at = Instant::now();
+            let _ = targets[KILLED].child.wait();
+            std::thread::sleep(WINDOW);
+            let addr: SocketAddr = targets[KILLED].addr;
+            predecessors.push(targets[KILLED].incarnation.clone());
+            newcomers.push(Target::start(binary, "decode-3-newcomer", addr, 1)?);
+            std::thread::sleep(Duration::from_millis(300));
+            // Phase 2: stopped, no reset: only liveness can tell.
+            targets[STOPPED].signal(libc::SIGSTOP);
+            let stopped_at = Instant::now();
+            std::thread::sleep(DETECTION_BOUND + Duration::from_millis(500));
+            targets[STOPPED].signal(libc::SIGKILL);
+            let _ = targets[STOPPED].child.wait();
+            let addr = targets[STOPPED].addr;
+            predecessors.push(targets[STOPPED].incarnation.clone());
+            newcomers.push(Target::start(binary, "decode-2", addr, 1)?);
+            std::thread::sleep(Duration::from_secs(1));
+            Ok((killed_at, stopped_at))
+        })();
         stop.store(true, Ordering::Relaxed);
         for thread in threads {
             thread
                 .join()
                 .map_err(|_| anyhow::anyhow!("a submitter thread panicked"))??;
         }
-        // SAFETY: the initiator's transfers have all resolved.
-        let memory = unsafe { newcomer.regions[0].buffer.as_slice() };
-        newcomer_written.store(
-            memory.iter().filter(|&&b| b != 0).count() as u64,
-            Ordering::Relaxed,
-        );
-        let stats = newcomer.control.stats();
-        newcomer_facts = (
-            newcomer.control.incarnation() != dead_incarnation,
-            stats.passive_qps,
-            stats.refused,
-        );
-        Ok(())
+        phases
     })?;
 
-    let killed = killed_at
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .context("the kill happened")?;
     let mut before_total = 0u64;
     let mut after_total = 0u64;
     let mut min_ratio = f64::INFINITY;
-    for log in logs.iter().take(DEAD) {
-        let before = log.bytes_between(killed - WINDOW, killed);
-        let after = log.bytes_between(killed, killed + WINDOW);
+    for (n, log) in logs.iter().enumerate() {
+        if n == KILLED || n == STOPPED {
+            continue;
+        }
+        let before = log.bytes_between(killed_at - WINDOW, killed_at);
+        let after = log.bytes_between(killed_at, killed_at + WINDOW);
         before_total += before;
         after_total += after;
         min_ratio = min_ratio.min(after as f64 / before.max(1) as f64);
     }
-    let failures = logs[DEAD]
-        .failures
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone();
+    // The stopped peer was live in phase 1: its ratio counts too.
+    let stopped_log = &logs[STOPPED];
+    let before = stopped_log.bytes_between(killed_at - WINDOW, killed_at);
+    let after = stopped_log.bytes_between(killed_at, killed_at + WINDOW);
+    before_total += before;
+    after_total += after;
+    min_ratio = min_ratio.min(after as f64 / before.max(1) as f64);
+
+    let killed_failures: Vec<_> = lock(&logs[KILLED].failures)
+        .iter()
+        .filter(|(submitted, _, _)| *submitted >= killed_at)
+        .copied()
+        .collect();
     let count = |reason| {
-        failures
+        killed_failures
             .iter()
-            .filter(|(_, o)| *o == RequestOutcome::Failed(reason))
+            .filter(|(_, _, o)| *o == RequestOutcome::Failed(reason))
             .count() as u64
     };
     let unavailable = count(FailReason::PeerUnavailable);
     let restarted = count(FailReason::PeerRestarted);
-    let (is_new, accepted, refused) = newcomer_facts;
+    let (in_flight_killed, late_killed) = in_flight_at(&logs[KILLED], killed_at);
+    let (in_flight_stopped, late_stopped) = in_flight_at(&logs[STOPPED], stopped_at);
+    let detection = lock(&logs[STOPPED].failures)
+        .iter()
+        .filter(|(submitted, _, outcome)| {
+            *submitted >= stopped_at
+                && *outcome == RequestOutcome::Failed(FailReason::PeerUnavailable)
+        })
+        .map(|(_, resolved, _)| resolved.duration_since(stopped_at).as_millis() as u64)
+        .min()
+        .unwrap_or(0);
+    let mut misdirected = 0;
+    let mut checked = true;
+    for newcomer in &newcomers {
+        match nonzero_bytes(&engine, newcomer, len) {
+            Some(bytes) => misdirected += bytes,
+            None => checked = false,
+        }
+    }
+    let is_new = newcomers.len() == 2
+        && newcomers
+            .iter()
+            .zip(&predecessors)
+            .all(|(newcomer, old)| newcomer.incarnation != *old);
     Ok(ReplicaReport {
         seed,
         live_throughput_ratio: after_total as f64 / before_total.max(1) as f64,
         min_live_peer_ratio: min_ratio,
-        dead_peer_max_fail_ms: failures
+        dead_peer_max_fail_ms: killed_failures
             .iter()
-            .map(|(took, _)| took.as_millis() as u64)
+            .map(|(submitted, resolved, _)| resolved.duration_since(*submitted).as_millis() as u64)
             .max()
             .unwrap_or(0),
-        deadline_ms: DEADLINE.as_millis() as u64,
+        deadline_ms: DEFAULT_DEADLINE.as_millis() as u64,
         dead_peer_unavailable: unavailable,
         dead_peer_restarted: restarted,
-        dead_peer_other_failures: failures.len() as u64 - unavailable - restarted,
+        dead_peer_other_failures: killed_failures.len() as u64 - unavailable - restarted,
+        in_flight_at_failure: in_flight_killed + in_flight_stopped,
+        in_flight_late: late_killed + late_stopped,
+        stopped_peer_detection_ms: detection,
         newcomer_is_new_incarnation: is_new,
-        misdirected: newcomer_written.load(Ordering::Relaxed),
-        newcomer_endpoints: accepted,
-        newcomer_refused: refused,
-        circuit_openings: initiator.control.stats().circuit_openings,
+        misdirected,
+        newcomers_checked: checked,
+        circuit_openings: engine.stats().control.circuit_openings,
     })
 }

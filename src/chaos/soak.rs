@@ -13,22 +13,20 @@
 //! [`FD_GROWTH_BOUND`].
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
-use std::os::unix::process::CommandExt as _;
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use railyard_dataplane::fabric::WcStatus;
 use railyard_dataplane::fabric::soft::{Fault, QpMatch};
 use railyard_dataplane::rng::SplitMix64;
 use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
 
+use super::process::Target;
 use crate::engine::{Engine, Op, Peer, RailChoice, Region, Transfer};
 
 /// How late past its deadline a request may resolve (the poller's flush grace and
@@ -45,8 +43,6 @@ pub const FD_GROWTH_BOUND: u64 = 64;
 const BLOCK: u64 = 64 << 10;
 /// Blocks per worker in each target's pool.
 const SLOTS: u64 = 16;
-/// Each target's pool.
-const POOL: &str = "8MiB";
 /// Writers.
 const WORKERS: usize = 2;
 
@@ -168,102 +164,6 @@ impl SoakReport {
             broken.push(format!("open descriptors grew by {fds}"));
         }
         broken
-    }
-}
-
-/// A `railyard serve` child.
-struct Target {
-    child: Child,
-    /// Closing it stops the child (`--until-stdin-closes`).
-    _stdin: ChildStdin,
-    addr: SocketAddr,
-    pool_base: u64,
-    /// Changes with every newcomer: part of every block's pattern.
-    generation: u8,
-}
-
-impl Target {
-    fn start(binary: &Path, name: &str, listen: SocketAddr, generation: u8) -> Result<Self> {
-        let mut command = Command::new(binary);
-        command
-            .args(["serve", "--until-stdin-closes", "--rails", "1"])
-            .args(["--pool", POOL, "--name", name])
-            .args(["--listen", &listen.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        // SAFETY: the closure runs in the child between fork and exec and calls only
-        // prctl(2), which is async-signal-safe; it touches no memory of the parent.
-        unsafe {
-            command.pre_exec(|| {
-                // Dies with the soak, even stopped: no orphan keeps a port or its memory.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = command
-            .spawn()
-            .with_context(|| format!("starting {}", binary.display()))?;
-        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!("serve's pipes were not set up");
-        };
-        let (first_line, first) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            let _ = first_line.send(lines.next());
-            // Drain the rest so the child never blocks on a full pipe.
-            lines.for_each(drop);
-        });
-        let first = match first.recv_timeout(Duration::from_secs(10)) {
-            Ok(Some(Ok(line))) => line,
-            outcome => {
-                let _ = child.kill();
-                let _ = child.wait();
-                bail!("serve did not say where it listens: {outcome:?}");
-            }
-        };
-        // listening ADDR incarnation INC pool 0xBASE LEN
-        let words: Vec<&str> = first.split_whitespace().collect();
-        let parsed = match (words.get(1), words.get(5)) {
-            (Some(addr), Some(base)) => addr
-                .parse::<SocketAddr>()
-                .ok()
-                .zip(u64::from_str_radix(base.trim_start_matches("0x"), 16).ok()),
-            _ => None,
-        };
-        let Some((addr, pool_base)) = parsed else {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!("unexpected first line from serve: {first:?}");
-        };
-        Ok(Self {
-            addr,
-            pool_base,
-            child,
-            _stdin: stdin,
-            generation,
-        })
-    }
-
-    fn signal(&self, signal: libc::c_int) {
-        // SAFETY: kill(2) on our own child's pid, alive until it is waited for.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        // Waited for already (killed): its pid may belong to another process by now.
-        if matches!(self.child.try_wait(), Ok(Some(_))) {
-            return;
-        }
-        self.signal(libc::SIGCONT);
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

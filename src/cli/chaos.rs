@@ -52,7 +52,8 @@ pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
             names.join(", ")
         );
     };
-    let outcome = chaos::run(scenario, args.seed)
+    let binary = std::env::current_exe().context("finding this binary")?;
+    let outcome = chaos::run(scenario, args.seed, &binary)
         .with_context(|| format!("scenario {} could not run", scenario.name()))?;
     Ok(print(&outcome, scenario.name(), args))
 }
