@@ -71,6 +71,8 @@ fn teardown_race_loses_nothing_and_resolves_nothing_twice() {
     assert_eq!(counts["lost"], 0);
     assert_eq!(counts["double_resolved"], 0);
     assert_eq!(counts["stale_posts"], 0);
+    assert_eq!(counts["misplaced_slots"], 0);
+    assert!(counts["verified_slots"].as_u64() > Some(0), "{counts}");
     assert!(counts["retirements"].as_u64() >= Some(2000), "{counts}");
     assert!(
         counts["done"].as_u64() > Some(0),

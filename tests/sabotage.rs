@@ -46,6 +46,13 @@ fn without_the_epoch_check_the_reconnect_storm_posts_stale_work() {
 }
 
 #[test]
+fn without_the_epoch_check_the_teardown_race_posts_stale_work() {
+    let (violations, counts) = violations_without(Protection::EpochCheck, Scenario::TeardownRace);
+    assert!(counts["stale_posts"].as_u64() > Some(0), "{counts}");
+    assert!(!violations.is_empty(), "{counts}");
+}
+
+#[test]
 fn without_idempotent_replies_the_handshake_churn_tears_queue_pairs_down() {
     let (violations, counts) =
         violations_without(Protection::IdempotentReplies, Scenario::HandshakeChurn);

@@ -1,11 +1,14 @@
 //! `teardown-race`: tearing endpoints down while submitters post at full rate must never
 //! crash, lose a request, resolve one twice, or post a stale slice.
 //!
-//! Two rails. One submitter thread per rail keeps four batches in flight to the target at
-//! all times, preparing each from the endpoint's current view. A churn thread retires each
-//! rail's endpoint and connects a new one, over and over, while the fault plan kills every
-//! queue pair after a few hundred work requests (QP fatal) and fails others at random
-//! (RETRY_EXC_ERR), so queue pairs are re-handshaken constantly as well. Elsewhere a
+//! Two rails, three targets. One submitter thread per rail keeps four batches in flight at
+//! all times, each to the next target in turn, preparing each from that endpoint's current
+//! view. A churn thread retires every endpoint and connects a new one, over and over, while
+//! the fault plan kills every queue pair after a few hundred work requests (QP fatal) and
+//! fails others at random (RETRY_EXC_ERR), so queue pairs are re-handshaken constantly as
+//! well. Every target gets its own bytes (the source holds a pattern per target): at the
+//! end each slot of each target is either untouched or exactly what was meant for it, so a
+//! slice re-pointed at the wrong peer would show. Elsewhere a
 //! control-path teardown raced a data-path post on the same address vector and crashed:
 //! here only the poller ever touches its queue pairs, and teardown is a command on a ring.
 
@@ -36,6 +39,10 @@ pub struct RaceReport {
     pub double_resolved: u64,
     /// Work requests posted on a queue pair newer than their epoch (seen at the fabric).
     pub stale_posts: u64,
+    /// Slots of a target's memory holding bytes that were not meant for it.
+    pub misplaced_slots: u64,
+    /// Slots of the targets' memory found written as they were meant to be.
+    pub verified_slots: u64,
     /// Endpoints retired while traffic flowed.
     pub retirements: u64,
     /// Queue pairs handed to pollers (re-handshakes included).
@@ -60,6 +67,15 @@ impl RaceReport {
         if self.stale_posts != 0 {
             broken.push(format!("stale_posts = {} (must be 0)", self.stale_posts));
         }
+        if self.misplaced_slots != 0 {
+            broken.push(format!(
+                "misplaced_slots = {} (must be 0)",
+                self.misplaced_slots
+            ));
+        }
+        if self.verified_slots == 0 {
+            broken.push("no slot of any target was written".into());
+        }
         if self.retirements < 2000 {
             broken.push(format!(
                 "only {} retirements: the race was not run",
@@ -71,6 +87,9 @@ impl RaceReport {
 }
 
 const RAILS: usize = 2;
+const TARGETS: usize = 3;
+/// Slots per target (each `SLICE_LEN`).
+const SLOTS: u64 = 256;
 const SLICE_LEN: usize = 4096;
 const SLICES_PER_BATCH: u32 = 16;
 const RETIREMENTS_PER_RAIL: u64 = 1500;
@@ -106,9 +125,9 @@ impl Tally {
 fn submit_loop(
     rail: usize,
     poller: &PollerHandle,
-    view: &Mutex<Arc<EndpointView>>,
+    views: &[Mutex<Arc<EndpointView>>],
     source: railyard_dataplane::fabric::MemoryRegion,
-    target_base: u64,
+    target_bases: &[u64],
     tally: &Tally,
     stop: &AtomicBool,
 ) -> Result<()> {
@@ -116,22 +135,29 @@ fn submit_loop(
     let mut in_flight: VecDeque<Batch> = VecDeque::new();
     let mut round = 0u64;
     while !stop.load(Ordering::Relaxed) {
-        let current = view.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let target = (round % TARGETS as u64) as usize;
+        let target_base = target_bases[target];
+        // This target's part of the source: bytes meant for it alone.
+        let source_part = target as u64 * SLOTS * SLICE_LEN as u64;
+        let current = views[target]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         let (Some(epoch), Some(descriptor)) = (current.epoch(), current.descriptor()) else {
             std::thread::yield_now();
             continue;
         };
         let specs: Vec<SliceSpec> = (0..SLICES_PER_BATCH)
             .filter_map(|i| {
-                let offset =
-                    ((round * u64::from(SLICES_PER_BATCH) + u64::from(i)) % 256) * SLICE_LEN as u64;
+                let offset = ((round * u64::from(SLICES_PER_BATCH) + u64::from(i)) % SLOTS)
+                    * SLICE_LEN as u64;
                 let remote = target_base + offset;
                 let rkey = descriptor.rkey_for(remote, SLICE_LEN as u64, rail as u16)?;
                 Some(write_slice(
                     &current,
                     epoch,
                     i,
-                    (source, offset),
+                    (source, source_part + offset),
                     (remote, rkey),
                     SLICE_LEN,
                 ))
@@ -175,11 +201,28 @@ pub fn run(seed: u64) -> Result<RaceReport> {
         flap_after_ready: Duration::from_millis(1),
         ..Policy::default()
     };
-    let mut target = Node::start("decode-0", RAILS, any_port(), seed, policy.clone(), None)?;
-    let region = target.alloc(256 * SLICE_LEN)?;
-    let target_base = target.regions[region].buffer.region().addr;
+    let mut targets = Vec::new();
+    let mut target_bases = Vec::new();
+    for n in 0..TARGETS {
+        let mut target = Node::start(
+            &format!("decode-{n}"),
+            RAILS,
+            any_port(),
+            seed.wrapping_add(n as u64),
+            policy.clone(),
+            None,
+        )?;
+        let region = target.alloc(SLOTS as usize * SLICE_LEN)?;
+        target_bases.push(target.regions[region].buffer.region().addr);
+        targets.push(target);
+    }
     let mut initiator = Node::start("prefill-0", RAILS, any_port(), seed, policy, None)?;
-    let source = initiator.alloc(256 * SLICE_LEN)?;
+    let source = initiator.alloc(TARGETS * SLOTS as usize * SLICE_LEN)?;
+    // SAFETY: nothing transfers yet.
+    let sent = unsafe { initiator.regions[source].buffer.as_mut_slice() };
+    for (n, part) in sent.chunks_mut(SLOTS as usize * SLICE_LEN).enumerate() {
+        super::fill_pattern(part, seed ^ (n as u64 + 1) << 40);
+    }
     for rail in 0..RAILS {
         initiator.faults(rail).set(
             FaultPlan::new(seed ^ rail as u64)
@@ -194,15 +237,22 @@ pub fn run(seed: u64) -> Result<RaceReport> {
                 }),
         );
     }
+    // views[rail][target]
     let views = (0..RAILS)
         .map(|rail| {
-            let view = initiator
-                .control
-                .connect(target.addr(), rail as u16, rail as u16)?;
-            if !view.wait_ready(Instant::now() + BOUND) {
-                bail!("rail {rail} never connected: {:?}", view.phase());
-            }
-            Ok(Mutex::new(view))
+            targets
+                .iter()
+                .map(|target| {
+                    let view =
+                        initiator
+                            .control
+                            .connect(target.addr(), rail as u16, rail as u16)?;
+                    if !view.wait_ready(Instant::now() + BOUND) {
+                        bail!("rail {rail} never connected: {:?}", view.phase());
+                    }
+                    Ok(Mutex::new(view))
+                })
+                .collect::<Result<Vec<_>>>()
         })
         .collect::<Result<Vec<_>>>()?;
 
@@ -212,11 +262,15 @@ pub fn run(seed: u64) -> Result<RaceReport> {
     std::thread::scope(|scope| -> Result<()> {
         let submitters: Vec<_> = (0..RAILS)
             .map(|rail| {
-                let (poller, view, tally, stop) =
-                    (&*initiator.pollers[rail], &views[rail], &tally, &stop);
+                let (poller, views, tally, stop, bases) = (
+                    &*initiator.pollers[rail],
+                    &views[rail],
+                    &tally,
+                    &stop,
+                    &target_bases,
+                );
                 let local = initiator.regions[source].regions[rail];
-                scope
-                    .spawn(move || submit_loop(rail, poller, view, local, target_base, tally, stop))
+                scope.spawn(move || submit_loop(rail, poller, views, local, bases, tally, stop))
             })
             .collect();
         let started = Instant::now();
@@ -224,15 +278,17 @@ pub fn run(seed: u64) -> Result<RaceReport> {
             while retirements < RETIREMENTS_PER_RAIL * RAILS as u64
                 && started.elapsed() < CHURN_BUDGET
             {
-                for (rail, view) in views.iter().enumerate() {
-                    let old = view.lock().unwrap_or_else(PoisonError::into_inner).clone();
-                    initiator.control.retire(&old)?;
-                    let fresh = initiator
-                        .control
-                        .connect(target.addr(), rail as u16, rail as u16)
-                        .context("reconnecting after a retirement")?;
-                    *view.lock().unwrap_or_else(PoisonError::into_inner) = fresh;
-                    retirements += 1;
+                for (rail, rail_views) in views.iter().enumerate() {
+                    for (view, target) in rail_views.iter().zip(&targets) {
+                        let old = view.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                        initiator.control.retire(&old)?;
+                        let fresh = initiator
+                            .control
+                            .connect(target.addr(), rail as u16, rail as u16)
+                            .context("reconnecting after a retirement")?;
+                        *view.lock().unwrap_or_else(PoisonError::into_inner) = fresh;
+                        retirements += 1;
+                    }
                 }
             }
             Ok(())
@@ -246,6 +302,22 @@ pub fn run(seed: u64) -> Result<RaceReport> {
         churn
     })?;
 
+    // Every slot of every target: untouched, or exactly its part of the source.
+    // SAFETY: every transfer has resolved (or the bound passed; the report says which).
+    let sent = unsafe { initiator.regions[source].buffer.as_slice() };
+    let (mut misplaced_slots, mut verified_slots) = (0, 0);
+    for (n, target) in targets.iter().enumerate() {
+        // SAFETY: as above.
+        let landed = unsafe { target.regions[0].buffer.as_slice() };
+        let meant = &sent[n * SLOTS as usize * SLICE_LEN..][..SLOTS as usize * SLICE_LEN];
+        for (slot, expected) in landed.chunks(SLICE_LEN).zip(meant.chunks(SLICE_LEN)) {
+            if slot == expected {
+                verified_slots += 1;
+            } else if slot.iter().any(|&b| b != 0) {
+                misplaced_slots += 1;
+            }
+        }
+    }
     let submitted = tally.submitted.load(Ordering::Relaxed);
     let resolved = tally.resolved.load(Ordering::Relaxed);
     let done = tally.done.load(Ordering::Relaxed);
@@ -255,6 +327,8 @@ pub fn run(seed: u64) -> Result<RaceReport> {
         requests: RequestTally::new(submitted, resolved, done),
         double_resolved: tally.double_resolved.load(Ordering::Relaxed),
         stale_posts: initiator.stale_posts(),
+        misplaced_slots,
+        verified_slots,
         retirements,
         queue_pairs: stats.active_qps,
         queue_pair_failures: initiator.errors(WcStatus::RetryExcErr) + initiator.fatal_events(),

@@ -5,7 +5,8 @@
 //! stopped (SIGSTOP: no reset) and let go again, and bursts of queue-pair errors.
 //!
 //! It reports requests, failures by reason, bytes verified, how long stopped targets took to
-//! fail fast (from the signal to the first `PeerUnavailable`), and this process's resident
+//! fail fast (from the signal to the first `PeerUnavailable` of the injector's own probe
+//! writes), and this process's resident
 //! memory and open descriptors after warming up and at the end. A violation is: a request
 //! lost (unresolved by its deadline plus [`SLACK`]), resolved late, a block read back that
 //! is not what was written (unverified or misdirected bytes), a stopped target not failing
@@ -146,10 +147,16 @@ impl SoakReport {
                 self.mismatched_blocks
             ));
         }
-        if self.undetected_stops > 0 || self.detection_ms_max > DETECTION_BOUND.as_millis() as u64 {
+        if self.undetected_stops > 0 {
             broken.push(format!(
-                "a stopped target failed fast only after {} ms ({} never within {DETECTION_BOUND:?})",
-                self.detection_ms_max, self.undetected_stops
+                "{} stopped target(s) never failed fast while stopped",
+                self.undetected_stops
+            ));
+        }
+        if self.detection_ms_max > DETECTION_BOUND.as_millis() as u64 {
+            broken.push(format!(
+                "a stopped target failed fast only after {} ms (bound {DETECTION_BOUND:?})",
+                self.detection_ms_max
             ));
         }
         if self.done == 0 {
@@ -189,7 +196,6 @@ struct Tally {
     timeouts_while_stopped: AtomicU64,
     reopens: AtomicU64,
     failures: Mutex<BTreeMap<String, u64>>,
-    detections: Mutex<Vec<u64>>,
 }
 
 fn count(counter: &AtomicU64) {
@@ -355,22 +361,6 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .clone();
-    let mut detections = tally
-        .detections
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone();
-    detections.sort_unstable();
-    let at = |q: f64| {
-        detections
-            .get(((detections.len() as f64 - 1.0) * q).round() as usize)
-            .copied()
-            .unwrap_or(0)
-    };
-    report.detection_ms_p50 = at(0.5);
-    report.detection_ms_p99 = at(0.99);
-    report.detection_ms_max = detections.last().copied().unwrap_or(0);
-    report.undetected_stops = report.timed_stops.saturating_sub(detections.len() as u64);
     Ok(report)
 }
 
@@ -388,6 +378,8 @@ fn inject(
     end: Instant,
     report: &mut SoakReport,
 ) -> Result<()> {
+    let mut prober = Prober::new(engine)?;
+    let mut detections = Vec::new();
     while Instant::now() + Duration::from_secs(4) < end {
         std::thread::sleep(Duration::from_millis(1000 + rng.below(2000)));
         let index = rng.below(targets.len() as u64) as usize;
@@ -417,19 +409,28 @@ fn inject(
                 report.same_name_takeovers += u64::from(same_name);
             }
             1 => {
-                // Stopped without a reset, then let go. Timed only when its peer was carrying
-                // traffic: a circuit open already would fail fast for another reason.
-                {
+                // Stopped without a reset, then let go. Timed (by a probe of its own, every
+                // 20 ms) only when its peer was carrying traffic: a circuit open already
+                // fails fast for another reason.
+                let peer = {
                     let mut slot = write(&slots[index]);
-                    let carrying = slot
-                        .peer
-                        .as_ref()
-                        .is_some_and(|peer| !peer.is_unavailable());
-                    slot.stopped_at = carrying.then(Instant::now);
-                    report.timed_stops += u64::from(carrying);
-                }
+                    slot.stopped_at = Some(Instant::now());
+                    slot.peer
+                        .clone()
+                        .filter(|peer| !peer.is_unavailable())
+                        .map(|peer| (peer, slot.pool_base))
+                };
                 targets[index].signal(libc::SIGSTOP);
-                std::thread::sleep(Duration::from_secs(3));
+                let stopped = Instant::now();
+                let window = stopped + Duration::from_secs(3);
+                if let Some((peer, base)) = peer {
+                    report.timed_stops += 1;
+                    match prober.time_to_fail_fast(&peer, base, stopped, window) {
+                        Some(ms) => detections.push(ms),
+                        None => report.undetected_stops += 1,
+                    }
+                }
+                std::thread::sleep(window.saturating_duration_since(Instant::now()));
                 targets[index].signal(libc::SIGCONT);
                 write(&slots[index]).stopped_at = None;
                 report.stops += 1;
@@ -450,7 +451,65 @@ fn inject(
         }
     }
     std::thread::sleep(end.saturating_duration_since(Instant::now()));
+    detections.sort_unstable();
+    let at = |q: f64| {
+        detections
+            .get(((detections.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(0)
+    };
+    report.detection_ms_p50 = at(0.5);
+    report.detection_ms_p99 = at(0.99);
+    report.detection_ms_max = detections.last().copied().unwrap_or(0);
     Ok(())
+}
+
+/// Where the soak's injector probes a stopped target: a block beyond the workers' slots.
+const PROBE_OFFSET: u64 = WORKERS as u64 * SLOTS * BLOCK;
+
+/// The injector's own writes to a stopped target, to time how soon it fails fast.
+struct Prober {
+    source: Region,
+    submitter: crate::engine::EngineSubmitter,
+}
+
+impl Prober {
+    fn new(engine: &Engine) -> Result<Self> {
+        Ok(Self {
+            source: engine.alloc(BLOCK, None)?,
+            submitter: engine.submitter()?,
+        })
+    }
+
+    /// Writes to `peer` every 20 ms until a write fails with `PeerUnavailable` (returns the
+    /// ms since `stopped`) or `until` passes (`None`).
+    fn time_to_fail_fast(
+        &mut self,
+        peer: &Peer,
+        base: u64,
+        stopped: Instant,
+        until: Instant,
+    ) -> Option<u64> {
+        let write = Transfer {
+            op: Op::Write,
+            local: self.source,
+            local_offset: 0,
+            remote_addr: base + PROBE_OFFSET,
+            len: BLOCK,
+        };
+        while Instant::now() < until {
+            if let Ok(batch) = self.submitter.submit(peer, &[write]) {
+                batch.wait(Instant::now() + DEFAULT_DEADLINE + SLACK);
+                let failed_fast = batch.outcomes()
+                    == vec![Some(RequestOutcome::Failed(FailReason::PeerUnavailable))];
+                if failed_fast {
+                    return Some(stopped.elapsed().as_millis() as u64);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
 }
 
 /// One worker: write a block to a target, read it back, compare; until told to stop.
@@ -587,17 +646,6 @@ fn transfer(
                 .or_default() += 1;
             if reason == FailReason::Timeout && slot_stopped(slot) {
                 count(&tally.timeouts_while_stopped);
-            }
-            if reason == FailReason::PeerUnavailable {
-                let mut slot = slot.write().unwrap_or_else(PoisonError::into_inner);
-                if let Some(stopped) = slot.stopped_at.take() {
-                    let ms = stopped.elapsed().as_millis() as u64;
-                    tally
-                        .detections
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .push(ms);
-                }
             }
             Some(false)
         }
