@@ -6,49 +6,27 @@
 
 mod common;
 
-use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};
 
-use common::{BOUND, Serve, done};
+use common::{BOUND, TcpPair};
 use railyard::control::Policy;
-use railyard::dataplane::{FailReason, IdleStrategy, RequestOutcome};
-use railyard::engine::{Engine, FabricChoice, Op, RailChoice, Transfer};
-
-fn signal(serve: &Serve, signal: libc::c_int) {
-    // SAFETY: a signal to our own child process, which is alive until `serve` drops.
-    let sent = unsafe { libc::kill(serve.child.id() as libc::pid_t, signal) };
-    assert_eq!(sent, 0, "kill({signal})");
-}
+use railyard::dataplane::{FailReason, RequestOutcome};
 
 #[test]
 fn a_stopped_target_fails_fast_with_peer_unavailable_and_comes_back() {
-    let target = Serve::start_with("8MiB", &["--rails", "1", "--fabric", "tcp"]);
-    let policy = Policy {
+    let TcpPair {
+        target,
+        engine,
+        peer,
+        mut submitter,
+        write,
+    } = TcpPair::start(Policy {
         cooldown_min: Duration::from_millis(500),
         ..Policy::default()
-    };
-    let engine = Engine::builder("prefill")
-        .fabric(FabricChoice::Tcp)
-        .rails(RailChoice::Count(NonZeroUsize::MIN))
-        .idle(IdleStrategy::gentle())
-        .policy(policy)
-        .build()
-        .expect("the engine starts");
-    let peer = engine.open(&target.addr).expect("the target answers");
-    let source = engine.alloc(1 << 20, None).expect("memory");
-    let write = Transfer {
-        op: Op::Write,
-        local: source,
-        local_offset: 0,
-        remote_addr: target.pool_base,
-        len: 1 << 20,
-    };
-    let mut submitter = engine.submitter().expect("a submitter");
-    let batch = submitter.submit(&peer, &[write]).expect("submitted");
-    assert!(done(&batch));
+    });
 
     // Stop it, with writes in flight (a TCP queue pair holds them: nothing completes).
-    signal(&target, libc::SIGSTOP);
+    target.signal(libc::SIGSTOP);
     let stopped = Instant::now();
     let in_flight: Vec<_> = (0..8)
         .map(|_| submitter.submit(&peer, &[write]).expect("submitted"))
@@ -94,7 +72,7 @@ fn a_stopped_target_fails_fast_with_peer_unavailable_and_comes_back() {
     );
 
     // It runs again: after the cooldown a trial queue pair carries traffic, no reopen.
-    signal(&target, libc::SIGCONT);
+    target.signal(libc::SIGCONT);
     let resumed = Instant::now();
     loop {
         let batch = submitter.submit(&peer, &[write]).expect("submitted");

@@ -6,15 +6,14 @@
 
 mod common;
 
-use std::num::NonZeroUsize;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use common::{BOUND, Serve, done};
+use common::{BOUND, TcpPair};
 use railyard::chaos::{self, Scenario};
+use railyard::control::Policy;
 use railyard::dataplane::sabotage::{self, Protection};
-use railyard::dataplane::{FailReason, IdleStrategy, RequestOutcome};
-use railyard::engine::{Engine, FabricChoice, Op, RailChoice, Transfer};
+use railyard::dataplane::{FailReason, RequestOutcome};
 
 static ONE_SWITCH_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -71,26 +70,14 @@ fn without_liveness_a_stopped_target_is_detected_only_past_the_bound() {
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
     let _off = sabotage::turn_off(Protection::Liveness);
-    let target = Serve::start_with("8MiB", &["--rails", "1", "--fabric", "tcp"]);
-    let engine = Engine::builder("prefill")
-        .fabric(FabricChoice::Tcp)
-        .rails(RailChoice::Count(NonZeroUsize::MIN))
-        .idle(IdleStrategy::gentle())
-        .build()
-        .expect("the engine starts");
-    let peer = engine.open(&target.addr).expect("the target answers");
-    let source = engine.alloc(1 << 20, None).expect("memory");
-    let write = Transfer {
-        op: Op::Write,
-        local: source,
-        local_offset: 0,
-        remote_addr: target.pool_base,
-        len: 1 << 20,
-    };
-    let mut submitter = engine.submitter().expect("a submitter");
-    assert!(done(&submitter.submit(&peer, &[write]).expect("submitted")));
-    // SAFETY: a signal to our own child, alive until `target` drops.
-    unsafe { libc::kill(target.child.id() as libc::pid_t, libc::SIGSTOP) };
+    let TcpPair {
+        target,
+        engine,
+        peer,
+        mut submitter,
+        write,
+    } = TcpPair::start(Policy::default());
+    target.signal(libc::SIGSTOP);
     let stopped = Instant::now();
     let batch = submitter.submit(&peer, &[write]).expect("submitted");
     batch.wait(Instant::now() + BOUND);
@@ -105,6 +92,5 @@ fn without_liveness_a_stopped_target_is_detected_only_past_the_bound() {
         "resolved after {resolved:?}: the detector would not have caught the loss"
     );
     assert_eq!(engine.stats().control.unreachable_peers, 0);
-    // SAFETY: as above.
-    unsafe { libc::kill(target.child.id() as libc::pid_t, libc::SIGCONT) };
+    target.signal(libc::SIGCONT);
 }

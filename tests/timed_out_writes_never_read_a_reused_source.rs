@@ -22,12 +22,6 @@ const REQUEST: u64 = 1 << 20;
 const OLD: u8 = 0xa1;
 const NEW: u8 = 0xb2;
 
-fn signal(serve: &Serve, signal: libc::c_int) {
-    // SAFETY: a signal to our own child process, which is alive until `serve` drops.
-    let sent = unsafe { libc::kill(serve.child.id() as libc::pid_t, signal) };
-    assert_eq!(sent, 0, "kill({signal})");
-}
-
 #[test]
 fn a_stopped_tcp_target_never_receives_the_reused_source_of_a_timed_out_write() {
     let serve = Serve::start_with("64MiB", &["--rails", "1", "--fabric", "tcp"]);
@@ -51,7 +45,7 @@ fn a_stopped_tcp_target_never_receives_the_reused_source_of_a_timed_out_write() 
         .collect();
     let mut submitter = engine.submitter().expect("submitter");
 
-    signal(&serve, libc::SIGSTOP);
+    serve.signal(libc::SIGSTOP);
     let batch = submitter
         .submit_by(&peer, &writes, Instant::now() + Duration::from_millis(500))
         .expect("valid");
@@ -65,7 +59,7 @@ fn a_stopped_tcp_target_never_receives_the_reused_source_of_a_timed_out_write() 
     );
     // The caller takes its buffer back at once.
     bytes_of(source).fill(NEW);
-    signal(&serve, libc::SIGCONT);
+    serve.signal(libc::SIGCONT);
     std::thread::sleep(Duration::from_millis(500));
 
     // Read the target's pool back (the endpoint reconnects by itself).

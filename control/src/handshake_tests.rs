@@ -293,6 +293,13 @@ impl Net {
         self.settle_holding(|_, _| false);
     }
 
+    /// The cluster directory tells process `index` that [`NAME`] changed; then settles.
+    fn directory_says(&mut self, index: usize, change: PeerChange) {
+        let now = self.now;
+        self.procs[index].core.peer_changed(NAME, change, now);
+        self.settle();
+    }
+
     /// Delivers the held message `position` now.
     fn release(&mut self, position: usize) {
         let (to, conn, message) = self.held.remove(position);
@@ -885,39 +892,20 @@ fn a_directory_restart_replaces_endpoints_and_a_lost_lease_fails_fast_until_it_r
     let now = net.now;
     net.procs[prefill].core.closed(dialed, "reset", now);
     net.pump();
-    let now = net.now;
-    let gone = PeerChange::Gone {
-        incarnation: Incarnation(12),
+    let circuit_set = |net: &Net, open: bool| {
+        net.procs[prefill].commands.iter().any(|(_, command)| {
+            matches!(command, Command::SetCircuit { endpoint, open: set }
+                if *endpoint == replacement.id && *set == open)
+        })
     };
-    net.procs[prefill].core.peer_changed(NAME, gone, now);
-    net.settle();
+    let incarnation = Incarnation(12);
+    net.directory_says(prefill, PeerChange::Gone { incarnation });
     assert_eq!(replacement.phase(), Phase::CircuitOpen);
-    assert!(
-        net.procs[prefill]
-            .commands
-            .iter()
-            .any(|(_, command)| matches!(
-                command,
-                Command::SetCircuit { endpoint, open: true } if *endpoint == replacement.id
-            ))
-    );
+    assert!(circuit_set(&net, true));
     // The same incarnation claims its name again: a trial queue pair at once.
-    let now = net.now;
-    let back = PeerChange::Returned {
-        incarnation: Incarnation(12),
-    };
-    net.procs[prefill].core.peer_changed(NAME, back, now);
-    net.settle();
+    net.directory_says(prefill, PeerChange::Returned { incarnation });
     assert_eq!(replacement.phase(), Phase::Ready);
-    assert!(
-        net.procs[prefill]
-            .commands
-            .iter()
-            .any(|(_, command)| matches!(
-                command,
-                Command::SetCircuit { endpoint, open: false } if *endpoint == replacement.id
-            ))
-    );
+    assert!(circuit_set(&net, false));
     assert_no_crossed_queue_pairs(&net, prefill);
 }
 
@@ -1204,6 +1192,18 @@ fn a_live_initiator_whose_connection_dropped_keeps_its_queue_pairs() {
     assert_eq!(view.phase(), Phase::Ready);
 }
 
+/// [`connected_pair`] with liveness on (see [`lively`]).
+fn lively_pair() -> (Net, usize, usize, Arc<EndpointView>) {
+    let mut net = Net::new();
+    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, lively());
+    let initiator = net.spawn_with("prefill", addr(2, 7000), 20, 1, lively());
+    let answer = net.connect(initiator, addr(1, 7000));
+    net.settle();
+    let view = ready(&answer);
+    (net, target, initiator, view)
+}
+
+/// Keepalives and liveness as by default.
 fn lively() -> Policy {
     Policy {
         keepalive_interval: Duration::from_millis(250),
@@ -1214,12 +1214,7 @@ fn lively() -> Policy {
 
 #[test]
 fn live_peers_keep_their_connections_through_quiet_times() {
-    let mut net = Net::new();
-    net.spawn_with(NAME, addr(1, 7000), 11, 1, lively());
-    let prefill = net.spawn_with("prefill", addr(2, 7000), 20, 1, lively());
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    let view = ready(&answer);
+    let (mut net, _, prefill, view) = lively_pair();
     net.run_for(Duration::from_secs(10), Duration::from_millis(50));
     assert_eq!(view.phase(), Phase::Ready);
     assert_eq!(net.stats(prefill).unreachable_peers, 0);
@@ -1229,12 +1224,7 @@ fn live_peers_keep_their_connections_through_quiet_times() {
 
 #[test]
 fn a_stopped_peer_is_unreachable_within_the_liveness_timeout() {
-    let mut net = Net::new();
-    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, lively());
-    let prefill = net.spawn_with("prefill", addr(2, 7000), 20, 1, lively());
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    let view = ready(&answer);
+    let (mut net, target, prefill, view) = lively_pair();
     let stopped_at = net.now;
     net.stop(target);
     let mut detected = None;
@@ -1285,12 +1275,7 @@ fn until_circuit_opens(net: &mut Net, view: &EndpointView, within: Duration) -> 
 
 #[test]
 fn liveness_outlives_the_control_connection_closing_under_a_ready_endpoint() {
-    let mut net = Net::new();
-    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, lively());
-    let prefill = net.spawn_with("prefill", addr(2, 7000), 20, 1, lively());
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    let view = ready(&answer);
+    let (mut net, target, _, view) = lively_pair();
     // The target gives up on the connection (say, the initiator stalled past the timeout).
     let accepted = net
         .links
@@ -1314,12 +1299,7 @@ fn liveness_outlives_the_control_connection_closing_under_a_ready_endpoint() {
 
 #[test]
 fn a_lost_lease_does_not_fail_a_peer_that_still_answers() {
-    let mut net = Net::new();
-    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, lively());
-    let prefill = net.spawn_with("prefill", addr(2, 7000), 20, 1, lively());
-    let answer = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    let view = ready(&answer);
+    let (mut net, target, prefill, view) = lively_pair();
     net.run_for(Duration::from_millis(300), Duration::from_millis(10));
     // etcd lost its lease, but it answers pings: nothing fails.
     let now = net.now;

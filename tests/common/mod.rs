@@ -96,6 +96,13 @@ impl Serve {
         }
     }
 
+    /// Sends `signal` (SIGSTOP, SIGCONT, SIGKILL…) to the child.
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: kill(2) on our own child's pid, alive (not reaped) until `self` drops.
+        let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+        assert_eq!(sent, 0, "kill({signal})");
+    }
+
     /// Waits (bounded) for an output line containing `needle`.
     pub fn expect_line(&self, needle: &str) -> String {
         let end = Instant::now() + BOUND;
@@ -141,4 +148,47 @@ pub fn done(batch: &railyard::dataplane::Batch) -> bool {
         .outcomes()
         .iter()
         .all(|o| *o == Some(RequestOutcome::Done))
+}
+
+/// A one-rail `railyard serve` on the TCP fabric, an engine on TCP with `policy` connected
+/// to it, and a 1 MiB write of its pool from the engine's memory, done once.
+pub struct TcpPair {
+    pub target: Serve,
+    pub engine: railyard::engine::Engine,
+    pub peer: railyard::engine::Peer,
+    pub submitter: railyard::engine::EngineSubmitter,
+    pub write: Transfer,
+}
+
+impl TcpPair {
+    pub fn start(policy: railyard::control::Policy) -> Self {
+        use railyard::engine::{Engine, FabricChoice, RailChoice};
+        let target = Serve::start_with("8MiB", &["--rails", "1", "--fabric", "tcp"]);
+        let engine = Engine::builder("prefill")
+            .fabric(FabricChoice::Tcp)
+            .rails(RailChoice::Count(std::num::NonZeroUsize::MIN))
+            .idle(railyard::dataplane::IdleStrategy::gentle())
+            .policy(policy)
+            .build()
+            .expect("the engine starts");
+        let peer = engine.open(&target.addr).expect("the target answers");
+        let source = engine.alloc(1 << 20, None).expect("memory");
+        let write = Transfer {
+            op: Op::Write,
+            local: source,
+            local_offset: 0,
+            remote_addr: target.pool_base,
+            len: 1 << 20,
+        };
+        let mut submitter = engine.submitter().expect("a submitter");
+        let batch = submitter.submit(&peer, &[write]).expect("submitted");
+        assert!(done(&batch), "the first write");
+        Self {
+            target,
+            engine,
+            peer,
+            submitter,
+            write,
+        }
+    }
 }
