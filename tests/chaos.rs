@@ -90,6 +90,10 @@ fn handshake_churn_tears_nothing_down() {
         "one per peer, two of them on this host"
     );
     assert_eq!(counts["changed_answers"], 0);
+    assert_eq!(counts["twins_ran"], true, "{counts}");
+    assert_eq!(counts["twin_failed_requests"], 0);
+    assert_eq!(counts["twin_reconnects"], 0);
+    assert_eq!(counts["twin_teardowns"], 0);
 }
 
 #[test]

@@ -45,6 +45,15 @@ pub struct ChurnReport {
     pub warning_lines: u64,
     /// Whether both initiators on this host got distinct endpoints and their bytes arrived.
     pub peers_distinct: bool,
+    /// Two initiator *processes* with one name (`railyard bench --name`) writing to one
+    /// target process at once: requests that failed, summed over both.
+    pub twin_failed_requests: u64,
+    /// Their reconnects and teardowns, summed (each would be the other tearing it down).
+    pub twin_reconnects: u64,
+    /// See [`Self::twin_reconnects`].
+    pub twin_teardowns: u64,
+    /// Whether both twins ran, moved bytes and reported.
+    pub twins_ran: bool,
 }
 
 /// Warning lines the scenario tolerates.
@@ -80,6 +89,16 @@ impl ChurnReport {
         }
         if !self.peers_distinct {
             broken.push("two peers on one host were not two endpoints".into());
+        }
+        if !self.twins_ran {
+            broken.push("the two same-named initiator processes did not both run".into());
+        }
+        if self.twin_failed_requests + self.twin_reconnects + self.twin_teardowns != 0 {
+            broken.push(format!(
+                "two initiator processes named alike disturbed each other: {} failed, {} \
+                 reconnects, {} teardowns",
+                self.twin_failed_requests, self.twin_reconnects, self.twin_teardowns
+            ));
         }
         broken
     }
@@ -138,7 +157,7 @@ pub fn handshake_once(
 ///
 /// # Errors
 /// When the nodes cannot start or connect.
-pub fn run(seed: u64) -> Result<ChurnReport> {
+pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
     let mut target = Node::start("decode-0", 1, any_port(), seed, Policy::default(), None)?;
     let region = target.alloc(1 << 20)?;
     let target_base = target.regions[region].buffer.region().addr;
@@ -231,6 +250,10 @@ pub fn run(seed: u64) -> Result<ChurnReport> {
         changed_answers: changed,
         warning_lines: stats.warnings_printed,
         peers_distinct: peers_distinct && stats.passive_qps == 3,
+        twin_failed_requests: 0,
+        twin_reconnects: 0,
+        twin_teardowns: 0,
+        twins_ran: false,
     };
     for (node, _) in &initiators {
         let stats = node.control.stats();
@@ -239,5 +262,44 @@ pub fn run(seed: u64) -> Result<ChurnReport> {
         report.warning_lines += stats.warnings_printed;
     }
     drop(qp);
+    let twins = twin_processes(binary, seed)?;
+    report.twins_ran = twins.len() == 2
+        && twins
+            .iter()
+            .all(|twin| twin["bytes"].as_u64().is_some_and(|bytes| bytes > 0));
+    for twin in &twins {
+        report.twin_failed_requests += twin["failed_requests"].as_u64().unwrap_or(0);
+        report.twin_reconnects += twin["reconnects"].as_u64().unwrap_or(0);
+        report.twin_teardowns += twin["teardowns"].as_u64().unwrap_or(0);
+    }
     Ok(report)
+}
+
+/// Seed 002 across processes: one `railyard serve` target and two `railyard bench`
+/// initiators started at once under the same name, each writing to it for two seconds.
+/// Returns the JSON report of each bench that ran.
+fn twin_processes(binary: &std::path::Path, seed: u64) -> Result<Vec<serde_json::Value>> {
+    let target = super::process::Target::start(binary, "decode-twins", any_port(), 0)?;
+    let twins: Vec<_> = (0..2u64)
+        .map(|twin| {
+            std::process::Command::new(binary)
+                .args(["bench", "--target", &target.addr.to_string()])
+                .args(["--name", "prefill-twin", "--duration", "2", "--json"])
+                .args(["--rails", "1", "--batch", "8"])
+                .args(["--seed", &(seed ^ twin).to_string()])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .context("starting a twin bench")
+        })
+        .collect::<Result<_>>()?;
+    let mut reports = Vec::new();
+    for twin in twins {
+        let output = twin.wait_with_output().context("waiting for a twin")?;
+        if let Ok(report) = serde_json::from_slice::<serde_json::Value>(&output.stdout) {
+            reports.push(report);
+        }
+    }
+    drop(target);
+    Ok(reports)
 }

@@ -103,7 +103,7 @@ pub fn run(scenario: Scenario, seed: u64, binary: &std::path::Path) -> anyhow::R
             outcome(&report, report.violations())
         }
         Scenario::HandshakeChurn => {
-            let report = churn::run(seed)?;
+            let report = churn::run(seed, binary)?;
             outcome(&report, report.violations())
         }
         Scenario::DeadReplica => {

@@ -39,6 +39,10 @@ pub(crate) struct BenchArgs {
     /// Where to find --target: p2p (by address) or etcd://HOST:PORT[,HOST:PORT...].
     #[arg(long, value_parser = super::parse_directory, default_value = "p2p")]
     directory: DirectoryChoice,
+    /// This engine's segment name (default `bench-<host>-<pid>`). Two benches may share one:
+    /// they are still two peers.
+    #[arg(long)]
+    name: Option<String>,
     /// Direction of the transfers.
     #[arg(long, value_enum, default_value = "write")]
     op: BenchOp,
@@ -502,7 +506,8 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let request_bytes = args.block_size * args.batch;
     let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
     // A name of its own, so that two benches never claim the same one in a directory.
-    let engine = Engine::builder(default_name("bench"))
+    let name = args.name.clone().unwrap_or_else(|| default_name("bench"));
+    let engine = Engine::builder(name)
         .fabric(args.fabric)
         .rails(rails)
         .verbs(args.verbs.config())
@@ -698,6 +703,8 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "ratio": ((gbps / ceiling.gbps) * 1000.0).round() / 1000.0,
         "local_memory": backing,
         "tcp_queue_pairs": tcp_queue_pairs,
+        "reconnects": engine.stats().control.reconnects,
+        "teardowns": engine.stats().control.teardowns,
         "check": { "enabled": args.check, "verified_bytes": verified, "mismatches": mismatches },
     });
     if args.json {
