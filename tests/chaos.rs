@@ -45,6 +45,13 @@ fn reconnect_storm_posts_nothing_stale_and_reconnects_once() {
         );
         assert_eq!(counts["new_qp_errors"], 0);
         assert!(counts["reprepared"].as_u64() > Some(200), "{counts}");
+        // The bad-descriptor phase: a few queue pairs, not one per bad slice.
+        assert!(
+            counts["bad_descriptor_reconnects"].as_u64() <= Some(3),
+            "{counts}"
+        );
+        assert_eq!(counts["bad_slices_failed"], counts["bad_slices"]);
+        assert_eq!(counts["good_slices_failed"], 0);
     }
 }
 

@@ -282,6 +282,21 @@ impl Node {
         Ok(())
     }
 
+    /// Withdraws region `index`: its registrations go (their keys with them) and it leaves
+    /// the published descriptor for good; returns it, so that its memory outlives anything
+    /// still aimed at it.
+    ///
+    /// # Errors
+    /// When a deregistration fails.
+    pub fn withdraw(&mut self, index: usize) -> Result<NodeRegion> {
+        let region = self.regions.remove(index);
+        for (device, registered) in self.devices.iter().zip(&region.regions) {
+            device.deregister(registered)?;
+        }
+        self.publish();
+        Ok(region)
+    }
+
     fn publish(&self) {
         self.shared.set_regions(
             self.regions

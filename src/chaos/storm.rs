@@ -9,6 +9,13 @@
 //! e+1 with B's new key; the slice that failed gets its one second chance. Elsewhere this is
 //! the storm: stale keys posted on the new queue pair fail it, which reconnects, which posts
 //! more stale keys.
+//!
+//! A second phase withdraws a third region for good, so the descriptor stays wrong for
+//! every slice into it: 64 such slices interleaved with 64 good ones in one batch, all at
+//! the current epoch. The first bad one takes the queue pair down and the refreshed
+//! descriptor fails the rest before they are posted; the work-request budget keeps the
+//! replacements to a few, not one per bad slice, and the good slices flushed behind them
+//! are retried without being charged.
 
 use std::time::Instant;
 
@@ -42,7 +49,21 @@ pub struct StormReport {
     pub reprepared: u64,
     /// Whether every byte arrived where it was meant to.
     pub bytes_verified: bool,
+    /// Second phase: slices into a region the target withdrew for good (the descriptor
+    /// stays wrong for them), interleaved with good slices, all at the current epoch.
+    pub bad_slices: u64,
+    /// Queue pairs replaced in that phase: bounded by the work-request error budget, not by
+    /// the number of bad slices.
+    pub bad_descriptor_reconnects: u64,
+    /// Of the bad slices, those that failed with `RemoteAccess` (all must).
+    pub bad_slices_failed: u64,
+    /// Good slices of that phase that failed (none may: they are not charged for the bad).
+    pub good_slices_failed: u64,
 }
+
+/// Queue pairs the bad-descriptor phase may replace: the free work-request errors, and one
+/// more while the refreshed descriptor is on its way.
+pub const BAD_DESCRIPTOR_RECONNECTS: u64 = 3;
 
 impl StormReport {
     /// Broken promises, empty when the run held.
@@ -67,6 +88,24 @@ impl StormReport {
                 self.new_qp_errors
             ));
         }
+        if self.bad_descriptor_reconnects > BAD_DESCRIPTOR_RECONNECTS {
+            broken.push(format!(
+                "{} bad slices cost {} queue pairs (bound {BAD_DESCRIPTOR_RECONNECTS})",
+                self.bad_slices, self.bad_descriptor_reconnects
+            ));
+        }
+        if self.bad_slices_failed != self.bad_slices {
+            broken.push(format!(
+                "{} of {} slices into a withdrawn region failed",
+                self.bad_slices_failed, self.bad_slices
+            ));
+        }
+        if self.good_slices_failed != 0 {
+            broken.push(format!(
+                "{} good slices failed beside the bad ones",
+                self.good_slices_failed
+            ));
+        }
         if !self.bytes_verified {
             broken.push("bytes did not arrive where they were meant to".into());
         }
@@ -86,6 +125,7 @@ pub fn run(seed: u64) -> Result<StormReport> {
     let mut target = Node::start("decode-0", 1, any_port(), seed, Policy::default(), None)?;
     let region_a = target.alloc(SLICES as usize * SLICE_LEN)?;
     let region_b = target.alloc(SLICES as usize * SLICE_LEN)?;
+    let region_c = target.alloc(SLICES as usize * SLICE_LEN)?;
     let mut initiator = Node::start("prefill-0", 1, any_port(), seed, Policy::default(), None)?;
     let source = initiator.alloc(SLICES as usize * SLICE_LEN)?;
     // SAFETY: nothing transfers yet.
@@ -161,17 +201,85 @@ pub fn run(seed: u64) -> Result<StormReport> {
         && pattern_matches(&b[split..], &sent[split..]);
 
     let counters = initiator.pollers[0].counters();
+    let phase_one_reconnects = initiator.control.stats().reconnects;
+    let new_qp_errors = initiator.late_errors();
+    let phase_two = bad_descriptor_phase(&mut initiator, &mut target, &view, source, region_c)?;
     let report = StormReport {
         seed,
         requests: RequestTally::new(u64::from(requests), resolved, done),
         stale_posts: initiator.stale_posts(),
-        reconnects: initiator.control.stats().reconnects,
-        new_qp_errors: initiator.late_errors(),
+        reconnects: phase_one_reconnects,
+        new_qp_errors,
         failed_work_request: failing,
         reprepared: counters.reprepared,
         bytes_verified,
+        bad_slices: u64::from(BAD_SLICES),
+        bad_descriptor_reconnects: initiator.control.stats().reconnects - phase_one_reconnects,
+        bad_slices_failed: phase_two.0,
+        good_slices_failed: phase_two.1,
     };
     drop(initiator);
     drop(target);
     Ok(report)
+}
+
+/// Bad slices in the bad-descriptor phase (and as many good ones).
+const BAD_SLICES: u32 = 64;
+
+/// The second phase: the target withdraws region C for good; one batch interleaves slices
+/// into C (its old key, the current epoch) with slices into region A, each its own request.
+/// Returns (bad slices failed with `RemoteAccess`, good slices failed).
+fn bad_descriptor_phase(
+    initiator: &mut Node,
+    target: &mut Node,
+    view: &railyard_control::EndpointView,
+    source: usize,
+    region_c: usize,
+) -> Result<(u64, u64)> {
+    let Some(descriptor) = view.descriptor() else {
+        bail!("no descriptor for the second phase");
+    };
+    let base_a = target.regions[0].buffer.region().addr;
+    let base_c = target.regions[region_c].buffer.region().addr;
+    let (Some(rkey_a), Some(rkey_c)) = (
+        descriptor.rkey_for(base_a, SLICE_LEN as u64, 0),
+        descriptor.rkey_for(base_c, SLICE_LEN as u64, 0),
+    ) else {
+        bail!("the descriptor lacks regions A or C");
+    };
+    let withdrawn = target.withdraw(region_c)?;
+    let local = initiator.regions[source].regions[0];
+    let epoch = view.epoch().unwrap_or(railyard_dataplane::Epoch::FIRST);
+    let specs: Vec<_> = (0..2 * BAD_SLICES)
+        .map(|i| {
+            let offset = u64::from(i / 2) * SLICE_LEN as u64;
+            let remote = if i % 2 == 0 {
+                (base_c + offset, rkey_c)
+            } else {
+                (base_a + offset, rkey_a)
+            };
+            write_slice(view, epoch, i, (local, offset), remote, SLICE_LEN)
+        })
+        .collect();
+    let mut submitter = Submitter::new(&[&*initiator.pollers[0]], 1024)?;
+    let batch = submitter.submit(specs.len(), &specs, Instant::now() + BOUND)?;
+    batch.wait(Instant::now() + BOUND);
+    let outcomes = batch.outcomes();
+    let bad_failed = outcomes
+        .iter()
+        .step_by(2)
+        .filter(|o| {
+            **o == Some(RequestOutcome::Failed(
+                railyard_dataplane::FailReason::RemoteAccess,
+            ))
+        })
+        .count() as u64;
+    let good_failed = outcomes
+        .iter()
+        .skip(1)
+        .step_by(2)
+        .filter(|o| **o != Some(RequestOutcome::Done))
+        .count() as u64;
+    drop(withdrawn);
+    Ok((bad_failed, good_failed))
 }
