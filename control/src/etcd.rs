@@ -15,10 +15,11 @@
 //! whenever the engine asks ([`EtcdDirectory::publish`], generation + 1), keeps the lease
 //! alive, and watches the prefix. What it learns goes two ways: the peer table that
 //! [`EtcdDirectory::resolve`] reads, and [`PeerEvents`] to the control thread — a new
-//! incarnation under a known name is [`PeerChange::Restarted`], a deleted key
-//! [`PeerChange::Gone`] (its endpoints fail fast; the same incarnation claiming the name
-//! again is [`PeerChange::Returned`]) — so endpoints of the old incarnation retire at once instead of
-//! waiting for a transport timeout.
+//! incarnation under a known name is [`PeerChange::Restarted`] (the old incarnation's
+//! endpoints retire at once instead of waiting for a transport timeout), a deleted key
+//! [`PeerChange::Gone`] (its endpoints fail fast unless its control connection still
+//! answers), and the same incarnation claiming the name again [`PeerChange::Returned`]
+//! (its endpoints try a queue pair at once).
 //!
 //! # Outages
 //! Start-up fails with an error naming the endpoints when etcd cannot be reached. Later, a
