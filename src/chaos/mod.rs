@@ -141,6 +141,42 @@ impl RequestTally {
     }
 }
 
+/// The bytes of an engine region.
+///
+/// # Safety
+/// No transfer of `region` may be in flight while the slice is used, and the engine that
+/// allocated it must outlive the slice.
+pub(crate) unsafe fn region_bytes<'a>(region: crate::engine::Region) -> &'a mut [u8] {
+    // SAFETY: the region is registered memory of `region.len` bytes owned by the engine,
+    // which outlives the slice; the caller keeps transfers away while it is used.
+    unsafe { std::slice::from_raw_parts_mut(region.addr as *mut u8, region.len as usize) }
+}
+
+/// Reads `into.len` bytes at `remote` of the process listening at `addr`, through a peer
+/// opened afresh (whoever listens there now), into `into`; whether every byte came.
+pub(crate) fn read_through_fresh_peer(
+    engine: &crate::engine::Engine,
+    addr: SocketAddr,
+    remote: u64,
+    into: crate::engine::Region,
+) -> bool {
+    let (Ok(peer), Ok(mut submitter)) = (engine.open(&addr.to_string()), engine.submitter()) else {
+        return false;
+    };
+    let read = crate::engine::Transfer {
+        op: crate::engine::Op::Read,
+        local: into,
+        local_offset: 0,
+        remote_addr: remote,
+        len: into.len,
+    };
+    let Ok(batch) = submitter.submit(&peer, &[read]) else {
+        return false;
+    };
+    batch.wait(std::time::Instant::now() + railyard_dataplane::DEFAULT_DEADLINE + BOUND);
+    batch.outcomes() == vec![Some(railyard_dataplane::RequestOutcome::Done)]
+}
+
 fn any_port() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))
 }

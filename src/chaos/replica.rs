@@ -30,8 +30,8 @@ use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutc
 use serde::Serialize;
 
 use super::process::Target;
-use super::{BOUND, any_port, fill_pattern};
-use crate::engine::{Engine, EngineSubmitter, Op, Peer, RailChoice, Region, Transfer};
+use super::{BOUND, any_port, fill_pattern, read_through_fresh_peer, region_bytes};
+use crate::engine::{Engine, Op, Peer, RailChoice, Region, Transfer};
 
 /// What happened.
 #[derive(Debug, Serialize)]
@@ -218,23 +218,12 @@ fn in_flight_at(log: &PeerLog, at: Instant) -> (u64, u64) {
 
 /// Reads a newcomer's first `len` bytes through a fresh peer; counts the non-zero ones.
 fn nonzero_bytes(engine: &Engine, newcomer: &Target, len: u64) -> Option<u64> {
-    let peer = engine.open(&newcomer.addr.to_string()).ok()?;
     let back = engine.alloc(len, None).ok()?;
-    let mut submitter: EngineSubmitter = engine.submitter().ok()?;
-    let read = Transfer {
-        op: Op::Read,
-        local: back,
-        local_offset: 0,
-        remote_addr: newcomer.pool_base,
-        len,
-    };
-    let batch = submitter.submit(&peer, &[read]).ok()?;
-    batch.wait(Instant::now() + DEFAULT_DEADLINE + BOUND);
-    if batch.outcomes() != vec![Some(RequestOutcome::Done)] {
+    if !read_through_fresh_peer(engine, newcomer.addr, newcomer.pool_base, back) {
         return None;
     }
     // SAFETY: the read has resolved; nothing else uses `back`.
-    let bytes = unsafe { std::slice::from_raw_parts(back.addr as *const u8, len as usize) };
+    let bytes = unsafe { region_bytes(back) };
     Some(bytes.iter().filter(|&&b| b != 0).count() as u64)
 }
 
@@ -258,7 +247,7 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
         let source = engine.alloc(len, None)?;
         // SAFETY: nothing transfers from it yet. Never zeros: a byte of it landing in a
         // newcomer's (zeroed) memory must show.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(source.addr as *mut u8, len as usize) };
+        let bytes = unsafe { region_bytes(source) };
         fill_pattern(bytes, seed ^ n as u64);
         bytes
             .iter_mut()

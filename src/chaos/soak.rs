@@ -28,6 +28,7 @@ use railyard_dataplane::rng::SplitMix64;
 use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
 
 use super::process::Target;
+use super::{read_through_fresh_peer, region_bytes};
 use crate::engine::{Engine, Op, Peer, RailChoice, Region, Transfer};
 
 /// How late past its deadline a request may resolve (the poller's flush grace and
@@ -242,40 +243,24 @@ fn misdirected(engine: &Engine, slots: &[RwLock<Slot>]) -> u64 {
     let Ok(back) = engine.alloc(len, None) else {
         return 0;
     };
-    let Ok(mut submitter) = engine.submitter() else {
-        return 0;
-    };
     let mut wrong = 0;
     for (index, slot) in slots.iter().enumerate() {
         let (addr, base, generation) = {
             let slot = slot.read().unwrap_or_else(PoisonError::into_inner);
             (slot.addr, slot.pool_base, slot.generation)
         };
-        let Ok(peer) = engine.open(&addr.to_string()) else {
-            continue;
-        };
-        let read = Transfer {
-            op: Op::Read,
-            local: back,
-            local_offset: 0,
-            remote_addr: base,
-            len,
-        };
-        let Ok(batch) = submitter.submit(&peer, &[read]) else {
-            continue;
-        };
-        batch.wait(Instant::now() + DEFAULT_DEADLINE + SLACK);
-        if batch.outcomes() != vec![Some(RequestOutcome::Done)] {
+        if !read_through_fresh_peer(engine, addr, base, back) {
             continue;
         }
         // SAFETY: the read has resolved; nothing else uses `back`.
         let bytes = unsafe { region_bytes(back) };
+        // Target and generation: the tag's top 16 bits.
+        let meant = tag(index, generation, 0, 0) >> 48;
         for block in bytes.chunks(BLOCK as usize) {
             let mut word = [0u8; 8];
             word.copy_from_slice(&block[..8]);
             let found = u64::from_le_bytes(word);
-            let meant = tag(index, generation, 0, 0) & !((1 << 48) - 1);
-            if found != 0 && found & !((1 << 48) - 1) != meant {
+            if found != 0 && found >> 48 != meant {
                 wrong += 1;
             }
         }
@@ -574,14 +559,6 @@ fn work(
             }
         }
     }
-}
-
-/// # Safety
-/// No transfer of `region` may be in flight while the slice is used.
-unsafe fn region_bytes<'a>(region: Region) -> &'a mut [u8] {
-    // SAFETY: the region is registered memory of `region.len` bytes owned by the engine,
-    // which outlives the workers; the caller keeps transfers away while it is used.
-    unsafe { std::slice::from_raw_parts_mut(region.addr as *mut u8, region.len as usize) }
 }
 
 /// The shared peer of a target, opened (again) when there is none or it was retired.
