@@ -17,6 +17,15 @@ use railyard::control::{HostId, Incarnation};
 use railyard::dataplane::IdleStrategy;
 use railyard::engine::{Engine, Op, RailChoice, Transfer};
 
+/// Sets its flag when dropped.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 /// The target's resident memory, in KiB.
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the target runs");
@@ -172,6 +181,9 @@ fn abusive_connections_leave_the_target_bounded_and_other_peers_moving() {
                 moved.fetch_add(1, Ordering::Relaxed);
             }
         });
+        // Stops the worker however this closure ends: a failed assertion must not leave the
+        // scope waiting for it forever.
+        let stop_worker = StopOnDrop(&stop);
         let wait_moving = |since: u64| {
             let end = Instant::now() + BOUND;
             while moved.load(Ordering::Relaxed) < since + 20 {
@@ -220,7 +232,7 @@ fn abusive_connections_leave_the_target_bounded_and_other_peers_moving() {
         wait_moving(moved.load(Ordering::Relaxed));
         drop(flooding);
         drop(partial);
-        stop.store(true, Ordering::Relaxed);
+        drop(stop_worker);
         worker.join().expect("the good peer never failed");
         baseline
     });
