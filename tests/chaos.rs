@@ -122,7 +122,8 @@ fn a_dead_replica_fails_fast_and_its_port_is_a_new_peer() {
     );
     assert_eq!(counts["misdirected"], 0);
     assert_eq!(counts["newcomers_checked"], true);
-    assert_eq!(counts["newcomer_is_new_incarnation"], true);
+    assert_eq!(counts["predecessors_retired"], true);
+    assert_eq!(counts["newcomers_reached"], true);
 }
 
 #[test]

@@ -62,6 +62,20 @@ fn without_idempotent_replies_the_handshake_churn_tears_queue_pairs_down() {
     );
 }
 
+/// With the incarnation check off, the initiator takes each newcomer for the dead target
+/// on its port: the dead target's handle carries on into the newcomer's memory.
+#[test]
+fn without_the_incarnation_check_a_newcomer_receives_what_was_meant_for_the_dead() {
+    let (violations, counts) =
+        violations_without(Protection::IncarnationCheck, Scenario::DeadReplica);
+    assert!(counts["misdirected"].as_u64() > Some(0), "{counts}");
+    assert_eq!(counts["predecessors_retired"], false, "{counts}");
+    assert!(
+        violations.iter().any(|v| v.starts_with("misdirected")),
+        "{violations:?}"
+    );
+}
+
 /// With liveness off, a stopped target is noticed only at the deadline: its work fails as
 /// `Timeout` after 5 s, never fast as `PeerUnavailable`.
 #[test]

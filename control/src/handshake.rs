@@ -239,6 +239,9 @@ pub(crate) struct Core<F: RailFabric> {
     actions: VecDeque<Action>,
     /// Scratch for immediates taken from passive queue pairs.
     immediates: Vec<u32>,
+    /// Only with [`Protection::IncarnationCheck`] off: each newcomer taken for the
+    /// predecessor at its address (newcomer → predecessor).
+    mistaken: HashMap<Incarnation, Incarnation>,
 }
 
 impl<F: RailFabric> Core<F> {
@@ -276,6 +279,7 @@ impl<F: RailFabric> Core<F> {
             warnings: RateLimiter::new(warn.window, warn.burst),
             actions: VecDeque::new(),
             immediates: Vec::new(),
+            mistaken: HashMap::new(),
         }
     }
 
@@ -307,8 +311,59 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    fn send(&mut self, conn: ConnId, message: Message) {
+    fn send(&mut self, conn: ConnId, mut message: Message) {
+        if !self.mistaken.is_empty() {
+            self.undo_mistaken_identity(&mut message);
+        }
         self.actions.push_back(Action::Send { conn, message });
+    }
+
+    /// With [`Protection::IncarnationCheck`] off (sabotage builds only), a process that
+    /// answers at an address this side dialed is taken for the incarnation that answered
+    /// there before — the address treated as an identity. Returns the incarnation the Hello
+    /// is then taken to say.
+    fn mistake_identity(&mut self, conn: ConnId, said: Incarnation) -> Incarnation {
+        if !sabotage::is_off(Protection::IncarnationCheck) {
+            return said;
+        }
+        let Some(state) = self.conns.get(&conn).filter(|state| state.dialed) else {
+            return said;
+        };
+        match self.listeners.get(&state.addr) {
+            Some(&before) if before != said && state.peer.is_none() => {
+                self.mistaken.insert(said, before);
+                before
+            }
+            _ => said,
+        }
+    }
+
+    /// What a mistaken newcomer says about itself is read as its predecessor's (sabotage).
+    fn mistake_incoming(&self, message: &mut Message) {
+        let mistake = |incarnation: &mut Incarnation| {
+            if let Some(&before) = self.mistaken.get(incarnation) {
+                *incarnation = before;
+            }
+        };
+        match message {
+            Message::Descriptor(descriptor) => mistake(&mut descriptor.incarnation),
+            Message::ConnectQpReply { key, .. } => mistake(&mut key.target),
+            _ => {}
+        }
+    }
+
+    /// What is addressed to a mistaken predecessor goes to its newcomer (sabotage).
+    fn undo_mistaken_identity(&self, message: &mut Message) {
+        let undo = |incarnation: &mut Incarnation| {
+            if let Some((&newcomer, _)) = self.mistaken.iter().find(|(_, b)| **b == *incarnation) {
+                *incarnation = newcomer;
+            }
+        };
+        match message {
+            Message::ConnectQp { key, .. } | Message::RetireQp { key, .. } => undo(&mut key.target),
+            Message::Notify { target, .. } => undo(target),
+            _ => {}
+        }
     }
 
     /// Asks for the peer's descriptor on `conn`; connects waiting on it wait for the answer.
@@ -500,7 +555,10 @@ impl<F: RailFabric> Core<F> {
     // ---- messages ----------------------------------------------------------------------
 
     /// A whole message arrived on `conn`.
-    pub(crate) fn received(&mut self, conn: ConnId, message: Message, now: Instant) {
+    pub(crate) fn received(&mut self, conn: ConnId, mut message: Message, now: Instant) {
+        if !self.mistaken.is_empty() {
+            self.mistake_incoming(&mut message);
+        }
         let Some(state) = self.conns.get_mut(&conn) else {
             return;
         };
@@ -661,6 +719,7 @@ impl<F: RailFabric> Core<F> {
         listen: &str,
         now: Instant,
     ) {
+        let incarnation = self.mistake_identity(conn, incarnation);
         let Some(state) = self.conns.get_mut(&conn) else {
             return;
         };

@@ -13,6 +13,56 @@ pub enum Protection {
     IdempotentReplies,
     /// Liveness: silent control connections are never declared unreachable.
     Liveness,
+    /// Peer identity: a process answering at an address this side dialed is taken for the
+    /// incarnation that answered there before (an address treated as an identity), so that
+    /// incarnation's endpoints carry on into the newcomer.
+    IncarnationCheck,
+}
+
+impl Protection {
+    /// Every protection a switch can turn off.
+    pub const ALL: [Self; 4] = [
+        Self::EpochCheck,
+        Self::IdempotentReplies,
+        Self::Liveness,
+        Self::IncarnationCheck,
+    ];
+
+    /// Its name in [`ENV`].
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::EpochCheck => "epoch-check",
+            Self::IdempotentReplies => "idempotent-replies",
+            Self::Liveness => "liveness",
+            Self::IncarnationCheck => "incarnation-check",
+        }
+    }
+}
+
+/// The environment variable that carries the switched-off protections (comma-separated
+/// names) to the processes a sabotaged test starts: a sabotage build reads it with
+/// [`turn_off_from_env`] (`railyard serve` does), any other build ignores it.
+pub const ENV: &str = "RAILYARD_SABOTAGE";
+
+/// The protections switched off in this process, as [`ENV`] carries them.
+pub fn switched_off() -> String {
+    Protection::ALL
+        .into_iter()
+        .filter(|&protection| is_off(protection))
+        .map(Protection::name)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Switches off, for the rest of this process, the protections [`ENV`] names.
+#[cfg(feature = "sabotage")]
+pub fn turn_off_from_env() {
+    let named = std::env::var(ENV).unwrap_or_default();
+    for protection in Protection::ALL {
+        if named.split(',').any(|name| name == protection.name()) {
+            switches::set(protection, true);
+        }
+    }
 }
 
 #[cfg(feature = "sabotage")]
@@ -21,7 +71,7 @@ mod switches {
 
     use super::Protection;
 
-    static OFF: [AtomicBool; 3] = [const { AtomicBool::new(false) }; 3];
+    static OFF: [AtomicBool; 4] = [const { AtomicBool::new(false) }; 4];
 
     fn switch(protection: Protection) -> &'static AtomicBool {
         &OFF[protection as usize]

@@ -1,10 +1,10 @@
 //! `handshake-churn`: repeated handshakes from an unchanged peer change nothing, and two
 //! peer processes on one host are two peers.
 //!
-//! A raw peer (this module speaking the wire format with its own soft device) connects a
-//! queue pair to the target, then repeats the very same Hello and ConnectQp — same
-//! incarnation, same queue pair — on a new TCP connection each time, as a peer whose
-//! connections keep dropping would. Each answer must be the target's same queue pair.
+//! The target is a `railyard serve` process. A raw peer (this module speaking the wire
+//! format with its own soft device) connects a queue pair to it, then repeats the very same
+//! Hello and ConnectQp — same incarnation, same queue pair — on a new TCP connection each
+//! time, as a peer whose connections keep dropping would. Each answer must be the target's same queue pair.
 //! Meanwhile two initiator nodes on this host (two incarnations, two ports) connect to the
 //! target and write, and ask again for their endpoints. Elsewhere each repeat was a
 //! reconnect (address-vector churn, warning floods), and peers keyed by `host@nic` overwrote
@@ -22,6 +22,7 @@ use railyard_dataplane::{RequestOutcome, Submitter};
 use serde::Serialize;
 
 use super::node::Node;
+use super::process::Target;
 use super::{BOUND, any_port, write_slice};
 
 /// What happened.
@@ -158,31 +159,30 @@ pub fn handshake_once(
 /// # Errors
 /// When the nodes cannot start or connect.
 pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
-    let mut target = Node::start("decode-0", 1, any_port(), seed, Policy::default(), None)?;
-    let region = target.alloc(1 << 20)?;
-    let target_base = target.regions[region].buffer.region().addr;
+    let mut target = Target::start_with(binary, "decode-0", any_port(), 0, 1, "1MiB")?;
+    let target_base = target.pool_base;
 
     // The raw peer: its own device and one queue pair, handshaken many times.
     let device = SoftDevice::open("raw-peer", SoftConfig::default())?;
     let link = PeerLink {
         same_host: true,
-        local_ip: target.addr().ip(),
+        local_ip: target.addr.ip(),
     };
     let (qp, side) = RailFabric::create_qp(&device, &link).map_err(anyhow::Error::msg)?;
     let incarnation = Incarnation(device.incarnation());
     let key = WireKey {
         initiator: incarnation,
-        target: target.control.incarnation(),
+        target: target.incarnation,
         initiator_rail: 0,
         target_rail: 0,
     };
-    let first = handshake_once(target.addr(), "raw-peer", incarnation, key, &side)
+    let first = handshake_once(target.addr, "raw-peer", incarnation, key, &side)
         .context("the raw peer's first handshake")?;
     let qp = RailFabric::connect_qp(&device, qp, &first).map_err(anyhow::Error::msg)?;
     let repeated = 1000 + seed % 100;
     let mut changed = 0;
     for _ in 1..repeated {
-        let answer = handshake_once(target.addr(), "raw-peer", incarnation, key, &side)?;
+        let answer = handshake_once(target.addr, "raw-peer", incarnation, key, &side)?;
         if answer != first {
             changed += 1;
         }
@@ -206,12 +206,12 @@ pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
     }
     let mut peers_distinct = true;
     for (n, (node, source)) in initiators.iter().enumerate() {
-        let view = node.control.connect(target.addr(), 0, 0)?;
+        let view = node.control.connect(target.addr, 0, 0)?;
         if !view.wait_ready(Instant::now() + BOUND) {
             bail!("{} never connected: {:?}", node.name, view.phase());
         }
         for _ in 0..50 {
-            let again = node.control.connect(target.addr(), 0, 0)?;
+            let again = node.control.connect(target.addr, 0, 0)?;
             peers_distinct &= again.id == view.id;
         }
         let descriptor = view.descriptor().context("descriptor")?;
@@ -234,22 +234,25 @@ pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
         batch.wait(Instant::now() + BOUND);
         peers_distinct &= batch.outcome(0) == Some(RequestOutcome::Done);
     }
-    // SAFETY: both writes completed (or the report says they did not).
-    let landed = unsafe { target.regions[region].buffer.as_slice() };
-    peers_distinct &= landed[..1 << 16].iter().all(|&b| b == 0xA0)
-        && landed[1 << 16..2 << 16].iter().all(|&b| b == 0xA1);
+    // Each initiator's 64 KiB, where it was meant to land (digests from the target).
+    let landed = target.digests(target.pool_id, 0, 2 << 16, 1 << 16)?;
+    let meant = [
+        super::digest(&[0xA0; 1 << 16]),
+        super::digest(&[0xA1; 1 << 16]),
+    ];
+    peers_distinct &= landed == meant;
 
-    let stats = target.control.stats();
+    let passive_qps = target.stat("passive_qps")?;
     let mut report = ChurnReport {
         seed,
         repeated_handshakes: repeated,
-        teardowns: stats.teardowns,
-        reconnects: stats.reconnects,
-        passive_qps: stats.passive_qps,
-        idempotent_replies: stats.idempotent_replies,
+        teardowns: target.stat("teardowns")?,
+        reconnects: target.stat("reconnects")?,
+        passive_qps,
+        idempotent_replies: target.stat("idempotent_replies")?,
         changed_answers: changed,
-        warning_lines: stats.warnings_printed,
-        peers_distinct: peers_distinct && stats.passive_qps == 3,
+        warning_lines: target.stat("warnings_printed")?,
+        peers_distinct: peers_distinct && passive_qps == 3,
         twin_failed_requests: 0,
         twin_reconnects: 0,
         twin_teardowns: 0,
@@ -279,7 +282,7 @@ pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
 /// initiators started at once under the same name, each writing to it for two seconds.
 /// Returns the JSON report of each bench that ran.
 fn twin_processes(binary: &std::path::Path, seed: u64) -> Result<Vec<serde_json::Value>> {
-    let target = super::process::Target::start(binary, "decode-twins", any_port(), 0)?;
+    let target = Target::start(binary, "decode-twins", any_port(), 0)?;
     let twins: Vec<_> = (0..2u64)
         .map(|twin| {
             std::process::Command::new(binary)

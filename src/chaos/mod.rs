@@ -1,7 +1,10 @@
 //! Reproductions of the four production failures of DESIGN.md §1, on the soft fabric with
-//! fault plans: each scenario runs whole nodes (rails, pollers, control planes) in this
-//! process — `dead-replica` its targets as `railyard serve` processes — injects its failure
-//! deterministically from a seed, and reports what happened as counts. `railyard chaos <scenario>` prints them; the integration tests assert them.
+//! fault plans: each scenario runs its targets as `railyard serve` processes (driven over
+//! their stdin: regions, digests of their bytes, counters) and its initiators as whole nodes
+//! in this process (rails, pollers, control planes; `handshake-churn` also as `railyard
+//! bench` processes), injects its failure deterministically from a seed, and reports what
+//! happened as counts. `railyard chaos <scenario>` prints them; the integration tests
+//! assert them.
 //!
 //! | scenario | what it does | what must hold |
 //! |---|---|---|
@@ -27,6 +30,14 @@ use std::time::Duration;
 use railyard_control::EndpointView;
 use railyard_dataplane::fabric::{MemoryRegion, Opcode};
 use railyard_dataplane::{Epoch, SliceSpec};
+
+/// FNV-1a over `bytes`: how scenarios compare what landed in a target process's memory
+/// with what was meant to (`railyard serve`'s `digest` command prints it).
+pub fn digest(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
 
 /// Every wait in a scenario ends by this bound.
 pub const BOUND: Duration = Duration::from_secs(10);
@@ -95,11 +106,11 @@ pub fn run(scenario: Scenario, seed: u64, binary: &std::path::Path) -> anyhow::R
     }
     match scenario {
         Scenario::ReconnectStorm => {
-            let report = storm::run(seed)?;
+            let report = storm::run(seed, binary)?;
             outcome(&report, report.violations())
         }
         Scenario::TeardownRace => {
-            let report = race::run(seed)?;
+            let report = race::run(seed, binary)?;
             outcome(&report, report.violations())
         }
         Scenario::HandshakeChurn => {
@@ -188,10 +199,6 @@ fn fill_pattern(bytes: &mut [u8], seed: u64) {
         let word = state.next_u64().to_le_bytes();
         chunk.copy_from_slice(&word[..chunk.len()]);
     }
-}
-
-fn pattern_matches(landed: &[u8], sent: &[u8]) -> bool {
-    landed == sent
 }
 
 /// A WRITE slice of `len` bytes for request `request`: from `local` (region, offset) to

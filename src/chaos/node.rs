@@ -256,47 +256,6 @@ impl Node {
         Ok(regions)
     }
 
-    /// Registers region `index` again (new keys on every rail, old ones withdrawn) and
-    /// publishes the new generation — what a peer does when it rebuilds its cache pool.
-    ///
-    /// # Errors
-    /// When the new registration fails.
-    pub fn reregister(&mut self, index: usize) -> Result<()> {
-        let region = &self.regions[index];
-        let mut fresh = Vec::new();
-        for device in &self.devices {
-            // SAFETY:
-            // - As in `register_everywhere`: the buffer outlives every registration of it.
-            let registered = unsafe {
-                device.register(region.buffer.as_ptr(), region.buffer.len(), Access::ALL)
-            }?;
-            fresh.push(registered);
-        }
-        for (device, old) in self.devices.iter().zip(&region.regions) {
-            device.deregister(old)?;
-        }
-        let region = &mut self.regions[index];
-        region.regions = fresh;
-        region.generation += 1;
-        self.publish();
-        Ok(())
-    }
-
-    /// Withdraws region `index`: its registrations go (their keys with them) and it leaves
-    /// the published descriptor for good; returns it, so that its memory outlives anything
-    /// still aimed at it.
-    ///
-    /// # Errors
-    /// When a deregistration fails.
-    pub fn withdraw(&mut self, index: usize) -> Result<NodeRegion> {
-        let region = self.regions.remove(index);
-        for (device, registered) in self.devices.iter().zip(&region.regions) {
-            device.deregister(registered)?;
-        }
-        self.publish();
-        Ok(region)
-    }
-
     fn publish(&self) {
         self.shared.set_regions(
             self.regions

@@ -1,27 +1,48 @@
-//! Target processes for the scenarios that need real ones: `railyard serve` children that
-//! die with this process (even when stopped), and say where they listen.
+//! Target processes for the scenarios: `railyard serve` children that die with this
+//! process (even when stopped), say where they listen, and take commands on stdin (allocate,
+//! re-register and deregister regions, digest their bytes).
+//!
+//! They run without address-space randomisation, so a newcomer on a dead target's port maps
+//! its pool exactly where its predecessor's was (identical processes do that without ASLR,
+//! and allocators that reuse address ranges do it with it) and, on the soft fabric, under
+//! the same keys: a write still aimed at the predecessor would land and be counted.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write as _};
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt as _;
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::time::Duration;
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
+use railyard_control::Incarnation;
 
-/// Each target's pool.
+use super::BOUND;
+
+/// Each target's pool unless told otherwise.
 const POOL: &str = "8MiB";
+
+/// A region of a target, as its `alloc` or `reregister` command answered.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RemoteRegion {
+    pub(crate) id: u64,
+    pub(crate) addr: u64,
+}
 
 /// A `railyard serve` child; killed (and reaped) when dropped.
 pub(crate) struct Target {
     pub(crate) child: Child,
-    /// Closing it stops the child (`--until-stdin-closes`).
-    _stdin: ChildStdin,
+    /// Commands go here; closing it stops the child (`--until-stdin-closes`).
+    stdin: ChildStdin,
+    /// Its stdout after the first line.
+    lines: Receiver<String>,
     pub(crate) addr: SocketAddr,
     pub(crate) pool_base: u64,
+    /// The pool's region id.
+    pub(crate) pool_id: u64,
     /// Its incarnation, as printed.
-    pub(crate) incarnation: String,
+    pub(crate) incarnation: Incarnation,
     /// Changes with every newcomer on a port (the soak's block patterns carry it).
     pub(crate) generation: u8,
 }
@@ -38,20 +59,48 @@ impl Target {
         listen: SocketAddr,
         generation: u8,
     ) -> Result<Self> {
+        Self::start_with(binary, name, listen, generation, 1, POOL)
+    }
+
+    /// [`Self::start`] with `rails` rails and a pool of `pool` (a size like `4MiB`).
+    ///
+    /// # Errors
+    /// As [`Self::start`].
+    pub(crate) fn start_with(
+        binary: &Path,
+        name: &str,
+        listen: SocketAddr,
+        generation: u8,
+        rails: usize,
+        pool: &str,
+    ) -> Result<Self> {
         let mut command = Command::new(binary);
         command
-            .args(["serve", "--until-stdin-closes", "--rails", "1"])
-            .args(["--pool", POOL, "--name", name])
+            .args([
+                "serve",
+                "--until-stdin-closes",
+                "--rails",
+                &rails.to_string(),
+            ])
+            .args(["--pool", pool, "--name", name])
             .args(["--listen", &listen.to_string()])
+            .env(
+                railyard_dataplane::sabotage::ENV,
+                railyard_dataplane::sabotage::switched_off(),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
         // SAFETY: the closure runs in the child between fork and exec and calls only
-        // prctl(2), which is async-signal-safe; it touches no memory of the parent.
+        // prctl(2) and personality(2), plain system calls; it touches no memory of the parent.
         unsafe {
             command.pre_exec(|| {
                 // Dies with the soak, even stopped: no orphan keeps a port or its memory.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The same layout for every target: see the module doc.
+                if libc::personality(libc::ADDR_NO_RANDOMIZE as libc::c_ulong) == -1 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -66,11 +115,14 @@ impl Target {
             bail!("serve's pipes were not set up");
         };
         let (first_line, first) = std::sync::mpsc::channel();
+        let (line, lines) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            let _ = first_line.send(lines.next());
-            // Drain the rest so the child never blocks on a full pipe.
-            lines.for_each(drop);
+            let mut stdout = BufReader::new(stdout).lines();
+            let _ = first_line.send(stdout.next());
+            // Read on, so the child never blocks on a full pipe.
+            for next in stdout.map_while(Result::ok) {
+                let _ = line.send(next);
+            }
         });
         let first = match first.recv_timeout(Duration::from_secs(10)) {
             Ok(Some(Ok(line))) => line,
@@ -80,17 +132,19 @@ impl Target {
                 bail!("serve did not say where it listens: {outcome:?}");
             }
         };
-        // listening ADDR incarnation INC pool 0xBASE LEN
+        // listening ADDR incarnation INC pool 0xBASE LEN region ID
         let words: Vec<&str> = first.split_whitespace().collect();
-        let parsed = match (words.get(1), words.get(3), words.get(5)) {
-            (Some(addr), Some(incarnation), Some(base)) => addr
+        let parsed = match (words.get(1), words.get(3), words.get(5), words.get(8)) {
+            (Some(addr), Some(incarnation), Some(base), Some(id)) => addr
                 .parse::<SocketAddr>()
                 .ok()
-                .zip(u64::from_str_radix(base.trim_start_matches("0x"), 16).ok())
-                .map(|(addr, base)| (addr, base, incarnation.to_string())),
+                .zip(hex(incarnation))
+                .zip(hex(base))
+                .zip(id.parse::<u64>().ok())
+                .map(|(((addr, incarnation), base), id)| (addr, incarnation, base, id)),
             _ => None,
         };
-        let Some((addr, pool_base, incarnation)) = parsed else {
+        let Some((addr, incarnation, pool_base, pool_id)) = parsed else {
             let _ = child.kill();
             let _ = child.wait();
             bail!("unexpected first line from serve: {first:?}");
@@ -98,11 +152,81 @@ impl Target {
         Ok(Self {
             addr,
             pool_base,
-            incarnation,
+            pool_id,
+            incarnation: Incarnation(incarnation),
             child,
-            _stdin: stdin,
+            stdin,
+            lines,
             generation,
         })
+    }
+
+    /// Sends one stdin command and returns its answer (what is printed meanwhile — a
+    /// notification — is skipped).
+    ///
+    /// # Errors
+    /// When the target answers `error:`, or not within [`BOUND`].
+    fn command(&mut self, command: &str) -> Result<String> {
+        writeln!(self.stdin, "{command}").with_context(|| format!("sending {command:?}"))?;
+        let deadline = Instant::now() + BOUND;
+        loop {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let line = self
+                .lines
+                .recv_timeout(wait)
+                .with_context(|| format!("no answer to {command:?}"))?;
+            if let Some(why) = line.strip_prefix("error: ") {
+                bail!("{command:?} failed: {why}");
+            }
+            if ["region ", "deregistered ", "digest ", "stats "]
+                .iter()
+                .any(|answer| line.starts_with(answer))
+            {
+                return Ok(line);
+            }
+        }
+    }
+
+    /// Allocates a region of `len` bytes in the target.
+    pub(crate) fn alloc(&mut self, len: u64) -> Result<RemoteRegion> {
+        region(&self.command(&format!("alloc {len}"))?)
+    }
+
+    /// Registers region `id` anew (new keys, old ones withdrawn; same memory).
+    pub(crate) fn reregister(&mut self, id: u64) -> Result<RemoteRegion> {
+        region(&self.command(&format!("reregister {id}"))?)
+    }
+
+    /// Deregisters region `id` (and frees it).
+    pub(crate) fn deregister(&mut self, id: u64) -> Result<()> {
+        self.command(&format!("deregister {id}")).map(drop)
+    }
+
+    /// The target's control-plane counter `name` (`stats` command).
+    pub(crate) fn stat(&mut self, name: &str) -> Result<u64> {
+        let answer = self.command("stats")?;
+        answer
+            .split_whitespace()
+            .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|value| value.parse().ok())
+            .with_context(|| format!("no {name} in {answer:?}"))
+    }
+
+    /// Digests ([`super::digest`]) of `len` bytes at `offset` in region `id`, one per
+    /// `chunk` bytes.
+    pub(crate) fn digests(
+        &mut self,
+        id: u64,
+        offset: u64,
+        len: u64,
+        chunk: u64,
+    ) -> Result<Vec<u64>> {
+        let answer = self.command(&format!("digest {id} {offset} {len} {chunk}"))?;
+        answer
+            .split_whitespace()
+            .skip(1)
+            .map(|word| u64::from_str_radix(word, 16).context("a digest in hex"))
+            .collect()
     }
 
     /// Sends `signal` to it.
@@ -122,4 +246,23 @@ impl Drop for Target {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+fn hex(word: &str) -> Option<u64> {
+    u64::from_str_radix(word.trim_start_matches("0x"), 16).ok()
+}
+
+/// Parses `region ID 0xADDR LEN`.
+fn region(answer: &str) -> Result<RemoteRegion> {
+    let words: Vec<&str> = answer.split_whitespace().collect();
+    match (words.get(1), words.get(2), words.get(3)) {
+        (Some(id), Some(addr), Some(len)) => id
+            .parse()
+            .ok()
+            .zip(hex(addr))
+            .filter(|_| len.parse::<u64>().is_ok())
+            .map(|(id, addr)| RemoteRegion { id, addr }),
+        _ => None,
+    }
+    .with_context(|| format!("unexpected answer {answer:?}"))
 }

@@ -1,7 +1,7 @@
 //! `teardown-race`: tearing endpoints down while submitters post at full rate must never
 //! crash, lose a request, resolve one twice, or post a stale slice.
 //!
-//! Two rails, three targets. One submitter thread per rail keeps four batches in flight at
+//! Two rails, three targets (`railyard serve` processes). One submitter thread per rail keeps four batches in flight at
 //! all times, each to the next target in turn, preparing each from that endpoint's current
 //! view. A churn thread retires every endpoint and connects a new one, over and over, while
 //! the fault plan kills every queue pair after a few hundred work requests (QP fatal) and
@@ -13,6 +13,7 @@
 //! here only the poller ever touches its queue pairs, and teardown is a command on a ring.
 
 use std::collections::VecDeque;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -25,6 +26,7 @@ use railyard_dataplane::{Batch, PollerHandle, SliceSpec, Submitter};
 use serde::Serialize;
 
 use super::node::Node;
+use super::process::Target;
 use super::{BOUND, RequestTally, any_port, write_slice};
 
 /// What happened.
@@ -188,11 +190,11 @@ fn submit_loop(
     Ok(())
 }
 
-/// Runs the scenario.
+/// Runs the scenario against three `railyard serve` targets started from `binary`.
 ///
 /// # Errors
-/// When the nodes cannot start or connect.
-pub fn run(seed: u64) -> Result<RaceReport> {
+/// When the targets or the initiator cannot start or connect.
+pub fn run(seed: u64, binary: &Path) -> Result<RaceReport> {
     let policy = Policy {
         backoff_min: Duration::from_micros(100),
         backoff_max: Duration::from_millis(5),
@@ -201,21 +203,11 @@ pub fn run(seed: u64) -> Result<RaceReport> {
         flap_after_ready: Duration::from_millis(1),
         ..Policy::default()
     };
-    let mut targets = Vec::new();
-    let mut target_bases = Vec::new();
-    for n in 0..TARGETS {
-        let mut target = Node::start(
-            &format!("decode-{n}"),
-            RAILS,
-            any_port(),
-            seed.wrapping_add(n as u64),
-            policy.clone(),
-            None,
-        )?;
-        let region = target.alloc(SLOTS as usize * SLICE_LEN)?;
-        target_bases.push(target.regions[region].buffer.region().addr);
-        targets.push(target);
-    }
+    let pool = (SLOTS * SLICE_LEN as u64).to_string();
+    let mut targets = (0..TARGETS)
+        .map(|n| Target::start_with(binary, &format!("decode-{n}"), any_port(), 0, RAILS, &pool))
+        .collect::<Result<Vec<_>>>()?;
+    let target_bases: Vec<u64> = targets.iter().map(|target| target.pool_base).collect();
     let mut initiator = Node::start("prefill-0", RAILS, any_port(), seed, policy, None)?;
     let source = initiator.alloc(TARGETS * SLOTS as usize * SLICE_LEN)?;
     // SAFETY: nothing transfers yet.
@@ -243,10 +235,9 @@ pub fn run(seed: u64) -> Result<RaceReport> {
             targets
                 .iter()
                 .map(|target| {
-                    let view =
-                        initiator
-                            .control
-                            .connect(target.addr(), rail as u16, rail as u16)?;
+                    let view = initiator
+                        .control
+                        .connect(target.addr, rail as u16, rail as u16)?;
                     if !view.wait_ready(Instant::now() + BOUND) {
                         bail!("rail {rail} never connected: {:?}", view.phase());
                     }
@@ -284,7 +275,7 @@ pub fn run(seed: u64) -> Result<RaceReport> {
                         initiator.control.retire(&old)?;
                         let fresh = initiator
                             .control
-                            .connect(target.addr(), rail as u16, rail as u16)
+                            .connect(target.addr, rail as u16, rail as u16)
                             .context("reconnecting after a retirement")?;
                         *view.lock().unwrap_or_else(PoisonError::into_inner) = fresh;
                         retirements += 1;
@@ -302,18 +293,20 @@ pub fn run(seed: u64) -> Result<RaceReport> {
         churn
     })?;
 
-    // Every slot of every target: untouched, or exactly its part of the source.
+    // Every slot of every target: untouched, or exactly its part of the source (digests
+    // computed in the target processes).
     // SAFETY: every transfer has resolved (or the bound passed; the report says which).
     let sent = unsafe { initiator.regions[source].buffer.as_slice() };
+    let untouched = super::digest(&[0; SLICE_LEN]);
     let (mut misplaced_slots, mut verified_slots) = (0, 0);
-    for (n, target) in targets.iter().enumerate() {
-        // SAFETY: as above.
-        let landed = unsafe { target.regions[0].buffer.as_slice() };
-        let meant = &sent[n * SLOTS as usize * SLICE_LEN..][..SLOTS as usize * SLICE_LEN];
-        for (slot, expected) in landed.chunks(SLICE_LEN).zip(meant.chunks(SLICE_LEN)) {
-            if slot == expected {
+    for (n, target) in targets.iter_mut().enumerate() {
+        let pool_len = SLOTS * SLICE_LEN as u64;
+        let landed = target.digests(target.pool_id, 0, pool_len, SLICE_LEN as u64)?;
+        let meant = &sent[n * pool_len as usize..][..pool_len as usize];
+        for (slot, expected) in landed.iter().zip(meant.chunks(SLICE_LEN)) {
+            if *slot == super::digest(expected) {
                 verified_slots += 1;
-            } else if slot.iter().any(|&b| b != 0) {
+            } else if *slot != untouched {
                 misplaced_slots += 1;
             }
         }

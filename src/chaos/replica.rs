@@ -13,8 +13,13 @@
 //!   liveness can tell). Its requests must fail fast (`PeerUnavailable`) within 2.5 s. Then
 //!   it is killed and a newcomer under the *same* name takes its port.
 //!
-//! At the end each newcomer's memory is read through a fresh peer: nothing is written to a
-//! newcomer on purpose, so any non-zero byte there was meant for its predecessor.
+//! Each newcomer is opened by the initiator as soon as it listens, while the submitter of
+//! its predecessor keeps going: the predecessor's peer must be retired, not carried on into
+//! the newcomer. Targets run without address-space randomisation, so a newcomer's pool sits
+//! where its predecessor's was, under the same keys: a write still meant for the
+//! predecessor would land. At the end each newcomer's memory is read through a fresh peer:
+//! nothing is written to a newcomer on purpose, so any non-zero byte there was meant for its
+//! predecessor.
 //! Elsewhere every client kept sending to the dead endpoint, transfers hung for 60 s, and a
 //! process that reused the port was taken for the dead one.
 
@@ -58,9 +63,12 @@ pub struct ReplicaReport {
     pub in_flight_late: u64,
     /// From SIGSTOP of target 2 to its first request failing fast, in ms (0: never).
     pub stopped_peer_detection_ms: u64,
-    /// Whether both newcomers are new incarnations (compared with what their predecessors
-    /// printed).
-    pub newcomer_is_new_incarnation: bool,
+    /// Whether the initiator retired the killed and the stopped targets' peers once it
+    /// reached their newcomers (it told each newcomer from its predecessor, whose handle
+    /// kept submitting all along).
+    pub predecessors_retired: bool,
+    /// Whether the initiator could open both newcomers.
+    pub newcomers_reached: bool,
     /// Non-zero bytes found in the newcomers' memory: meant for their predecessors.
     pub misdirected: u64,
     /// Whether the newcomers' memory could be read (through a fresh peer each).
@@ -102,8 +110,11 @@ impl ReplicaReport {
                 self.stopped_peer_detection_ms
             ));
         }
-        if !self.newcomer_is_new_incarnation {
+        if !self.predecessors_retired {
             broken.push("a newcomer was taken for the dead process".into());
+        }
+        if !self.newcomers_reached {
+            broken.push("a newcomer could not be opened".into());
         }
         if !self.newcomers_checked {
             broken.push("the newcomers' memory could not be read".into());
@@ -263,7 +274,7 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
     let logs: Vec<PeerLog> = (0..PEERS).map(|_| PeerLog::default()).collect();
     let stop = AtomicBool::new(false);
     let mut newcomers = Vec::new();
-    let mut predecessors = Vec::new();
+    let mut newcomer_peers = Vec::new();
     let (killed_at, stopped_at) = std::thread::scope(|scope| -> Result<(Instant, Instant)> {
         let threads: Vec<_> = (0..PEERS)
             .map(|n| {
@@ -280,8 +291,10 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
             let _ = targets[KILLED].child.wait();
             std::thread::sleep(WINDOW);
             let addr: SocketAddr = targets[KILLED].addr;
-            predecessors.push(targets[KILLED].incarnation.clone());
             newcomers.push(Target::start(binary, "decode-3-newcomer", addr, 1)?);
+            // The application reaches the newcomer while its handle of the dead process
+            // still submits: the two must not be confused.
+            newcomer_peers.push(engine.open(&addr.to_string()).ok());
             std::thread::sleep(Duration::from_millis(300));
             // Phase 2: stopped, no reset: only liveness can tell.
             targets[STOPPED].signal(libc::SIGSTOP);
@@ -290,8 +303,8 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
             targets[STOPPED].signal(libc::SIGKILL);
             let _ = targets[STOPPED].child.wait();
             let addr = targets[STOPPED].addr;
-            predecessors.push(targets[STOPPED].incarnation.clone());
             newcomers.push(Target::start(binary, "decode-2", addr, 1)?);
+            newcomer_peers.push(engine.open(&addr.to_string()).ok());
             std::thread::sleep(Duration::from_secs(1));
             Ok((killed_at, stopped_at))
         })();
@@ -349,6 +362,7 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
         .map(|(_, resolved, _)| resolved.duration_since(stopped_at).as_millis() as u64)
         .min()
         .unwrap_or(0);
+    let predecessors_retired = peers[KILLED].is_retired() && peers[STOPPED].is_retired();
     let mut misdirected = 0;
     let mut checked = true;
     for newcomer in &newcomers {
@@ -357,11 +371,6 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
             None => checked = false,
         }
     }
-    let is_new = newcomers.len() == 2
-        && newcomers
-            .iter()
-            .zip(&predecessors)
-            .all(|(newcomer, old)| newcomer.incarnation != *old);
     Ok(ReplicaReport {
         seed,
         live_throughput_ratio: after_total as f64 / before_total.max(1) as f64,
@@ -378,7 +387,8 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
         in_flight_at_failure: in_flight_killed + in_flight_stopped,
         in_flight_late: late_killed + late_stopped,
         stopped_peer_detection_ms: detection,
-        newcomer_is_new_incarnation: is_new,
+        predecessors_retired,
+        newcomers_reached: newcomer_peers.len() == 2 && newcomer_peers.iter().all(Option::is_some),
         misdirected,
         newcomers_checked: checked,
         circuit_openings: engine.stats().control.circuit_openings,

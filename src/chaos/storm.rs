@@ -1,6 +1,7 @@
 //! `reconnect-storm`: stale slices after a reconnect must never be posted.
 //!
-//! The target has two regions. The initiator prepares 256 slices at epoch e — the first K
+//! The target is a `railyard serve` process with three regions; the initiator is a node in
+//! this process whose fabric checks every post. The initiator prepares 256 slices at epoch e — the first K
 //! (K from the seed) into region A, the rest into region B — and submits them. Before they
 //! go, the target re-registers region B (new keys, old ones withdrawn), so every slice into
 //! B carries a stale key. The fault plan fails work request K with LOC_LEN_ERR on the first
@@ -17,6 +18,7 @@
 //! replacements to a few, not one per bad slice, and the good slices flushed behind them
 //! are retried without being charged.
 
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
@@ -27,7 +29,8 @@ use railyard_dataplane::{RequestOutcome, Submitter};
 use serde::Serialize;
 
 use super::node::Node;
-use super::{BOUND, RequestTally, any_port, fill_pattern, pattern_matches, write_slice};
+use super::process::{RemoteRegion, Target};
+use super::{BOUND, RequestTally, any_port, fill_pattern, write_slice};
 
 /// What happened.
 #[derive(Debug, Serialize)]
@@ -117,15 +120,26 @@ const SLICES: u32 = 256;
 const SLICE_LEN: usize = 16 * 1024;
 const PER_REQUEST: u32 = 8;
 
-/// Runs the scenario.
+/// Runs the scenario against a `railyard serve` target started from `binary`.
 ///
 /// # Errors
-/// When the nodes cannot start or connect.
-pub fn run(seed: u64) -> Result<StormReport> {
-    let mut target = Node::start("decode-0", 1, any_port(), seed, Policy::default(), None)?;
-    let region_a = target.alloc(SLICES as usize * SLICE_LEN)?;
-    let region_b = target.alloc(SLICES as usize * SLICE_LEN)?;
-    let region_c = target.alloc(SLICES as usize * SLICE_LEN)?;
+/// When the target or the initiator cannot start or connect.
+pub fn run(seed: u64, binary: &Path) -> Result<StormReport> {
+    let region_len = u64::from(SLICES) * SLICE_LEN as u64;
+    let mut target = Target::start_with(
+        binary,
+        "decode-0",
+        any_port(),
+        0,
+        1,
+        &region_len.to_string(),
+    )?;
+    let region_a = RemoteRegion {
+        id: target.pool_id,
+        addr: target.pool_base,
+    };
+    let region_b = target.alloc(region_len)?;
+    let region_c = target.alloc(region_len)?;
     let mut initiator = Node::start("prefill-0", 1, any_port(), seed, Policy::default(), None)?;
     let source = initiator.alloc(SLICES as usize * SLICE_LEN)?;
     // SAFETY: nothing transfers yet.
@@ -134,7 +148,7 @@ pub fn run(seed: u64) -> Result<StormReport> {
         seed,
     );
 
-    let view = initiator.control.connect(target.addr(), 0, 0)?;
+    let view = initiator.control.connect(target.addr, 0, 0)?;
     if !view.wait_ready(Instant::now() + BOUND) {
         bail!("the endpoint did not become ready: {:?}", view.phase());
     }
@@ -143,17 +157,15 @@ pub fn run(seed: u64) -> Result<StormReport> {
     };
     let epoch = view.epoch().unwrap_or(railyard_dataplane::Epoch::FIRST);
     let failing = 8 + seed % 24;
-    let base_a = target.regions[region_a].buffer.region().addr;
-    let base_b = target.regions[region_b].buffer.region().addr;
     let local = initiator.regions[source].regions[0];
     // Slice i goes to region A for i < failing - 1, else to region B, at the same offset.
     let mut specs = Vec::new();
     for i in 0..SLICES {
         let offset = u64::from(i) * SLICE_LEN as u64;
         let remote = if u64::from(i) + 1 < failing {
-            base_a
+            region_a.addr
         } else {
-            base_b
+            region_b.addr
         };
         let Some(rkey) = descriptor.rkey_for(remote + offset, SLICE_LEN as u64, 0) else {
             bail!("the descriptor lacks the target's regions");
@@ -168,7 +180,7 @@ pub fn run(seed: u64) -> Result<StormReport> {
         ));
     }
     // The peer rebuilds region B: every slice into it now carries a withdrawn key.
-    target.reregister(region_b)?;
+    let region_b = target.reregister(region_b.id)?;
     initiator
         .faults(0)
         .set(FaultPlan::new(seed).with(Fault::FailNth {
@@ -188,22 +200,23 @@ pub fn run(seed: u64) -> Result<StormReport> {
         .filter(|o| **o == Some(RequestOutcome::Done))
         .count() as u64;
 
-    let (a, b) = (
-        // SAFETY: every transfer resolved or the bound passed; the report says which.
-        unsafe { target.regions[region_a].buffer.as_slice() },
-        // SAFETY: as above.
-        unsafe { target.regions[region_b].buffer.as_slice() },
-    );
     // SAFETY: the source is only read by transfers.
     let sent = unsafe { initiator.regions[source].buffer.as_slice() };
-    let split = (failing as usize - 1) * SLICE_LEN;
-    let bytes_verified = pattern_matches(&a[..split], &sent[..split])
-        && pattern_matches(&b[split..], &sent[split..]);
+    let split = (failing - 1) * SLICE_LEN as u64;
+    let bytes_verified = landed_as_sent(&mut target, region_a.id, 0, &sent[..split as usize])?
+        && landed_as_sent(&mut target, region_b.id, split, &sent[split as usize..])?;
 
     let counters = initiator.pollers[0].counters();
     let phase_one_reconnects = initiator.control.stats().reconnects;
     let new_qp_errors = initiator.late_errors();
-    let phase_two = bad_descriptor_phase(&mut initiator, &mut target, &view, source, region_c)?;
+    let phase_two = bad_descriptor_phase(
+        &mut initiator,
+        &mut target,
+        &view,
+        source,
+        region_a,
+        region_c,
+    )?;
     let report = StormReport {
         seed,
         requests: RequestTally::new(u64::from(requests), resolved, done),
@@ -223,6 +236,14 @@ pub fn run(seed: u64) -> Result<StormReport> {
     Ok(report)
 }
 
+/// Whether `sent.len()` bytes at `offset` of the target's region `id` are `sent`, slice by
+/// slice (digests computed in the target process).
+fn landed_as_sent(target: &mut Target, id: u64, offset: u64, sent: &[u8]) -> Result<bool> {
+    let landed = target.digests(id, offset, sent.len() as u64, SLICE_LEN as u64)?;
+    let meant: Vec<u64> = sent.chunks(SLICE_LEN).map(super::digest).collect();
+    Ok(landed == meant)
+}
+
 /// Bad slices in the bad-descriptor phase (and as many good ones).
 const BAD_SLICES: u32 = 64;
 
@@ -231,23 +252,23 @@ const BAD_SLICES: u32 = 64;
 /// Returns (bad slices failed with `RemoteAccess`, good slices failed).
 fn bad_descriptor_phase(
     initiator: &mut Node,
-    target: &mut Node,
+    target: &mut Target,
     view: &railyard_control::EndpointView,
     source: usize,
-    region_c: usize,
+    region_a: RemoteRegion,
+    region_c: RemoteRegion,
 ) -> Result<(u64, u64)> {
     let Some(descriptor) = view.descriptor() else {
         bail!("no descriptor for the second phase");
     };
-    let base_a = target.regions[0].buffer.region().addr;
-    let base_c = target.regions[region_c].buffer.region().addr;
+    let (base_a, base_c) = (region_a.addr, region_c.addr);
     let (Some(rkey_a), Some(rkey_c)) = (
         descriptor.rkey_for(base_a, SLICE_LEN as u64, 0),
         descriptor.rkey_for(base_c, SLICE_LEN as u64, 0),
     ) else {
         bail!("the descriptor lacks regions A or C");
     };
-    let withdrawn = target.withdraw(region_c)?;
+    target.deregister(region_c.id)?;
     let local = initiator.regions[source].regions[0];
     let epoch = view.epoch().unwrap_or(railyard_dataplane::Epoch::FIRST);
     let specs: Vec<_> = (0..2 * BAD_SLICES)
@@ -280,6 +301,5 @@ fn bad_descriptor_phase(
         .step_by(2)
         .filter(|o| **o != Some(RequestOutcome::Done))
         .count() as u64;
-    drop(withdrawn);
     Ok((bad_failed, good_failed))
 }

@@ -1,14 +1,16 @@
 //! `railyard serve`: a target that registers a pool and waits for peers.
 
+use std::collections::HashMap;
 use std::io::{BufRead, Write};
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
+use std::sync::mpsc::TryRecvError;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::Args;
 use railyard::control::NotificationBody;
-use railyard::engine::{DirectoryChoice, Engine, FabricChoice, RailChoice, default_name};
+use railyard::engine::{DirectoryChoice, Engine, FabricChoice, RailChoice, Region, default_name};
 
 use super::size::{format_size, parse_size};
 
@@ -34,7 +36,14 @@ pub(crate) struct ServeArgs {
     /// with one name are still two peers, but a cluster directory holds each name once.
     #[arg(long)]
     name: Option<String>,
-    /// Exit when standard input closes (how `railyard bench` stops the target it starts).
+    /// Exit when standard input closes, and until then take commands from it, one per line,
+    /// each answered with one line (how `railyard bench` and `railyard chaos` drive the
+    /// targets they start): `alloc LEN` → `region ID 0xADDR LEN`; `reregister ID` (new keys,
+    /// same memory) → `region NEWID 0xADDR LEN`; `deregister ID` → `deregistered ID`;
+    /// `digest ID OFFSET LEN CHUNK` → `digest D...` (FNV-1a, one per CHUNK bytes); `stats` →
+    /// `stats teardowns=N reconnects=N passive_qps=N idempotent_replies=N
+    /// warnings_printed=N` (the control plane's counters); a command that cannot be done →
+    /// `error: WHY`. The pool is the region the first line names.
     #[arg(long)]
     until_stdin_closes: bool,
     #[command(flatten)]
@@ -42,6 +51,9 @@ pub(crate) struct ServeArgs {
 }
 
 pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    // A test that switched a protection off carries the switch into its targets.
+    #[cfg(feature = "sabotage")]
+    railyard::dataplane::sabotage::turn_off_from_env();
     if args.pool == 0 {
         bail!("--pool must be more than 0 bytes");
     }
@@ -63,11 +75,12 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // First line: machine-readable, for scripts and `railyard bench`.
     writeln!(
         out,
-        "listening {} incarnation {} pool {:#x} {}",
+        "listening {} incarnation {} pool {:#x} {} region {}",
         engine.addr(),
         engine.incarnation(),
         pool.addr,
-        pool.len
+        pool.len,
+        pool.id
     )?;
     writeln!(
         out,
@@ -82,14 +95,19 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
     }
     out.flush()?;
     drop(out);
-    let stdin_closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (command_line, commands) = std::sync::mpsc::channel();
     if args.until_stdin_closes {
-        let flag = stdin_closed.clone();
         std::thread::spawn(move || {
-            let _ = std::io::stdin().lock().lines().count();
-            flag.store(true, std::sync::atomic::Ordering::Relaxed);
+            for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+                let _ = command_line.send(line);
+            }
+            // Dropping the sender says stdin closed.
         });
+    } else {
+        // Never closes: serve runs until it is stopped.
+        std::mem::forget(command_line);
     }
+    let mut regions = HashMap::from([(pool.id, pool)]);
     loop {
         for notification in engine.drain_notifications() {
             let from = format!("{} ({})", notification.from, notification.incarnation);
@@ -103,9 +121,95 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
                 }
             }
         }
-        if stdin_closed.load(std::sync::atomic::Ordering::Relaxed) {
-            return Ok(());
+        loop {
+            match commands.try_recv() {
+                Ok(line) => println!("{}", command(&engine, &mut regions, &line)),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return Ok(()),
+            }
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// Does one stdin command; returns its answer line.
+fn command(engine: &Engine, regions: &mut HashMap<u64, Region>, line: &str) -> String {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let number = |index: usize| -> Result<u64, String> {
+        let word = words
+            .get(index)
+            .ok_or_else(|| format!("{line:?} lacks argument {index}"))?;
+        parse_size(word).map_err(|e| format!("{word:?}: {e}"))
+    };
+    let region = |regions: &HashMap<u64, Region>, id: u64| {
+        regions
+            .get(&id)
+            .copied()
+            .ok_or_else(|| format!("no region {id}"))
+    };
+    let answer = (|| -> Result<String, String> {
+        match words.first().copied() {
+            Some("alloc") => {
+                let made = engine.alloc(number(1)?, None).map_err(|e| e.to_string())?;
+                regions.insert(made.id, made);
+                Ok(format!("region {} {:#x} {}", made.id, made.addr, made.len))
+            }
+            Some("reregister") => {
+                let old = region(regions, number(1)?)?;
+                let renewed = engine.reregister(old).map_err(|e| e.to_string())?;
+                regions.remove(&old.id);
+                regions.insert(renewed.id, renewed);
+                Ok(format!(
+                    "region {} {:#x} {}",
+                    renewed.id, renewed.addr, renewed.len
+                ))
+            }
+            Some("deregister") => {
+                let gone = region(regions, number(1)?)?;
+                engine.deregister(gone).map_err(|e| e.to_string())?;
+                regions.remove(&gone.id);
+                Ok(format!("deregistered {}", gone.id))
+            }
+            Some("digest") => {
+                let target = region(regions, number(1)?)?;
+                let (offset, len, chunk) = (number(2)?, number(3)?, number(4)?);
+                if chunk == 0 || offset.checked_add(len).is_none_or(|end| end > target.len) {
+                    return Err(format!(
+                        "{len} bytes at {offset} in chunks of {chunk} do not fit region {} of {} bytes",
+                        target.id, target.len
+                    ));
+                }
+                let mut copy = vec![0u8; len as usize];
+                // SAFETY: the range lies inside a region this engine registered and keeps
+                // mapped until it is deregistered (by this thread). Peers may write it
+                // meanwhile: the copy is then stale, which is for the asker to avoid (ask once
+                // its transfers resolved), never unsound here: it is read as plain bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (target.addr + offset) as *const u8,
+                        copy.as_mut_ptr(),
+                        copy.len(),
+                    );
+                }
+                let digests: Vec<String> = copy
+                    .chunks(chunk as usize)
+                    .map(|part| format!("{:016x}", railyard::chaos::digest(part)))
+                    .collect();
+                Ok(format!("digest {}", digests.join(" ")))
+            }
+            Some("stats") => {
+                let control = engine.stats().control;
+                Ok(format!(
+                    "stats teardowns={} reconnects={} passive_qps={} idempotent_replies={} warnings_printed={}",
+                    control.teardowns,
+                    control.reconnects,
+                    control.passive_qps,
+                    control.idempotent_replies,
+                    control.warnings_printed
+                ))
+            }
+            _ => Err(format!("unknown command {line:?}")),
+        }
+    })();
+    answer.unwrap_or_else(|why| format!("error: {why}"))
 }

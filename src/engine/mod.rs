@@ -671,7 +671,7 @@ impl Engine {
             }
         }
         memory.prefault();
-        let registrations = self.inner.rails.register_memory(&memory, len)?;
+        let registrations = self.inner.rails.register_memory(&memory, len, false)?;
         let region = Region {
             id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
             addr: memory.addr(),
@@ -720,6 +720,48 @@ impl Engine {
             registrations,
         });
         Ok(region)
+    }
+
+    /// Registers a region's memory anew — new keys on every rail — and withdraws its old
+    /// keys; returns the region under its new id (the old id is gone). The memory, its address
+    /// and its contents stay. Work requests that name an old key are refused before any byte
+    /// moves (`RemoteAccess`); a peer holding the old keys refreshes this process's
+    /// descriptor when that happens, and its work continues under the new ones. A request a
+    /// peer had already begun with an old key may finish: into the same memory. For rotating
+    /// keys that may have leaked, or a rebuilt cache announcing itself.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownRegion`]; [`MemoryError::Register`] when a rail refuses (the
+    /// region then keeps its old keys and id).
+    pub fn reregister(&self, region: Region) -> Result<Region, MemoryError> {
+        let mut regions = self
+            .inner
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let entry = regions
+            .iter_mut()
+            .find(|entry| entry.region.id == region.id)
+            .ok_or(MemoryError::UnknownRegion { id: region.id })?;
+        let fresh = match &entry.memory {
+            Some(memory) => self
+                .inner
+                .rails
+                .register_memory(memory, entry.region.len, true)?,
+            // SAFETY: the application's promise for this memory (see `register`) holds until
+            // it deregisters the region, which now owns these registrations.
+            None => unsafe {
+                self.inner
+                    .rails
+                    .register_user(entry.region.addr, entry.region.len)
+            }?,
+        };
+        let withdrawn = std::mem::replace(&mut entry.registrations, fresh);
+        entry.region.id = self.inner.next_region.fetch_add(1, Ordering::Relaxed);
+        let renewed = entry.region;
+        self.inner.rails.deregister(&withdrawn);
+        self.publish(&regions);
+        Ok(renewed)
     }
 
     fn insert(&self, entry: RegionEntry) {

@@ -251,18 +251,25 @@ impl Rails {
         }
     }
 
-    /// Registers allocated memory on every rail (in parallel).
+    /// Registers allocated memory on every rail (in parallel). A soft buffer comes registered
+    /// on the first rail; `fresh_keys` registers it there again (new keys, for
+    /// [`Engine::reregister`](super::Engine::reregister)) instead of reusing that one.
     pub(crate) fn register_memory(
         &self,
         memory: &Memory,
         len: u64,
+        fresh_keys: bool,
     ) -> Result<Vec<MemoryRegion>, MemoryError> {
         match (self, memory) {
             (Self::Host(rails), Memory::Soft(buffer)) => {
-                let mut registrations = vec![buffer.region()];
+                let first = usize::from(!fresh_keys);
+                let mut registrations = Vec::new();
+                if !fresh_keys {
+                    registrations.push(buffer.region());
+                }
                 registrations.extend(register_all(
-                    &rails[1..],
-                    1,
+                    &rails[first..],
+                    first,
                     buffer.region().addr,
                     len,
                     |rail| {
