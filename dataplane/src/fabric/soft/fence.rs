@@ -48,16 +48,17 @@ pub(crate) struct Guests(Mutex<Vec<Guest>>);
 const RECHECK: Duration = Duration::from_micros(20);
 
 impl Guests {
-    /// Adds a connected queue pair; `pidfd` is the peer's (none for this process).
+    /// Adds a connected queue pair; `pidfd` is the peer's (none for this process). Forgets
+    /// those that can never copy again, so that a long-lived device holds one entry (and one
+    /// pidfd) per live queue pair, not one per queue pair it ever had.
     pub(crate) fn admit(&self, watch: InboxWatch, pidfd: Option<OwnedFd>) {
         let guest = Guest {
             watch,
             pidfd: pidfd.map(Arc::new),
         };
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(guest);
+        let mut guests = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        forget_finished(&mut guests);
+        guests.push(guest);
     }
 
     /// Call after withdrawing a key or revoking a queue pair: returns true once no peer is
@@ -70,10 +71,7 @@ impl Guests {
         fence(Ordering::SeqCst);
         let inside: Vec<(Guest, u64)> = {
             let mut guests = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-            guests.retain(|guest| {
-                let idle = guest.watch.access() & 1 == 0;
-                !(guest.has_exited() || (guest.watch.is_revoked() && idle))
-            });
+            forget_finished(&mut guests);
             guests
                 .iter()
                 .map(|guest| (guest.clone(), guest.watch.access()))
@@ -92,6 +90,15 @@ impl Guests {
     }
 }
 
+/// Drops the queue pairs that can never copy again: revoked and outside, or whose peer
+/// exited.
+fn forget_finished(guests: &mut Vec<Guest>) {
+    guests.retain(|guest| {
+        let idle = guest.watch.access() & 1 == 0;
+        !(guest.has_exited() || (guest.watch.is_revoked() && idle))
+    });
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -104,6 +111,25 @@ mod tests {
 
     fn soon(ms: u64) -> Instant {
         Instant::now() + Duration::from_millis(ms)
+    }
+
+    /// Caught: a device kept one guest (and the peer's pidfd) per queue pair it ever had
+    /// until something was deregistered, so a long-lived initiator that reconnected again
+    /// and again gained descriptors without bound (the soak saw +80 in 90 s).
+    #[test]
+    fn admitting_forgets_the_queue_pairs_that_can_never_copy_again() {
+        let guests = Guests::default();
+        let mut retired = Vec::new();
+        for _ in 0..10 {
+            let queue = RecvQueue::new().expect("memfd");
+            guests.admit(queue.watch(), None);
+            queue.watch().revoke();
+            retired.push(queue);
+        }
+        let live = RecvQueue::new().expect("memfd");
+        guests.admit(live.watch(), None);
+        let kept = guests.0.lock().expect("not poisoned").len();
+        assert_eq!(kept, 1, "only the live queue pair is kept");
     }
 
     /// Caught: without the wait, `quiesce` returned while the peer was still inside the
