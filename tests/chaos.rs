@@ -184,6 +184,7 @@ fn a_minute_of_soak_loses_nothing_and_fails_fast() {
     assert_eq!(counts["mismatched_blocks"], 0);
     assert!(counts["kills"].as_u64() >= Some(1), "{counts}");
     assert!(counts["stops"].as_u64() >= Some(1), "{counts}");
+    assert!(counts["descriptor_changes"].as_u64() >= Some(1), "{counts}");
     assert!(counts["bytes_verified"].as_u64() > Some(0), "{counts}");
     assert!(
         counts["detection_ms_max"].as_u64() <= Some(2500),

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::{BOUND, Serve, bytes_of, done, read_back};
 use railyard::control::NotificationBody;
-use railyard::dataplane::IdleStrategy;
+use railyard::dataplane::{IdleStrategy, RequestOutcome};
 use railyard::engine::{Engine, MemoryError, Op, PeerError, RailChoice, Transfer, TransferError};
 
 fn engine() -> Engine {
@@ -171,6 +171,103 @@ fn an_immediate_arrives_after_its_batch_data_on_every_rail_and_never_for_a_faile
             .all(|n| !matches!(n.body, NotificationBody::Immediate(_))),
         "no immediate for a failed batch"
     );
+}
+
+/// Key rotation: a target re-registers its pool; an initiator holding the old keys is
+/// refused, refreshes the descriptor and its work lands under the new keys, in the same
+/// memory.
+#[test]
+fn a_reregistered_region_refuses_its_old_keys_and_work_carries_on_under_the_new() {
+    let mut serve = Serve::start("4MiB");
+    let engine = engine();
+    let peer = engine.open(&serve.addr).expect("the target answers");
+    let old_rkeys = peer.descriptor().regions[0].rkeys.clone();
+    let source = engine.alloc(1 << 20, None).unwrap();
+    let back = engine.alloc(1 << 20, None).unwrap();
+    let mut submitter = engine.submitter().unwrap();
+    let pool_base = serve.pool_base;
+    let mut write_then_read = |fill: u8| {
+        bytes_of(source).fill(fill);
+        for op in [Op::Write, Op::Read] {
+            let local = if op == Op::Write { source } else { back };
+            let transfer = Transfer {
+                op,
+                local,
+                local_offset: 0,
+                remote_addr: pool_base,
+                len: 1 << 20,
+            };
+            let batch = submitter.submit(&peer, &[transfer]).unwrap();
+            batch.wait(Instant::now() + BOUND);
+            assert_eq!(batch.outcomes(), vec![Some(RequestOutcome::Done)], "{op:?}");
+        }
+        assert!(bytes_of(back).iter().all(|&b| b == fill));
+    };
+    write_then_read(0x11);
+
+    let answer = serve.command(&format!("reregister {}", serve.pool_id));
+    let words: Vec<&str> = answer.split_whitespace().collect();
+    assert_eq!(words[0], "region", "{answer}");
+    let renewed: u64 = words[1].parse().unwrap();
+    assert_ne!(renewed, serve.pool_id, "a new id");
+    assert_eq!(
+        words[2],
+        format!("{:#x}", serve.pool_base),
+        "the same memory"
+    );
+
+    write_then_read(0x22);
+    let new_rkeys = peer.descriptor().regions[0].rkeys.clone();
+    assert_ne!(new_rkeys, old_rkeys, "the peer's view has the new keys");
+    assert!(
+        engine.stats().control.reconnects >= 1,
+        "refused once, then refreshed"
+    );
+    // The old id is gone; the new one answers.
+    let stale = serve.command(&format!("digest {} 0 16 16", serve.pool_id));
+    assert!(stale.starts_with("error: no region"), "{stale}");
+    let digest = serve.command(&format!("digest {renewed} 0 16 16"));
+    assert!(digest.starts_with("digest "), "{digest}");
+
+    // Locally: the old handle is gone, the new one deregisters.
+    let region = engine.alloc(4096, None).unwrap();
+    let renewed = engine.reregister(region).unwrap();
+    assert_ne!(renewed.id, region.id);
+    assert_eq!((renewed.addr, renewed.len), (region.addr, region.len));
+    assert!(matches!(
+        engine.deregister(region),
+        Err(MemoryError::UnknownRegion { .. })
+    ));
+    assert!(matches!(
+        engine.reregister(region),
+        Err(MemoryError::UnknownRegion { .. })
+    ));
+    engine.deregister(renewed).unwrap();
+}
+
+/// serve's stdin commands answer bad input with one `error:` line and keep serving.
+#[test]
+fn serve_answers_a_bad_command_with_an_error_line_and_keeps_serving() {
+    let mut serve = Serve::start("1MiB");
+    for (command, error) in [
+        ("launch rockets", "unknown command"),
+        ("reregister 999", "no region 999"),
+        ("deregister", "lacks argument 1"),
+        ("alloc lots", "\"lots\""),
+        ("digest 0 0 0 0", "do not fit"),
+        ("digest 0 1048576 1 1", "do not fit"),
+    ] {
+        let command = command.replace("digest 0", &format!("digest {}", serve.pool_id));
+        let answer = serve.command(&command);
+        assert!(
+            answer.starts_with("error: ") && answer.contains(error),
+            "{command}: {answer}"
+        );
+    }
+    let made = serve.command("alloc 64KiB");
+    assert!(made.starts_with("region "), "{made}");
+    let engine = engine();
+    engine.open(&serve.addr).expect("still serving");
 }
 
 #[test]

@@ -9,18 +9,20 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::net::TcpListener;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::{BOUND, Serve, bytes_of, done, read_back};
+use railyard::chaos::etcd_server::EtcdServer;
 use railyard::dataplane::IdleStrategy;
 use railyard::engine::{BuildError, DirectoryChoice, Engine, Op, Peer, PeerError, Transfer};
 
 /// Lease time to live in these tests (seconds).
 const TTL: u64 = 2;
+
+/// A real etcd whose clients use leases of [`TTL`].
+type Etcd = EtcdServer;
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -29,89 +31,8 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// A real etcd on loopback; killed and its data removed when dropped.
-struct Etcd {
-    child: Option<Child>,
-    dir: PathBuf,
-    client_port: u16,
-    peer_port: u16,
-}
-
-impl Etcd {
-    fn start() -> Self {
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut etcd = Self {
-            child: None,
-            dir: std::env::temp_dir().join(format!("railyard-etcd-{}-{n}", std::process::id())),
-            client_port: free_port(),
-            peer_port: free_port(),
-        };
-        etcd.run();
-        etcd
-    }
-
-    /// Starts (or restarts) etcd on this instance's ports and data directory.
-    fn run(&mut self) {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new("etcd")
-            .args(["--name", "railyard-test", "--data-dir"])
-            .arg(&self.dir)
-            .args([
-                "--listen-client-urls",
-                &client,
-                "--advertise-client-urls",
-                &client,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-            ])
-            .args(["--initial-cluster", &format!("railyard-test={peer}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("etcd runs (install etcd-server; `make test` does)");
-        self.child = Some(child);
-        let end = Instant::now() + BOUND;
-        while !self.healthy() {
-            assert!(Instant::now() < end, "etcd not healthy within {BOUND:?}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn healthy(&self) -> bool {
-        let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.client_port)) else {
-            return false;
-        };
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
-        let request = "GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-        let mut answer = String::new();
-        stream.write_all(request.as_bytes()).is_ok()
-            && stream.read_to_string(&mut answer).is_ok()
-            && answer.contains("\"health\":\"true\"")
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("etcd://127.0.0.1:{}?ttl={TTL}", self.client_port)
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        self.stop();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+fn etcd() -> Etcd {
+    EtcdServer::start(TTL).expect("etcd runs (install etcd-server; `make test` does)")
 }
 
 fn engine(name: &str, etcd: &Etcd) -> Engine {
@@ -159,7 +80,7 @@ fn signal(child: &Child, signal: i32) {
 
 #[test]
 fn peers_are_found_by_name_and_a_name_is_held_by_one_live_process() {
-    let etcd = Etcd::start();
+    let etcd = etcd();
     let a = serve("decode-a", &etcd);
     let prefill = engine("prefill-0", &etcd);
     let peer = prefill.open("decode-a").expect("found by name");
@@ -263,7 +184,7 @@ fn peers_are_found_by_name_and_a_name_is_held_by_one_live_process() {
 
 #[test]
 fn killed_and_frozen_peers_fail_fast_while_the_others_go_on_and_the_frozen_one_comes_back() {
-    let etcd = Etcd::start();
+    let etcd = etcd();
     let killed = serve("decode-killed", &etcd);
     let frozen = serve("decode-frozen", &etcd);
     let _healthy = serve("decode-healthy", &etcd);
@@ -322,7 +243,7 @@ fn killed_and_frozen_peers_fail_fast_while_the_others_go_on_and_the_frozen_one_c
 
 #[test]
 fn a_peer_restarted_under_the_same_name_is_a_new_incarnation() {
-    let etcd = Etcd::start();
+    let etcd = etcd();
     let first = serve("decode-r", &etcd);
     let prefill = engine("prefill-2", &etcd);
     let old = prefill.open("decode-r").unwrap();
@@ -361,7 +282,7 @@ fn a_peer_restarted_under_the_same_name_is_a_new_incarnation() {
 
 #[test]
 fn an_etcd_outage_leaves_connected_peers_working_and_recovers_by_itself() {
-    let mut etcd = Etcd::start();
+    let mut etcd = etcd();
     let _a = serve("decode-o", &etcd);
     let prefill = engine("prefill-3", &etcd);
     let peer = prefill.open("decode-o").unwrap();
@@ -383,7 +304,7 @@ fn an_etcd_outage_leaves_connected_peers_working_and_recovers_by_itself() {
     }
     assert!(!peer.is_retired());
     assert!(warnings(&prefill) > before, "the outage is reported");
-    etcd.run();
+    etcd.run().expect("etcd starts again");
     // A process that registers after the restart is found, and the one from before is
     // published again.
     let _b = serve("decode-p", &etcd);
@@ -406,4 +327,28 @@ fn an_etcd_outage_leaves_connected_peers_working_and_recovers_by_itself() {
     };
     assert!(round_trip(&newcomer, &again, 0x78));
     assert!(round_trip(&prefill, &peer, 0x79));
+}
+
+/// The soak with etcd: every process published there, targets opened by name, and etcd
+/// stopped and started again among the kills, stops, queue-pair errors and key rotations:
+/// nothing lost or misdirected, and live targets neither fail fast nor stall while etcd is
+/// down.
+#[test]
+fn half_a_minute_of_soak_with_etcd_restarts_loses_nothing() {
+    let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["chaos", "soak", "--etcd", "--json"])
+        .args(["--duration", "30", "--seed", "8"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .expect("runs");
+    let counts: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("one JSON object");
+    assert!(output.status.success(), "{counts}");
+    assert_eq!(counts["passed"], true, "{counts}");
+    assert!(counts["etcd_restarts"].as_u64() >= Some(1), "{counts}");
+    assert_eq!(counts["unavailable_during_etcd_outage"], 0, "{counts}");
+    assert_eq!(counts["stalled_during_etcd_outage"], 0, "{counts}");
+    assert_eq!(counts["lost"], 0, "{counts}");
+    assert_eq!(counts["misdirected_blocks"], 0, "{counts}");
+    assert!(counts["bytes_verified"].as_u64() > Some(0), "{counts}");
 }

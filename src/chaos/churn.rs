@@ -159,7 +159,8 @@ pub fn handshake_once(
 /// # Errors
 /// When the nodes cannot start or connect.
 pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
-    let mut target = Target::start_with(binary, "decode-0", any_port(), 0, 1, "1MiB")?;
+    let options = ["--rails", "1", "--pool", "1MiB"];
+    let mut target = Target::start_with(binary, "decode-0", any_port(), 0, &options)?;
     let target_base = target.pool_base;
 
     // The raw peer: its own device and one queue pair, handshaken many times.

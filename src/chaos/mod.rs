@@ -17,6 +17,8 @@
 //! kills with port takeovers, stops and queue-pair errors for a whole duration.
 
 pub mod churn;
+#[cfg(feature = "etcd")]
+pub mod etcd_server;
 pub mod node;
 mod process;
 pub mod race;

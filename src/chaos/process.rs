@@ -59,10 +59,16 @@ impl Target {
         listen: SocketAddr,
         generation: u8,
     ) -> Result<Self> {
-        Self::start_with(binary, name, listen, generation, 1, POOL)
+        Self::start_with(
+            binary,
+            name,
+            listen,
+            generation,
+            &["--rails", "1", "--pool", POOL],
+        )
     }
 
-    /// [`Self::start`] with `rails` rails and a pool of `pool` (a size like `4MiB`).
+    /// [`Self::start`] with serve's `options` instead of one rail and an 8 MiB pool.
     ///
     /// # Errors
     /// As [`Self::start`].
@@ -71,18 +77,12 @@ impl Target {
         name: &str,
         listen: SocketAddr,
         generation: u8,
-        rails: usize,
-        pool: &str,
+        options: &[&str],
     ) -> Result<Self> {
         let mut command = Command::new(binary);
         command
-            .args([
-                "serve",
-                "--until-stdin-closes",
-                "--rails",
-                &rails.to_string(),
-            ])
-            .args(["--pool", pool, "--name", name])
+            .args(["serve", "--until-stdin-closes", "--name", name])
+            .args(options)
             .args(["--listen", &listen.to_string()])
             .env(
                 railyard_dataplane::sabotage::ENV,

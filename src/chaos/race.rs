@@ -203,9 +203,10 @@ pub fn run(seed: u64, binary: &Path) -> Result<RaceReport> {
         flap_after_ready: Duration::from_millis(1),
         ..Policy::default()
     };
-    let pool = (SLOTS * SLICE_LEN as u64).to_string();
+    let (pool, rails) = ((SLOTS * SLICE_LEN as u64).to_string(), RAILS.to_string());
+    let options = ["--rails", &rails, "--pool", &pool];
     let mut targets = (0..TARGETS)
-        .map(|n| Target::start_with(binary, &format!("decode-{n}"), any_port(), 0, RAILS, &pool))
+        .map(|n| Target::start_with(binary, &format!("decode-{n}"), any_port(), 0, &options))
         .collect::<Result<Vec<_>>>()?;
     let target_bases: Vec<u64> = targets.iter().map(|target| target.pool_base).collect();
     let mut initiator = Node::start("prefill-0", RAILS, any_port(), seed, policy, None)?;

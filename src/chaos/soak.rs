@@ -2,7 +2,11 @@
 //! in this process with workers writing, reading back and comparing blocks for the whole
 //! duration, and a seeded schedule of every failure the engine must ride out — a target
 //! killed (SIGKILL) and a newcomer on its port (under the same name or another), a target
-//! stopped (SIGSTOP: no reset) and let go again, and bursts of queue-pair errors.
+//! stopped (SIGSTOP: no reset) and let go again, bursts of queue-pair errors, and a target
+//! re-registering its pool (new keys: every initiator's descriptor of it goes stale). With
+//! `--etcd` (feature `etcd`) it runs an etcd, every process publishes itself there, targets
+//! are opened by name, and etcd itself is stopped for 1–3 s and started again: live targets
+//! must keep serving through the outage, none failing fast for it.
 //!
 //! It reports requests, failures by reason, bytes verified, how long stopped targets took to
 //! fail fast (from the signal to the first `PeerUnavailable` of the injector's own probe
@@ -10,8 +14,8 @@
 //! memory and open descriptors after warming up and at the end. A violation is: a request
 //! lost (unresolved by its deadline plus [`SLACK`]), resolved late, a block read back that
 //! is not what was written (unverified or misdirected bytes), a stopped target not failing
-//! fast within [`DETECTION_BOUND`], or growth beyond [`RSS_GROWTH_BOUND`] /
-//! [`FD_GROWTH_BOUND`].
+//! fast within [`DETECTION_BOUND`], a live target failing fast or getting nothing done while
+//! etcd is down, or growth beyond [`RSS_GROWTH_BOUND`] / [`FD_GROWTH_BOUND`].
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -29,7 +33,36 @@ use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutc
 
 use super::process::Target;
 use super::{read_through_fresh_peer, region_bytes};
-use crate::engine::{Engine, Op, Peer, RailChoice, Region, Transfer};
+use crate::engine::{DirectoryChoice, Engine, Op, Peer, RailChoice, Region, Transfer};
+
+#[cfg(feature = "etcd")]
+use super::etcd_server::EtcdServer;
+
+/// Without the `etcd` feature there is no etcd to run: a type without values.
+#[cfg(not(feature = "etcd"))]
+enum EtcdServer {}
+
+#[cfg(not(feature = "etcd"))]
+impl EtcdServer {
+    fn start(_ttl_seconds: u64) -> Result<Self> {
+        anyhow::bail!("--etcd needs a railyard built with the `etcd` feature")
+    }
+
+    fn url(&self) -> String {
+        match *self {}
+    }
+
+    fn stop(&mut self) {
+        match *self {}
+    }
+
+    fn run(&mut self) -> Result<()> {
+        match *self {}
+    }
+}
+
+/// Lease time to live of the soak's processes in etcd, in seconds.
+const LEASE_TTL: u64 = 2;
 
 /// How late past its deadline a request may resolve (the poller's flush grace and
 /// scheduling on a small machine).
@@ -38,8 +71,10 @@ pub const SLACK: Duration = Duration::from_secs(2);
 pub const DETECTION_BOUND: Duration = Duration::from_millis(2500);
 /// Resident memory this process may gain between warm-up and the end.
 pub const RSS_GROWTH_BOUND: u64 = 64 << 10; // KiB
-/// Open descriptors this process may gain between warm-up and the end.
-pub const FD_GROWTH_BOUND: u64 = 64;
+/// Open descriptors this process may gain between warm-up and the end: a live target
+/// costs a few (its control connection, the pidfd of each queue pair to it, a mapped
+/// memfd); more than this means something is kept per fault.
+pub const FD_GROWTH_BOUND: u64 = 16;
 
 /// Bytes per block written and read back.
 const BLOCK: u64 = 64 << 10;
@@ -59,6 +94,9 @@ pub struct SoakConfig {
     pub seed: u64,
     /// Target processes.
     pub targets: usize,
+    /// Run an etcd, publish every process in it, open targets by name, and restart etcd
+    /// now and then (feature `etcd`).
+    pub etcd: bool,
 }
 
 /// What happened.
@@ -95,6 +133,15 @@ pub struct SoakReport {
     pub stops: u64,
     /// Bursts of injected queue-pair errors.
     pub qp_error_bursts: u64,
+    /// Pools re-registered under new keys.
+    pub descriptor_changes: u64,
+    /// Times etcd was stopped and started again (`--etcd`).
+    pub etcd_restarts: u64,
+    /// Requests to targets that were live when etcd stopped that failed fast
+    /// (`PeerUnavailable`) before it was back.
+    pub unavailable_during_etcd_outage: u64,
+    /// Per restart, the live targets that got no request done while etcd was down.
+    pub stalled_during_etcd_outage: u64,
     /// Peers opened again (after a takeover or a failure).
     pub reopens: u64,
     /// From SIGSTOP to the first request failing fast, per stop, in ms: median.
@@ -160,6 +207,18 @@ impl SoakReport {
                 self.detection_ms_max
             ));
         }
+        if self.unavailable_during_etcd_outage > 0 {
+            broken.push(format!(
+                "{} request(s) to live targets failed fast while etcd was down",
+                self.unavailable_during_etcd_outage
+            ));
+        }
+        if self.stalled_during_etcd_outage > 0 {
+            broken.push(format!(
+                "{} live target(s) got nothing done while etcd was down",
+                self.stalled_during_etcd_outage
+            ));
+        }
         if self.done == 0 {
             broken.push("no request succeeded".into());
         }
@@ -178,6 +237,8 @@ impl SoakReport {
 /// What workers see of a target: where it is, and the peer they share.
 struct Slot {
     addr: SocketAddr,
+    /// Its name (what workers open with `--etcd`).
+    name: String,
     pool_base: u64,
     generation: u8,
     peer: Option<Peer>,
@@ -197,6 +258,17 @@ struct Tally {
     timeouts_while_stopped: AtomicU64,
     reopens: AtomicU64,
     failures: Mutex<BTreeMap<String, u64>>,
+    /// Per target, what happened to it while etcd was down.
+    outage: Vec<OutageCounts>,
+}
+
+/// What happened to one target's requests during an etcd outage.
+#[derive(Default)]
+struct OutageCounts {
+    /// It was live when etcd stopped: its requests are counted until etcd is back.
+    watched: AtomicBool,
+    done: AtomicU64,
+    unavailable: AtomicU64,
 }
 
 fn count(counter: &AtomicU64) {
@@ -274,26 +346,41 @@ fn misdirected(engine: &Engine, slots: &[RwLock<Slot>]) -> u64 {
 /// When a target or the engine cannot start.
 pub fn run(config: &SoakConfig) -> Result<SoakReport> {
     let mut rng = SplitMix64::new(config.seed ^ 0x50a4);
+    let mut etcd = if config.etcd {
+        Some(EtcdServer::start(LEASE_TTL)?)
+    } else {
+        None
+    };
+    let directory = etcd.as_ref().map(EtcdServer::url);
     let mut targets = Vec::new();
     for index in 0..config.targets.max(2) {
         let listen = SocketAddr::from(([127, 0, 0, 1], 0));
-        targets.push(Target::start(
-            &config.binary,
-            &format!("soak-{index}"),
+        let name = format!("soak-{index}");
+        targets.push(start_target(
+            config,
+            &name,
             listen,
             0,
+            directory.as_deref(),
         )?);
     }
     let engine = Engine::builder(crate::engine::default_name("soak"))
         .rails(RailChoice::Count(NonZeroUsize::MIN))
         .idle(IdleStrategy::gentle())
+        .directory(
+            directory
+                .clone()
+                .map_or(DirectoryChoice::P2p, DirectoryChoice::Etcd),
+        )
         .build()
         .context("starting the initiator")?;
     let slots: Vec<RwLock<Slot>> = targets
         .iter()
-        .map(|target| {
+        .enumerate()
+        .map(|(index, target)| {
             RwLock::new(Slot {
                 addr: target.addr,
+                name: format!("soak-{index}"),
                 pool_base: target.pool_base,
                 generation: target.generation,
                 peer: None,
@@ -301,7 +388,10 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
             })
         })
         .collect();
-    let tally = Tally::default();
+    let tally = Tally {
+        outage: slots.iter().map(|_| OutageCounts::default()).collect(),
+        ..Tally::default()
+    };
     let stop = AtomicBool::new(false);
     let started = Instant::now();
     let end = started + config.duration;
@@ -313,16 +403,17 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
         for worker in 0..WORKERS {
             let (engine, slots, tally, stop) = (&engine, &slots, &tally, &stop);
             let seed = config.seed ^ (worker as u64 + 1) << 32;
-            scope.spawn(move || work(engine, slots, tally, stop, worker, seed));
+            let by_name = config.etcd;
+            scope.spawn(move || work(engine, slots, tally, stop, (worker, by_name), seed));
         }
         // Warm up, then take the footprint the end is compared with.
         std::thread::sleep(Duration::from_secs(2).min(config.duration / 4));
         (report.rss_kib_start, report.fds_start) = footprint();
         let result = inject(
             config,
-            &engine,
+            (&engine, etcd.as_mut()),
             &mut targets,
-            &slots,
+            (&slots, &tally),
             &mut rng,
             end,
             &mut report,
@@ -349,6 +440,21 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
     Ok(report)
 }
 
+/// Starts target `name` on `listen`, published in `directory` if there is one.
+fn start_target(
+    config: &SoakConfig,
+    name: &str,
+    listen: SocketAddr,
+    generation: u8,
+    directory: Option<&str>,
+) -> Result<Target> {
+    let mut options = vec!["--rails", "1", "--pool", "8MiB"];
+    if let Some(directory) = directory {
+        options.extend(["--directory", directory]);
+    }
+    Target::start_with(&config.binary, name, listen, generation, &options)
+}
+
 fn write(slot: &RwLock<Slot>) -> std::sync::RwLockWriteGuard<'_, Slot> {
     slot.write().unwrap_or_else(PoisonError::into_inner)
 }
@@ -356,19 +462,21 @@ fn write(slot: &RwLock<Slot>) -> std::sync::RwLockWriteGuard<'_, Slot> {
 /// The fault schedule: until `end`, one failure every 1–3 s.
 fn inject(
     config: &SoakConfig,
-    engine: &Engine,
+    (engine, mut etcd): (&Engine, Option<&mut EtcdServer>),
     targets: &mut [Target],
-    slots: &[RwLock<Slot>],
+    (slots, tally): (&[RwLock<Slot>], &Tally),
     rng: &mut SplitMix64,
     end: Instant,
     report: &mut SoakReport,
 ) -> Result<()> {
     let mut prober = Prober::new(engine)?;
     let mut detections = Vec::new();
+    let directory = etcd.as_ref().map(|etcd| etcd.url());
+    let kinds = if etcd.is_some() { 5 } else { 4 };
     while Instant::now() + Duration::from_secs(4) < end {
         std::thread::sleep(Duration::from_millis(1000 + rng.below(2000)));
         let index = rng.below(targets.len() as u64) as usize;
-        match rng.below(3) {
+        match rng.below(kinds) {
             0 => {
                 // Killed; a newcomer takes its port.
                 let addr = targets[index].addr;
@@ -381,9 +489,10 @@ fn inject(
                     format!("soak-{index}-newcomer-{}", report.kills)
                 };
                 let generation = targets[index].generation.wrapping_add(1);
-                let newcomer = Target::start(&config.binary, &name, addr, generation)?;
+                let newcomer = start_target(config, &name, addr, generation, directory.as_deref())?;
                 {
                     let mut slot = write(&slots[index]);
+                    slot.name = name;
                     slot.pool_base = newcomer.pool_base;
                     slot.generation = generation;
                     slot.peer = None;
@@ -420,7 +529,7 @@ fn inject(
                 write(&slots[index]).stopped_at = None;
                 report.stops += 1;
             }
-            _ => {
+            2 => {
                 // Queue pairs fail now and then for a second.
                 if let Some(faults) = engine.faults(0) {
                     faults.add(Fault::Random {
@@ -431,6 +540,18 @@ fn inject(
                     std::thread::sleep(Duration::from_secs(1));
                     faults.clear();
                     report.qp_error_bursts += 1;
+                }
+            }
+            3 => {
+                // The target re-registers its pool: new keys, same memory. Whoever holds
+                // the old ones is refused once, refreshes the descriptor and goes on.
+                let target = &mut targets[index];
+                target.pool_id = target.reregister(target.pool_id)?.id;
+                report.descriptor_changes += 1;
+            }
+            _ => {
+                if let Some(etcd) = etcd.as_deref_mut() {
+                    etcd_outage(etcd, slots, tally, rng, report)?;
                 }
             }
         }
@@ -447,6 +568,41 @@ fn inject(
     report.detection_ms_p99 = at(0.99);
     report.detection_ms_max = detections.last().copied().unwrap_or(0);
     Ok(())
+}
+
+/// Stops etcd for 1–3 s and starts it again; counts, for the targets that were live when it
+/// stopped, the requests done and those failed fast until it is back.
+fn etcd_outage(
+    etcd: &mut EtcdServer,
+    slots: &[RwLock<Slot>],
+    tally: &Tally,
+    rng: &mut SplitMix64,
+    report: &mut SoakReport,
+) -> Result<()> {
+    for (slot, counts) in slots.iter().zip(&tally.outage) {
+        let live = slot
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .peer
+            .as_ref()
+            .is_some_and(|peer| !peer.is_unavailable() && !peer.is_retired());
+        counts.done.store(0, Ordering::Relaxed);
+        counts.unavailable.store(0, Ordering::Relaxed);
+        counts.watched.store(live, Ordering::Relaxed);
+    }
+    etcd.stop();
+    std::thread::sleep(Duration::from_millis(1000 + rng.below(2000)));
+    let restarted = etcd.run();
+    for counts in &tally.outage {
+        if counts.watched.swap(false, Ordering::Relaxed) {
+            report.unavailable_during_etcd_outage += counts.unavailable.load(Ordering::Relaxed);
+            if counts.done.load(Ordering::Relaxed) == 0 {
+                report.stalled_during_etcd_outage += 1;
+            }
+        }
+    }
+    report.etcd_restarts += 1;
+    restarted
 }
 
 /// Where the soak's injector probes a stopped target: a block beyond the workers' slots.
@@ -503,7 +659,7 @@ fn work(
     slots: &[RwLock<Slot>],
     tally: &Tally,
     stop: &AtomicBool,
-    worker: usize,
+    (worker, by_name): (usize, bool),
     seed: u64,
 ) {
     let mut rng = SplitMix64::new(seed);
@@ -518,7 +674,8 @@ fn work(
     while !stop.load(Ordering::Relaxed) {
         round += 1;
         let index = rng.below(slots.len() as u64) as usize;
-        let Some((peer, remote, generation)) = peer_of(engine, &slots[index], tally) else {
+        let Some((peer, remote, generation)) = peer_of(engine, &slots[index], tally, by_name)
+        else {
             std::thread::sleep(Duration::from_millis(20));
             continue;
         };
@@ -534,10 +691,13 @@ fn work(
             remote_addr: slot,
             len: BLOCK,
         };
-        let Some(written) = transfer(&mut submitter, &peer, write, &slots[index], tally) else {
+        let Some(written) = transfer(&mut submitter, &peer, write, index, slots, tally) else {
             return; // lost: a violation; its buffers are not safe to reuse
         };
         if !written {
+            // Told "unavailable" (or refused), an application routes elsewhere for a moment
+            // instead of spinning on the same target.
+            std::thread::sleep(Duration::from_millis(2));
             continue;
         }
         let read = Transfer {
@@ -545,7 +705,7 @@ fn work(
             local: back,
             ..write
         };
-        let read = transfer(&mut submitter, &peer, read, &slots[index], tally);
+        let read = transfer(&mut submitter, &peer, read, index, slots, tally);
         if read.is_none() {
             return; // lost, as above
         }
@@ -561,16 +721,26 @@ fn work(
     }
 }
 
-/// The shared peer of a target, opened (again) when there is none or it was retired.
-fn peer_of(engine: &Engine, slot: &RwLock<Slot>, tally: &Tally) -> Option<(Peer, u64, u8)> {
-    {
+/// The shared peer of a target, opened (again, by name when `by_name`, else by address)
+/// when there is none or it was retired.
+fn peer_of(
+    engine: &Engine,
+    slot: &RwLock<Slot>,
+    tally: &Tally,
+    by_name: bool,
+) -> Option<(Peer, u64, u8)> {
+    let target = {
         let slot = slot.read().unwrap_or_else(PoisonError::into_inner);
         if let Some(peer) = slot.peer.as_ref().filter(|peer| !peer.is_retired()) {
             return Some((peer.clone(), slot.pool_base, slot.generation));
         }
-    }
-    let addr = slot.read().unwrap_or_else(PoisonError::into_inner).addr;
-    let opened = engine.open(&addr.to_string()).ok()?;
+        if by_name {
+            slot.name.clone()
+        } else {
+            slot.addr.to_string()
+        }
+    };
+    let opened = engine.open(&target).ok()?;
     count(&tally.reopens);
     let mut slot = slot.write().unwrap_or_else(PoisonError::into_inner);
     slot.peer = Some(opened.clone());
@@ -591,9 +761,14 @@ fn transfer(
     submitter: &mut crate::engine::EngineSubmitter,
     peer: &Peer,
     transfer: Transfer,
-    slot: &RwLock<Slot>,
+    index: usize,
+    slots: &[RwLock<Slot>],
     tally: &Tally,
 ) -> Option<bool> {
+    let outage = tally
+        .outage
+        .get(index)
+        .filter(|counts| counts.watched.load(Ordering::Relaxed));
     let submitted = Instant::now();
     let Ok(batch) = submitter.submit(peer, &[transfer]) else {
         return Some(false);
@@ -612,6 +787,9 @@ fn transfer(
     match batch.outcomes().first().copied().flatten() {
         Some(RequestOutcome::Done) => {
             count(&tally.done);
+            if let Some(outage) = outage {
+                count(&outage.done);
+            }
             Some(true)
         }
         Some(RequestOutcome::Failed(reason)) => {
@@ -621,8 +799,11 @@ fn transfer(
                 .unwrap_or_else(PoisonError::into_inner)
                 .entry(reason.to_string())
                 .or_default() += 1;
-            if reason == FailReason::Timeout && slot_stopped(slot) {
+            if reason == FailReason::Timeout && slot_stopped(&slots[index]) {
                 count(&tally.timeouts_while_stopped);
+            }
+            if let Some(outage) = outage.filter(|_| reason == FailReason::PeerUnavailable) {
+                count(&outage.unavailable);
             }
             Some(false)
         }

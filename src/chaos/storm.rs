@@ -126,14 +126,9 @@ const PER_REQUEST: u32 = 8;
 /// When the target or the initiator cannot start or connect.
 pub fn run(seed: u64, binary: &Path) -> Result<StormReport> {
     let region_len = u64::from(SLICES) * SLICE_LEN as u64;
-    let mut target = Target::start_with(
-        binary,
-        "decode-0",
-        any_port(),
-        0,
-        1,
-        &region_len.to_string(),
-    )?;
+    let pool = region_len.to_string();
+    let options = ["--rails", "1", "--pool", &pool];
+    let mut target = Target::start_with(binary, "decode-0", any_port(), 0, &options)?;
     let region_a = RemoteRegion {
         id: target.pool_id,
         addr: target.pool_base,

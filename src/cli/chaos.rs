@@ -18,6 +18,11 @@ pub(crate) struct ChaosArgs {
     /// Target processes of the soak (soak only).
     #[arg(long, default_value_t = 3)]
     targets: usize,
+    /// Soak only, with the `etcd` feature: run an etcd (the `etcd` binary of etcd-server),
+    /// publish every process there, open targets by name, and stop and restart etcd among
+    /// the faults.
+    #[arg(long)]
+    etcd: bool,
     /// Seeds the fault plan and every jitter: the same seed repeats the same failures.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -36,6 +41,7 @@ pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
             duration: Duration::from_secs(args.duration),
             seed: args.seed,
             targets: args.targets,
+            etcd: args.etcd,
         };
         let report = chaos::soak::run(&config).context("the soak could not run")?;
         let outcome = chaos::Outcome {

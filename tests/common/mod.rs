@@ -17,13 +17,15 @@ pub const BOUND: Duration = Duration::from_secs(10);
 /// A `railyard serve` child; killed when dropped.
 pub struct Serve {
     pub child: Child,
-    _stdin: ChildStdin,
+    stdin: ChildStdin,
     lines: Receiver<String>,
     pub addr: String,
     /// As printed (the incarnation's display form).
     pub incarnation: String,
     pub pool_base: u64,
     pub pool_len: u64,
+    /// The pool's region id (for stdin commands).
+    pub pool_id: u64,
 }
 
 impl Serve {
@@ -78,11 +80,11 @@ impl Serve {
         let first = lines
             .recv_timeout(BOUND)
             .expect("serve prints where it listens");
-        // listening ADDR incarnation INC pool 0xBASE LEN
+        // listening ADDR incarnation INC pool 0xBASE LEN region ID
         let words: Vec<&str> = first.split_whitespace().collect();
         assert_eq!(
-            (words[0], words[2], words[4]),
-            ("listening", "incarnation", "pool")
+            (words[0], words[2], words[4], words[7]),
+            ("listening", "incarnation", "pool", "region")
         );
         Self {
             addr: words[1].to_string(),
@@ -90,8 +92,9 @@ impl Serve {
             pool_base: u64::from_str_radix(words[5].trim_start_matches("0x"), 16)
                 .expect("a hex pool address"),
             pool_len: words[6].parse().expect("a pool length"),
+            pool_id: words[8].parse().expect("a region id"),
             child,
-            _stdin: stdin,
+            stdin,
             lines,
         }
     }
@@ -101,6 +104,20 @@ impl Serve {
         // SAFETY: kill(2) on our own child's pid, alive (not reaped) until `self` drops.
         let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
         assert_eq!(sent, 0, "kill({signal})");
+    }
+
+    /// Sends one stdin command; returns its one-line answer (skipping what serve prints
+    /// meanwhile: its banner, notifications).
+    pub fn command(&mut self, command: &str) -> String {
+        use std::io::Write as _;
+        writeln!(self.stdin, "{command}").expect("serve reads its stdin");
+        let answers = ["region ", "deregistered ", "digest ", "stats ", "error: "];
+        loop {
+            let line = self.lines.recv_timeout(BOUND).expect("serve answers");
+            if answers.iter().any(|answer| line.starts_with(answer)) {
+                return line;
+            }
+        }
     }
 
     /// Waits (bounded) for an output line containing `needle`.

@@ -1,0 +1,130 @@
+//! A real etcd on loopback for the soak and the tests (feature `etcd`): the `etcd` binary of
+//! the distribution's `etcd-server` package, its own ports and data directory, stopped and
+//! started again on demand (an outage), killed and its data removed when dropped, and
+//! killed with this process even if it dies first.
+
+use std::io::{Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt as _;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+
+use super::BOUND;
+
+/// A running (or stopped) etcd.
+pub struct EtcdServer {
+    child: Option<Child>,
+    dir: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+    /// The lease time to live its clients are told to use, in seconds.
+    ttl: u64,
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl EtcdServer {
+    /// Starts one whose clients use leases of `ttl_seconds`; returns once it is healthy.
+    ///
+    /// # Errors
+    /// When `etcd` is not installed or not healthy within [`BOUND`].
+    pub fn start(ttl_seconds: u64) -> Result<Self> {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let mut server = Self {
+            child: None,
+            dir: std::env::temp_dir().join(format!("railyard-etcd-{}-{n}", std::process::id())),
+            client_port: free_port()?,
+            peer_port: free_port()?,
+            ttl: ttl_seconds,
+        };
+        server.run()?;
+        Ok(server)
+    }
+
+    /// Starts it again after [`Self::stop`], on the same ports and data: its leases and
+    /// keys come back.
+    ///
+    /// # Errors
+    /// As [`Self::start`].
+    pub fn run(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            return Ok(());
+        }
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let mut command = Command::new("etcd");
+        command
+            .args(["--name", "railyard", "--data-dir"])
+            .arg(&self.dir)
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("railyard={peer}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: the closure runs in the child between fork and exec and calls only
+        // prctl(2); it touches no memory of the parent.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = command
+            .spawn()
+            .context("starting etcd (install etcd-server; `make deps` does)")?;
+        self.child = Some(child);
+        let end = Instant::now() + BOUND;
+        while !self.healthy() {
+            if Instant::now() > end {
+                self.stop();
+                bail!("etcd was not healthy within {BOUND:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    /// Whether it answers its health check.
+    pub fn healthy(&self) -> bool {
+        let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.client_port)) else {
+            return false;
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+        let request = "GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+        let mut answer = String::new();
+        stream.write_all(request.as_bytes()).is_ok()
+            && stream.read_to_string(&mut answer).is_ok()
+            && answer.contains("\"health\":\"true\"")
+    }
+
+    /// Kills it (an outage); [`Self::run`] starts it again.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The directory URL its clients use (`--directory`).
+    pub fn url(&self) -> String {
+        format!("etcd://127.0.0.1:{}?ttl={}", self.client_port, self.ttl)
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
