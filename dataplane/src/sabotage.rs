@@ -41,7 +41,7 @@ impl Protection {
 
 /// The environment variable that carries the switched-off protections (comma-separated
 /// names) to the processes a sabotaged test starts: a sabotage build reads it with
-/// [`turn_off_from_env`] (`railyard serve` does), any other build ignores it.
+/// `turn_off_from_env` (`railyard serve` does), any other build ignores it.
 pub const ENV: &str = "RAILYARD_SABOTAGE";
 
 /// The protections switched off in this process, as [`ENV`] carries them.
