@@ -256,6 +256,10 @@ fn serve_answers_a_bad_command_with_an_error_line_and_keeps_serving() {
         ("alloc lots", "\"lots\""),
         ("digest 0 0 0 0", "do not fit"),
         ("digest 0 1048576 1 1", "do not fit"),
+        ("digest 0 0 0 1", "do not fit"),
+        ("digest 0 0 1MiB 1", "more than 65536 digests"),
+        ("reregister 1k", "\"1k\" is not a number"),
+        ("alloc 64TiB", "more than this host's"),
     ] {
         let command = command.replace("digest 0", &format!("digest {}", serve.pool_id));
         let answer = serve.command(&command);
@@ -264,6 +268,8 @@ fn serve_answers_a_bad_command_with_an_error_line_and_keeps_serving() {
             "{command}: {answer}"
         );
     }
+    let not_utf8 = serve.command_bytes(b"alloc \xff\xfe");
+    assert!(not_utf8.starts_with("error: "), "{not_utf8}");
     let made = serve.command("alloc 64KiB");
     assert!(made.starts_with("region "), "{made}");
     let engine = engine();

@@ -36,9 +36,14 @@ use railyard_dataplane::{Epoch, SliceSpec};
 /// FNV-1a over `bytes`: how scenarios compare what landed in a target process's memory
 /// with what was meant to (`railyard serve`'s `digest` command prints it).
 pub fn digest(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    bytes
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325, |hash, &byte| digest_more(hash, byte))
+}
+
+/// One more byte into a [`digest`].
+pub fn digest_more(hash: u64, byte: u8) -> u64 {
+    (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
 }
 
 /// Every wait in a scenario ends by this bound.

@@ -98,8 +98,13 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let (command_line, commands) = std::sync::mpsc::channel();
     if args.until_stdin_closes {
         std::thread::spawn(move || {
-            for line in std::io::stdin().lock().lines().map_while(Result::ok) {
-                let _ = command_line.send(line);
+            let mut stdin = std::io::stdin().lock();
+            let mut line = Vec::new();
+            // A line that is not UTF-8 is still a line (answered as an unknown command).
+            while matches!(stdin.read_until(b'\n', &mut line), Ok(read) if read > 0) {
+                let text = String::from_utf8_lossy(&line).trim_end().to_string();
+                let _ = command_line.send(text);
+                line.clear();
             }
             // Dropping the sender says stdin closed.
         });
@@ -114,16 +119,19 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
             match notification.body {
                 NotificationBody::Bytes(bytes) => {
                     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-                    println!("notification from {from}: {} bytes {hex}", bytes.len());
+                    say(&format!(
+                        "notification from {from}: {} bytes {hex}",
+                        bytes.len()
+                    ))?;
                 }
                 NotificationBody::Immediate(value) => {
-                    println!("immediate from {from}: {value:#010x}");
+                    say(&format!("immediate from {from}: {value:#010x}"))?;
                 }
             }
         }
         loop {
             match commands.try_recv() {
-                Ok(line) => println!("{}", command(&engine, &mut regions, &line)),
+                Ok(line) => say(&command(&engine, &mut regions, &line))?,
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => return Ok(()),
             }
@@ -132,14 +140,52 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
     }
 }
 
+/// Prints one line; an error (stdout closed) ends serve with it instead of a panic.
+fn say(line: &str) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}")
+        .and_then(|()| out.flush())
+        .context("writing to stdout")
+}
+
+/// Most digests one `digest` command answers.
+const MAX_DIGESTS: u64 = 1 << 16;
+
+/// FNV-1a ([`railyard::chaos::digest`]) of `len` bytes at `addr`, read one byte at a time
+/// with atomic loads: peers may be writing there.
+///
+/// # Safety
+/// `len` bytes at `addr` are mapped and stay mapped during the call.
+unsafe fn digest_live(addr: u64, len: u64) -> u64 {
+    let mut hash = railyard::chaos::digest(&[]);
+    for offset in 0..len {
+        // SAFETY: inside the mapped range (the caller's promise); an `AtomicU8` has no
+        // alignment requirement beyond a byte, and only atomic loads are made through it.
+        let byte = unsafe { std::sync::atomic::AtomicU8::from_ptr((addr + offset) as *mut u8) }
+            .load(std::sync::atomic::Ordering::Relaxed);
+        hash = railyard::chaos::digest_more(hash, byte);
+    }
+    hash
+}
+
 /// Does one stdin command; returns its answer line.
 fn command(engine: &Engine, regions: &mut HashMap<u64, Region>, line: &str) -> String {
     let words: Vec<&str> = line.split_whitespace().collect();
-    let number = |index: usize| -> Result<u64, String> {
-        let word = words
+    let word = |index: usize| {
+        words
             .get(index)
-            .ok_or_else(|| format!("{line:?} lacks argument {index}"))?;
+            .copied()
+            .ok_or_else(|| format!("{line:?} lacks argument {index}"))
+    };
+    // Sizes may carry a unit (64KiB); ids and offsets are plain numbers.
+    let size = |index: usize| -> Result<u64, String> {
+        let word = word(index)?;
         parse_size(word).map_err(|e| format!("{word:?}: {e}"))
+    };
+    let number = |index: usize| -> Result<u64, String> {
+        let word = word(index)?;
+        word.parse()
+            .map_err(|_| format!("{word:?} is not a number"))
     };
     let region = |regions: &HashMap<u64, Region>, id: u64| {
         regions
@@ -150,7 +196,7 @@ fn command(engine: &Engine, regions: &mut HashMap<u64, Region>, line: &str) -> S
     let answer = (|| -> Result<String, String> {
         match words.first().copied() {
             Some("alloc") => {
-                let made = engine.alloc(number(1)?, None).map_err(|e| e.to_string())?;
+                let made = engine.alloc(size(1)?, None).map_err(|e| e.to_string())?;
                 regions.insert(made.id, made);
                 Ok(format!("region {} {:#x} {}", made.id, made.addr, made.len))
             }
@@ -172,28 +218,30 @@ fn command(engine: &Engine, regions: &mut HashMap<u64, Region>, line: &str) -> S
             }
             Some("digest") => {
                 let target = region(regions, number(1)?)?;
-                let (offset, len, chunk) = (number(2)?, number(3)?, number(4)?);
-                if chunk == 0 || offset.checked_add(len).is_none_or(|end| end > target.len) {
+                let (offset, len, chunk) = (size(2)?, size(3)?, size(4)?);
+                if len == 0
+                    || chunk == 0
+                    || offset.checked_add(len).is_none_or(|end| end > target.len)
+                {
                     return Err(format!(
                         "{len} bytes at {offset} in chunks of {chunk} do not fit region {} of {} bytes",
                         target.id, target.len
                     ));
                 }
-                let mut copy = vec![0u8; len as usize];
-                // SAFETY: the range lies inside a region this engine registered and keeps
-                // mapped until it is deregistered (by this thread). Peers may write it
-                // meanwhile: the copy is then stale, which is for the asker to avoid (ask once
-                // its transfers resolved), never unsound here: it is read as plain bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        (target.addr + offset) as *const u8,
-                        copy.as_mut_ptr(),
-                        copy.len(),
-                    );
+                if len.div_ceil(chunk) > MAX_DIGESTS {
+                    return Err(format!(
+                        "{len} bytes in chunks of {chunk} make more than {MAX_DIGESTS} digests"
+                    ));
                 }
-                let digests: Vec<String> = copy
-                    .chunks(chunk as usize)
-                    .map(|part| format!("{:016x}", railyard::chaos::digest(part)))
+                let digests: Vec<String> = (offset..offset + len)
+                    .step_by(chunk as usize)
+                    .map(|start| {
+                        let part = chunk.min(offset + len - start);
+                        // SAFETY: inside a region this engine registered, mapped until it is
+                        // deregistered (by this thread, not during the call).
+                        let digest = unsafe { digest_live(target.addr + start, part) };
+                        format!("{digest:016x}")
+                    })
                     .collect();
                 Ok(format!("digest {}", digests.join(" ")))
             }

@@ -652,6 +652,13 @@ impl Engine {
         if len == 0 {
             return Err(MemoryError::BadRange { addr: 0, len });
         }
+        if let Some(total) = memory::host_memory().filter(|&total| len > total) {
+            // Prefaulting more than the host has would summon the OOM killer instead.
+            return Err(MemoryError::Alloc {
+                len,
+                reason: format!("more than this host's {total} bytes of memory"),
+            });
+        }
         let mut memory = self.inner.rails.allocate(len)?;
         let node = numa.or_else(|| self.inner.rail_numa.first().copied());
         let mut bound = None;
@@ -728,7 +735,9 @@ impl Engine {
     /// moves (`RemoteAccess`); a peer holding the old keys refreshes this process's
     /// descriptor when that happens, and its work continues under the new ones. A request a
     /// peer had already begun with an old key may finish: into the same memory. For rotating
-    /// keys that may have leaked, or a rebuilt cache announcing itself.
+    /// keys that may have leaked, or a rebuilt cache announcing itself. This engine's own
+    /// transfers from or into the region that are in flight meanwhile carry the old local
+    /// key and may fail (`LocalProtection`): rotate between them.
     ///
     /// # Errors
     /// [`MemoryError::UnknownRegion`]; [`MemoryError::Register`] when a rail refuses (the
@@ -760,6 +769,10 @@ impl Engine {
         entry.region.id = self.inner.next_region.fetch_add(1, Ordering::Relaxed);
         let renewed = entry.region;
         self.inner.rails.deregister(&withdrawn);
+        if let Some(rails::Memory::Soft(buffer)) = entry.memory.as_mut() {
+            // Its own key (rail 0's first registration) is among the withdrawn ones.
+            buffer.own_key_withdrawn();
+        }
         self.publish(&regions);
         Ok(renewed)
     }

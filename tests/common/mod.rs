@@ -109,8 +109,16 @@ impl Serve {
     /// Sends one stdin command; returns its one-line answer (skipping what serve prints
     /// meanwhile: its banner, notifications).
     pub fn command(&mut self, command: &str) -> String {
+        self.command_bytes(command.as_bytes())
+    }
+
+    /// [`Self::command`] with bytes that need not be UTF-8.
+    pub fn command_bytes(&mut self, command: &[u8]) -> String {
         use std::io::Write as _;
-        writeln!(self.stdin, "{command}").expect("serve reads its stdin");
+        self.stdin
+            .write_all(command)
+            .and_then(|()| self.stdin.write_all(b"\n"))
+            .expect("serve reads its stdin");
         let answers = ["region ", "deregistered ", "digest ", "stats ", "error: "];
         loop {
             let line = self.lines.recv_timeout(BOUND).expect("serve answers");

@@ -57,6 +57,9 @@ pub struct SoftBuffer {
     map: Mapping,
     memfd: OwnedFd,
     backing: Backing,
+    /// Its own registration was withdrawn by its owner: dropping it leaves the region
+    /// table alone (the key may name someone else's registration by then).
+    own_key_withdrawn: bool,
 }
 
 impl SoftDevice {
@@ -110,6 +113,7 @@ impl SoftDevice {
             map,
             memfd,
             backing,
+            own_key_withdrawn: false,
         })
     }
 
@@ -146,6 +150,13 @@ impl SoftBuffer {
     /// Its registration.
     pub fn region(&self) -> MemoryRegion {
         self.region
+    }
+
+    /// Says that its own registration ([`Self::region`]) was withdrawn with
+    /// [`SoftDevice::deregister`] (new keys took its place): dropping the buffer then does
+    /// not withdraw that key again.
+    pub fn own_key_withdrawn(&mut self) {
+        self.own_key_withdrawn = true;
     }
 
     /// What backs its pages.
@@ -206,6 +217,43 @@ impl Drop for SoftBuffer {
     fn drop(&mut self) {
         // Deregister before the descriptor closes: a peer that fetched the descriptor and
         // then still sees the key live knows it got this memfd (see `nic`).
-        let _ = self.device.deregister(&self.region);
+        if !self.own_key_withdrawn {
+            let _ = self.device.deregister(&self.region);
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::fabric::soft::SoftConfig;
+
+    /// Caught: a buffer whose own key its owner had withdrawn (a re-registration) withdrew
+    /// that key again when dropped — by then, after the slot's generations wrapped, the key
+    /// of someone else's live registration.
+    #[test]
+    fn a_buffer_whose_key_was_withdrawn_leaves_the_keys_reuse_alone() {
+        let device = SoftDevice::open("own-key", SoftConfig::default()).expect("device");
+        let mut buffer = device.alloc(4096, Access::ALL).expect("buffer");
+        let own = buffer.region();
+        device.deregister(&own).expect("withdrawn by its owner");
+        buffer.own_key_withdrawn();
+        let memory = vec![0u8; 64];
+        let reused = loop {
+            // SAFETY: `memory` outlives every registration of it (all withdrawn below or
+            // before it drops).
+            let other = unsafe { device.register(memory.as_ptr(), memory.len(), Access::ALL) }
+                .expect("registered");
+            if other.rkey == own.rkey {
+                break other;
+            }
+            device.deregister(&other).expect("withdrawn");
+        };
+        drop(buffer);
+        assert!(
+            device.table().lookup(reused.rkey).is_some(),
+            "the other registration under the reused key is still live"
+        );
+        device.deregister(&reused).expect("withdrawn");
     }
 }

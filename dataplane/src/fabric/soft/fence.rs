@@ -90,12 +90,20 @@ impl Guests {
     }
 }
 
-/// Drops the queue pairs that can never copy again: revoked and outside, or whose peer
-/// exited.
+/// Drops the queue pairs that can never copy again: whose peer exited, or revoked and seen
+/// outside after the revocation. The revocation is read (SeqCst) before a SeqCst fence and
+/// the access word after it, whichever thread revoked: a peer that entered without seeing
+/// the revocation fenced before it was stored, so after our fence its entry shows.
 fn forget_finished(guests: &mut Vec<Guest>) {
     guests.retain(|guest| {
-        let idle = guest.watch.access() & 1 == 0;
-        !(guest.has_exited() || (guest.watch.is_revoked() && idle))
+        if guest.has_exited() {
+            return false;
+        }
+        if !guest.watch.is_revoked() {
+            return true;
+        }
+        fence(Ordering::SeqCst);
+        guest.watch.access() & 1 == 1
     });
 }
 

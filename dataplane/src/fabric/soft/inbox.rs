@@ -153,14 +153,16 @@ impl InboxWatch {
     /// Takes the queue pair out of service: every check-and-copy the sender starts after it
     /// sees this fails.
     pub(crate) fn revoke(&self) {
-        // Relaxed: ordered for the sender by the fence `Guests::quiesce` makes before it
-        // reads the access word.
-        self.0.revoked().store(1, Ordering::Relaxed);
+        // SeqCst: in the single order with the sender's fence, so that an owner thread that
+        // reads it revoked (SeqCst) and then fences knows a sender that missed it is seen
+        // inside (`Guests`); the revoking thread's own fence in `Guests::quiesce` orders it
+        // as well.
+        self.0.revoked().store(1, Ordering::SeqCst);
     }
 
-    /// Whether [`Self::revoke`] was called.
+    /// Whether [`Self::revoke`] was called (by any thread; see there).
     pub(crate) fn is_revoked(&self) -> bool {
-        self.0.revoked().load(Ordering::Relaxed) != 0
+        self.0.revoked().load(Ordering::SeqCst) != 0
     }
 
     /// The sender's access word now: odd while it is inside a check-and-copy. Call after a
