@@ -1,6 +1,8 @@
 //! The four failure reproductions, each with seeds of its own, through the library and
 //! through `railyard chaos --json`; and a minute of `railyard chaos soak`.
 
+mod common;
+
 use std::process::Command;
 use std::sync::{Mutex, PoisonError};
 
@@ -111,10 +113,8 @@ fn a_dead_replica_fails_fast_and_its_port_is_a_new_peer() {
         "{counts}"
     );
     assert!(counts["dead_peer_max_fail_ms"].as_u64() <= counts["deadline_ms"].as_u64());
-    assert!(
-        counts["in_flight_at_failure"].as_u64() > Some(0),
-        "{counts}"
-    );
+    assert!(counts["in_flight_at_kill"].as_u64() > Some(0), "{counts}");
+    assert_eq!(counts["same_layout"], true, "{counts}");
     assert_eq!(counts["in_flight_late"], 0);
     assert!(
         (1..=2500).contains(&counts["stopped_peer_detection_ms"].as_u64().unwrap_or(0)),
@@ -149,6 +149,14 @@ fn the_cli_prints_the_counts_as_json_and_rejects_unknown_scenarios() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("dead-replica"), "{stderr}");
     assert_eq!(stderr.lines().count(), 1);
+
+    let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["chaos", "dead-replica", "--etcd"])
+        .output()
+        .expect("runs");
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--etcd is for the soak"), "{stderr}");
 }
 
 #[test]
@@ -163,19 +171,12 @@ fn the_largest_seed_is_a_seed_like_any_other() {
 #[test]
 fn a_minute_of_soak_loses_nothing_and_fails_fast() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
-    let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
-        .args([
-            "chaos",
-            "soak",
-            "--duration",
-            "60",
-            "--seed",
-            "11",
-            "--json",
-        ])
-        .stderr(std::process::Stdio::null())
-        .output()
-        .expect("runs");
+    let output = common::output_within(
+        Command::new(env!("CARGO_BIN_EXE_railyard"))
+            .args(["chaos", "soak", "--json"])
+            .args(["--duration", "60", "--seed", "11"]),
+        std::time::Duration::from_secs(180),
+    );
     let counts: serde_json::Value =
         serde_json::from_slice(&output.stdout).expect("one JSON object");
     assert!(output.status.success(), "{counts}");

@@ -48,7 +48,23 @@ fn without_the_epoch_check_the_reconnect_storm_posts_stale_work() {
 fn without_the_epoch_check_the_teardown_race_posts_stale_work() {
     let (violations, counts) = violations_without(Protection::EpochCheck, Scenario::TeardownRace);
     assert!(counts["stale_posts"].as_u64() > Some(0), "{counts}");
-    assert!(!violations.is_empty(), "{counts}");
+    assert!(
+        violations.iter().any(|v| v.starts_with("stale_posts")),
+        "{violations:?}"
+    );
+}
+
+/// With liveness off, dead-replica's stopped target is never failed fast: its phase 2
+/// reports the detection bound broken.
+#[test]
+fn without_liveness_the_dead_replicas_stopped_target_is_not_failed_fast() {
+    let (violations, counts) = violations_without(Protection::Liveness, Scenario::DeadReplica);
+    assert!(
+        violations
+            .iter()
+            .any(|v| v.starts_with("the stopped peer failed fast after")),
+        "{violations:?} {counts}"
+    );
 }
 
 #[test]

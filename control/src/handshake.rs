@@ -241,6 +241,7 @@ pub(crate) struct Core<F: RailFabric> {
     immediates: Vec<u32>,
     /// Only with [`Protection::IncarnationCheck`] off: each newcomer taken for the
     /// predecessor at its address (newcomer → predecessor).
+    #[cfg(feature = "sabotage")]
     mistaken: HashMap<Incarnation, Incarnation>,
 }
 
@@ -279,6 +280,7 @@ impl<F: RailFabric> Core<F> {
             warnings: RateLimiter::new(warn.window, warn.burst),
             actions: VecDeque::new(),
             immediates: Vec::new(),
+            #[cfg(feature = "sabotage")]
             mistaken: HashMap::new(),
         }
     }
@@ -311,10 +313,9 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    fn send(&mut self, conn: ConnId, mut message: Message) {
-        if !self.mistaken.is_empty() {
-            self.undo_mistaken_identity(&mut message);
-        }
+    fn send(&mut self, conn: ConnId, message: Message) {
+        #[cfg(feature = "sabotage")]
+        let message = self.undo_mistaken_identity(message);
         self.actions.push_back(Action::Send { conn, message });
     }
 
@@ -322,6 +323,7 @@ impl<F: RailFabric> Core<F> {
     /// answers at an address this side dialed is taken for the incarnation that answered
     /// there before — the address treated as an identity. Returns the incarnation the Hello
     /// is then taken to say.
+    #[cfg(feature = "sabotage")]
     fn mistake_identity(&mut self, conn: ConnId, said: Incarnation) -> Incarnation {
         if !sabotage::is_off(Protection::IncarnationCheck) {
             return said;
@@ -339,31 +341,35 @@ impl<F: RailFabric> Core<F> {
     }
 
     /// What a mistaken newcomer says about itself is read as its predecessor's (sabotage).
-    fn mistake_incoming(&self, message: &mut Message) {
+    #[cfg(feature = "sabotage")]
+    fn mistake_incoming(&self, mut message: Message) -> Message {
         let mistake = |incarnation: &mut Incarnation| {
             if let Some(&before) = self.mistaken.get(incarnation) {
                 *incarnation = before;
             }
         };
-        match message {
+        match &mut message {
             Message::Descriptor(descriptor) => mistake(&mut descriptor.incarnation),
             Message::ConnectQpReply { key, .. } => mistake(&mut key.target),
             _ => {}
         }
+        message
     }
 
     /// What is addressed to a mistaken predecessor goes to its newcomer (sabotage).
-    fn undo_mistaken_identity(&self, message: &mut Message) {
+    #[cfg(feature = "sabotage")]
+    fn undo_mistaken_identity(&self, mut message: Message) -> Message {
         let undo = |incarnation: &mut Incarnation| {
             if let Some((&newcomer, _)) = self.mistaken.iter().find(|(_, b)| **b == *incarnation) {
                 *incarnation = newcomer;
             }
         };
-        match message {
+        match &mut message {
             Message::ConnectQp { key, .. } | Message::RetireQp { key, .. } => undo(&mut key.target),
             Message::Notify { target, .. } => undo(target),
             _ => {}
         }
+        message
     }
 
     /// Asks for the peer's descriptor on `conn`; connects waiting on it wait for the answer.
@@ -555,10 +561,9 @@ impl<F: RailFabric> Core<F> {
     // ---- messages ----------------------------------------------------------------------
 
     /// A whole message arrived on `conn`.
-    pub(crate) fn received(&mut self, conn: ConnId, mut message: Message, now: Instant) {
-        if !self.mistaken.is_empty() {
-            self.mistake_incoming(&mut message);
-        }
+    pub(crate) fn received(&mut self, conn: ConnId, message: Message, now: Instant) {
+        #[cfg(feature = "sabotage")]
+        let message = self.mistake_incoming(message);
         let Some(state) = self.conns.get_mut(&conn) else {
             return;
         };
@@ -719,6 +724,7 @@ impl<F: RailFabric> Core<F> {
         listen: &str,
         now: Instant,
     ) {
+        #[cfg(feature = "sabotage")]
         let incarnation = self.mistake_identity(conn, incarnation);
         let Some(state) = self.conns.get_mut(&conn) else {
             return;

@@ -19,6 +19,7 @@ pub enum Protection {
     IncarnationCheck,
 }
 
+#[cfg(feature = "sabotage")]
 impl Protection {
     /// Every protection a switch can turn off.
     pub const ALL: [Self; 4] = [
@@ -39,12 +40,14 @@ impl Protection {
     }
 }
 
+#[cfg(feature = "sabotage")]
 /// The environment variable that carries the switched-off protections (comma-separated
 /// names) to the processes a sabotaged test starts: a sabotage build reads it with
-/// `turn_off_from_env` (`railyard serve` does), any other build ignores it.
+/// [`turn_off_from_env`] (`railyard serve` does), any other build ignores it.
 pub const ENV: &str = "RAILYARD_SABOTAGE";
 
 /// The protections switched off in this process, as [`ENV`] carries them.
+#[cfg(feature = "sabotage")]
 pub fn switched_off() -> String {
     Protection::ALL
         .into_iter()

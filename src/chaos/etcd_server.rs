@@ -1,11 +1,10 @@
 //! A real etcd on loopback for the soak and the tests (feature `etcd`): the `etcd` binary of
 //! the distribution's `etcd-server` package, its own ports and data directory, stopped and
 //! started again on demand (an outage), killed and its data removed when dropped, and
-//! killed with this process even if it dies first.
+//! killed with its parent even if that dies first.
 
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -70,16 +69,7 @@ impl EtcdServer {
             .args(["--initial-cluster", &format!("railyard={peer}")])
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        // SAFETY: the closure runs in the child between fork and exec and calls only
-        // prctl(2); it touches no memory of the parent.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        super::process::die_with_parent(&mut command);
         let child = command
             .spawn()
             .context("starting etcd (install etcd-server; `make deps` does)")?;

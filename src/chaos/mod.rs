@@ -13,8 +13,9 @@
 //! | [`churn`] `handshake-churn` | one peer repeats its handshake; two peers on one host | no teardown, no reconnect, bounded warnings |
 //! | [`replica`] `dead-replica` | four `railyard serve` processes; one is killed, one stopped (no reset); newcomers take their ports | live peers keep ≥ 80 % throughput, the killed one fails fast, the stopped one within 2.5 s, nothing reaches a newcomer |
 //!
-//! [`soak`] (`railyard chaos soak --duration D`) runs target processes under a seeded mix of
-//! kills with port takeovers, stops and queue-pair errors for a whole duration.
+//! [`soak`] (`railyard chaos soak --duration D [--etcd]`) runs target processes under a
+//! seeded mix of kills with port takeovers, stops, queue-pair errors and key rotations (and
+//! etcd restarts) for a whole duration.
 
 pub mod churn;
 #[cfg(feature = "etcd")]

@@ -135,8 +135,6 @@ pub struct NodeRegion {
     pub buffer: SoftBuffer,
     /// Its registration on each rail.
     pub regions: Vec<MemoryRegion>,
-    /// Bumped at each re-registration.
-    pub generation: u64,
 }
 
 /// One process's worth of railyard: see the module docs.
@@ -235,11 +233,7 @@ impl Node {
     pub fn alloc(&mut self, len: usize) -> Result<usize> {
         let buffer = self.devices[0].alloc(len, Access::ALL)?;
         let regions = self.register_everywhere(&buffer)?;
-        self.regions.push(NodeRegion {
-            buffer,
-            regions,
-            generation: 1,
-        });
+        self.regions.push(NodeRegion { buffer, regions });
         self.publish();
         Ok(self.regions.len() - 1)
     }
@@ -264,7 +258,8 @@ impl Node {
                     base: region.buffer.region().addr,
                     len: region.buffer.len() as u64,
                     rkeys: region.regions.iter().map(|r| r.rkey).collect(),
-                    generation: region.generation,
+                    // Registered once, never again: one generation.
+                    generation: 1,
                 })
                 .collect(),
         );

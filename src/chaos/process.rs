@@ -20,6 +20,10 @@ use railyard_control::Incarnation;
 
 use super::BOUND;
 
+/// How long a target may take to say where it listens: a newcomer under a name a dead
+/// process held in etcd first waits that name's lease out.
+const START_BOUND: Duration = Duration::from_secs(30);
+
 /// Each target's pool unless told otherwise.
 const POOL: &str = "8MiB";
 
@@ -37,6 +41,9 @@ pub(crate) struct Target {
     stdin: ChildStdin,
     /// Its stdout after the first line.
     lines: Receiver<String>,
+    /// A command went unanswered: a late answer could be taken for the next one's, so no
+    /// more commands are sent.
+    unanswered: bool,
     pub(crate) addr: SocketAddr,
     pub(crate) pool_base: u64,
     /// The pool's region id.
@@ -84,23 +91,25 @@ impl Target {
             .args(["serve", "--until-stdin-closes", "--name", name])
             .args(options)
             .args(["--listen", &listen.to_string()])
-            .env(
-                railyard_dataplane::sabotage::ENV,
-                railyard_dataplane::sabotage::switched_off(),
-            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
+        // A protection a test switched off is off in its targets too.
+        #[cfg(feature = "sabotage")]
+        command.env(
+            railyard_dataplane::sabotage::ENV,
+            railyard_dataplane::sabotage::switched_off(),
+        );
+        die_with_parent(&mut command);
         // SAFETY: the closure runs in the child between fork and exec and calls only
-        // prctl(2) and personality(2), plain system calls; it touches no memory of the parent.
+        // personality(2), a plain system call; it touches no memory of the parent.
         unsafe {
             command.pre_exec(|| {
-                // Dies with the soak, even stopped: no orphan keeps a port or its memory.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The same layout for every target: see the module doc.
-                if libc::personality(libc::ADDR_NO_RANDOMIZE as libc::c_ulong) == -1 {
+                // The same layout for every target (see the module doc), on top of whatever
+                // persona the child inherited.
+                let persona = libc::personality(0xffff_ffff);
+                let no_aslr = persona as libc::c_ulong | libc::ADDR_NO_RANDOMIZE as libc::c_ulong;
+                if persona == -1 || libc::personality(no_aslr) == -1 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -124,7 +133,7 @@ impl Target {
                 let _ = line.send(next);
             }
         });
-        let first = match first.recv_timeout(Duration::from_secs(10)) {
+        let first = match first.recv_timeout(START_BOUND) {
             Ok(Some(Ok(line))) => line,
             outcome => {
                 let _ = child.kill();
@@ -157,6 +166,7 @@ impl Target {
             child,
             stdin,
             lines,
+            unanswered: false,
             generation,
         })
     }
@@ -167,14 +177,17 @@ impl Target {
     /// # Errors
     /// When the target answers `error:`, or not within [`BOUND`].
     fn command(&mut self, command: &str) -> Result<String> {
+        if self.unanswered {
+            bail!("not sending {command:?}: an earlier command went unanswered");
+        }
         writeln!(self.stdin, "{command}").with_context(|| format!("sending {command:?}"))?;
         let deadline = Instant::now() + BOUND;
         loop {
             let wait = deadline.saturating_duration_since(Instant::now());
-            let line = self
-                .lines
-                .recv_timeout(wait)
-                .with_context(|| format!("no answer to {command:?}"))?;
+            let Ok(line) = self.lines.recv_timeout(wait) else {
+                self.unanswered = true;
+                bail!("no answer to {command:?} within {BOUND:?}");
+            };
             if let Some(why) = line.strip_prefix("error: ") {
                 bail!("{command:?} failed: {why}");
             }
@@ -233,6 +246,29 @@ impl Target {
     pub(crate) fn signal(&self, signal: libc::c_int) {
         // SAFETY: kill(2) on our own child's pid, alive until it is waited for.
         unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+    }
+}
+
+/// Makes `command`'s child die (SIGKILL) with its parent, even when stopped: no orphan
+/// keeps a port, memory or a data directory. The kernel sends the signal when the *thread*
+/// that spawned the child ends, so spawn from one that lives as long as the child should
+/// (the scenarios and the soak spawn from their main thread). A parent that died before
+/// the child could ask is caught too: the child then does not start.
+pub(crate) fn die_with_parent(command: &mut Command) {
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the child between fork and exec and calls only prctl(2)
+    // and getppid(2), plain system calls; it allocates nothing and touches no memory of the
+    // parent.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
     }
 }
 

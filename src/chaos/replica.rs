@@ -57,9 +57,11 @@ pub struct ReplicaReport {
     pub dead_peer_restarted: u64,
     /// Requests to the killed peer that failed otherwise.
     pub dead_peer_other_failures: u64,
-    /// Batches in flight (submitted, unresolved) when a target was killed or stopped.
-    pub in_flight_at_failure: u64,
-    /// Of those, the ones that resolved later than their deadline plus a second.
+    /// Batches in flight (submitted, unresolved) when target 3 was killed.
+    pub in_flight_at_kill: u64,
+    /// Batches in flight when target 2 was stopped.
+    pub in_flight_at_stop: u64,
+    /// Of those, the ones that resolved later than their deadline plus [`IN_FLIGHT_SLACK`].
     pub in_flight_late: u64,
     /// From SIGSTOP of target 2 to its first request failing fast, in ms (0: never).
     pub stopped_peer_detection_ms: u64,
@@ -69,6 +71,10 @@ pub struct ReplicaReport {
     pub predecessors_retired: bool,
     /// Whether the initiator could open both newcomers.
     pub newcomers_reached: bool,
+    /// Whether each newcomer's pool sits where its predecessor's did (same address and, on
+    /// the soft fabric, same keys): only then would a write still meant for the
+    /// predecessor land, and `misdirected` show it.
+    pub same_layout: bool,
     /// Non-zero bytes found in the newcomers' memory: meant for their predecessors.
     pub misdirected: u64,
     /// Whether the newcomers' memory could be read (through a fresh peer each).
@@ -98,9 +104,18 @@ impl ReplicaReport {
         }
         if self.in_flight_late > 0 {
             broken.push(format!(
-                "{} batch(es) in flight at a failure resolved past their deadline",
+                "{} batch(es) in flight at a failure resolved past their deadline + {IN_FLIGHT_SLACK:?}",
                 self.in_flight_late
             ));
+        }
+        if self.in_flight_at_kill == 0 {
+            broken.push("no batch was in flight at the kill: nothing was checked".into());
+        }
+        if !self.same_layout {
+            broken.push(
+                "a newcomer's pool is not where its predecessor's was: misdirection could not show"
+                    .into(),
+            );
         }
         if self.stopped_peer_detection_ms == 0
             || self.stopped_peer_detection_ms > DETECTION_BOUND.as_millis() as u64
@@ -136,6 +151,10 @@ const BLOCKS_PER_BATCH: u64 = 4;
 const WINDOW: Duration = Duration::from_millis(500);
 /// How soon a stopped target's requests must fail fast.
 const DETECTION_BOUND: Duration = Duration::from_millis(2500);
+/// How late past its deadline a batch in flight at a failure may resolve: the poller's
+/// flush grace (`PollerConfig::flush_grace`), the most a fabric gets to hand back work of
+/// a queue pair taken out of service.
+pub const IN_FLIGHT_SLACK: Duration = Duration::from_secs(1);
 
 /// One peer's submitter's log.
 #[derive(Default)]
@@ -146,6 +165,8 @@ struct PeerLog {
     failures: Mutex<Vec<(Instant, Instant, RequestOutcome)>>,
     /// Per batch: (submitted, resolved).
     batches: Mutex<Vec<(Instant, Instant)>>,
+    /// A batch is submitted and not yet resolved.
+    in_flight: AtomicBool,
 }
 
 impl PeerLog {
@@ -182,12 +203,15 @@ fn submit_loop(
         .collect();
     while !stop.load(Ordering::Relaxed) {
         let submitted = Instant::now();
+        log.in_flight.store(true, Ordering::Relaxed);
         let Ok(batch) = submitter.submit(peer, &writes) else {
+            log.in_flight.store(false, Ordering::Relaxed);
             std::thread::sleep(Duration::from_millis(2));
             continue;
         };
         batch.wait(submitted + DEFAULT_DEADLINE + BOUND);
         let resolved = Instant::now();
+        log.in_flight.store(false, Ordering::Relaxed);
         let outcomes = batch.outcomes();
         let done = outcomes
             .iter()
@@ -210,8 +234,16 @@ fn submit_loop(
     Ok(())
 }
 
+/// Waits (at most a second) until `log`'s submitter has a batch in flight.
+fn wait_for_a_batch_in_flight(log: &PeerLog) {
+    let end = Instant::now() + Duration::from_secs(1);
+    while !log.in_flight.load(Ordering::Relaxed) && Instant::now() < end {
+        std::hint::spin_loop();
+    }
+}
+
 /// Batches of `log` in flight at `at`, and how many of them resolved past their deadline
-/// plus a second.
+/// plus [`IN_FLIGHT_SLACK`].
 fn in_flight_at(log: &PeerLog, at: Instant) -> (u64, u64) {
     let batches = lock(&log.batches);
     let spanning: Vec<_> = batches
@@ -221,7 +253,7 @@ fn in_flight_at(log: &PeerLog, at: Instant) -> (u64, u64) {
     let late = spanning
         .iter()
         .filter(|(submitted, resolved)| {
-            resolved.duration_since(*submitted) > DEFAULT_DEADLINE + Duration::from_secs(1)
+            resolved.duration_since(*submitted) > DEFAULT_DEADLINE + IN_FLIGHT_SLACK
         })
         .count();
     (spanning.len() as u64, late as u64)
@@ -275,6 +307,7 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
     let stop = AtomicBool::new(false);
     let mut newcomers = Vec::new();
     let mut newcomer_peers = Vec::new();
+    let mut predecessor_bases = Vec::new();
     let (killed_at, stopped_at) = std::thread::scope(|scope| -> Result<(Instant, Instant)> {
         let threads: Vec<_> = (0..PEERS)
             .map(|n| {
@@ -285,13 +318,16 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
             .collect();
         let phases = (|| -> Result<(Instant, Instant)> {
             std::thread::sleep(WINDOW + Duration::from_millis(200));
-            // Phase 1: killed, with a reset; another name takes the port.
+            // Phase 1: killed, with a reset, while a batch to it is in flight; another name
+            // takes the port.
+            wait_for_a_batch_in_flight(&logs[KILLED]);
             targets[KILLED].signal(libc::SIGKILL);
             let killed_at = Instant::now();
             let _ = targets[KILLED].child.wait();
             std::thread::sleep(WINDOW);
             let addr: SocketAddr = targets[KILLED].addr;
             newcomers.push(Target::start(binary, "decode-3-newcomer", addr, 1)?);
+            predecessor_bases.push(targets[KILLED].pool_base);
             // The application reaches the newcomer while its handle of the dead process
             // still submits: the two must not be confused.
             newcomer_peers.push(engine.open(&addr.to_string()).ok());
@@ -304,6 +340,7 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
             let _ = targets[STOPPED].child.wait();
             let addr = targets[STOPPED].addr;
             newcomers.push(Target::start(binary, "decode-2", addr, 1)?);
+            predecessor_bases.push(targets[STOPPED].pool_base);
             newcomer_peers.push(engine.open(&addr.to_string()).ok());
             std::thread::sleep(Duration::from_secs(1));
             Ok((killed_at, stopped_at))
@@ -384,11 +421,17 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
         dead_peer_unavailable: unavailable,
         dead_peer_restarted: restarted,
         dead_peer_other_failures: killed_failures.len() as u64 - unavailable - restarted,
-        in_flight_at_failure: in_flight_killed + in_flight_stopped,
+        in_flight_at_kill: in_flight_killed,
+        in_flight_at_stop: in_flight_stopped,
         in_flight_late: late_killed + late_stopped,
         stopped_peer_detection_ms: detection,
         predecessors_retired,
         newcomers_reached: newcomer_peers.len() == 2 && newcomer_peers.iter().all(Option::is_some),
+        same_layout: newcomers.len() == 2
+            && newcomers
+                .iter()
+                .zip(&predecessor_bases)
+                .all(|(newcomer, &base)| newcomer.pool_base == base),
         misdirected,
         newcomers_checked: checked,
         circuit_openings: engine.stats().control.circuit_openings,

@@ -71,6 +71,10 @@ pub const SLACK: Duration = Duration::from_secs(2);
 pub const DETECTION_BOUND: Duration = Duration::from_millis(2500);
 /// Resident memory this process may gain between warm-up and the end.
 pub const RSS_GROWTH_BOUND: u64 = 64 << 10; // KiB
+/// How soon after SIGCONT a stopped target must serve its old peer again (no reopening):
+/// its circuit's cooldown, doubled for each time it was stopped again before its trial
+/// succeeded (5 s, 10 s, 20 s by default), plus the trial.
+pub const RESUME_BOUND: Duration = Duration::from_secs(25);
 /// Open descriptors this process may gain between warm-up and the end: a live target
 /// costs a few (its control connection, the pidfd of each queue pair to it, a mapped
 /// memfd); more than this means something is kept per fault.
@@ -154,6 +158,15 @@ pub struct SoakReport {
     pub timed_stops: u64,
     /// Timed stops after which nothing failed fast while stopped.
     pub undetected_stops: u64,
+    /// From SIGCONT to the first request done through the same peer, longest, in ms.
+    pub resume_ms_max: u64,
+    /// Stopped targets not serving their peer again within [`RESUME_BOUND`] of SIGCONT.
+    pub unresumed_stops: u64,
+    /// Stopped (not killed) targets whose peer had to be opened again: a stop is not a
+    /// restart, and traffic must resume without the application reopening.
+    pub reopened_after_stop: u64,
+    /// Targets whose memory could not be read for the misdirection check.
+    pub unchecked_targets: u64,
     /// This process's resident memory after warm-up, KiB.
     pub rss_kib_start: u64,
     /// At the end.
@@ -193,6 +206,24 @@ impl SoakReport {
             broken.push(format!(
                 "{} block(s) read back were not what was written",
                 self.mismatched_blocks
+            ));
+        }
+        if self.unresumed_stops > 0 {
+            broken.push(format!(
+                "{} stopped target(s) did not serve their peer again within {RESUME_BOUND:?}",
+                self.unresumed_stops
+            ));
+        }
+        if self.reopened_after_stop > 0 {
+            broken.push(format!(
+                "{} stopped target(s) had to be opened again",
+                self.reopened_after_stop
+            ));
+        }
+        if self.unchecked_targets > 0 {
+            broken.push(format!(
+                "{} target(s) could not be checked for misdirected blocks",
+                self.unchecked_targets
             ));
         }
         if self.undetected_stops > 0 {
@@ -242,8 +273,10 @@ struct Slot {
     pool_base: u64,
     generation: u8,
     peer: Option<Peer>,
-    /// When it was stopped, until a worker sees it fail fast.
+    /// When it was stopped, until it is let go.
     stopped_at: Option<Instant>,
+    /// When it was let go after a stop, until a request through the same peer is done.
+    resumed_from: Option<Instant>,
 }
 
 /// Counts the workers add to.
@@ -257,6 +290,9 @@ struct Tally {
     mismatched_blocks: AtomicU64,
     timeouts_while_stopped: AtomicU64,
     reopens: AtomicU64,
+    reopened_after_stop: AtomicU64,
+    /// ms from SIGCONT to the first request done, per stop.
+    resumes: Mutex<Vec<u64>>,
     failures: Mutex<BTreeMap<String, u64>>,
     /// Per target, what happened to it while etcd was down.
     outage: Vec<OutageCounts>,
@@ -309,19 +345,29 @@ fn tag(index: usize, generation: u8, worker: usize, round: u64) -> u64 {
 }
 
 /// After the run: reads every target's written slots through a fresh peer and counts the
-/// blocks tagged for another target or another generation (a process that had the port).
-fn misdirected(engine: &Engine, slots: &[RwLock<Slot>]) -> u64 {
+/// blocks tagged for another target or another generation (a process that had the port);
+/// returns them and the targets that could not be read.
+fn misdirected(engine: &Engine, slots: &[RwLock<Slot>]) -> (u64, u64) {
     let len = WORKERS as u64 * SLOTS * BLOCK;
     let Ok(back) = engine.alloc(len, None) else {
-        return 0;
+        return (0, slots.len() as u64);
     };
-    let mut wrong = 0;
+    let (mut wrong, mut unchecked) = (0, 0);
     for (index, slot) in slots.iter().enumerate() {
         let (addr, base, generation) = {
             let slot = slot.read().unwrap_or_else(PoisonError::into_inner);
             (slot.addr, slot.pool_base, slot.generation)
         };
-        if !read_through_fresh_peer(engine, addr, base, back) {
+        // A target let go late in the run may still have its circuit open: its peer can be
+        // read once the circuit's trial succeeds.
+        let give_up = Instant::now() + RESUME_BOUND;
+        let mut read = read_through_fresh_peer(engine, addr, base, back);
+        while !read && Instant::now() < give_up {
+            std::thread::sleep(Duration::from_millis(200));
+            read = read_through_fresh_peer(engine, addr, base, back);
+        }
+        if !read {
+            unchecked += 1;
             continue;
         }
         // SAFETY: the read has resolved; nothing else uses `back`.
@@ -337,7 +383,7 @@ fn misdirected(engine: &Engine, slots: &[RwLock<Slot>]) -> u64 {
             }
         }
     }
-    wrong
+    (wrong, unchecked)
 }
 
 /// Runs the soak.
@@ -385,6 +431,7 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
                 generation: target.generation,
                 peer: None,
                 stopped_at: None,
+                resumed_from: None,
             })
         })
         .collect();
@@ -430,7 +477,25 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
     report.bytes_verified = tally.bytes_verified.load(Ordering::Relaxed);
     report.mismatched_blocks = tally.mismatched_blocks.load(Ordering::Relaxed);
     report.timeouts_while_stopped = tally.timeouts_while_stopped.load(Ordering::Relaxed);
-    report.misdirected_blocks = misdirected(&engine, &slots);
+    (report.misdirected_blocks, report.unchecked_targets) = misdirected(&engine, &slots);
+    report.reopened_after_stop = tally.reopened_after_stop.load(Ordering::Relaxed);
+    report.resume_ms_max = tally
+        .resumes
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0);
+    report.unresumed_stops = slots
+        .iter()
+        .filter(|slot| {
+            slot.read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .resumed_from
+                .is_some_and(|since| since.elapsed() > RESUME_BOUND)
+        })
+        .count() as u64;
     report.reopens = tally.reopens.load(Ordering::Relaxed);
     report.failures = tally
         .failures
@@ -497,6 +562,7 @@ fn inject(
                     slot.generation = generation;
                     slot.peer = None;
                     slot.stopped_at = None;
+                    slot.resumed_from = None;
                 }
                 targets[index] = newcomer;
                 report.kills += 1;
@@ -526,7 +592,10 @@ fn inject(
                 }
                 std::thread::sleep(window.saturating_duration_since(Instant::now()));
                 targets[index].signal(libc::SIGCONT);
-                write(&slots[index]).stopped_at = None;
+                let mut slot = write(&slots[index]);
+                slot.stopped_at = None;
+                slot.resumed_from = Some(Instant::now());
+                drop(slot);
                 report.stops += 1;
             }
             2 => {
@@ -593,6 +662,9 @@ fn etcd_outage(
     etcd.stop();
     std::thread::sleep(Duration::from_millis(1000 + rng.below(2000)));
     let restarted = etcd.run();
+    // What follows etcd's return counts too: sessions re-claiming names, leases lapsing or
+    // renewed, the watch replaying what changed.
+    std::thread::sleep(Duration::from_secs(LEASE_TTL + 2));
     for counts in &tally.outage {
         if counts.watched.swap(false, Ordering::Relaxed) {
             report.unavailable_during_etcd_outage += counts.unavailable.load(Ordering::Relaxed);
@@ -729,22 +801,48 @@ fn peer_of(
     tally: &Tally,
     by_name: bool,
 ) -> Option<(Peer, u64, u8)> {
-    let target = {
+    let (target, after_stop) = {
         let slot = slot.read().unwrap_or_else(PoisonError::into_inner);
         if let Some(peer) = slot.peer.as_ref().filter(|peer| !peer.is_retired()) {
             return Some((peer.clone(), slot.pool_base, slot.generation));
         }
-        if by_name {
+        let target = if by_name {
             slot.name.clone()
         } else {
             slot.addr.to_string()
-        }
+        };
+        // Retired while (or after being) stopped: a stop is not a restart.
+        let stopped = slot.stopped_at.is_some() || slot.resumed_from.is_some();
+        (target, stopped && slot.peer.is_some())
     };
     let opened = engine.open(&target).ok()?;
     count(&tally.reopens);
     let mut slot = slot.write().unwrap_or_else(PoisonError::into_inner);
+    if after_stop && slot.peer.as_ref().is_some_and(Peer::is_retired) {
+        count(&tally.reopened_after_stop);
+    }
     slot.peer = Some(opened.clone());
     Some((opened, slot.pool_base, slot.generation))
+}
+
+/// A request through `peer` was done: if its target was let go after a stop and this is
+/// still the peer it had then, it is serving again.
+fn resumed(slot: &RwLock<Slot>, peer: &Peer, tally: &Tally) {
+    let since = {
+        let slot = slot.read().unwrap_or_else(PoisonError::into_inner);
+        match (slot.resumed_from, &slot.peer) {
+            (Some(since), Some(current)) if current.incarnation() == peer.incarnation() => since,
+            _ => return,
+        }
+    };
+    let mut slot = slot.write().unwrap_or_else(PoisonError::into_inner);
+    if slot.resumed_from.take().is_some() {
+        tally
+            .resumes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(since.elapsed().as_millis() as u64);
+    }
 }
 
 fn slot_stopped(slot: &RwLock<Slot>) -> bool {
@@ -769,6 +867,7 @@ fn transfer(
         .outage
         .get(index)
         .filter(|counts| counts.watched.load(Ordering::Relaxed));
+    let stopped_at_submit = slot_stopped(&slots[index]);
     let submitted = Instant::now();
     let Ok(batch) = submitter.submit(peer, &[transfer]) else {
         return Some(false);
@@ -790,6 +889,7 @@ fn transfer(
             if let Some(outage) = outage {
                 count(&outage.done);
             }
+            resumed(&slots[index], peer, tally);
             Some(true)
         }
         Some(RequestOutcome::Failed(reason)) => {
@@ -799,7 +899,7 @@ fn transfer(
                 .unwrap_or_else(PoisonError::into_inner)
                 .entry(reason.to_string())
                 .or_default() += 1;
-            if reason == FailReason::Timeout && slot_stopped(&slots[index]) {
+            if reason == FailReason::Timeout && (stopped_at_submit || slot_stopped(&slots[index])) {
                 count(&tally.timeouts_while_stopped);
             }
             if let Some(outage) = outage.filter(|_| reason == FailReason::PeerUnavailable) {

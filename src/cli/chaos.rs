@@ -50,6 +50,12 @@ pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
         };
         return Ok(print(&outcome, "soak", args));
     }
+    if args.etcd {
+        bail!(
+            "--etcd is for the soak; {} runs without a directory",
+            args.scenario
+        );
+    }
     let Some(scenario) = Scenario::from_name(&args.scenario) else {
         let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
         bail!(

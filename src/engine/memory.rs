@@ -118,6 +118,19 @@ impl Drop for HostMemory {
     }
 }
 
+/// This host's memory in bytes (`MemTotal`), if `/proc/meminfo` says.
+pub(crate) fn host_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,17 +151,4 @@ mod tests {
             Backing::Normal
         );
     }
-}
-
-/// This host's memory in bytes (`MemTotal`), if `/proc/meminfo` says.
-pub(crate) fn host_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib: u64 = meminfo
-        .lines()
-        .find_map(|line| line.strip_prefix("MemTotal:"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    kib.checked_mul(1024)
 }

@@ -217,3 +217,37 @@ impl TcpPair {
         }
     }
 }
+
+/// Runs `command` (stderr dropped) and returns its output, killing it and failing the test
+/// if it has not exited within `bound`.
+pub fn output_within(command: &mut Command, bound: Duration) -> std::process::Output {
+    use std::io::Read as _;
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starts");
+    let mut stdout = child.stdout.take().expect("piped");
+    let reader = std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = stdout.read_to_end(&mut bytes);
+        bytes
+    });
+    let end = Instant::now() + bound;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waitable") {
+            break status;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("still running after {bound:?}: {command:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    std::process::Output {
+        status,
+        stdout: reader.join().expect("the reader ends with the child"),
+        stderr: Vec::new(),
+    }
+}

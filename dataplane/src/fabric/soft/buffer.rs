@@ -238,7 +238,7 @@ mod tests {
         let own = buffer.region();
         device.deregister(&own).expect("withdrawn by its owner");
         buffer.own_key_withdrawn();
-        let memory = vec![0u8; 64];
+        let memory = [0u8; 64];
         let reused = loop {
             // SAFETY: `memory` outlives every registration of it (all withdrawn below or
             // before it drops).
