@@ -296,10 +296,23 @@ fn an_etcd_outage_leaves_connected_peers_working_and_recovers_by_itself() {
     let prefill = engine("prefill-3", &etcd);
     let peer = prefill.open("decode-o").unwrap();
     assert!(round_trip(&prefill, &peer, 0x70));
+    // (the initiator's reconnects and teardowns, the target's)
     let churn = |engine: &Engine, serve: &mut Serve| {
         let stats = engine.stats().control;
         let target = serve.command("stats");
-        (stats.reconnects, stats.teardowns, target)
+        let count = |name: &str| -> u64 {
+            target
+                .split_whitespace()
+                .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|value| value.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in {target:?}"))
+        };
+        (
+            stats.reconnects,
+            stats.teardowns,
+            count("reconnects"),
+            count("teardowns"),
+        )
     };
     let before_outage = churn(&prefill, &mut a);
     let warnings = |engine: &Engine| {
