@@ -2,11 +2,22 @@
 //! endpoints.
 //!
 //! Its loop: drain the submission rings → apply commands (add an endpoint, bump its epoch,
-//! retire it, open or close its circuit, shut down) → apply the epoch rule and post what
-//! passes, one doorbell per queue pair per round → poll completions and resolve slices →
-//! sweep deadlines → idle. Submissions are drained before commands so that a slice prepared
+//! retire it, open or close its circuit, shut down) → post what waited for credits and has
+//! them now, apply the epoch rule to new slices and post what passes and has credits, one
+//! doorbell per queue pair per round → poll completions and resolve slices → sweep
+//! deadlines → idle. Submissions are drained before commands so that a slice prepared
 //! for an epoch the control plane has announced always finds that epoch's command applied:
 //! the control plane sends the command first and publishes the epoch to submitters after.
+//!
+//! # Credits
+//! A queue pair carries at most its send queue's depth of posted work requests and the rail
+//! at most what its completion queue holds ([`FabricLimits`], flushes a retire will produce
+//! included: every request completes exactly once). A slice that passes the epoch rule
+//! without a credit waits, in order, in its endpoint's queue for credits until completions
+//! return some (its deadline still applies). A post the fabric cuts short with
+//! `SendQueueFull` is backpressure, not failure: the refused rest goes back to the front of
+//! that queue. Only errors that cannot pass fail a slice `PostFailed`. Each round's posts
+//! are gathered per queue pair and posted with one call (one doorbell) each.
 //!
 //! # The epoch rule
 //! A slice whose epoch is older than its endpoint's current epoch is never posted: it goes
@@ -49,7 +60,8 @@ use std::time::{Duration, Instant};
 
 use crate::batch::FailReason;
 use crate::fabric::{
-    AsyncEvent, Fabric, FabricError, Opcode, QpNum, WcStatus, WorkCompletion, WorkRequest, WrId,
+    AsyncEvent, Fabric, FabricError, FabricLimits, Opcode, QpNum, WcStatus, WorkCompletion,
+    WorkRequest, WrId,
 };
 use crate::quiesce::Rounds;
 use crate::ring::{self, Consumer, Producer};
@@ -319,6 +331,9 @@ struct Counters {
     ignored_completions: Counter,
     events_coalesced: Counter,
     unflushed: Counter,
+    doorbells: Counter,
+    credit_waits: Counter,
+    send_queue_full: Counter,
 }
 
 /// A poller's counters at one moment.
@@ -343,6 +358,13 @@ pub struct CounterSnapshot {
     /// Posted slices resolved without the fabric handing them back within
     /// [`PollerConfig::flush_grace`] of being taken out of service (a fabric bug: zero).
     pub unflushed: u64,
+    /// Post calls made (one per queue pair per round with work for it).
+    pub doorbells: u64,
+    /// Slices that waited for credits (a full send queue or completion queue) before they
+    /// were posted.
+    pub credit_waits: u64,
+    /// Post calls the fabric cut short with `SendQueueFull` (their rest waited, then went).
+    pub send_queue_full: u64,
 }
 
 impl CounterSnapshot {
@@ -517,6 +539,7 @@ impl PollerHandle {
         let (started_tx, started_rx) = std::sync::mpsc::channel();
         let name = config.name.clone();
         let poller = Poller {
+            limits: fabric.limits(),
             fabric,
             reprepare: Box::new(reprepare),
             shared: shared.clone(),
@@ -526,8 +549,9 @@ impl PollerHandle {
             endpoints: Vec::new(),
             ready: VecDeque::new(),
             inflight: Inflight::default(),
-            post_list: Vec::new(),
-            post_qp: None,
+            posts: Vec::new(),
+            spare_lists: Vec::new(),
+            starved: Vec::new(),
             completions: Vec::new(),
             pending_events: BTreeMap::new(),
             overdue: Vec::new(),
@@ -661,6 +685,9 @@ impl PollerHandle {
             ignored_completions: c.ignored_completions.get(),
             events_coalesced: c.events_coalesced.get(),
             unflushed: c.unflushed.get(),
+            doorbells: c.doorbells.get(),
+            credit_waits: c.credit_waits.get(),
+            send_queue_full: c.send_queue_full.get(),
         }
     }
 
@@ -747,7 +774,17 @@ struct Endpoint {
     epoch: Epoch,
     link: Link,
     backlog: VecDeque<Slice>,
+    /// Work requests in flight on any of its queue pairs (old ones' flushes included).
     in_flight: usize,
+    /// Work requests in flight on its current queue pair: at most the send queue's depth.
+    posted: usize,
+    /// Slices for the current queue pair waiting for credits, in order.
+    waiting: VecDeque<Slice>,
+    /// Listed in `Poller::starved` (it has waiting slices).
+    starved: bool,
+    /// The fabric refused a post for a full send queue: nothing more is posted until one of
+    /// the queue pair's requests completes.
+    send_queue_full: bool,
     /// Fail everything at once with `PeerUnavailable`.
     circuit_open: bool,
     /// A success was reported for the current epoch ([`Event::Confirmed`]).
@@ -833,8 +870,14 @@ struct Poller<F: Fabric> {
     /// Slices taken from rings or handed back for a retry, not yet routed.
     ready: VecDeque<Slice>,
     inflight: Inflight,
-    post_list: Vec<WorkRequest>,
-    post_qp: Option<QpNum>,
+    /// How much the fabric holds at once: the credits.
+    limits: FabricLimits,
+    /// This round's work requests, per queue pair: one post call (doorbell) each.
+    posts: Vec<(QpNum, Vec<WorkRequest>)>,
+    /// Emptied lists of `posts`, reused.
+    spare_lists: Vec<Vec<WorkRequest>>,
+    /// Endpoints with slices waiting for credits.
+    starved: Vec<EndpointId>,
     completions: Vec<WorkCompletion>,
     /// Events waiting for room in the event ring, the latest per endpoint.
     pending_events: BTreeMap<EndpointId, Event>,
@@ -850,6 +893,15 @@ struct Poller<F: Fabric> {
 /// the poller's other fields while it holds the endpoint.
 fn endpoint_mut(endpoints: &mut [Option<Endpoint>], id: EndpointId) -> Option<&mut Endpoint> {
     endpoints.get_mut(id.0 as usize).and_then(Option::as_mut)
+}
+
+/// Whether `endpoint` may post one more work request: its queue pair's send queue and the
+/// rail's completion queue (`busy`: requests in flight on the rail, flushes to come
+/// included) have room, and the fabric did not say the send queue is full.
+fn has_credit(endpoint: &Endpoint, busy: usize, limits: FabricLimits) -> bool {
+    !endpoint.send_queue_full
+        && endpoint.posted < limits.send_queue
+        && busy < limits.completion_queue
 }
 
 /// How often deadlines of backlogged and in-flight slices are checked.
@@ -1036,6 +1088,10 @@ impl<F: Fabric> Poller<F> {
             link,
             backlog: VecDeque::new(),
             in_flight,
+            posted: 0,
+            waiting: VecDeque::new(),
+            starved: false,
+            send_queue_full: false,
             circuit_open: false,
             confirmed: false,
             retired_reason: FailReason::EndpointRetired,
@@ -1060,9 +1116,26 @@ impl<F: Fabric> Poller<F> {
         endpoint.epoch = epoch;
         endpoint.link = link;
         endpoint.confirmed = false;
-        // The backlog goes through the epoch rule again, ahead of newer work.
+        endpoint.posted = 0;
+        endpoint.send_queue_full = false;
+        // The backlog goes through the epoch rule again, ahead of newer work (and the
+        // slices that waited for the old queue pair's credits ahead of it).
         let backlog = std::mem::take(&mut endpoint.backlog);
         for slice in backlog.into_iter().rev() {
+            self.ready.push_front(slice);
+        }
+        self.requeue_waiting(id);
+    }
+
+    /// The slices of `id` that waited for credits of a queue pair it no longer has go
+    /// through the epoch rule again, ahead of newer work.
+    fn requeue_waiting(&mut self, id: EndpointId) {
+        let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
+            return;
+        };
+        endpoint.starved = false;
+        let waiting = std::mem::take(&mut endpoint.waiting);
+        for slice in waiting.into_iter().rev() {
             self.ready.push_front(slice);
         }
     }
@@ -1076,7 +1149,10 @@ impl<F: Fabric> Poller<F> {
         }
         endpoint.link = Link::Retired;
         endpoint.retired_reason = reason;
-        let backlog = std::mem::take(&mut endpoint.backlog);
+        endpoint.posted = 0;
+        endpoint.starved = false;
+        let mut backlog = std::mem::take(&mut endpoint.backlog);
+        backlog.append(&mut endpoint.waiting);
         let drained = endpoint.in_flight == 0;
         for slice in backlog {
             self.fail(slice, reason);
@@ -1092,7 +1168,9 @@ impl<F: Fabric> Poller<F> {
         };
         endpoint.circuit_open = open;
         if open {
-            let backlog = std::mem::take(&mut endpoint.backlog);
+            endpoint.starved = false;
+            let mut backlog = std::mem::take(&mut endpoint.backlog);
+            backlog.append(&mut endpoint.waiting);
             for slice in backlog {
                 self.fail(slice, FailReason::PeerUnavailable);
             }
@@ -1114,17 +1192,59 @@ impl<F: Fabric> Poller<F> {
         busy
     }
 
-    /// Applies the epoch rule to every ready slice and posts those that pass.
+    /// Posts what waited for credits and has them now, then applies the epoch rule to every
+    /// ready slice and posts those that pass: one post call per queue pair.
     fn route_ready(&mut self) -> bool {
-        if self.ready.is_empty() {
+        if self.ready.is_empty() && self.starved.is_empty() {
             return false;
         }
         let now = Instant::now();
+        let mut busy = self.release_credits(now);
         while let Some(slice) = self.ready.pop_front() {
+            busy = true;
             self.route(slice, now);
         }
         self.flush_posts();
-        true
+        busy
+    }
+
+    /// Posts, in order, the waiting slices of starved endpoints while their queue pair and
+    /// the rail have credits. True when any was posted or failed.
+    fn release_credits(&mut self, now: Instant) -> bool {
+        let mut moved = false;
+        let mut still_starved = Vec::new();
+        for id in std::mem::take(&mut self.starved) {
+            loop {
+                let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
+                    break;
+                };
+                let Link::Up(qp) = endpoint.link else {
+                    // Its queue pair went (requeued there already, if this is ever reached).
+                    self.requeue_waiting(id);
+                    break;
+                };
+                if endpoint.waiting.is_empty() {
+                    endpoint.starved = false;
+                    break;
+                }
+                if !has_credit(endpoint, self.inflight.busy, self.limits) {
+                    still_starved.push(id);
+                    break;
+                }
+                let Some(slice) = endpoint.waiting.pop_front() else {
+                    break;
+                };
+                moved = true;
+                if now >= slice.deadline() {
+                    self.fail(slice, FailReason::Timeout);
+                } else {
+                    self.post(qp, slice);
+                }
+            }
+        }
+        still_starved.append(&mut self.starved);
+        self.starved = still_starved;
+        moved
     }
 
     fn route(&mut self, mut slice: Slice, now: Instant) {
@@ -1151,7 +1271,22 @@ impl<F: Fabric> Poller<F> {
         }
         match (route, up) {
             (Route::Fail(reason), _) => self.fail(slice, reason),
-            (Route::Post, Some(qp)) => self.post(qp, slice),
+            (Route::Post, Some(qp))
+                if endpoint.waiting.is_empty()
+                    && has_credit(endpoint, self.inflight.busy, self.limits) =>
+            {
+                self.post(qp, slice);
+            }
+            (Route::Post, Some(_)) => {
+                // No credit (or others wait before it): it waits its turn, however long the
+                // queue; its deadline still applies.
+                self.shared.counters.credit_waits.add(1);
+                endpoint.waiting.push_back(slice);
+                if !endpoint.starved {
+                    endpoint.starved = true;
+                    self.starved.push(id);
+                }
+            }
             (Route::Wait | Route::Post, _) => {
                 if endpoint.backlog.len() >= self.config.backlog_limit {
                     return self.fail(slice, FailReason::BacklogFull);
@@ -1185,11 +1320,8 @@ impl<F: Fabric> Poller<F> {
         }
     }
 
+    /// Adds `slice` to this round's list for `qp` (the caller checked its credits).
     fn post(&mut self, qp: QpNum, slice: Slice) {
-        if self.post_qp != Some(qp) {
-            self.flush_posts();
-            self.post_qp = Some(qp);
-        }
         let request = WorkRequest {
             wr_id: WrId::new(0, 0),
             opcode: slice.opcode,
@@ -1204,37 +1336,82 @@ impl<F: Fabric> Poller<F> {
         };
         if let Some(endpoint) = endpoint_mut(&mut self.endpoints, slice.endpoint) {
             endpoint.in_flight += 1;
+            endpoint.posted += 1;
         }
         let wr_id = self.inflight.insert(slice, qp);
-        self.post_list.push(WorkRequest { wr_id, ..request });
-        if self.post_list.len() >= self.config.max_batch {
-            self.flush_posts();
+        let request = WorkRequest { wr_id, ..request };
+        match self.posts.iter_mut().find(|(listed, _)| *listed == qp) {
+            Some((_, list)) => list.push(request),
+            None => {
+                let mut list = self.spare_lists.pop().unwrap_or_default();
+                list.push(request);
+                self.posts.push((qp, list));
+            }
         }
     }
 
-    /// Posts the accumulated list on its queue pair: one doorbell.
+    /// Posts this round's list of each queue pair: one doorbell each.
     fn flush_posts(&mut self) {
-        let Some(qp) = self.post_qp else { return };
-        if self.post_list.is_empty() {
+        let mut posts = std::mem::take(&mut self.posts);
+        for (qp, mut list) in posts.drain(..) {
+            self.post_list(qp, &list);
+            list.clear();
+            self.spare_lists.push(list);
+        }
+        self.posts = posts;
+    }
+
+    /// Posts `list` on `qp`. What a full send queue refuses waits, in order, at the front of
+    /// its endpoint's queue for credits; what any other error refuses fails `PostFailed`.
+    fn post_list(&mut self, qp: QpNum, list: &[WorkRequest]) {
+        if list.is_empty() {
             return;
         }
-        let accepted = match self.fabric.post(qp, &self.post_list) {
-            Ok(()) => self.post_list.len(),
-            Err(error) => error.posted,
+        self.shared.counters.doorbells.add(1);
+        let (accepted, full) = match self.fabric.post(qp, list) {
+            Ok(()) => (list.len(), false),
+            Err(error) => (
+                error.posted.min(list.len()),
+                matches!(error.error, FabricError::SendQueueFull { .. }),
+            ),
         };
         self.shared.counters.posted.add(accepted as u64);
-        let refused: Vec<WrId> = self
-            .post_list
-            .drain(..)
-            .skip(accepted)
-            .map(|wr| wr.wr_id)
-            .collect();
-        for wr_id in refused {
-            if let Some((endpoint, slice)) = self.inflight.take(wr_id) {
-                self.note_landed(endpoint);
-                if let Some(slice) = slice {
-                    self.fail(slice, FailReason::PostFailed);
+        if accepted == list.len() {
+            return;
+        }
+        if full {
+            self.shared.counters.send_queue_full.add(1);
+        }
+        // Back to front, so that pushing each to the front of the queue keeps their order.
+        for request in list[accepted..].iter().rev() {
+            let Some((id, slice)) = self.inflight.take(request.wr_id) else {
+                continue;
+            };
+            self.note_landed(id);
+            let endpoint = endpoint_mut(&mut self.endpoints, id);
+            if let Some(endpoint) = endpoint {
+                if endpoint.link == Link::Up(qp) {
+                    endpoint.posted = endpoint.posted.saturating_sub(1);
                 }
+            }
+            let Some(slice) = slice else { continue };
+            if !full {
+                self.fail(slice, FailReason::PostFailed);
+                continue;
+            }
+            match endpoint_mut(&mut self.endpoints, id) {
+                Some(endpoint) if endpoint.link == Link::Up(qp) => {
+                    // Full with nothing of it in flight would never be cleared by a
+                    // completion: then it is simply tried again next round.
+                    endpoint.send_queue_full = endpoint.posted > 0;
+                    endpoint.waiting.push_front(slice);
+                    if !endpoint.starved {
+                        endpoint.starved = true;
+                        self.starved.push(id);
+                    }
+                }
+                // Its queue pair went meanwhile: through the epoch rule again.
+                _ => self.ready.push_front(slice),
             }
         }
     }
@@ -1272,6 +1449,13 @@ impl<F: Fabric> Poller<F> {
             return;
         };
         self.note_landed(id);
+        if let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) {
+            if endpoint.link == Link::Up(completion.qp) {
+                // A credit of its queue pair is back (and room in its send queue).
+                endpoint.posted = endpoint.posted.saturating_sub(1);
+                endpoint.send_queue_full = false;
+            }
+        }
         let status = completion.status;
         if status != WcStatus::Success {
             // A flush on a queue pair the poller did not retire means the fabric moved it
@@ -1376,8 +1560,12 @@ impl<F: Fabric> Poller<F> {
             return None;
         }
         endpoint.link = Link::Down;
+        endpoint.posted = 0;
+        endpoint.send_queue_full = false;
         let epoch = endpoint.epoch;
         self.fabric.retire(qp);
+        // What waited for its credits waits for the next queue pair instead.
+        self.requeue_waiting(id);
         Some(epoch)
     }
 
@@ -1416,12 +1604,14 @@ impl<F: Fabric> Poller<F> {
         self.last_sweep = now;
         let mut expired = Vec::new();
         for endpoint in self.endpoints.iter_mut().flatten() {
-            let mut index = 0;
-            while index < endpoint.backlog.len() {
-                if now >= endpoint.backlog[index].deadline() {
-                    expired.extend(endpoint.backlog.remove(index));
-                } else {
-                    index += 1;
+            for queue in [&mut endpoint.backlog, &mut endpoint.waiting] {
+                let mut index = 0;
+                while index < queue.len() {
+                    if now >= queue[index].deadline() {
+                        expired.extend(queue.remove(index));
+                    } else {
+                        index += 1;
+                    }
                 }
             }
         }
@@ -1473,6 +1663,7 @@ impl<F: Fabric> Poller<F> {
         let mut queued: Vec<Slice> = self.ready.drain(..).collect();
         for endpoint in self.endpoints.iter_mut().flatten() {
             queued.extend(endpoint.backlog.drain(..));
+            queued.extend(endpoint.waiting.drain(..));
             if let Link::Up(qp) = endpoint.link {
                 self.fabric.retire(qp);
             }

@@ -16,8 +16,8 @@ use railyard_control::{
 };
 use railyard_dataplane::fabric::soft::{FaultHandle, SoftBuffer, SoftConfig, SoftDevice};
 use railyard_dataplane::fabric::{
-    Access, AsyncEvent, Fabric, FabricError, MemoryRegion, PostError, QpNum, WcStatus,
-    WorkCompletion, WorkRequest,
+    Access, AsyncEvent, Fabric, FabricError, FabricLimits, MemoryRegion, PostError, QpNum,
+    WcStatus, WorkCompletion, WorkRequest,
 };
 use railyard_dataplane::{EndpointId, Epoch, IdleStrategy, PollerConfig, PollerHandle};
 
@@ -126,6 +126,10 @@ impl<F: Fabric> Fabric for Observed<F> {
             self.seen.fatal_events.fetch_add(1, Ordering::Relaxed);
         }
         event
+    }
+
+    fn limits(&self) -> FabricLimits {
+        self.inner.limits()
     }
 }
 

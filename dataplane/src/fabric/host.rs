@@ -6,7 +6,9 @@
 
 use super::soft::{SoftDevice, SoftFabric};
 use super::tcp::{TcpDevice, TcpFabric, is_tcp_qp};
-use super::{AsyncEvent, Fabric, FabricError, PostError, QpNum, WorkCompletion, WorkRequest};
+use super::{
+    AsyncEvent, Fabric, FabricError, FabricLimits, PostError, QpNum, WorkCompletion, WorkRequest,
+};
 use crate::{EndpointId, Epoch};
 
 /// A rail's soft and TCP fabrics for its poller. See the module docs.
@@ -73,5 +75,14 @@ impl Fabric for HostFabric {
 
     fn poll_event(&mut self) -> Option<AsyncEvent> {
         self.soft.poll_event().or_else(|| self.tcp.poll_event())
+    }
+
+    /// The tighter of the two: a queue pair may be of either.
+    fn limits(&self) -> FabricLimits {
+        let (soft, tcp) = (self.soft.limits(), self.tcp.limits());
+        FabricLimits {
+            send_queue: soft.send_queue.min(tcp.send_queue),
+            completion_queue: soft.completion_queue.min(tcp.completion_queue),
+        }
     }
 }

@@ -391,6 +391,28 @@ pub enum FabricError {
     },
 }
 
+/// How much work a fabric holds at once. The poller never posts beyond these (credits):
+/// past them, slices wait in their endpoint's backlog until completions free room.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FabricLimits {
+    /// Work requests one queue pair holds posted and not yet completed (verbs'
+    /// `max_send_wr`).
+    pub send_queue: usize,
+    /// Completions the rail's completion queue holds unpolled (verbs' CQ depth). Every
+    /// posted request completes into it exactly once — successfully, in error, or flushed
+    /// by a retire — so the poller keeps its requests in flight, flushes to come included,
+    /// at or below it.
+    pub completion_queue: usize,
+}
+
+impl FabricLimits {
+    /// No limit: a fabric whose queues grow as needed.
+    pub const UNLIMITED: Self = Self {
+        send_queue: usize::MAX,
+        completion_queue: usize::MAX,
+    };
+}
+
 /// A post that stopped part-way, as `ibv_post_send` reports through `bad_wr`.
 #[derive(Debug)]
 pub struct PostError {
@@ -439,5 +461,12 @@ pub trait Fabric: Send {
     /// The next asynchronous event, if any. Fabrics without them keep the default.
     fn poll_event(&mut self) -> Option<AsyncEvent> {
         None
+    }
+
+    /// How much work it holds at once ([`FabricLimits`]); read once when the poller starts.
+    /// Fabrics whose queues grow as needed keep the default; a wrapper forwards its
+    /// inner fabric's.
+    fn limits(&self) -> FabricLimits {
+        FabricLimits::UNLIMITED
     }
 }

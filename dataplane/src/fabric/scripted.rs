@@ -1,7 +1,10 @@
 //! A fabric for tests: records every posted work request with the epoch of the queue pair it
 //! was posted on, and completes chosen requests with chosen statuses, with verbs' queue-pair
 //! rules (an error completion moves the queue pair to ERR and flushes what is outstanding;
-//! requests posted on a queue pair in ERR complete as flushed).
+//! requests posted on a queue pair in ERR complete as flushed). It can also behave like a
+//! loaded NIC: queues of a given depth (a post past the send queue is cut short with
+//! `SendQueueFull`, one past the completion queue is counted as an overrun), completions
+//! that trickle out a few per poll, and posts cut short at random.
 //!
 //! The fabric lives on the poller thread; the test keeps a [`ScriptHandle`] to steer it and
 //! read what happened. The mutex between them is test-only machinery.
@@ -9,7 +12,10 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{Fabric, FabricError, PostError, QpNum, WcStatus, WorkCompletion, WorkRequest};
+use super::{
+    Fabric, FabricError, FabricLimits, PostError, QpNum, WcStatus, WorkCompletion, WorkRequest,
+};
+use crate::rng::SplitMix64;
 use crate::{EndpointId, Epoch};
 
 /// One posted work request, as the test sees it.
@@ -47,6 +53,20 @@ struct Script {
     hold: bool,
     ready: VecDeque<WorkCompletion>,
     refuse_connect: bool,
+    /// The queues' depths (unlimited unless set).
+    limits: Option<FabricLimits>,
+    /// While non-zero, successful requests stay outstanding and each poll completes up to
+    /// this many of them, oldest queue pair first.
+    drip: usize,
+    /// While set, each post call accepts a random prefix of its list and refuses the rest
+    /// with `SendQueueFull`.
+    cut_posts: Option<SplitMix64>,
+    /// (queue pair, requests) of every post call, in order.
+    post_calls: Vec<(QpNum, usize)>,
+    /// Posts that would have overrun the completion queue.
+    cq_overruns: usize,
+    /// The most requests a queue pair held outstanding at once.
+    deepest: usize,
 }
 
 impl Script {
@@ -132,6 +152,37 @@ impl ScriptHandle {
     pub fn refuse_connect(&self, refuse: bool) {
         self.lock().refuse_connect = refuse;
     }
+
+    /// Gives the fabric queues of these depths (set before the poller starts: it reads
+    /// them once).
+    pub fn set_limits(&self, limits: FabricLimits) {
+        self.lock().limits = Some(limits);
+    }
+
+    /// Completes at most `per_poll` successful requests per poll (0: all at once).
+    pub fn drip(&self, per_poll: usize) {
+        self.lock().drip = per_poll;
+    }
+
+    /// Cuts every post call short at a random point chosen from `seed` (`None`: never).
+    pub fn cut_posts(&self, seed: Option<u64>) {
+        self.lock().cut_posts = seed.map(SplitMix64::new);
+    }
+
+    /// (queue pair, requests) of every post call so far.
+    pub fn post_calls(&self) -> Vec<(QpNum, usize)> {
+        self.lock().post_calls.clone()
+    }
+
+    /// Posts that found the completion queue full (a real one would have overrun).
+    pub fn cq_overruns(&self) -> usize {
+        self.lock().cq_overruns
+    }
+
+    /// The most requests any queue pair held outstanding at once.
+    pub fn deepest_send_queue(&self) -> usize {
+        self.lock().deepest
+    }
 }
 
 /// The poller's side: a [`Fabric`] driven by a [`ScriptHandle`].
@@ -186,7 +237,24 @@ impl Fabric for ScriptedFabric {
             });
         };
         let (endpoint, qp_epoch) = (state.endpoint, state.epoch);
-        for request in requests {
+        let held = state.outstanding.len();
+        script.post_calls.push((qp, requests.len()));
+        let limits = script.limits.unwrap_or(FabricLimits::UNLIMITED);
+        let mut accepted = requests.len().min(limits.send_queue.saturating_sub(held));
+        if let Some(rng) = script.cut_posts.as_mut() {
+            accepted = accepted.min(rng.below(requests.len() as u64 + 1) as usize);
+        }
+        let unpolled: usize = script.ready.len()
+            + script
+                .qps
+                .values()
+                .map(|q| q.outstanding.len())
+                .sum::<usize>();
+        if unpolled + accepted > limits.completion_queue {
+            script.cq_overruns += 1;
+        }
+        let total = requests.len();
+        for request in &requests[..accepted] {
             let index = script.posted.len();
             script.posted.push(Posted {
                 index,
@@ -205,22 +273,51 @@ impl Fabric for ScriptedFabric {
                     script.complete(qp, request, status);
                     script.fail_qp(qp);
                 }
-                _ if script.hold => {
+                _ if script.hold || script.drip > 0 => {
                     if let Some(state) = script.qps.get_mut(&qp.0) {
                         state.outstanding.push(*request);
+                        let depth = state.outstanding.len();
+                        script.deepest = script.deepest.max(depth);
                     }
                 }
                 _ => script.complete(qp, request, WcStatus::Success),
             }
+        }
+        if accepted < total {
+            return Err(PostError {
+                posted: accepted,
+                error: FabricError::SendQueueFull { qp },
+            });
         }
         Ok(())
     }
 
     fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
         let mut script = self.script.lock();
+        let mut dripping = script.drip;
+        let mut numbers: Vec<u32> = script.qps.keys().copied().collect();
+        numbers.sort_unstable();
+        for number in numbers {
+            while dripping > 0 {
+                let Some(request) = script
+                    .qps
+                    .get_mut(&number)
+                    .filter(|q| !q.outstanding.is_empty())
+                    .map(|q| q.outstanding.remove(0))
+                else {
+                    break;
+                };
+                script.complete(QpNum(number), &request, WcStatus::Success);
+                dripping -= 1;
+            }
+        }
         let count = max.min(script.ready.len());
         out.extend(script.ready.drain(..count));
         count
+    }
+
+    fn limits(&self) -> FabricLimits {
+        self.script.lock().limits.unwrap_or(FabricLimits::UNLIMITED)
     }
 
     fn retire(&mut self, qp: QpNum) {

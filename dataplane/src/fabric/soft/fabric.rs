@@ -17,8 +17,8 @@ use super::qp::SoftQp;
 use super::{SoftConfig, SoftDevice, SoftError};
 use crate::fabric::delayed::DelayedCompletions;
 use crate::fabric::{
-    AsyncEvent, Fabric, FabricError, PostError, QpNum, QpState, WcStatus, WorkCompletion,
-    WorkRequest,
+    AsyncEvent, Fabric, FabricError, FabricLimits, PostError, QpNum, QpState, WcStatus,
+    WorkCompletion, WorkRequest,
 };
 use crate::{EndpointId, Epoch};
 
@@ -315,5 +315,13 @@ impl Fabric for SoftFabric {
 
     fn poll_event(&mut self) -> Option<AsyncEvent> {
         self.events.pop_front()
+    }
+
+    fn limits(&self) -> FabricLimits {
+        FabricLimits {
+            send_queue: self.device.config().send_queue_depth,
+            // Completions wait in a queue that grows as needed.
+            completion_queue: usize::MAX,
+        }
     }
 }

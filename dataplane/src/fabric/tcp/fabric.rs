@@ -36,8 +36,8 @@ use super::{TargetLink, TcpDevice, TcpQp};
 use crate::fabric::delayed::DelayedCompletions;
 use crate::fabric::soft::faults::{FaultView, QpFaultState, Verdict};
 use crate::fabric::{
-    Access, AsyncEvent, Fabric, FabricError, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
-    WorkRequest,
+    Access, AsyncEvent, Fabric, FabricError, FabricLimits, Opcode, PostError, QpNum, WcStatus,
+    WorkCompletion, WorkRequest,
 };
 use crate::{EndpointId, Epoch};
 
@@ -1401,5 +1401,13 @@ impl Fabric for TcpFabric {
 
     fn serving(&self) -> bool {
         !self.served.is_empty()
+    }
+
+    fn limits(&self) -> FabricLimits {
+        FabricLimits {
+            send_queue: self.device.config().send_queue_depth,
+            // Completions wait in a queue that grows as needed.
+            completion_queue: usize::MAX,
+        }
     }
 }

@@ -22,8 +22,8 @@ use super::rail::VerbsRail;
 use super::signal::{Outstanding, PostedRequest, is_signaled};
 use super::status::map_status;
 use crate::fabric::{
-    AsyncEvent, Fabric, FabricError, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
-    WorkRequest, WrId,
+    AsyncEvent, Fabric, FabricError, FabricLimits, Opcode, PostError, QpNum, WcStatus,
+    WorkCompletion, WorkRequest, WrId,
 };
 use crate::{EndpointId, Epoch};
 
@@ -326,5 +326,16 @@ impl Fabric for VerbsFabric {
     fn poll_event(&mut self) -> Option<AsyncEvent> {
         self.look_for_events();
         self.events.pop_front()
+    }
+
+    /// What the rail asked the device for (it may grant more, never less). Every request —
+    /// unsignaled ones included — completes into the shared CQ when its queue pair is
+    /// flushed, so the CQ's depth bounds all requests in flight on the rail.
+    fn limits(&self) -> FabricLimits {
+        let config = &self.rail.config;
+        FabricLimits {
+            send_queue: config.qp.caps.max_send_wr as usize,
+            completion_queue: usize::try_from(config.cq_depth).unwrap_or(0).max(1),
+        }
     }
 }

@@ -1,0 +1,139 @@
+//! Load never turns into failures: the poller keeps each queue pair within its send queue
+//! and the rail within its completion queue (credits), treats a full send queue as
+//! backpressure, and rings one doorbell per queue pair per round.
+
+mod common;
+
+use std::time::Instant;
+
+use common::{BOUND, config, write};
+use railyard_dataplane::fabric::FabricLimits;
+use railyard_dataplane::fabric::scripted::ScriptedFabric;
+use railyard_dataplane::{
+    Command, EndpointId, Epoch, FailReason, FailStale, PollerHandle, RequestOutcome, SliceSpec,
+    Submitter,
+};
+
+/// A poller on `fabric` with endpoints `0..endpoints` at the first epoch.
+fn poller(fabric: ScriptedFabric, endpoints: u32) -> PollerHandle {
+    let poller = PollerHandle::spawn(config(), fabric, FailStale).expect("poller starts");
+    for endpoint in 0..endpoints {
+        poller
+            .send(Command::AddEndpoint {
+                endpoint: EndpointId(endpoint),
+                epoch: Epoch::FIRST,
+            })
+            .expect("poller runs");
+    }
+    poller
+}
+
+/// `count` one-slice requests of `len` bytes, striped over endpoints `0..endpoints`.
+fn striped(count: u32, endpoints: u32, len: u32) -> Vec<SliceSpec> {
+    (0..count)
+        .map(|request| SliceSpec {
+            endpoint: EndpointId(request % endpoints),
+            len,
+            ..write(request, Epoch::FIRST)
+        })
+        .collect()
+}
+
+/// Submits `specs` (one request each) and waits for every outcome.
+fn run(poller: &PollerHandle, specs: &[SliceSpec]) -> Vec<Option<RequestOutcome>> {
+    let mut submitter = Submitter::new(&[poller], 1024).expect("submitter");
+    let batch = submitter
+        .submit(specs.len(), specs, Instant::now() + BOUND)
+        .expect("submitted");
+    batch.wait(Instant::now() + BOUND);
+    batch.outcomes()
+}
+
+/// Caught: the poller drained its rings into posted work without limit, so a send queue of
+/// a few entries refused most of a large transfer and those slices failed `PostFailed` for
+/// good; nothing bounded the completion queue either.
+#[test]
+fn a_gibibyte_per_queue_pair_through_tiny_queues_completes_without_a_failure() {
+    let (fabric, script) = ScriptedFabric::new();
+    let limits = FabricLimits {
+        send_queue: 4,
+        completion_queue: 6,
+    };
+    script.set_limits(limits);
+    script.drip(3);
+    let poller = poller(fabric, 2);
+    // 4096 slices of 256 KiB per queue pair: 1 GiB each.
+    let specs = striped(2 * 4096, 2, 256 << 10);
+    let outcomes = run(&poller, &specs);
+    assert!(
+        outcomes.iter().all(|o| *o == Some(RequestOutcome::Done)),
+        "{} of {} done",
+        outcomes
+            .iter()
+            .filter(|o| **o == Some(RequestOutcome::Done))
+            .count(),
+        outcomes.len()
+    );
+    let counters = poller.counters();
+    assert_eq!(counters.failed(FailReason::PostFailed), 0);
+    assert_eq!(counters.completed, 2 * 4096);
+    assert!(counters.credit_waits > 0, "the credits held slices back");
+    assert!(script.deepest_send_queue() <= limits.send_queue);
+    assert_eq!(
+        script.cq_overruns(),
+        0,
+        "the completion queue never overran"
+    );
+}
+
+/// Caught: a post cut short with `SendQueueFull` failed the rest of its list.
+#[test]
+fn posts_cut_short_at_random_fail_nothing() {
+    let (fabric, script) = ScriptedFabric::new();
+    script.cut_posts(Some(7));
+    script.drip(16);
+    let poller = poller(fabric, 3);
+    let specs = striped(6000, 3, 4096);
+    let outcomes = run(&poller, &specs);
+    assert!(outcomes.iter().all(|o| *o == Some(RequestOutcome::Done)));
+    let counters = poller.counters();
+    assert!(counters.send_queue_full > 0, "posts were cut short");
+    assert_eq!(counters.failed_total(), 0);
+    assert_eq!(counters.completed, 6000);
+}
+
+/// Caught: a change of queue pair flushed the post list, so work striped across peers got
+/// one doorbell per request.
+#[test]
+fn interleaved_peers_get_one_doorbell_per_queue_pair_per_round() {
+    let (fabric, script) = ScriptedFabric::new();
+    let poller = poller(fabric, 2);
+    let specs = striped(256, 2, 4096);
+    let outcomes = run(&poller, &specs);
+    assert!(outcomes.iter().all(|o| *o == Some(RequestOutcome::Done)));
+    let calls = script.post_calls();
+    let requests: usize = calls.iter().map(|(_, count)| count).sum();
+    assert_eq!(requests, 256);
+    // The poller takes up to `max_batch` (64) slices from a ring per round: 4 rounds or
+    // more, two queue pairs each. One call per request would be 256.
+    assert!(
+        calls.len() <= 2 * 256 / 64 + 2,
+        "{} post calls",
+        calls.len()
+    );
+    assert_eq!(poller.counters().doorbells, calls.len() as u64);
+}
+
+/// A full send queue with nothing of its queue pair in flight (the fabric's own limit,
+/// lower than it said) is retried, not waited on forever.
+#[test]
+fn a_send_queue_full_with_nothing_in_flight_is_tried_again() {
+    let (fabric, script) = ScriptedFabric::new();
+    script.cut_posts(Some(1));
+    let poller = poller(fabric, 1);
+    let specs = striped(500, 1, 64);
+    let outcomes = run(&poller, &specs);
+    assert!(outcomes.iter().all(|o| *o == Some(RequestOutcome::Done)));
+    assert_eq!(poller.counters().failed_total(), 0);
+    assert!(script.post_calls().len() > 1, "cut short, then tried again");
+}
