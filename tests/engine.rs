@@ -245,6 +245,64 @@ fn a_reregistered_region_refuses_its_old_keys_and_work_carries_on_under_the_new(
     engine.deregister(renewed).unwrap();
 }
 
+/// Caught: slices were striped round-robin over every rail with a queue pair, so a dead
+/// rail (its circuit open) failed part of every batch while the other rail was fine.
+#[test]
+fn with_one_of_two_rails_dead_batches_keep_succeeding_on_the_other() {
+    let serve = Serve::start_with("16MiB", &["--rails", "2"]);
+    let engine = engine();
+    let peer = engine.open(&serve.addr).expect("the target answers");
+    let source = engine.alloc(1 << 20, None).unwrap();
+    bytes_of(source).fill(0x5a);
+    let mut submitter = engine.submitter().unwrap();
+    let writes: Vec<Transfer> = (0..4)
+        .map(|i| Transfer {
+            op: Op::Write,
+            local: source,
+            local_offset: i << 18,
+            remote_addr: serve.pool_base + (i << 18),
+            len: 1 << 18,
+        })
+        .collect();
+    let batch_done = |submitter: &mut railyard::engine::EngineSubmitter| {
+        let batch = submitter.submit(&peer, &writes).unwrap();
+        batch.wait(Instant::now() + BOUND);
+        batch
+            .outcomes()
+            .iter()
+            .all(|o| *o == Some(RequestOutcome::Done))
+    };
+    assert!(batch_done(&mut submitter), "both rails work at first");
+    // Rail 0's link dies: its queue pairs fail, reconnect, fail again — until its circuit
+    // opens (a few flaps). What was on it then may fail; nothing after.
+    engine
+        .faults(0)
+        .expect("soft rails")
+        .add(railyard::dataplane::fabric::soft::Fault::KillLink {
+            on: railyard::dataplane::fabric::soft::QpMatch::Any,
+        });
+    let end = Instant::now() + BOUND;
+    while engine.stats().control.circuit_openings == 0 {
+        assert!(Instant::now() < end, "rail 0's circuit never opened");
+        batch_done(&mut submitter);
+    }
+    let rail_completed = |engine: &Engine, rail: usize| engine.stats().rails[rail].poller.completed;
+    let (rail0, rail1) = (rail_completed(&engine, 0), rail_completed(&engine, 1));
+    for round in 0..20 {
+        assert!(batch_done(&mut submitter), "batch {round} with rail 0 down");
+    }
+    assert_eq!(
+        rail_completed(&engine, 0),
+        rail0,
+        "nothing more on the dead rail"
+    );
+    assert_eq!(
+        rail_completed(&engine, 1),
+        rail1 + 20 * 4 * 4,
+        "all on rail 1"
+    );
+}
+
 /// serve's stdin commands answer bad input with one `error:` line and keep serving.
 #[test]
 fn serve_answers_a_bad_command_with_an_error_line_and_keeps_serving() {

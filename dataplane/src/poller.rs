@@ -315,6 +315,14 @@ impl Counter {
             .store(self.0.load(Ordering::Relaxed) + n, Ordering::Relaxed);
     }
 
+    fn sub(&self, n: u64) {
+        // As `add`: one writer.
+        self.0.store(
+            self.0.load(Ordering::Relaxed).saturating_sub(n),
+            Ordering::Relaxed,
+        );
+    }
+
     fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
@@ -334,6 +342,8 @@ struct Counters {
     doorbells: Counter,
     credit_waits: Counter,
     send_queue_full: Counter,
+    /// Bytes of the slices taken from the rings and not yet resolved: the rail's load.
+    load_bytes: Counter,
 }
 
 /// A poller's counters at one moment.
@@ -365,6 +375,9 @@ pub struct CounterSnapshot {
     pub credit_waits: u64,
     /// Post calls the fabric cut short with `SendQueueFull` (their rest waited, then went).
     pub send_queue_full: u64,
+    /// Bytes of the slices taken from the rings and not yet resolved (queued, waiting for
+    /// credits or in flight): the rail's load, which submitters balance.
+    pub load_bytes: u64,
 }
 
 impl CounterSnapshot {
@@ -594,6 +607,12 @@ impl PollerHandle {
         })
     }
 
+    /// Bytes of the slices it holds, taken from the rings and not yet resolved: what a
+    /// submitter balances rails by. Cheap (one relaxed load).
+    pub fn load_bytes(&self) -> u64 {
+        self.shared.counters.load_bytes.get()
+    }
+
     /// The poller's name.
     pub fn name(&self) -> &str {
         &self.name
@@ -688,6 +707,7 @@ impl PollerHandle {
             doorbells: c.doorbells.get(),
             credit_waits: c.credit_waits.get(),
             send_queue_full: c.send_queue_full.get(),
+            load_bytes: c.load_bytes.get(),
         }
     }
 
@@ -1008,6 +1028,7 @@ impl<F: Fabric> Poller<F> {
 
     fn fail(&self, slice: Slice, reason: FailReason) {
         self.shared.counters.failed[reason.index()].add(1);
+        self.shared.counters.load_bytes.sub(u64::from(slice.len));
         slice.resolve(Err(reason));
     }
 
@@ -1182,7 +1203,12 @@ impl<F: Fabric> Poller<F> {
         let mut index = 0;
         while index < self.submissions.len() {
             let ring = &mut self.submissions[index];
-            busy |= ring.pop_into(&mut self.ready, self.config.max_batch) > 0;
+            let before = self.ready.len();
+            if ring.pop_into(&mut self.ready, self.config.max_batch) > 0 {
+                busy = true;
+                let bytes = self.ready.range(before..).map(|s| u64::from(s.len)).sum();
+                self.shared.counters.load_bytes.add(bytes);
+            }
             if ring.is_abandoned() && ring.is_empty() {
                 self.submissions.swap_remove(index);
             } else {
@@ -1214,10 +1240,7 @@ impl<F: Fabric> Poller<F> {
         let mut moved = false;
         let mut still_starved = Vec::new();
         for id in std::mem::take(&mut self.starved) {
-            loop {
-                let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
-                    break;
-                };
+            while let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) {
                 let Link::Up(qp) = endpoint.link else {
                     // Its queue pair went (requeued there already, if this is ever reached).
                     self.requeue_waiting(id);
@@ -1469,6 +1492,7 @@ impl<F: Fabric> Poller<F> {
         let Some(mut slice) = slice else { return };
         let Some(reason) = FailReason::from_status(status) else {
             self.shared.counters.completed.add(1);
+            self.shared.counters.load_bytes.sub(u64::from(slice.len));
             return slice.resolve(Ok(()));
         };
         if slice.flags & FLAG_TIMED_OUT != 0 {

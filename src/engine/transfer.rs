@@ -3,8 +3,11 @@
 //! Preparing a submission checks everything first — each local range inside its registered
 //! region, each remote range inside one region of the peer's current descriptor — and
 //! queues nothing when anything is wrong. Then each transfer is split at the engine's slice
-//! size and its slices are striped round-robin over the rails whose endpoint to the peer
-//! has a queue pair, each stamped with that rail's keys and the endpoint's current epoch.
+//! size and each slice goes to a rail ([`RailOption`], [`eligible`], [`least_loaded`]): of
+//! the rails whose endpoint to the peer is up (all that have a queue pair, if none is up),
+//! those on the local memory's NUMA node when there are any, and of those the one with the
+//! fewest bytes queued or in flight — its poller's load plus what this submission gave it
+//! already. Each slice is stamped with that rail's keys and the endpoint's current epoch.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -94,9 +97,10 @@ pub struct EngineSubmitter {
     timing: SubmitTiming,
     /// The last region looked up, to spare the lock for runs of transfers from one region.
     last_region: Option<(Region, Vec<MemoryRegion>)>,
-    /// Scratch: the rails connected to the peer of the submission being prepared (rail,
-    /// endpoint, remote rail, epoch).
-    connected: Vec<(usize, EndpointId, u16, Epoch)>,
+    /// Scratch: the rails connected to the peer of the submission being prepared.
+    connected: Vec<RailOption>,
+    /// Scratch: the indices of `connected` a transfer's slices may go to.
+    chosen: Vec<usize>,
     /// Counters of the peers this submitter has submitted to.
     counters: HashMap<Incarnation, Arc<PeerCounters>>,
 }
@@ -125,6 +129,7 @@ impl EngineSubmitter {
             timing: SubmitTiming::default(),
             last_region: None,
             connected: Vec::new(),
+            chosen: Vec::new(),
             counters: HashMap::new(),
         })
     }
@@ -259,15 +264,25 @@ impl EngineSubmitter {
             next_rail,
             last_region,
             connected,
+            chosen,
             ..
         } = self;
         specs.clear();
         *last_region = None;
         let descriptor = peer.descriptor();
         connected.clear();
+        let pollers = engine.pollers();
+        let numa = &engine.inner.rail_numa;
         connected.extend(peer.views().iter().enumerate().filter_map(|(rail, view)| {
-            view.epoch()
-                .map(|epoch| (rail, view.id, view.key.remote_rail, epoch))
+            Some(RailOption {
+                rail,
+                endpoint: view.id,
+                remote_rail: view.key.remote_rail,
+                epoch: view.epoch()?,
+                up: view.phase() == railyard_control::Phase::Ready,
+                numa: numa.get(rail).copied(),
+                load: pollers.get(rail).map_or(0, |poller| poller.load_bytes()),
+            })
         }));
         if connected.is_empty() {
             return Err(TransferError::NotConnected {
@@ -319,11 +334,20 @@ impl EngineSubmitter {
                 Op::Write => Opcode::Write,
                 Op::Read => Opcode::Read,
             };
+            eligible(connected, region.numa, chosen);
             let mut offset = 0;
             while offset < transfer.len {
                 let len = slice_size.min(transfer.len - offset);
-                let (rail, endpoint, remote_rail, epoch) = connected[*next_rail % connected.len()];
+                let pick = least_loaded(connected, chosen, *next_rail);
                 *next_rail = next_rail.wrapping_add(1);
+                connected[pick].load += len;
+                let RailOption {
+                    rail,
+                    endpoint,
+                    remote_rail,
+                    epoch,
+                    ..
+                } = connected[pick];
                 let rkey = *remote
                     .rkeys
                     .get(usize::from(remote_rail))
@@ -345,5 +369,146 @@ impl EngineSubmitter {
             }
         }
         Ok(())
+    }
+}
+
+/// A rail a submission's slices may go to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RailOption {
+    /// The local rail.
+    pub(crate) rail: usize,
+    /// Its endpoint to the peer.
+    pub(crate) endpoint: EndpointId,
+    /// The peer's rail it is connected to.
+    pub(crate) remote_rail: u16,
+    /// The endpoint's current epoch.
+    pub(crate) epoch: Epoch,
+    /// Its endpoint has a working queue pair (not reconnecting, not failing fast).
+    pub(crate) up: bool,
+    /// The rail's NUMA node, if known.
+    pub(crate) numa: Option<u32>,
+    /// Bytes its poller holds, plus what this submission gave it so far.
+    pub(crate) load: u64,
+}
+
+/// Fills `chosen` with the indices of `options` a transfer from memory on `local_numa` may
+/// use: the rails that are up (every one, when none is: the poller holds or fails the work
+/// as the endpoint's state says), and of those the ones on `local_numa` when any is.
+pub(crate) fn eligible(options: &[RailOption], local_numa: Option<u32>, chosen: &mut Vec<usize>) {
+    chosen.clear();
+    let any_up = options.iter().any(|option| option.up);
+    chosen.extend((0..options.len()).filter(|&i| options[i].up || !any_up));
+    if let Some(node) = local_numa {
+        if chosen.iter().any(|&i| options[i].numa == Some(node)) {
+            chosen.retain(|&i| options[i].numa == Some(node));
+        }
+    }
+}
+
+/// The index (into `options`) of the least-loaded of the `chosen` rails; ties go round-robin
+/// from `turn`.
+pub(crate) fn least_loaded(options: &[RailOption], chosen: &[usize], turn: usize) -> usize {
+    let count = chosen.len().max(1);
+    (0..count)
+        .map(|step| chosen.get((turn + step) % count).copied().unwrap_or(0))
+        .min_by_key(|&i| options.get(i).map_or(u64::MAX, |option| option.load))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn option(rail: usize, up: bool, numa: u32, load: u64) -> RailOption {
+        RailOption {
+            rail,
+            endpoint: EndpointId(rail as u32),
+            remote_rail: 0,
+            epoch: Epoch::FIRST,
+            up,
+            numa: Some(numa),
+            load,
+        }
+    }
+
+    /// Slices of `bytes` each, `count` of them, from memory on `numa`: how many each rail
+    /// gets.
+    fn spread(options: &mut [RailOption], numa: Option<u32>, count: usize) -> Vec<usize> {
+        let mut chosen = Vec::new();
+        eligible(options, numa, &mut chosen);
+        let mut per_rail = vec![0; options.len()];
+        for turn in 0..count {
+            let pick = least_loaded(options, &chosen, turn);
+            options[pick].load += 1 << 18;
+            per_rail[options[pick].rail] += 1;
+        }
+        per_rail
+    }
+
+    #[test]
+    fn a_rail_that_is_down_gets_nothing_while_another_is_up() {
+        let mut options = [option(0, false, 0, 0), option(1, true, 0, 0)];
+        assert_eq!(spread(&mut options, None, 8), vec![0, 8]);
+        // None up: the work goes where the queue pairs are, to wait or fail fast there.
+        let mut options = [option(0, false, 0, 0), option(1, false, 0, 0)];
+        assert_eq!(spread(&mut options, None, 8), vec![4, 4]);
+    }
+
+    #[test]
+    fn numa_local_rails_first_and_the_least_loaded_of_them() {
+        let mut options = [
+            option(0, true, 0, 0),
+            option(1, true, 1, 0),
+            option(2, true, 1, 1 << 20),
+            option(3, true, 0, 0),
+        ];
+        // Node 1: rails 1 and 2 only; rail 2 starts 1 MiB behind, so rail 1 takes the
+        // first four 256 KiB slices before they alternate.
+        assert_eq!(spread(&mut options, Some(1), 8), vec![0, 6, 2, 0]);
+        // A node no rail is on, or memory of no known node: every rail, by load.
+        let mut options = [option(0, true, 0, 0), option(1, true, 1, 0)];
+        assert_eq!(spread(&mut options, Some(7), 6), vec![3, 3]);
+    }
+
+    #[test]
+    fn a_local_rail_that_is_down_does_not_keep_work_off_the_remote_ones() {
+        let mut options = [option(0, false, 0, 0), option(1, true, 1, 0)];
+        assert_eq!(spread(&mut options, Some(0), 4), vec![0, 4]);
+    }
+
+    /// The production fixture (two sockets, twelve NICs): memory on either node goes only
+    /// to that node's rails, spread evenly over them.
+    #[test]
+    fn on_the_production_plan_memory_stays_on_its_nodes_rails() {
+        let fixture = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/topology/hicache-12nic.xml"
+        );
+        let topology =
+            railyard_topology::HostTopology::from_xml_file(std::path::Path::new(fixture))
+                .expect("the fixture loads");
+        let plan = topology
+            .plan(&railyard_topology::PlanOptions::default())
+            .expect("a plan");
+        let nodes: Vec<u32> = plan.rails.iter().map(|rail| rail.numa_node).collect();
+        let distinct: std::collections::BTreeSet<u32> = nodes.iter().copied().collect();
+        assert!(distinct.len() >= 2, "a two-node plan: {nodes:?}");
+        for node in distinct {
+            let mut options: Vec<RailOption> = nodes
+                .iter()
+                .enumerate()
+                .map(|(rail, &numa)| option(rail, true, numa, 0))
+                .collect();
+            let local = nodes.iter().filter(|&&n| n == node).count();
+            let per_rail = spread(&mut options, Some(node), 12 * local);
+            for (rail, &count) in per_rail.iter().enumerate() {
+                let expected = if nodes[rail] == node { 12 } else { 0 };
+                assert_eq!(
+                    count, expected,
+                    "rail {rail} (node {}), memory on node {node}",
+                    nodes[rail]
+                );
+            }
+        }
     }
 }
