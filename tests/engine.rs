@@ -477,6 +477,27 @@ fn bench_prints_its_results_as_json_and_checks_every_byte() {
     assert!(report["requests"].as_u64() > Some(0));
     assert!(report["ratio"].as_f64() > Some(0.0));
 
+    // Caught: threads picked slots from the whole pool, so two of them wrote one slot at
+    // once and the check saw the other's bytes. Each thread now has slots of its own.
+    let threads = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["bench", "--duration", "1", "--json", "--check"])
+        .args(["--threads", "4", "--pool", "8MiB"])
+        .args(["--batch", "8", "--rails", "1"])
+        .output()
+        .expect("runs");
+    let report: serde_json::Value = serde_json::from_slice(&threads.stdout).expect("one object");
+    assert!(threads.status.success(), "{report}");
+    assert_eq!(report["check"]["mismatches"], 0, "{report}");
+    assert_eq!(report["failed_requests"], 0, "{report}");
+    let too_many = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args(["bench", "--threads", "32", "--pool", "8MiB"])
+        .args(["--batch", "8", "--rails", "1"])
+        .output()
+        .expect("runs");
+    assert_eq!(too_many.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&too_many.stderr);
+    assert!(stderr.contains("per thread"), "{stderr}");
+
     let bad = Command::new(env!("CARGO_BIN_EXE_railyard"))
         .args(["bench", "--pool", "1MiB"])
         .output()

@@ -18,6 +18,7 @@ use std::cell::Cell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
+use std::ptr::NonNull;
 
 use crossbeam_utils::CachePadded;
 
@@ -55,10 +56,6 @@ struct Shared<T> {
 }
 
 impl<T> Shared<T> {
-    fn capacity(&self) -> usize {
-        self.slots.len()
-    }
-
     /// The cell of logical index `index`.
     fn slot(&self, index: usize) -> &UnsafeCell<MaybeUninit<T>> {
         let position = index & self.mask;
@@ -97,14 +94,17 @@ pub fn channel<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
         slots,
         mask: capacity - 1,
     });
+    let slots = Slots::of(&shared);
     let producer = Producer {
         shared: shared.clone(),
+        slots,
         tail: 0,
         cached_head: 0,
         not_sync: PhantomData,
     };
     let consumer = Consumer {
         shared,
+        slots,
         head: 0,
         cached_tail: 0,
         not_sync: PhantomData,
@@ -112,9 +112,49 @@ pub fn channel<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
     (producer, consumer)
 }
 
+/// A side's direct view of the slots: their address and the mask, so that a push or pop
+/// reaches its slot without going through the `Arc` and a bounds check.
+///
+/// # Invariants
+/// `first` points at the `mask + 1` slots of the [`Shared`] that the side holding this view
+/// also holds an `Arc` of: they live (and do not move) as long as the view is used.
+struct Slots<T> {
+    first: NonNull<UnsafeCell<MaybeUninit<T>>>,
+    mask: usize,
+}
+
+impl<T> Clone for Slots<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Slots<T> {}
+
+impl<T> Slots<T> {
+    fn of(shared: &Shared<T>) -> Self {
+        Self {
+            first: NonNull::from(&shared.slots[0]),
+            mask: shared.mask,
+        }
+    }
+
+    fn capacity(self) -> usize {
+        self.mask + 1
+    }
+
+    /// The cell of logical index `index`.
+    fn cell<'a>(self, index: usize) -> &'a UnsafeCell<MaybeUninit<T>> {
+        // SAFETY: `index & mask` is below the slot count, and the slots outlive every use
+        // of the view (the type's invariant); the caller holds the `Arc` for `'a`.
+        unsafe { self.first.add(index & self.mask).as_ref() }
+    }
+}
+
 /// The writing end of a ring. `Send`, not `Sync`: one thread pushes at a time.
 pub struct Producer<T> {
     shared: Arc<Shared<T>>,
+    slots: Slots<T>,
     /// Our copy of `shared.tail` (we are its only writer).
     tail: usize,
     /// Last value of `shared.head` we read; the consumer may have moved past it.
@@ -131,7 +171,7 @@ unsafe impl<T: Send> Send for Producer<T> {}
 impl<T> Producer<T> {
     /// Number of slots.
     pub fn capacity(&self) -> usize {
-        self.shared.capacity()
+        self.slots.capacity()
     }
 
     /// Free slots, re-reading the consumer's index only when the cached one says full.
@@ -153,8 +193,8 @@ impl<T> Producer<T> {
         // SAFETY:
         // - `index` is in `tail..head + capacity`: the slot is free and only the producer
         //   writes it (invariant); the consumer will not read it before `tail` is published.
-        self.shared
-            .slot(index)
+        self.slots
+            .cell(index)
             .with_mut(|slot| unsafe { (*slot).write(value) });
     }
 
@@ -212,6 +252,7 @@ impl<T> fmt::Debug for Producer<T> {
 /// The reading end of a ring. `Send`, not `Sync`: one thread pops at a time.
 pub struct Consumer<T> {
     shared: Arc<Shared<T>>,
+    slots: Slots<T>,
     /// Our copy of `shared.head` (we are its only writer).
     head: usize,
     /// Last value of `shared.tail` we read; the producer may have moved past it.
@@ -228,7 +269,7 @@ unsafe impl<T: Send> Send for Consumer<T> {}
 impl<T> Consumer<T> {
     /// Number of slots.
     pub fn capacity(&self) -> usize {
-        self.shared.capacity()
+        self.slots.capacity()
     }
 
     /// Readable slots, re-reading the producer's index only when the cached one shows fewer
@@ -250,8 +291,8 @@ impl<T> Consumer<T> {
         // - `index` is in `head..tail`: the slot holds an initialised value published by
         //   the producer (Acquire above), and only the consumer reads it.
         // - The slot is released (head advanced) only after this read, and never read again.
-        self.shared
-            .slot(index)
+        self.slots
+            .cell(index)
             .with_mut(|slot| unsafe { (*slot).assume_init_read() })
     }
 
