@@ -1,6 +1,9 @@
 //! The slice path: one submitter thread → ring → poller → null fabric → batch completion,
-//! in slices per second, beside the ring alone moving the same number of 64-byte items
-//! (the ceiling the poller's work is measured against).
+//! in slices per second of one poller core — to one endpoint, and striped over eight
+//! endpoints (their slices interleaved, as a prefill node's are over its decode peers) —
+//! beside the ring alone moving the same number of 64-byte items (the ceiling the poller's
+//! work is measured against). Then the latency from submit to resolution of 16-slice
+//! batches over the eight endpoints, p50 and p99, printed after criterion's figures.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -15,6 +18,8 @@ use railyard::dataplane::{
 };
 
 const SLICES_PER_BATCH: usize = 256;
+/// Endpoints of the interleaved benchmark.
+const ENDPOINTS: u32 = 8;
 
 fn spec(request: u32) -> SliceSpec {
     SliceSpec {
@@ -39,16 +44,26 @@ fn slice_path(c: &mut Criterion) {
         ..PollerConfig::new("bench-rail")
     };
     let poller = PollerHandle::spawn(config, NullFabric::new(), FailStale).expect("poller starts");
-    poller
-        .send(Command::AddEndpoint {
-            endpoint: EndpointId(0),
-            epoch: Epoch::FIRST,
-        })
-        .expect("poller runs");
+    for endpoint in 0..ENDPOINTS {
+        poller
+            .send(Command::AddEndpoint {
+                endpoint: EndpointId(endpoint),
+                epoch: Epoch::FIRST,
+            })
+            .expect("poller runs");
+    }
     let mut submitter = Submitter::new(&[&poller], 4096).expect("poller runs");
     // 16 requests of 16 slices each per batch.
     let specs: Vec<SliceSpec> = (0..SLICES_PER_BATCH)
         .map(|i| spec((i / 16) as u32))
+        .collect();
+
+    // The same, each slice to the next of eight endpoints.
+    let interleaved: Vec<SliceSpec> = (0..SLICES_PER_BATCH)
+        .map(|i| SliceSpec {
+            endpoint: EndpointId(i as u32 % ENDPOINTS),
+            ..spec((i / 16) as u32)
+        })
         .collect();
 
     let mut group = c.benchmark_group("slice_path");
@@ -62,6 +77,27 @@ fn slice_path(c: &mut Criterion) {
                 pending.push(
                     submitter
                         .submit(SLICES_PER_BATCH / 16, &specs, deadline)
+                        .expect("valid"),
+                );
+            }
+            for batch in &pending {
+                let status = batch.wait(deadline);
+                assert_eq!(status.done, status.total, "{status:?}");
+            }
+            let elapsed = began.elapsed();
+            black_box(pending);
+            elapsed
+        });
+    });
+    group.bench_function("submit_poll_null_fabric_8_endpoints", |b| {
+        b.iter_custom(|batches| {
+            let deadline = Instant::now() + Duration::from_secs(600);
+            let began = Instant::now();
+            let mut pending = Vec::with_capacity(batches as usize);
+            for _ in 0..batches {
+                pending.push(
+                    submitter
+                        .submit(SLICES_PER_BATCH / 16, &interleaved, deadline)
                         .expect("valid"),
                 );
             }
@@ -99,7 +135,39 @@ fn slice_path(c: &mut Criterion) {
         });
     });
     group.finish();
+    latency(&mut submitter, &interleaved[..16]);
     poller.shutdown();
+}
+
+/// Submit-to-resolution time of `specs` as one batch (one request per slice), one batch at
+/// a time: p50 and p99 over 20 000 batches, printed.
+fn latency(submitter: &mut Submitter, specs: &[SliceSpec]) {
+    let one_each: Vec<SliceSpec> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| SliceSpec {
+            request: i as u32,
+            ..*spec
+        })
+        .collect();
+    let mut times: Vec<Duration> = (0..20_000)
+        .map(|_| {
+            let began = Instant::now();
+            let batch = submitter
+                .submit(one_each.len(), &one_each, began + Duration::from_secs(10))
+                .expect("valid");
+            batch.wait(began + Duration::from_secs(10));
+            began.elapsed()
+        })
+        .collect();
+    times.sort_unstable();
+    let at = |q: f64| times[((times.len() - 1) as f64 * q) as usize];
+    println!(
+        "slice_path latency, {}-slice batches over {ENDPOINTS} endpoints: p50 {:?}, p99 {:?}",
+        one_each.len(),
+        at(0.5),
+        at(0.99)
+    );
 }
 
 criterion_group! {
