@@ -292,6 +292,7 @@ impl<F: RailFabric> Driver<F> {
                     }
                     view.set_epoch(epoch);
                 }
+                Action::Publish { view, phase } => view.set_phase(phase),
                 Action::Warn(line) => {
                     if self.printer.enabled {
                         eprintln!("railyard[{}]: warning: {line}", self.printer.name);

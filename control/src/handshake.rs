@@ -100,6 +100,13 @@ pub(crate) enum Action {
         /// Its new epoch.
         epoch: Epoch,
     },
+    /// Publish `phase` in `view`, after the actions before it (commands to the poller).
+    Publish {
+        /// The endpoint.
+        view: Arc<EndpointView>,
+        /// Its phase.
+        phase: Phase,
+    },
     /// A warning line the rate limiter let through.
     Warn(String),
 }
@@ -183,6 +190,8 @@ struct Active<Q> {
     /// The epoch and number of the newest queue pair offered to the peer, until it is
     /// announced retired (RetireQp).
     offered: Option<(Epoch, u32)>,
+    /// The phase last handed to the driver to publish in `view`.
+    published: Option<Phase>,
 }
 
 /// An initiator with target queue pairs here and no control connection.
@@ -1462,6 +1471,7 @@ impl<F: RailFabric> Core<F> {
                 addr,
                 pending: None,
                 offered: None,
+                published: None,
             },
         );
         self.handle_input(local_rail, id, Input::ConnectWanted, now);
@@ -1615,12 +1625,22 @@ impl<F: RailFabric> Core<F> {
     }
 
     /// Carries out an endpoint's outputs, then cancels a handshake it no longer waits for.
+    /// Each new phase is published for submitters by an [`Action::Publish`] behind the
+    /// commands before it: an endpoint is seen ready only once the poller has the commands
+    /// that make it so (a slice sent to it then finds its circuit closed).
     fn drive(&mut self, rail: u16, id: EndpointId, now: Instant) {
         loop {
             let Some(active) = self.active.get_mut(&(rail, id)) else {
                 return;
             };
-            active.view.set_phase(active.machine.phase());
+            let phase = active.machine.phase();
+            if active.published != Some(phase) {
+                // In order with the commands before it (all of one step's actions run
+                // before the next step's).
+                active.published = Some(phase);
+                let view = active.view.clone();
+                self.actions.push_back(Action::Publish { view, phase });
+            }
             let Some(output) = active.machine.poll_output() else {
                 break;
             };

@@ -267,6 +267,7 @@ impl Net {
                 ));
             }
             Action::Warn(line) => self.procs[index].warnings.push(line),
+            Action::Publish { view, phase } => view.set_phase(phase),
         }
     }
 

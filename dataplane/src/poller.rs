@@ -66,7 +66,7 @@ use crate::fabric::{
 use crate::quiesce::Rounds;
 use crate::ring::{self, Consumer, Producer};
 use crate::sabotage::Protection;
-use crate::slice::{FLAG_TIMED_OUT, FLAG_WR_ERROR_SEEN, Slice};
+use crate::slice::{FLAG_ADMITTED, FLAG_TIMED_OUT, FLAG_WR_ERROR_SEEN, Slice};
 use crate::{EndpointId, Epoch};
 
 /// What a poller does when a round found no work.
@@ -113,7 +113,10 @@ pub struct PollerConfig {
     pub max_batch: usize,
     /// Retries of a flushed or transport-failed slice before it fails.
     pub retry_budget: u8,
-    /// Most slices an endpoint holds while it is down; more fail with `BacklogFull`.
+    /// Most slices arriving for an endpoint while it is down (reconnecting) that it holds
+    /// until its next queue pair; more fail with `BacklogFull`. Slices it had admitted
+    /// before (waiting for credits when its queue pair went) do not count. 64 Ki by default:
+    /// a burst of 16 GiB in 256 KiB slices rides out a reconnect, for a few MiB of records.
     pub backlog_limit: usize,
     /// Slots of the command ring.
     pub command_capacity: usize,
@@ -134,7 +137,7 @@ impl PollerConfig {
             idle: IdleStrategy::SpinThenYield { spins: 1024 },
             max_batch: 64,
             retry_budget: 3,
-            backlog_limit: 4096,
+            backlog_limit: 64 * 1024,
             command_capacity: 256,
             event_capacity: 1024,
             flush_grace: Duration::from_secs(1),
@@ -304,7 +307,7 @@ impl Reprepare for FailStale {
     }
 }
 
-/// A monotonically increasing counter with a single writer (the poller thread).
+/// A counter with a single writer (the poller thread).
 #[derive(Debug, Default)]
 struct Counter(AtomicU64);
 
@@ -344,6 +347,8 @@ struct Counters {
     send_queue_full: Counter,
     /// Bytes of the slices taken from the rings and not yet resolved: the rail's load.
     load_bytes: Counter,
+    rail_downs: Counter,
+    rail_ups: Counter,
 }
 
 /// A poller's counters at one moment.
@@ -378,6 +383,10 @@ pub struct CounterSnapshot {
     /// Bytes of the slices taken from the rings and not yet resolved (queued, waiting for
     /// credits or in flight): the rail's load, which submitters balance.
     pub load_bytes: u64,
+    /// Times the fabric said the rail went down (port, completion queue, device).
+    pub rail_downs: u64,
+    /// Times it said the rail's port came back.
+    pub rail_ups: u64,
 }
 
 impl CounterSnapshot {
@@ -551,8 +560,13 @@ impl PollerHandle {
         let (events_tx, events_rx) = ring::channel(config.event_capacity);
         let (started_tx, started_rx) = std::sync::mpsc::channel();
         let name = config.name.clone();
+        let limits = fabric.limits();
         let poller = Poller {
-            limits: fabric.limits(),
+            // A queue of no entries would hold every slice until its deadline.
+            limits: FabricLimits {
+                send_queue: limits.send_queue.max(1),
+                completion_queue: limits.completion_queue.max(1),
+            },
             fabric,
             reprepare: Box::new(reprepare),
             shared: shared.clone(),
@@ -708,6 +722,8 @@ impl PollerHandle {
             credit_waits: c.credit_waits.get(),
             send_queue_full: c.send_queue_full.get(),
             load_bytes: c.load_bytes.get(),
+            rail_downs: c.rail_downs.get(),
+            rail_ups: c.rail_ups.get(),
         }
     }
 
@@ -794,14 +810,17 @@ struct Endpoint {
     epoch: Epoch,
     link: Link,
     backlog: VecDeque<Slice>,
+    /// Slices in `backlog` that arrived while it was down (not admitted before): what
+    /// [`PollerConfig::backlog_limit`] bounds.
+    fresh_in_backlog: usize,
     /// Work requests in flight on any of its queue pairs (old ones' flushes included).
     in_flight: usize,
     /// Work requests in flight on its current queue pair: at most the send queue's depth.
     posted: usize,
     /// Slices for the current queue pair waiting for credits, in order.
     waiting: VecDeque<Slice>,
-    /// Listed in `Poller::starved` (it has waiting slices).
-    starved: bool,
+    /// Listed in `Poller::starved` (set when it is put there, cleared when taken off).
+    listed: bool,
     /// The fabric refused a post for a full send queue: nothing more is posted until one of
     /// the queue pair's requests completes.
     send_queue_full: bool,
@@ -863,8 +882,9 @@ impl Inflight {
         WrId::new(index, slot.generation)
     }
 
-    /// Frees the slot of `wr_id`. `None` when the id names a slot that moved on.
-    fn take(&mut self, wr_id: WrId) -> Option<(EndpointId, Option<Slice>)> {
+    /// Frees the slot of `wr_id`: its endpoint, the queue pair it was posted on and its
+    /// slice. `None` when the id names a slot that moved on.
+    fn take(&mut self, wr_id: WrId) -> Option<(EndpointId, QpNum, Option<Slice>)> {
         let slot = self.slots.get_mut(wr_id.slot() as usize)?;
         if !slot.busy || slot.generation != wr_id.generation() {
             return None;
@@ -872,7 +892,7 @@ impl Inflight {
         slot.busy = false;
         self.free.push(wr_id.slot());
         self.busy -= 1;
-        Some((slot.endpoint, slot.slice.take()))
+        Some((slot.endpoint, slot.qp, slot.slice.take()))
     }
 }
 
@@ -1108,10 +1128,11 @@ impl<F: Fabric> Poller<F> {
             epoch,
             link,
             backlog: VecDeque::new(),
+            fresh_in_backlog: 0,
             in_flight,
             posted: 0,
             waiting: VecDeque::new(),
-            starved: false,
+            listed: false,
             send_queue_full: false,
             circuit_open: false,
             confirmed: false,
@@ -1142,6 +1163,7 @@ impl<F: Fabric> Poller<F> {
         // The backlog goes through the epoch rule again, ahead of newer work (and the
         // slices that waited for the old queue pair's credits ahead of it).
         let backlog = std::mem::take(&mut endpoint.backlog);
+        endpoint.fresh_in_backlog = 0;
         for slice in backlog.into_iter().rev() {
             self.ready.push_front(slice);
         }
@@ -1154,7 +1176,6 @@ impl<F: Fabric> Poller<F> {
         let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
             return;
         };
-        endpoint.starved = false;
         let waiting = std::mem::take(&mut endpoint.waiting);
         for slice in waiting.into_iter().rev() {
             self.ready.push_front(slice);
@@ -1171,8 +1192,8 @@ impl<F: Fabric> Poller<F> {
         endpoint.link = Link::Retired;
         endpoint.retired_reason = reason;
         endpoint.posted = 0;
-        endpoint.starved = false;
         let mut backlog = std::mem::take(&mut endpoint.backlog);
+        endpoint.fresh_in_backlog = 0;
         backlog.append(&mut endpoint.waiting);
         let drained = endpoint.in_flight == 0;
         for slice in backlog {
@@ -1189,8 +1210,8 @@ impl<F: Fabric> Poller<F> {
         };
         endpoint.circuit_open = open;
         if open {
-            endpoint.starved = false;
             let mut backlog = std::mem::take(&mut endpoint.backlog);
+            endpoint.fresh_in_backlog = 0;
             backlog.append(&mut endpoint.waiting);
             for slice in backlog {
                 self.fail(slice, FailReason::PeerUnavailable);
@@ -1234,39 +1255,42 @@ impl<F: Fabric> Poller<F> {
         busy
     }
 
-    /// Posts, in order, the waiting slices of starved endpoints while their queue pair and
-    /// the rail have credits. True when any was posted or failed.
+    /// Posts the waiting slices of starved endpoints while their queue pairs and the rail
+    /// have credits: in order per endpoint, one slice per endpoint in turn, so that the
+    /// rail's credits are shared and no endpoint waits behind another's long queue. True
+    /// when any was posted or failed.
     fn release_credits(&mut self, now: Instant) -> bool {
         let mut moved = false;
-        let mut still_starved = Vec::new();
-        for id in std::mem::take(&mut self.starved) {
-            while let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) {
-                let Link::Up(qp) = endpoint.link else {
-                    // Its queue pair went (requeued there already, if this is ever reached).
-                    self.requeue_waiting(id);
-                    break;
-                };
-                if endpoint.waiting.is_empty() {
-                    endpoint.starved = false;
-                    break;
-                }
-                if !has_credit(endpoint, self.inflight.busy, self.limits) {
-                    still_starved.push(id);
-                    break;
-                }
-                let Some(slice) = endpoint.waiting.pop_front() else {
-                    break;
-                };
-                moved = true;
-                if now >= slice.deadline() {
-                    self.fail(slice, FailReason::Timeout);
-                } else {
-                    self.post(qp, slice);
-                }
+        let mut turn: VecDeque<EndpointId> = std::mem::take(&mut self.starved).into();
+        while let Some(id) = turn.pop_front() {
+            let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
+                continue;
+            };
+            let Link::Up(qp) = endpoint.link else {
+                // Its queue pair went: its slices went back through the epoch rule then.
+                endpoint.listed = false;
+                continue;
+            };
+            if endpoint.waiting.is_empty() {
+                endpoint.listed = false;
+                continue;
             }
+            if !has_credit(endpoint, self.inflight.busy, self.limits) {
+                // Still listed: it waits for its completions (or the rail's).
+                self.starved.push(id);
+                continue;
+            }
+            let Some(slice) = endpoint.waiting.pop_front() else {
+                continue;
+            };
+            moved = true;
+            if now >= slice.deadline() {
+                self.fail(slice, FailReason::Timeout);
+            } else {
+                self.post(qp, slice);
+            }
+            turn.push_back(id);
         }
-        still_starved.append(&mut self.starved);
-        self.starved = still_starved;
         moved
     }
 
@@ -1304,15 +1328,21 @@ impl<F: Fabric> Poller<F> {
                 // No credit (or others wait before it): it waits its turn, however long the
                 // queue; its deadline still applies.
                 self.shared.counters.credit_waits.add(1);
+                slice.flags |= FLAG_ADMITTED;
                 endpoint.waiting.push_back(slice);
-                if !endpoint.starved {
-                    endpoint.starved = true;
+                if !endpoint.listed {
+                    endpoint.listed = true;
                     self.starved.push(id);
                 }
             }
             (Route::Wait | Route::Post, _) => {
-                if endpoint.backlog.len() >= self.config.backlog_limit {
-                    return self.fail(slice, FailReason::BacklogFull);
+                // New work is refused past the limit; work the endpoint had admitted (it
+                // waited for credits when the queue pair went) is not, nor counted.
+                if slice.flags & FLAG_ADMITTED == 0 {
+                    if endpoint.fresh_in_backlog >= self.config.backlog_limit {
+                        return self.fail(slice, FailReason::BacklogFull);
+                    }
+                    endpoint.fresh_in_backlog += 1;
                 }
                 endpoint.backlog.push_back(slice);
             }
@@ -1407,7 +1437,7 @@ impl<F: Fabric> Poller<F> {
         }
         // Back to front, so that pushing each to the front of the queue keeps their order.
         for request in list[accepted..].iter().rev() {
-            let Some((id, slice)) = self.inflight.take(request.wr_id) else {
+            let Some((id, _, slice)) = self.inflight.take(request.wr_id) else {
                 continue;
             };
             self.note_landed(id);
@@ -1427,9 +1457,11 @@ impl<F: Fabric> Poller<F> {
                     // Full with nothing of it in flight would never be cleared by a
                     // completion: then it is simply tried again next round.
                     endpoint.send_queue_full = endpoint.posted > 0;
+                    let mut slice = slice;
+                    slice.flags |= FLAG_ADMITTED;
                     endpoint.waiting.push_front(slice);
-                    if !endpoint.starved {
-                        endpoint.starved = true;
+                    if !endpoint.listed {
+                        endpoint.listed = true;
                         self.starved.push(id);
                     }
                 }
@@ -1467,13 +1499,13 @@ impl<F: Fabric> Poller<F> {
     }
 
     fn complete(&mut self, completion: WorkCompletion) {
-        let Some((id, slice)) = self.inflight.take(completion.wr_id) else {
+        let Some((id, posted_on, slice)) = self.inflight.take(completion.wr_id) else {
             self.shared.counters.ignored_completions.add(1);
             return;
         };
         self.note_landed(id);
         if let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) {
-            if endpoint.link == Link::Up(completion.qp) {
+            if endpoint.link == Link::Up(posted_on) {
                 // A credit of its queue pair is back (and room in its send queue).
                 endpoint.posted = endpoint.posted.saturating_sub(1);
                 endpoint.send_queue_full = false;
@@ -1613,6 +1645,10 @@ impl<F: Fabric> Poller<F> {
                         });
                     }
                 }
+                // Its queue pairs come as QpFatal; new ones are refused while it is down
+                // (the endpoints back off, and the engine sends their work elsewhere).
+                AsyncEvent::RailDown { reason: _ } => self.shared.counters.rail_downs.add(1),
+                AsyncEvent::RailUp => self.shared.counters.rail_ups.add(1),
             }
         }
         busy
@@ -1638,6 +1674,11 @@ impl<F: Fabric> Poller<F> {
                     }
                 }
             }
+            endpoint.fresh_in_backlog = endpoint
+                .backlog
+                .iter()
+                .filter(|slice| slice.flags & FLAG_ADMITTED == 0)
+                .count();
         }
         for slice in expired {
             self.fail(slice, FailReason::Timeout);

@@ -134,19 +134,21 @@ impl<T> Copy for Slots<T> {}
 impl<T> Slots<T> {
     fn of(shared: &Shared<T>) -> Self {
         Self {
-            first: NonNull::from(&shared.slots[0]),
+            // From the whole slice, so that the pointer may reach every slot.
+            first: NonNull::from(&*shared.slots).cast(),
             mask: shared.mask,
         }
     }
 
-    fn capacity(self) -> usize {
+    fn capacity(&self) -> usize {
         self.mask + 1
     }
 
-    /// The cell of logical index `index`.
-    fn cell<'a>(self, index: usize) -> &'a UnsafeCell<MaybeUninit<T>> {
-        // SAFETY: `index & mask` is below the slot count, and the slots outlive every use
-        // of the view (the type's invariant); the caller holds the `Arc` for `'a`.
+    /// The cell of logical index `index`, for as long as this view is borrowed.
+    fn cell(&self, index: usize) -> &UnsafeCell<MaybeUninit<T>> {
+        // SAFETY: `index & mask` is below the slot count, and the slots outlive the view
+        // (the type's invariant: its holder holds the `Arc`, and the borrow of `self` ends
+        // before the holder can drop it).
         unsafe { self.first.add(index & self.mask).as_ref() }
     }
 }
@@ -166,6 +168,8 @@ pub struct Producer<T> {
 // - The producer may move to another thread: it owns its side's indices, and values of
 //   `T: Send` written into the ring are read by one consumer thread.
 // - It stays !Sync (PhantomData<Cell>), so two threads never push concurrently.
+// - Its `Slots` pointer goes with the `Arc` that keeps the slots alive, and through it the
+//   producer touches only the slots the invariants give it.
 unsafe impl<T: Send> Send for Producer<T> {}
 
 impl<T> Producer<T> {
@@ -264,6 +268,8 @@ pub struct Consumer<T> {
 // - The consumer may move to another thread: it owns its side's indices, and it takes
 //   values of `T: Send` out of the ring.
 // - It stays !Sync (PhantomData<Cell>), so two threads never pop concurrently.
+// - Its `Slots` pointer goes with the `Arc` that keeps the slots alive, and through it the
+//   consumer touches only the slots the invariants give it.
 unsafe impl<T: Send> Send for Consumer<T> {}
 
 impl<T> Consumer<T> {

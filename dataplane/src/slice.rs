@@ -53,6 +53,9 @@ pub(crate) const FLAG_WR_ERROR_SEEN: u8 = 1;
 /// Flag: its deadline passed while it was posted; its queue pair was taken out of service and
 /// it resolves with `Timeout` when the fabric hands it back (flushed), never earlier.
 pub(crate) const FLAG_TIMED_OUT: u8 = 2;
+/// Flag: its endpoint admitted it (it waited for credits there): a backlog it returns to
+/// while the endpoint is down does not refuse it for being full.
+pub(crate) const FLAG_ADMITTED: u8 = 4;
 
 /// A prepared piece of a transfer, owned by whichever ring or poller holds it.
 ///

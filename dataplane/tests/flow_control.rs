@@ -6,12 +6,12 @@ mod common;
 
 use std::time::Instant;
 
-use common::{BOUND, config, write};
-use railyard_dataplane::fabric::FabricLimits;
+use common::{BOUND, ENDPOINT, Reconnector, config, write};
 use railyard_dataplane::fabric::scripted::ScriptedFabric;
+use railyard_dataplane::fabric::{FabricLimits, WcStatus};
 use railyard_dataplane::{
-    Command, EndpointId, Epoch, FailReason, FailStale, PollerHandle, RequestOutcome, SliceSpec,
-    Submitter,
+    Command, EndpointId, Epoch, FailReason, FailStale, PollerConfig, PollerHandle, RepairCause,
+    RequestOutcome, Slice, SliceSpec, Submitter,
 };
 
 /// A poller on `fabric` with endpoints `0..endpoints` at the first epoch.
@@ -136,4 +136,90 @@ fn a_send_queue_full_with_nothing_in_flight_is_tried_again() {
     assert!(outcomes.iter().all(|o| *o == Some(RequestOutcome::Done)));
     assert_eq!(poller.counters().failed_total(), 0);
     assert!(script.post_calls().len() > 1, "cut short, then tried again");
+}
+
+/// Caught: credits freed by completions went to the endpoints first in line, so with the
+/// completion queue shared, the rest waited until those had nothing left (or their
+/// deadlines passed).
+#[test]
+fn the_rails_credits_are_shared_between_starved_endpoints() {
+    let (fabric, script) = ScriptedFabric::new();
+    // One endpoint's send queue could take the whole completion queue.
+    script.set_limits(FabricLimits {
+        send_queue: 8,
+        completion_queue: 8,
+    });
+    script.drip(2);
+    let poller = poller(fabric, 4);
+    let specs = striped(4 * 400, 4, 4096);
+    let outcomes = run(&poller, &specs);
+    assert!(outcomes.iter().all(|o| *o == Some(RequestOutcome::Done)));
+    // In the first half of all posts, every endpoint has had a fair part of its own.
+    let posted = script.posted();
+    let first_half = &posted[..posted.len() / 2];
+    for endpoint in 0..4 {
+        let share = first_half
+            .iter()
+            .filter(|post| post.endpoint == EndpointId(endpoint))
+            .count();
+        assert!(
+            share >= 400 / 4,
+            "endpoint {endpoint}: {share} of the first half"
+        );
+    }
+}
+
+/// Caught: when a queue pair failed under load, what waited for its credits went back to
+/// the endpoint's backlog and everything past the backlog limit failed `BacklogFull`.
+#[test]
+fn slices_waiting_for_credits_when_their_queue_pair_fails_are_not_refused() {
+    let (fabric, script) = ScriptedFabric::new();
+    script.set_limits(FabricLimits {
+        send_queue: 4,
+        completion_queue: 4,
+    });
+    script.hold(true);
+    let backlog_limit = 1000;
+    let config = PollerConfig {
+        backlog_limit,
+        ..config()
+    };
+    // The re-prepare a control plane provides: the slice is valid at the new epoch.
+    let restamp = |slice: &mut Slice, current: Epoch, _: RepairCause| {
+        slice.epoch = current;
+        Ok(())
+    };
+    let poller = PollerHandle::spawn(config, fabric, restamp).expect("poller starts");
+    poller
+        .send(Command::AddEndpoint {
+            endpoint: ENDPOINT,
+            epoch: Epoch::FIRST,
+        })
+        .expect("poller runs");
+    let mut reconnector = Reconnector::new(&poller);
+    let count = 3 * backlog_limit as u32;
+    let specs: Vec<SliceSpec> = (0..count)
+        .map(|request| write(request, Epoch::FIRST))
+        .collect();
+    let mut submitter = Submitter::new(&[&poller], 4096).expect("submitter");
+    let batch = submitter
+        .submit(specs.len(), &specs, Instant::now() + BOUND)
+        .expect("submitted");
+    // Four posted and held, the rest admitted and waiting for credits: then the link dies.
+    common::eventually("every slice admitted", || {
+        poller.counters().credit_waits >= u64::from(count) - 4
+    });
+    script.fail_outstanding(WcStatus::RetryExcErr);
+    script.hold(false);
+    reconnector.serve_until_complete(&poller, &batch);
+    let counters = poller.counters();
+    assert_eq!(counters.failed(FailReason::BacklogFull), 0, "{counters:?}");
+    assert_eq!(reconnector.failures, vec![WcStatus::RetryExcErr]);
+    assert!(
+        batch
+            .outcomes()
+            .iter()
+            .all(|o| *o == Some(RequestOutcome::Done)),
+        "every slice done after the reconnect: {counters:?}"
+    );
 }

@@ -316,7 +316,7 @@ fn run_worker(work: &Workload<'_>) -> anyhow::Result<ThreadResult> {
     Ok(result)
 }
 
-/// Checks a completed request's blocks by checksum: writes are read back into the check
+/// Checks a completed request's blocks byte for byte: writes are read back into the check
 /// area; reads are compared with what the setup pass wrote.
 fn verify(
     work: &Workload<'_>,
@@ -491,19 +491,22 @@ fn tcp_ceiling(target: SocketAddr, block: u64, batch: u64) -> anyhow::Result<f64
 fn memcpy_ceiling(block: u64, slots: u64, seed: u64, threads: usize) -> f64 {
     let threads = threads.max(1);
     let slots = slots
-        .clamp(1, (256 << 20) / block.max(1) / threads as u64)
+        .min((256 << 20) / block.max(1) / threads as u64)
         .max(1);
     let duration = Duration::from_millis(500);
-    // The threads' rates, added up.
+    // The threads' rates, added up; they start copying together.
+    let start = std::sync::Barrier::new(threads);
     let bytes_per_second: f64 = std::thread::scope(|scope| {
         let copiers: Vec<_> = (0..threads)
             .map(|thread| {
+                let start = &start;
                 scope.spawn(move || {
                     let source = vec![1u8; block as usize];
                     // Non-zero, so that every page is written (faulted in) before the clock
                     // starts.
                     let mut target = vec![2u8; (slots * block) as usize];
                     let mut rng = SplitMix64::new(seed ^ thread as u64);
+                    start.wait();
                     let started = Instant::now();
                     let mut moved = 0u64;
                     while started.elapsed() < duration {

@@ -82,14 +82,23 @@ pub(crate) struct VerbsArgs {
     /// GID index of every rail (default: RoCE v2 IPv4-mapped GID on Ethernet, none on IB).
     #[arg(long, value_name = "N")]
     pub(crate) gid_index: Option<u8>,
+    /// Traffic class of RoCE v2 packets (DSCP << 2 | ECN; e.g. 106 for DSCP 26 on a lossless
+    /// class).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub(crate) traffic_class: u8,
 }
 
 impl VerbsArgs {
     pub(crate) fn config(&self) -> railyard::engine::RailConfig {
+        let defaults = railyard::engine::RailConfig::default();
         railyard::engine::RailConfig {
             port: self.ib_port,
             gid_index: self.gid_index,
-            ..railyard::engine::RailConfig::default()
+            qp: railyard::dataplane::fabric::verbs::attrs::QpConfig {
+                traffic_class: self.traffic_class,
+                ..defaults.qp
+            },
+            ..defaults
         }
     }
 }

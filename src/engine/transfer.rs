@@ -5,9 +5,10 @@
 //! queues nothing when anything is wrong. Then each transfer is split at the engine's slice
 //! size and each slice goes to a rail ([`RailOption`], [`eligible`], [`least_loaded`]): of
 //! the rails whose endpoint to the peer is up (all that have a queue pair, if none is up),
-//! those on the local memory's NUMA node when there are any, and of those the one with the
-//! fewest bytes queued or in flight — its poller's load plus what this submission gave it
-//! already. Each slice is stamped with that rail's keys and the endpoint's current epoch.
+//! the one with the fewest bytes queued or in flight — its poller's load plus what this
+//! submission gave it already — a rail on another NUMA node than the local memory counting
+//! [`REMOTE_NODE_PENALTY`] more, so local rails go first and remote ones take the
+//! overflow. Each slice is stamped with that rail's keys and the endpoint's current epoch.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -334,11 +335,11 @@ impl EngineSubmitter {
                 Op::Write => Opcode::Write,
                 Op::Read => Opcode::Read,
             };
-            eligible(connected, region.numa, chosen);
+            eligible(connected, chosen);
             let mut offset = 0;
             while offset < transfer.len {
                 let len = slice_size.min(transfer.len - offset);
-                let pick = least_loaded(connected, chosen, *next_rail);
+                let pick = least_loaded(connected, chosen, *next_rail, region.numa);
                 *next_rail = next_rail.wrapping_add(1);
                 connected[pick].load += len;
                 let RailOption {
@@ -391,27 +392,36 @@ pub(crate) struct RailOption {
     pub(crate) load: u64,
 }
 
-/// Fills `chosen` with the indices of `options` a transfer from memory on `local_numa` may
-/// use: the rails that are up (every one, when none is: the poller holds or fails the work
-/// as the endpoint's state says), and of those the ones on `local_numa` when any is.
-pub(crate) fn eligible(options: &[RailOption], local_numa: Option<u32>, chosen: &mut Vec<usize>) {
+/// How many more bytes a rail on another NUMA node than the memory must have free before
+/// it takes a slice: local rails first, remote ones once the local ones are this far behind.
+pub(crate) const REMOTE_NODE_PENALTY: u64 = 4 << 20;
+
+/// Fills `chosen` with the indices of `options` a transfer may use: the rails that are up
+/// (every one, when none is: the poller holds or fails the work as the endpoint's state
+/// says).
+pub(crate) fn eligible(options: &[RailOption], chosen: &mut Vec<usize>) {
     chosen.clear();
     let any_up = options.iter().any(|option| option.up);
     chosen.extend((0..options.len()).filter(|&i| options[i].up || !any_up));
-    if let Some(node) = local_numa {
-        if chosen.iter().any(|&i| options[i].numa == Some(node)) {
-            chosen.retain(|&i| options[i].numa == Some(node));
-        }
-    }
 }
 
-/// The index (into `options`) of the least-loaded of the `chosen` rails; ties go round-robin
-/// from `turn`.
-pub(crate) fn least_loaded(options: &[RailOption], chosen: &[usize], turn: usize) -> usize {
+/// The index (into `options`) of the `chosen` rail with the least load, a rail off
+/// `local_numa` (the memory's node, if known) counting [`REMOTE_NODE_PENALTY`] more; ties
+/// go round-robin from `turn`.
+pub(crate) fn least_loaded(
+    options: &[RailOption],
+    chosen: &[usize],
+    turn: usize,
+    local_numa: Option<u32>,
+) -> usize {
+    let cost = |option: &RailOption| {
+        let remote = local_numa.is_some_and(|node| option.numa.is_some_and(|n| n != node));
+        option.load + if remote { REMOTE_NODE_PENALTY } else { 0 }
+    };
     let count = chosen.len().max(1);
     (0..count)
         .map(|step| chosen.get((turn + step) % count).copied().unwrap_or(0))
-        .min_by_key(|&i| options.get(i).map_or(u64::MAX, |option| option.load))
+        .min_by_key(|&i| options.get(i).map_or(u64::MAX, cost))
         .unwrap_or(0)
 }
 
@@ -435,10 +445,10 @@ mod tests {
     /// gets.
     fn spread(options: &mut [RailOption], numa: Option<u32>, count: usize) -> Vec<usize> {
         let mut chosen = Vec::new();
-        eligible(options, numa, &mut chosen);
+        eligible(options, &mut chosen);
         let mut per_rail = vec![0; options.len()];
         for turn in 0..count {
-            let pick = least_loaded(options, &chosen, turn);
+            let pick = least_loaded(options, &chosen, turn, numa);
             options[pick].load += 1 << 18;
             per_rail[options[pick].rail] += 1;
         }
@@ -468,6 +478,15 @@ mod tests {
         // A node no rail is on, or memory of no known node: every rail, by load.
         let mut options = [option(0, true, 0, 0), option(1, true, 1, 0)];
         assert_eq!(spread(&mut options, Some(7), 6), vec![3, 3]);
+    }
+
+    #[test]
+    fn remote_rails_take_work_once_the_local_ones_are_far_enough_behind() {
+        // The local rail already holds 6 MiB, the remote one nothing: the remote one takes
+        // slices until it is within the penalty of the local one, then they alternate.
+        let mut options = [option(0, true, 0, 6 << 20), option(1, true, 1, 0)];
+        let per_rail = spread(&mut options, Some(0), 16);
+        assert_eq!(per_rail, vec![4, 12]);
     }
 
     #[test]

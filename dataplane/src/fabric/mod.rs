@@ -326,7 +326,7 @@ pub enum QpInfoError {
 }
 
 /// What a fabric reports outside the completion queue (verbs' asynchronous events).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum AsyncEvent {
     /// IBV_EVENT_QP_FATAL: the queue pair went to ERR on its own; its outstanding work
@@ -335,6 +335,14 @@ pub enum AsyncEvent {
         /// The queue pair.
         qp: QpNum,
     },
+    /// The rail cannot carry work (its port went down, its completion queue or device
+    /// failed): its queue pairs are reported fatal as well, and new ones are refused.
+    RailDown {
+        /// Why, in words.
+        reason: String,
+    },
+    /// The rail's port is back: new queue pairs may be made.
+    RailUp,
 }
 
 impl WorkCompletion {

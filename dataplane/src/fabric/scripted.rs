@@ -56,7 +56,7 @@ struct Script {
     /// The queues' depths (unlimited unless set).
     limits: Option<FabricLimits>,
     /// While non-zero, successful requests stay outstanding and each poll completes up to
-    /// this many of them, oldest queue pair first.
+    /// this many of them, one queue pair after another.
     drip: usize,
     /// While set, each post call accepts a random prefix of its list and refuses the rest
     /// with `SendQueueFull`.
@@ -111,6 +111,25 @@ impl ScriptHandle {
     /// [`Self::release`].
     pub fn hold(&self, hold: bool) {
         self.lock().hold = hold;
+    }
+
+    /// Fails each queue pair that holds requests: its oldest completes with `status`, the
+    /// rest are flushed (verbs' rules), as when a link dies under load.
+    pub fn fail_outstanding(&self, status: WcStatus) {
+        let mut script = self.lock();
+        let busy: Vec<u32> = script
+            .qps
+            .iter()
+            .filter(|(_, q)| !q.outstanding.is_empty())
+            .map(|(number, _)| *number)
+            .collect();
+        for number in busy {
+            let first = script.qps.get_mut(&number).map(|q| q.outstanding.remove(0));
+            if let Some(request) = first {
+                script.complete(QpNum(number), &request, status);
+            }
+            script.fail_qp(QpNum(number));
+        }
     }
 
     /// Completes every held request successfully.
@@ -294,21 +313,30 @@ impl Fabric for ScriptedFabric {
 
     fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
         let mut script = self.script.lock();
+        // One request of each queue pair in turn, oldest first, until `drip` are done.
         let mut dripping = script.drip;
         let mut numbers: Vec<u32> = script.qps.keys().copied().collect();
         numbers.sort_unstable();
-        for number in numbers {
-            while dripping > 0 {
+        while dripping > 0 {
+            let mut any = false;
+            for &number in &numbers {
+                if dripping == 0 {
+                    break;
+                }
                 let Some(request) = script
                     .qps
                     .get_mut(&number)
                     .filter(|q| !q.outstanding.is_empty())
                     .map(|q| q.outstanding.remove(0))
                 else {
-                    break;
+                    continue;
                 };
                 script.complete(QpNum(number), &request, WcStatus::Success);
                 dripping -= 1;
+                any = true;
+            }
+            if !any {
+                break;
             }
         }
         let count = max.min(script.ready.len());

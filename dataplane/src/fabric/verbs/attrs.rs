@@ -42,7 +42,8 @@ pub struct QpConfig {
     pub timeout: u8,
     /// Transport retries before RETRY_EXC_ERR (at most 7).
     pub retry_cnt: u8,
-    /// Receiver-not-ready retries (7 = forever).
+    /// Receiver-not-ready retries, at most [`MAX_RNR_RETRY`] (verbs' 7 means forever: a
+    /// peer that never posts a receive would hold the queue pair for good).
     pub rnr_retry: u8,
     /// Minimal RNR NAK timer (12 ≈ 0.64 ms).
     pub min_rnr_timer: u8,
@@ -50,6 +51,9 @@ pub struct QpConfig {
     pub max_rd_atomic: u8,
     /// Hop limit of routed (RoCE v2, global) packets.
     pub hop_limit: u8,
+    /// Traffic class of routed packets (RoCE v2: DSCP and ECN, e.g. 106 for DSCP 26 on a
+    /// lossless class).
+    pub traffic_class: u8,
 }
 
 impl Default for QpConfig {
@@ -60,10 +64,11 @@ impl Default for QpConfig {
             caps: QpCaps::default(),
             timeout: 14,
             retry_cnt: 7,
-            rnr_retry: 7,
+            rnr_retry: MAX_RNR_RETRY,
             min_rnr_timer: 12,
             max_rd_atomic: 16,
             hop_limit: 64,
+            traffic_class: 0,
         }
     }
 }
@@ -110,6 +115,16 @@ pub fn init(config: &QpConfig) -> (ibv_qp_attr, i32) {
     (attr, bits.0 as i32)
 }
 
+/// The outstanding RDMA READ depth to ask for: what the configuration wants, but no more
+/// than the device allows as target (`max_qp_rd_atom`) and as initiator
+/// (`max_qp_init_rd_atom`) — more makes `ibv_modify_qp` fail — and at least 1.
+pub fn clamp_read_depth(wanted: u8, device_as_target: u8, device_as_initiator: u8) -> u8 {
+    wanted.min(device_as_target).min(device_as_initiator).max(1)
+}
+
+/// The most receiver-not-ready retries asked for: 7 would be infinite.
+pub const MAX_RNR_RETRY: u8 = 6;
+
 /// INIT → RTR, towards `remote`, at the negotiated `mtu`.
 pub fn ready_to_receive(config: &QpConfig, remote: &RemoteQp, mtu: PathMtu) -> (ibv_qp_attr, i32) {
     let mut attr = zeroed();
@@ -128,7 +143,7 @@ pub fn ready_to_receive(config: &QpConfig, remote: &RemoteQp, mtu: PathMtu) -> (
         attr.ah_attr.grh.dgid.raw = remote.gid;
         attr.ah_attr.grh.sgid_index = index;
         attr.ah_attr.grh.hop_limit = config.hop_limit;
-        attr.ah_attr.grh.traffic_class = 0;
+        attr.ah_attr.grh.traffic_class = config.traffic_class;
         attr.ah_attr.grh.flow_label = 0;
     }
     let bits = mask::IBV_QP_STATE
@@ -148,7 +163,7 @@ pub fn ready_to_send(config: &QpConfig, local_psn: u32) -> (ibv_qp_attr, i32) {
     attr.sq_psn = local_psn;
     attr.timeout = config.timeout;
     attr.retry_cnt = config.retry_cnt.min(7);
-    attr.rnr_retry = config.rnr_retry.min(7);
+    attr.rnr_retry = config.rnr_retry.min(MAX_RNR_RETRY);
     attr.max_rd_atomic = config.max_rd_atomic;
     let bits = mask::IBV_QP_STATE
         | mask::IBV_QP_SQ_PSN
@@ -233,6 +248,21 @@ mod tests {
     }
 
     #[test]
+    fn the_read_depth_is_what_the_device_allows_and_the_traffic_class_is_configured() {
+        assert_eq!(clamp_read_depth(16, 8, 16), 8);
+        assert_eq!(clamp_read_depth(16, 16, 4), 4);
+        assert_eq!(clamp_read_depth(2, 16, 16), 2);
+        assert_eq!(clamp_read_depth(16, 0, 0), 1, "never zero");
+        let roce = QpConfig {
+            gid_index: Some(3),
+            traffic_class: 106,
+            ..QpConfig::default()
+        };
+        let (attr, _) = ready_to_receive(&roce, &REMOTE, PathMtu::Mtu1024);
+        assert_eq!(attr.ah_attr.grh.traffic_class, 106);
+    }
+
+    #[test]
     fn rts_sets_psn_timeouts_and_clamps_retries() {
         let config = QpConfig {
             retry_cnt: 9,
@@ -242,7 +272,7 @@ mod tests {
         let (attr, bits) = ready_to_send(&config, 0x42);
         assert_eq!(attr.qp_state, ibv_qp_state::IBV_QPS_RTS);
         assert_eq!((attr.sq_psn, attr.timeout), (0x42, 14));
-        assert_eq!((attr.retry_cnt, attr.rnr_retry), (7, 7));
+        assert_eq!((attr.retry_cnt, attr.rnr_retry), (7, MAX_RNR_RETRY));
         for flag in [
             mask::IBV_QP_SQ_PSN,
             mask::IBV_QP_TIMEOUT,

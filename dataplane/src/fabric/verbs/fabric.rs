@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use rdma_sys::{ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc, ibv_wr_opcode};
 
 use super::ffi::QueuePair;
+use super::health::{HealthInput, RailHealth, Transition};
 use super::rail::VerbsRail;
 use super::signal::{Outstanding, PostedRequest, is_signaled};
 use super::status::map_status;
@@ -48,6 +49,8 @@ pub struct VerbsFabric {
     events: VecDeque<AsyncEvent>,
     /// Asynchronous events cost a system call to look for: at most once per interval.
     next_event_check: Instant,
+    /// Whether the rail carries work (see [`super::health`]).
+    health: RailHealth,
 }
 
 /// How often `poll` looks for asynchronous events.
@@ -96,6 +99,49 @@ impl VerbsFabric {
             ready: VecDeque::new(),
             events: VecDeque::new(),
             next_event_check: Instant::now(),
+            health: RailHealth::default(),
+        }
+    }
+
+    /// Applies what the device (or a poll) said to the rail's health and acts on a change:
+    /// down, its queue pairs are reported fatal — and when the completion queue is gone,
+    /// their outstanding requests are handed back as flushed here, since nothing else will
+    /// — and the poller is told; back up, the poller is told.
+    fn health_changed(&mut self, input: HealthInput) {
+        let Some(transition) = self.health.on(input) else {
+            return;
+        };
+        match transition {
+            Transition::WentDown {
+                reason,
+                lost_completions,
+            } => {
+                let live: Vec<u32> = self
+                    .qps
+                    .iter()
+                    .filter(|(_, entry)| !entry.retired)
+                    .map(|(num, _)| *num)
+                    .collect();
+                if lost_completions {
+                    for (num, mut entry) in self.qps.drain() {
+                        for request in entry.outstanding.take_all() {
+                            self.ready.push_back(Self::completion(
+                                num,
+                                &request,
+                                WcStatus::WrFlushErr,
+                            ));
+                        }
+                    }
+                }
+                self.events.push_back(AsyncEvent::RailDown {
+                    reason: format!("{}: {reason}", self.rail.name()),
+                });
+                self.events.extend(
+                    live.into_iter()
+                        .map(|n| AsyncEvent::QpFatal { qp: QpNum(n) }),
+                );
+            }
+            Transition::CameBack => self.events.push_back(AsyncEvent::RailUp),
         }
     }
 
@@ -143,18 +189,12 @@ impl VerbsFabric {
                             .push_back(AsyncEvent::QpFatal { qp: QpNum(num) });
                     }
                 }
-                kind::IBV_EVENT_PORT_ERR | kind::IBV_EVENT_DEVICE_FATAL => {
-                    let live: Vec<u32> = self
-                        .qps
-                        .iter()
-                        .filter(|(_, e)| !e.retired)
-                        .map(|(n, _)| *n)
-                        .collect();
-                    self.events.extend(
-                        live.into_iter()
-                            .map(|n| AsyncEvent::QpFatal { qp: QpNum(n) }),
-                    );
+                kind::IBV_EVENT_PORT_ERR => self.health_changed(HealthInput::PortError),
+                kind::IBV_EVENT_PORT_ACTIVE => self.health_changed(HealthInput::PortActive),
+                kind::IBV_EVENT_CQ_ERR => {
+                    self.health_changed(HealthInput::CompletionQueueError);
                 }
+                kind::IBV_EVENT_DEVICE_FATAL => self.health_changed(HealthInput::DeviceFatal),
                 _ => {}
             }
             // SAFETY: every event got is acknowledged exactly once.
@@ -169,6 +209,18 @@ impl Fabric for VerbsFabric {
             .rail
             .staged
             .take_for_connect(endpoint, epoch, self.rail.name())?;
+        if !self.health.is_up() {
+            // The staged queue pair goes with `qp`.
+            return Err(FabricError::Connect {
+                endpoint,
+                epoch,
+                reason: format!(
+                    "rail {} is down ({:?})",
+                    self.rail.name(),
+                    self.health.state()
+                ),
+            });
+        }
         let num = qp.num();
         self.qps.insert(
             num,
@@ -281,7 +333,14 @@ impl Fabric for VerbsFabric {
         }
         let room = (max - (out.len() - start)).min(POLL_BATCH);
         if room > 0 {
-            let taken = self.rail.cq.poll(&mut self.wcs[..room]).unwrap_or(0);
+            let taken = match self.rail.cq.poll(&mut self.wcs[..room]) {
+                Ok(taken) => taken,
+                Err(error) => {
+                    let errno = error.source.raw_os_error().unwrap_or(0);
+                    self.health_changed(HealthInput::PollError(errno));
+                    0
+                }
+            };
             for wc in &self.wcs[..taken] {
                 let Some(entry) = self.qps.get_mut(&wc.qp_num) else {
                     continue;

@@ -161,6 +161,23 @@ impl Context {
         })
     }
 
+    /// How many RDMA READs (and atomics) a queue pair of this device may have outstanding:
+    /// (as target, as initiator).
+    ///
+    /// # Errors
+    /// When the query fails.
+    pub fn read_depths(&self) -> Result<(u8, u8), VerbsError> {
+        // SAFETY: `ibv_device_attr` is plain old data; all-zero is valid.
+        let mut attr: rdma_sys::ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: the context is open (invariant) and `attr` is a writable device attr.
+        let code = unsafe { rdma_sys::ibv_query_device(self.as_ptr(), &mut attr) };
+        if code != 0 {
+            return Err(failed_with("ibv_query_device", code));
+        }
+        let depth = |value: i32| u8::try_from(value.max(0)).unwrap_or(u8::MAX);
+        Ok((depth(attr.max_qp_rd_atom), depth(attr.max_qp_init_rd_atom)))
+    }
+
     /// Entry `index` of port `port`'s GID table.
     ///
     /// # Errors

@@ -23,6 +23,7 @@ pub mod device;
 mod fabric;
 pub mod ffi;
 pub mod gid;
+pub mod health;
 pub mod mtu;
 pub mod rail;
 pub mod signal;

@@ -124,6 +124,9 @@ impl VerbsRail {
         };
         config.qp.port = port;
         config.qp.gid_index = config.gid_index;
+        let (as_target, as_initiator) = context.read_depths()?;
+        config.qp.max_rd_atomic =
+            super::attrs::clamp_read_depth(config.qp.max_rd_atomic, as_target, as_initiator);
         let pd = ProtectionDomain::new(&context)?;
         let cq = CompletionQueue::new(&context, config.cq_depth)?;
         Ok(Arc::new(Self {

@@ -48,6 +48,11 @@ impl Outstanding {
         self.queue.is_empty()
     }
 
+    /// Takes every outstanding request, oldest first (their completions will not come).
+    pub fn take_all(&mut self) -> VecDeque<PostedRequest> {
+        std::mem::take(&mut self.queue)
+    }
+
     /// A completion for `wr_id` arrived: appends to `implied` the unsignaled requests posted
     /// before it (they succeeded), forgets them and it, and returns it. A completion for an
     /// id this queue pair does not hold changes nothing.
