@@ -219,10 +219,11 @@ fn a_reregistered_region_refuses_its_old_keys_and_work_carries_on_under_the_new(
     write_then_read(0x22);
     let new_rkeys = peer.descriptor().regions[0].rkeys.clone();
     assert_ne!(new_rkeys, old_rkeys, "the peer's view has the new keys");
-    assert!(
-        engine.stats().control.reconnects >= 1,
-        "refused once, then refreshed"
-    );
+    let reconnects = engine.stats().control.reconnects;
+    assert!(reconnects >= 1, "refused once, then refreshed");
+    // The submitter prepares with the new keys from now on: no more refusals.
+    write_then_read(0x33);
+    assert_eq!(engine.stats().control.reconnects, reconnects);
     // The old id is gone; the new one answers.
     let stale = serve.command(&format!("digest {} 0 16 16", serve.pool_id));
     assert!(stale.starts_with("error: no region"), "{stale}");

@@ -29,6 +29,9 @@ pub struct EndpointView {
     epoch: AtomicU64,
     phase: AtomicU8,
     descriptor: RwLock<Option<Arc<SegmentDescriptor>>>,
+    /// Bumped after each new descriptor: readers keep the one they have while it is equal
+    /// (no lock on their hot path).
+    descriptor_version: AtomicU64,
 }
 
 impl EndpointView {
@@ -47,6 +50,7 @@ impl EndpointView {
             epoch: AtomicU64::new(0),
             phase: AtomicU8::new(0),
             descriptor: RwLock::new(descriptor),
+            descriptor_version: AtomicU64::new(0),
         }
     }
 
@@ -114,6 +118,15 @@ impl EndpointView {
             .descriptor
             .write()
             .unwrap_or_else(PoisonError::into_inner) = Some(descriptor);
+        // Release, after the write: a reader that sees the new version finds the new
+        // descriptor behind the lock.
+        self.descriptor_version.fetch_add(1, Ordering::Release);
+    }
+
+    /// Changes each time the descriptor does: a reader that saw a version and kept the
+    /// descriptor it then read may keep using it while the version stays.
+    pub fn descriptor_version(&self) -> u64 {
+        self.descriptor_version.load(Ordering::Acquire)
     }
 }
 
@@ -216,6 +229,59 @@ pub(crate) fn bump(counter: &AtomicU64) {
 #[derive(Debug, Default)]
 struct RailShared {
     endpoints: RwLock<Vec<Option<Arc<EndpointView>>>>,
+    /// Bumped after each change of `endpoints`: the re-prepare hook keeps its copy while it
+    /// is equal.
+    version: AtomicU64,
+}
+
+/// A re-prepare hook's copy of its rail's endpoints and their descriptors.
+#[derive(Default)]
+struct HookCache {
+    /// The rail's `version` the copy was taken at (`None`: never).
+    version: Option<u64>,
+    endpoints: Vec<Option<Arc<EndpointView>>>,
+    /// Per endpoint id: (its descriptor version, that descriptor).
+    descriptors: Vec<Option<(u64, Arc<SegmentDescriptor>)>>,
+}
+
+impl HookCache {
+    /// Endpoint `id` of `rail`, from the copy (refreshed first if the table changed).
+    fn view(
+        &mut self,
+        shared: &ControlShared,
+        rail: u16,
+        id: EndpointId,
+    ) -> Option<Arc<EndpointView>> {
+        let table = shared.rails.get(usize::from(rail))?;
+        let version = table.version.load(Ordering::Acquire);
+        if self.version != Some(version) {
+            self.endpoints = table
+                .endpoints
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            self.descriptors.clear();
+            self.version = Some(version);
+        }
+        self.endpoints.get(id.0 as usize)?.clone()
+    }
+
+    /// `view`'s descriptor, from the copy while its version stands.
+    fn descriptor(&mut self, view: &EndpointView) -> Option<Arc<SegmentDescriptor>> {
+        let index = view.id.0 as usize;
+        let version = view.descriptor_version();
+        if let Some(Some((kept, descriptor))) = self.descriptors.get(index) {
+            if *kept == version {
+                return Some(descriptor.clone());
+            }
+        }
+        let descriptor = view.descriptor()?;
+        if self.descriptors.len() <= index {
+            self.descriptors.resize(index + 1, None);
+        }
+        self.descriptors[index] = Some((version, descriptor.clone()));
+        Some(descriptor)
+    }
 }
 
 /// What the control thread shares with pollers' re-prepare hooks and the application.
@@ -260,12 +326,14 @@ impl ControlShared {
     /// The re-prepare hook for rail `rail`'s poller: rewrites a stale slice's rkey from the
     /// peer's newest descriptor (unless it is zero-length) and stamps the current epoch;
     /// refuses slices meant for a previous occupant of the endpoint id, or whose range the
-    /// peer no longer registers.
+    /// peer no longer registers. It keeps its own copy of the rail's endpoints and their
+    /// descriptors, refreshed when their versions change: no lock while they do not.
     pub fn reprepare_hook(self: &Arc<Self>, rail: u16) -> impl Reprepare + 'static {
         let shared = self.clone();
+        let mut cache = HookCache::default();
         move |slice: &mut Slice, current: Epoch, _cause: RepairCause| {
-            let view = shared
-                .view(rail, slice.endpoint)
+            let view = cache
+                .view(&shared, rail, slice.endpoint)
                 .ok_or(FailReason::EndpointRetired)?;
             if slice.epoch.is_older_than(view.first_epoch) {
                 return Err(FailReason::EndpointRetired);
@@ -275,7 +343,7 @@ impl ControlShared {
                 slice.epoch = current;
                 return Ok(());
             }
-            let descriptor = view.descriptor().ok_or(FailReason::RemoteAccess)?;
+            let descriptor = cache.descriptor(&view).ok_or(FailReason::RemoteAccess)?;
             let rkey = descriptor
                 .rkey_for(
                     slice.remote_addr,
@@ -375,6 +443,8 @@ impl ControlShared {
             endpoints.resize(index + 1, None);
         }
         endpoints[index] = view;
+        // Release, under the lock: a hook that sees the new version reads the new table.
+        rail.version.fetch_add(1, Ordering::Release);
     }
 
     /// How many endpoint slots `rail` has (the next fresh id).
@@ -455,6 +525,68 @@ mod tests {
             incarnation: Incarnation(1),
             body: NotificationBody::Bytes(vec![0; n]),
         }
+    }
+
+    fn descriptor(rkey: u32) -> Arc<SegmentDescriptor> {
+        Arc::new(SegmentDescriptor {
+            name: "peer".into(),
+            incarnation: Incarnation(7),
+            handshake_addr: "127.0.0.1:1".into(),
+            rails: Vec::new(),
+            regions: vec![crate::RegionDescriptor {
+                base: 0x1000,
+                len: 0x1000,
+                rkeys: vec![rkey],
+                generation: u64::from(rkey),
+            }],
+        })
+    }
+
+    /// Caught: a re-prepare hook that keeps its copies without looking at the versions
+    /// re-prepares with a descriptor (or an endpoint) that was replaced.
+    #[test]
+    fn the_hooks_copies_follow_the_versions() {
+        let shared = ControlShared::new(1);
+        let key = crate::EndpointKey {
+            peer: Incarnation(7),
+            local_rail: 0,
+            remote_rail: 0,
+        };
+        let id = EndpointId(3);
+        let view = Arc::new(EndpointView::new(
+            id,
+            key,
+            "peer".into(),
+            Epoch::FIRST,
+            Some(descriptor(11)),
+        ));
+        shared.publish(0, id, Some(view.clone()));
+        let mut cache = HookCache::default();
+        let rkey = |cache: &mut HookCache| {
+            let view = cache.view(&shared, 0, id).expect("published");
+            cache.descriptor(&view).expect("has one").regions[0].rkeys[0]
+        };
+        assert_eq!(rkey(&mut cache), 11);
+        view.set_descriptor(descriptor(12));
+        assert_eq!(rkey(&mut cache), 12, "a new descriptor is seen");
+        shared.publish(0, id, None);
+        assert!(
+            cache.view(&shared, 0, id).is_none(),
+            "a cleared slot is seen"
+        );
+        let successor = Arc::new(EndpointView::new(
+            id,
+            key,
+            "peer".into(),
+            Epoch::FIRST.next(),
+            Some(descriptor(13)),
+        ));
+        shared.publish(0, id, Some(successor));
+        assert_eq!(
+            rkey(&mut cache),
+            13,
+            "a new occupant of the id, with its own"
+        );
     }
 
     #[test]

@@ -360,6 +360,7 @@ impl EngineBuilder {
                 fencing: Mutex::new(Vec::new()),
                 revoking: Mutex::new(Vec::new()),
                 next_region: AtomicU64::new(1),
+                regions_version: AtomicU64::new(0),
                 warnings,
                 peers: transfer::PeerTable::default(),
             }),
@@ -413,6 +414,9 @@ struct Inner {
     /// ([`MemoryError::Busy`]): kept mapped until a later `deregister` sees them quiet.
     fencing: Mutex<Vec<RegionEntry>>,
     next_region: AtomicU64,
+    /// Bumped after each change of `regions`: a submitter keeps the registrations it looked
+    /// up while it is equal.
+    regions_version: AtomicU64,
     warnings: Vec<String>,
     peers: transfer::PeerTable,
 }
@@ -787,7 +791,15 @@ impl Engine {
         self.publish(&regions);
     }
 
+    /// The regions' version ([`Inner::regions_version`]).
+    pub(crate) fn regions_version(&self) -> u64 {
+        self.inner.regions_version.load(Ordering::Acquire)
+    }
+
     fn publish(&self, regions: &[RegionEntry]) {
+        // Release, under the regions' write lock: a submitter that sees the new version
+        // finds the new table.
+        self.inner.regions_version.fetch_add(1, Ordering::Release);
         self.inner.shared.set_regions(
             regions
                 .iter()

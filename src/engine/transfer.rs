@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use railyard_control::Incarnation;
+use railyard_control::{EndpointView, Incarnation, SegmentDescriptor};
 use railyard_dataplane::fabric::{MemoryRegion, Opcode};
 use railyard_dataplane::{Batch, EndpointId, Epoch, SliceSpec, Submitter};
 
@@ -96,8 +96,15 @@ pub struct EngineSubmitter {
     specs: Vec<SliceSpec>,
     next_rail: usize,
     timing: SubmitTiming,
-    /// The last region looked up, to spare the lock for runs of transfers from one region.
+    /// The last region looked up, while the engine's regions stay as they were (their
+    /// version): no lock for transfers from a region it has seen.
     last_region: Option<(Region, Vec<MemoryRegion>)>,
+    /// The regions' version `last_region` was looked up at.
+    regions_version: u64,
+    /// The last peer's descriptor: its first endpoint (held, so that it is never another
+    /// peer's at the same address), the sum of its endpoints' descriptor versions, and
+    /// the descriptor. Kept while the versions stay: no lock per submission.
+    last_descriptor: Option<(Arc<EndpointView>, u64, Arc<SegmentDescriptor>)>,
     /// Scratch: the rails connected to the peer of the submission being prepared.
     connected: Vec<RailOption>,
     /// Scratch: the indices of `connected` a transfer's slices may go to.
@@ -129,6 +136,8 @@ impl EngineSubmitter {
             next_rail: 0,
             timing: SubmitTiming::default(),
             last_region: None,
+            regions_version: 0,
+            last_descriptor: None,
             connected: Vec::new(),
             chosen: Vec::new(),
             counters: HashMap::new(),
@@ -256,21 +265,49 @@ impl EngineSubmitter {
         );
     }
 
+    /// `peer`'s descriptor, from the last one kept while its endpoints' descriptor versions
+    /// stay.
+    fn descriptor_of(&mut self, peer: &Peer) -> Arc<SegmentDescriptor> {
+        let versions: u64 = peer
+            .views()
+            .iter()
+            .map(|view| view.descriptor_version())
+            .sum();
+        if let (Some((first, kept, descriptor)), Some(view)) =
+            (&self.last_descriptor, peer.views().first())
+        {
+            if Arc::ptr_eq(first, view) && *kept == versions {
+                return descriptor.clone();
+            }
+        }
+        let descriptor = peer.descriptor();
+        self.last_descriptor = peer
+            .views()
+            .first()
+            .map(|view| (view.clone(), versions, descriptor.clone()));
+        descriptor
+    }
+
     /// Validates every transfer and fills `specs`. Allocates nothing in steady state: the
     /// rails, the last region's keys and the specs live in the submitter between calls.
     fn prepare(&mut self, peer: &Peer, transfers: &[Transfer]) -> Result<(), TransferError> {
+        let descriptor = self.descriptor_of(peer);
         let Self {
             engine,
             specs,
             next_rail,
             last_region,
+            regions_version,
             connected,
             chosen,
             ..
         } = self;
         specs.clear();
-        *last_region = None;
-        let descriptor = peer.descriptor();
+        let version = engine.regions_version();
+        if *regions_version != version {
+            *last_region = None;
+            *regions_version = version;
+        }
         connected.clear();
         let pollers = engine.pollers();
         let numa = &engine.inner.rail_numa;
