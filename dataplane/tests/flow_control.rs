@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use common::{BOUND, ENDPOINT, Reconnector, config, write};
 use railyard_dataplane::fabric::scripted::ScriptedFabric;
-use railyard_dataplane::fabric::{FabricLimits, WcStatus};
+use railyard_dataplane::fabric::{AsyncEvent, FabricLimits, WcStatus};
 use railyard_dataplane::{
     Command, EndpointId, Epoch, FailReason, FailStale, PollerConfig, PollerHandle, RepairCause,
     RequestOutcome, Slice, SliceSpec, Submitter,
@@ -222,4 +222,20 @@ fn slices_waiting_for_credits_when_their_queue_pair_fails_are_not_refused() {
             .all(|o| *o == Some(RequestOutcome::Done)),
         "every slice done after the reconnect: {counters:?}"
     );
+}
+
+/// A rail that goes down and comes back is counted both ways; its queue pairs come down as
+/// their own events.
+#[test]
+fn rail_health_events_are_counted() {
+    let (fabric, script) = ScriptedFabric::new();
+    let poller = poller(fabric, 1);
+    script.raise(AsyncEvent::RailDown {
+        reason: "the port's link went down".into(),
+    });
+    common::eventually("the rail counted down", || {
+        poller.counters().rail_downs == 1
+    });
+    script.raise(AsyncEvent::RailUp);
+    common::eventually("the rail counted up", || poller.counters().rail_ups == 1);
 }

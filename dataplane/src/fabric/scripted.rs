@@ -13,7 +13,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{
-    Fabric, FabricError, FabricLimits, PostError, QpNum, WcStatus, WorkCompletion, WorkRequest,
+    AsyncEvent, Fabric, FabricError, FabricLimits, PostError, QpNum, WcStatus, WorkCompletion,
+    WorkRequest,
 };
 use crate::rng::SplitMix64;
 use crate::{EndpointId, Epoch};
@@ -67,6 +68,8 @@ struct Script {
     cq_overruns: usize,
     /// The most requests a queue pair held outstanding at once.
     deepest: usize,
+    /// Asynchronous events for the poller to take, in order.
+    events: VecDeque<AsyncEvent>,
 }
 
 impl Script {
@@ -186,6 +189,11 @@ impl ScriptHandle {
     /// Cuts every post call short at a random point chosen from `seed` (`None`: never).
     pub fn cut_posts(&self, seed: Option<u64>) {
         self.lock().cut_posts = seed.map(SplitMix64::new);
+    }
+
+    /// Raises `event` for the poller (as a NIC's asynchronous event).
+    pub fn raise(&self, event: AsyncEvent) {
+        self.lock().events.push_back(event);
     }
 
     /// (queue pair, requests) of every post call so far.
@@ -346,6 +354,10 @@ impl Fabric for ScriptedFabric {
 
     fn limits(&self) -> FabricLimits {
         self.script.lock().limits.unwrap_or(FabricLimits::UNLIMITED)
+    }
+
+    fn poll_event(&mut self) -> Option<AsyncEvent> {
+        self.script.lock().events.pop_front()
     }
 
     fn retire(&mut self, qp: QpNum) {
