@@ -69,46 +69,10 @@ fn slice_path(c: &mut Criterion) {
     let mut group = c.benchmark_group("slice_path");
     group.throughput(Throughput::Elements(SLICES_PER_BATCH as u64));
     group.bench_function("submit_poll_null_fabric", |b| {
-        b.iter_custom(|batches| {
-            let deadline = Instant::now() + Duration::from_secs(600);
-            let began = Instant::now();
-            let mut pending = Vec::with_capacity(batches as usize);
-            for _ in 0..batches {
-                pending.push(
-                    submitter
-                        .submit(SLICES_PER_BATCH / 16, &specs, deadline)
-                        .expect("valid"),
-                );
-            }
-            for batch in &pending {
-                let status = batch.wait(deadline);
-                assert_eq!(status.done, status.total, "{status:?}");
-            }
-            let elapsed = began.elapsed();
-            black_box(pending);
-            elapsed
-        });
+        b.iter_custom(|batches| submit_and_wait(&mut submitter, &specs, batches));
     });
     group.bench_function("submit_poll_null_fabric_8_endpoints", |b| {
-        b.iter_custom(|batches| {
-            let deadline = Instant::now() + Duration::from_secs(600);
-            let began = Instant::now();
-            let mut pending = Vec::with_capacity(batches as usize);
-            for _ in 0..batches {
-                pending.push(
-                    submitter
-                        .submit(SLICES_PER_BATCH / 16, &interleaved, deadline)
-                        .expect("valid"),
-                );
-            }
-            for batch in &pending {
-                let status = batch.wait(deadline);
-                assert_eq!(status.done, status.total, "{status:?}");
-            }
-            let elapsed = began.elapsed();
-            black_box(pending);
-            elapsed
-        });
+        b.iter_custom(|batches| submit_and_wait(&mut submitter, &interleaved, batches));
     });
     group.bench_function("ring_only_64_byte_items", |b| {
         b.iter_custom(|batches| {
@@ -137,6 +101,28 @@ fn slice_path(c: &mut Criterion) {
     group.finish();
     latency(&mut submitter, &interleaved[..16]);
     poller.shutdown();
+}
+
+/// Submits `batches` batches of `specs` (16 slices per request), then waits for all of
+/// them: the time it took.
+fn submit_and_wait(submitter: &mut Submitter, specs: &[SliceSpec], batches: u64) -> Duration {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let began = Instant::now();
+    let mut pending = Vec::with_capacity(batches as usize);
+    for _ in 0..batches {
+        pending.push(
+            submitter
+                .submit(specs.len() / 16, specs, deadline)
+                .expect("valid"),
+        );
+    }
+    for batch in &pending {
+        let status = batch.wait(deadline);
+        assert_eq!(status.done, status.total, "{status:?}");
+    }
+    let elapsed = began.elapsed();
+    black_box(pending);
+    elapsed
 }
 
 /// Submit-to-resolution time of `specs` as one batch (one request per slice), one batch at
