@@ -292,7 +292,14 @@ impl<F: RailFabric> Driver<F> {
                     }
                     view.set_epoch(epoch);
                 }
-                Action::Publish { view, phase } => view.set_phase(phase),
+                Action::Publish {
+                    view,
+                    phase,
+                    probation,
+                } => {
+                    view.set_probation(probation);
+                    view.set_phase(phase);
+                }
                 Action::Warn(line) => {
                     if self.printer.enabled {
                         eprintln!("railyard[{}]: warning: {line}", self.printer.name);

@@ -256,6 +256,12 @@ impl Endpoint {
         self.key
     }
 
+    /// Whether its circuit is half-open: a queue pair after the cooldown that has not yet
+    /// carried a success.
+    pub fn on_probation(&self) -> bool {
+        self.probation
+    }
+
     /// Where it stands.
     pub fn phase(&self) -> Phase {
         match self.state {

@@ -100,12 +100,15 @@ pub(crate) enum Action {
         /// Its new epoch.
         epoch: Epoch,
     },
-    /// Publish `phase` in `view`, after the actions before it (commands to the poller).
+    /// Publish `phase` (and whether the circuit is half-open) in `view`, after the actions
+    /// before it (commands to the poller).
     Publish {
         /// The endpoint.
         view: Arc<EndpointView>,
         /// Its phase.
         phase: Phase,
+        /// Its circuit is half-open.
+        probation: bool,
     },
     /// A warning line the rate limiter let through.
     Warn(String),
@@ -190,8 +193,8 @@ struct Active<Q> {
     /// The epoch and number of the newest queue pair offered to the peer, until it is
     /// announced retired (RetireQp).
     offered: Option<(Epoch, u32)>,
-    /// The phase last handed to the driver to publish in `view`.
-    published: Option<Phase>,
+    /// The phase (and probation) last handed to the driver to publish in `view`.
+    published: Option<(Phase, bool)>,
 }
 
 /// An initiator with target queue pairs here and no control connection.
@@ -1634,12 +1637,17 @@ impl<F: RailFabric> Core<F> {
                 return;
             };
             let phase = active.machine.phase();
-            if active.published != Some(phase) {
+            let probation = active.machine.on_probation();
+            if active.published != Some((phase, probation)) {
                 // In order with the commands before it (all of one step's actions run
                 // before the next step's).
-                active.published = Some(phase);
+                active.published = Some((phase, probation));
                 let view = active.view.clone();
-                self.actions.push_back(Action::Publish { view, phase });
+                self.actions.push_back(Action::Publish {
+                    view,
+                    phase,
+                    probation,
+                });
             }
             let Some(output) = active.machine.poll_output() else {
                 break;

@@ -267,7 +267,14 @@ impl Net {
                 ));
             }
             Action::Warn(line) => self.procs[index].warnings.push(line),
-            Action::Publish { view, phase } => view.set_phase(phase),
+            Action::Publish {
+                view,
+                phase,
+                probation,
+            } => {
+                view.set_probation(probation);
+                view.set_phase(phase);
+            }
         }
     }
 
@@ -1259,6 +1266,32 @@ fn a_stopped_peer_is_unreachable_within_the_liveness_timeout() {
         !net.links.keys().any(|(proc, _)| *proc == prefill),
         "the dead connection is closed, never reused"
     );
+}
+
+/// Caught: submitters could not tell a half-open circuit from a healthy rail, so a rail
+/// whose link was still dead took its share of every batch at each cooldown's end.
+#[test]
+fn a_half_open_circuit_is_published_until_its_first_success() {
+    let (mut net, target, prefill, view) = lively_pair();
+    net.stop(target);
+    assert!(until_circuit_opens(&mut net, &view, Duration::from_secs(5)).is_some());
+    assert!(!view.on_probation(), "open, not half-open");
+    net.procs[target].stopped = false;
+    // Past the cooldown: a trial queue pair, ready, on probation.
+    net.run_for(policy().cooldown_max, Duration::from_millis(50));
+    assert_eq!(view.phase(), Phase::Ready);
+    assert!(view.on_probation());
+    let (now, epoch) = (net.now, view.epoch().expect("connected"));
+    net.procs[prefill].core.poller_event(
+        0,
+        Event::Confirmed {
+            endpoint: view.id,
+            epoch,
+        },
+        now,
+    );
+    net.settle();
+    assert!(!view.on_probation(), "its first success closed it for good");
 }
 
 /// Steps time by 10 ms until `view`'s circuit opens (bounded); how long it took.

@@ -4,7 +4,7 @@
 //! only writer of views and counters.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,8 @@ pub struct EndpointView {
     /// The epoch whose queue pair the poller has (0: none yet).
     epoch: AtomicU64,
     phase: AtomicU8,
+    /// Its circuit is half-open (see [`Self::on_probation`]).
+    probation: AtomicBool,
     descriptor: RwLock<Option<Arc<SegmentDescriptor>>>,
     /// Bumped after each new descriptor: readers keep the one they have while it is equal
     /// (no lock on their hot path).
@@ -49,6 +51,7 @@ impl EndpointView {
             first_epoch,
             epoch: AtomicU64::new(0),
             phase: AtomicU8::new(0),
+            probation: AtomicBool::new(false),
             descriptor: RwLock::new(descriptor),
             descriptor_version: AtomicU64::new(0),
         }
@@ -93,6 +96,17 @@ impl EndpointView {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    /// Whether its circuit is half-open: ready after a cooldown, no success yet. A
+    /// submitter with another rail to the peer sends it work only as overflow, so that a
+    /// link still dead fails little.
+    pub fn on_probation(&self) -> bool {
+        self.probation.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_probation(&self, probation: bool) {
+        self.probation.store(probation, Ordering::Release);
     }
 
     pub(crate) fn set_phase(&self, phase: Phase) {

@@ -318,6 +318,7 @@ impl EngineSubmitter {
                 remote_rail: view.key.remote_rail,
                 epoch: view.epoch()?,
                 up: view.phase() == railyard_control::Phase::Ready,
+                on_probation: view.on_probation(),
                 numa: numa.get(rail).copied(),
                 load: pollers.get(rail).map_or(0, |poller| poller.load_bytes()),
             })
@@ -423,6 +424,9 @@ pub(crate) struct RailOption {
     pub(crate) epoch: Epoch,
     /// Its endpoint has a working queue pair (not reconnecting, not failing fast).
     pub(crate) up: bool,
+    /// Its circuit is half-open: the queue pair after a cooldown has not yet carried a
+    /// success (the link may still be dead).
+    pub(crate) on_probation: bool,
     /// The rail's NUMA node, if known.
     pub(crate) numa: Option<u32>,
     /// Bytes its poller holds, plus what this submission gave it so far.
@@ -432,6 +436,11 @@ pub(crate) struct RailOption {
 /// How many more bytes a rail on another NUMA node than the memory must have free before
 /// it takes a slice: local rails first, remote ones once the local ones are this far behind.
 pub(crate) const REMOTE_NODE_PENALTY: u64 = 4 << 20;
+
+/// The same for a rail whose circuit is half-open: it takes work only as overflow (or when
+/// it is the only rail up), so that a link still dead after its cooldown fails little while
+/// another rail works; its first success closes the circuit for good.
+pub(crate) const PROBATION_PENALTY: u64 = 256 << 20;
 
 /// Fills `chosen` with the indices of `options` a transfer may use: the rails that are up
 /// (every one, when none is: the poller holds or fails the work as the endpoint's state
@@ -453,7 +462,13 @@ pub(crate) fn least_loaded(
 ) -> usize {
     let cost = |option: &RailOption| {
         let remote = local_numa.is_some_and(|node| option.numa.is_some_and(|n| n != node));
-        option.load + if remote { REMOTE_NODE_PENALTY } else { 0 }
+        option.load
+            + if remote { REMOTE_NODE_PENALTY } else { 0 }
+            + if option.on_probation {
+                PROBATION_PENALTY
+            } else {
+                0
+            }
     };
     let count = chosen.len().max(1);
     (0..count)
@@ -473,6 +488,7 @@ mod tests {
             remote_rail: 0,
             epoch: Epoch::FIRST,
             up,
+            on_probation: false,
             numa: Some(numa),
             load,
         }
@@ -524,6 +540,17 @@ mod tests {
         let mut options = [option(0, true, 0, 6 << 20), option(1, true, 1, 0)];
         let per_rail = spread(&mut options, Some(0), 16);
         assert_eq!(per_rail, vec![4, 12]);
+    }
+
+    #[test]
+    fn a_rail_on_probation_takes_work_only_as_overflow_or_alone() {
+        let mut options = [option(0, true, 0, 0), option(1, true, 0, 0)];
+        options[1].on_probation = true;
+        assert_eq!(spread(&mut options, Some(0), 8), vec![8, 0]);
+        // Alone (the other is down), it carries the work: its first success closes it.
+        let mut options = [option(0, false, 0, 0), option(1, true, 0, 0)];
+        options[1].on_probation = true;
+        assert_eq!(spread(&mut options, Some(0), 8), vec![0, 8]);
     }
 
     #[test]
