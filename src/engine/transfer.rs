@@ -452,8 +452,8 @@ pub(crate) fn eligible(options: &[RailOption], chosen: &mut Vec<usize>) {
 }
 
 /// The index (into `options`) of the `chosen` rail with the least load, a rail off
-/// `local_numa` (the memory's node, if known) counting [`REMOTE_NODE_PENALTY`] more; ties
-/// go round-robin from `turn`.
+/// `local_numa` (the memory's node, if known) counting [`REMOTE_NODE_PENALTY`] more and a
+/// rail on probation [`PROBATION_PENALTY`] more; ties go round-robin from `turn`.
 pub(crate) fn least_loaded(
     options: &[RailOption],
     chosen: &[usize],
