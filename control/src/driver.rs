@@ -296,10 +296,7 @@ impl<F: RailFabric> Driver<F> {
                     view,
                     phase,
                     probation,
-                } => {
-                    view.set_probation(probation);
-                    view.set_phase(phase);
-                }
+                } => view.publish(phase, probation),
                 Action::Warn(line) => {
                     if self.printer.enabled {
                         eprintln!("railyard[{}]: warning: {line}", self.printer.name);

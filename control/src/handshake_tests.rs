@@ -271,10 +271,7 @@ impl Net {
                 view,
                 phase,
                 probation,
-            } => {
-                view.set_probation(probation);
-                view.set_phase(phase);
-            }
+            } => view.publish(phase, probation),
         }
     }
 

@@ -105,8 +105,10 @@ impl EndpointView {
         self.probation.load(Ordering::Acquire)
     }
 
-    pub(crate) fn set_probation(&self, probation: bool) {
+    /// Publishes the endpoint's phase and whether its circuit is half-open.
+    pub(crate) fn publish(&self, phase: Phase, probation: bool) {
         self.probation.store(probation, Ordering::Release);
+        self.set_phase(phase);
     }
 
     pub(crate) fn set_phase(&self, phase: Phase) {
