@@ -68,7 +68,16 @@ fn hello(name: &str, incarnation: u64) -> Vec<u8> {
 /// target closes it once its answers pass the output bound (4 MiB), instead of queueing
 /// them forever. Returns once the target has closed it.
 fn never_reads(addr: SocketAddr) {
-    let mut stream = TcpStream::connect(addr).expect("connects");
+    // A small receive buffer of its own: with the kernel's autotuning (up to tcp_rmem's
+    // maximum, 32 MiB on some hosts) this side alone could hold most of the answers, and
+    // the bound below would say nothing about the target.
+    let socket =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("a socket");
+    socket
+        .set_recv_buffer_size(256 << 10)
+        .expect("a receive buffer size");
+    socket.connect(&addr.into()).expect("connects");
+    let mut stream: TcpStream = socket.into();
     stream.write_all(&hello("never-reads", 1)).expect("writes");
     // About 5 MiB of requests whose answers are about 40 MiB: more than the kernel's
     // buffers on both sides and the target's bound together.
