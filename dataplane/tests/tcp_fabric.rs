@@ -239,6 +239,56 @@ fn writes_reads_and_immediates_move_the_bytes_in_mixed_sizes() {
     assert_eq!(immediates, [0xFEED, 0xC0DE]);
 }
 
+/// The target's immediate queue holds 4096 (`IMMEDIATE_QUEUE`): more immediates than that,
+/// none taken, make the target wait with the next request's header already read behind the
+/// waiting write's payload (one receive takes both). Taking them lets every write finish, in
+/// order, each with its own bytes and immediate.
+#[test]
+fn writes_past_a_full_immediate_queue_wait_and_then_finish_in_order() {
+    const QUEUE: usize = 4096;
+    const WRITES: usize = QUEUE + 300;
+    const LEN: u32 = 24;
+    let mut rig = rig();
+    for (i, byte) in rig.source.bytes.iter_mut().enumerate() {
+        *byte = (i % 253) as u8;
+    }
+    let writes: Vec<WorkRequest> = (0..WRITES)
+        .map(|i| WorkRequest {
+            opcode: Opcode::WriteWithImm,
+            imm: i as u32,
+            ..rig.write(i as u64, i as u64 * u64::from(LEN), LEN)
+        })
+        .collect();
+    rig.fabric.post(rig.qp, &writes).expect("posted");
+    let mut done = drain(&mut rig.fabric, QUEUE);
+    // The rest waits for room: nothing more completes while no immediate is taken.
+    let mut more = Vec::new();
+    let quiet_until = Instant::now() + Duration::from_millis(200);
+    while Instant::now() < quiet_until {
+        rig.fabric.poll(&mut more, WRITES);
+        std::thread::yield_now();
+    }
+    assert!(
+        more.is_empty(),
+        "{} completed past a full queue",
+        more.len()
+    );
+    let mut immediates = Vec::new();
+    let handle = rig.handle.as_mut().expect("target handle");
+    handle.take_immediates(&mut immediates);
+    assert_eq!(immediates.len(), QUEUE);
+    done.extend(drain(&mut rig.fabric, WRITES - QUEUE));
+    handle.take_immediates(&mut immediates);
+    assert!(
+        done.iter().all(|c| c.status == WcStatus::Success),
+        "{:?}",
+        done.iter().find(|c| c.status != WcStatus::Success)
+    );
+    assert_eq!(immediates, (0..WRITES as u32).collect::<Vec<_>>());
+    let end = WRITES * LEN as usize;
+    assert_eq!(rig.target.bytes[..end], rig.source.bytes[..end]);
+}
+
 #[test]
 fn unsignaled_successes_are_silent_and_a_completed_write_is_visible_to_a_later_read() {
     let mut rig = rig();

@@ -1112,7 +1112,8 @@ impl Engine {
         &self.inner.pollers
     }
 
-    pub(crate) fn slice_size(&self) -> usize {
+    /// The largest slice: transfers are split at it ([`EngineBuilder::slice_size`]).
+    pub fn slice_size(&self) -> usize {
         self.inner.slice_size
     }
 

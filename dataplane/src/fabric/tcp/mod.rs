@@ -69,7 +69,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-pub use fabric::TcpFabric;
+pub use fabric::{REQUESTS_PER_SEND, TcpFabric};
 
 use super::soft::{FaultHandle, SoftDevice};
 use super::staging::Staging;

@@ -18,6 +18,35 @@ pub(crate) unsafe fn recv_into(fd: RawFd, addr: u64, len: usize) -> io::Result<u
     check(unsafe { libc::recv(fd, addr as *mut libc::c_void, len, libc::MSG_DONTWAIT) })
 }
 
+/// Receives up to `first.1` bytes into `first.0` and, once those are full, up to `second.1`
+/// more into `second.0`, in one call without blocking. `Ok(0)` is end of stream.
+///
+/// # Safety
+/// Both ranges must be valid for writes for the duration of the call.
+pub(crate) unsafe fn recv_into_both(
+    fd: RawFd,
+    first: (u64, usize),
+    second: (u64, usize),
+) -> io::Result<usize> {
+    let mut iov = [
+        libc::iovec {
+            iov_base: first.0 as *mut libc::c_void,
+            iov_len: first.1,
+        },
+        libc::iovec {
+            iov_base: second.0 as *mut libc::c_void,
+            iov_len: second.1,
+        },
+    ];
+    // SAFETY: `msghdr` is plain old data; all-zero is valid (no name, no control data).
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = iov.as_mut_ptr();
+    message.msg_iovlen = iov.len();
+    // SAFETY: `message` names `iov`, whose ranges the caller guarantees writable; the kernel
+    // writes at most their lengths.
+    check(unsafe { libc::recvmsg(fd, &mut message, libc::MSG_DONTWAIT) })
+}
+
 /// Sends the `iov` entries in order without blocking; returns the bytes the kernel took.
 /// A closed peer is an error (EPIPE), never a signal.
 ///
