@@ -1,9 +1,11 @@
 //! The slice path: one submitter thread → ring → poller → null fabric → batch completion,
-//! in slices per second of one poller core — to one endpoint, and striped over eight
-//! endpoints (their slices interleaved, as a prefill node's are over its decode peers) —
-//! beside the ring alone moving the same number of 64-byte items (the ceiling the poller's
-//! work is measured against). Then the latency from submit to resolution of 16-slice
-//! batches over the eight endpoints, p50 and p99, printed after criterion's figures.
+//! in slices per second of one poller core — to one endpoint, and striped over eight peers
+//! with two queue pairs each (their slices interleaved, as a prefill node's are over its
+//! decode peers; railyard opens one queue pair per endpoint, so a peer with two queue pairs
+//! is two endpoints: sixteen in all) — beside the ring alone moving the same number of
+//! 64-byte items (the ceiling the poller's work is measured against). Then the latency from
+//! submit to resolution of 16-slice batches over those endpoints, p50 and p99, printed after
+//! criterion's figures.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -18,8 +20,12 @@ use railyard::dataplane::{
 };
 
 const SLICES_PER_BATCH: usize = 256;
-/// Endpoints of the interleaved benchmark.
-const ENDPOINTS: u32 = 8;
+/// Peers of the interleaved benchmark.
+const PEERS: u32 = 8;
+/// Queue pairs (endpoints) to each peer in the interleaved benchmark.
+const QUEUE_PAIRS_PER_PEER: u32 = 2;
+/// Endpoints of the interleaved benchmark: endpoint `peer * QUEUE_PAIRS_PER_PEER + pair`.
+const ENDPOINTS: u32 = PEERS * QUEUE_PAIRS_PER_PEER;
 
 fn spec(request: u32) -> SliceSpec {
     SliceSpec {
@@ -58,11 +64,14 @@ fn slice_path(c: &mut Criterion) {
         .map(|i| spec((i / 16) as u32))
         .collect();
 
-    // The same, each slice to the next of eight endpoints.
-    let interleaved: Vec<SliceSpec> = (0..SLICES_PER_BATCH)
-        .map(|i| SliceSpec {
-            endpoint: EndpointId(i as u32 % ENDPOINTS),
-            ..spec((i / 16) as u32)
+    // The same, each slice to the next peer, alternating between each peer's queue pairs.
+    let interleaved: Vec<SliceSpec> = (0..SLICES_PER_BATCH as u32)
+        .map(|i| {
+            let (peer, pair) = (i % PEERS, (i / PEERS) % QUEUE_PAIRS_PER_PEER);
+            SliceSpec {
+                endpoint: EndpointId(peer * QUEUE_PAIRS_PER_PEER + pair),
+                ..spec(i / 16)
+            }
         })
         .collect();
 
@@ -71,7 +80,7 @@ fn slice_path(c: &mut Criterion) {
     group.bench_function("submit_poll_null_fabric", |b| {
         b.iter_custom(|batches| submit_and_wait(&mut submitter, &specs, batches));
     });
-    group.bench_function("submit_poll_null_fabric_8_endpoints", |b| {
+    group.bench_function("submit_poll_null_fabric_8_peers_2_queue_pairs", |b| {
         b.iter_custom(|batches| submit_and_wait(&mut submitter, &interleaved, batches));
     });
     group.bench_function("ring_only_64_byte_items", |b| {
@@ -149,7 +158,7 @@ fn latency(submitter: &mut Submitter, specs: &[SliceSpec]) {
     times.sort_unstable();
     let at = |q: f64| times[((times.len() - 1) as f64 * q) as usize];
     println!(
-        "slice_path latency, {}-slice batches over {ENDPOINTS} endpoints: p50 {:?}, p99 {:?}",
+        "slice_path latency, {}-slice batches over {PEERS} peers × {QUEUE_PAIRS_PER_PEER} queue pairs: p50 {:?}, p99 {:?}",
         one_each.len(),
         at(0.5),
         at(0.99)
