@@ -51,16 +51,28 @@ struct Shared<T> {
     head: CachePadded<AtomicUsize>,
     /// Next slot the producer writes. Written by the producer only.
     tail: CachePadded<AtomicUsize>,
-    slots: Box<[UnsafeCell<MaybeUninit<T>>]>,
+    /// `PADDING` unused cells, the ring's `mask + 1` slots, `PADDING` unused cells.
+    cells: Box<[UnsafeCell<MaybeUninit<T>>]>,
     mask: usize,
+}
+
+/// Unused cells on each side of a ring's slots: at least 128 bytes (a pair of cache lines,
+/// which x86's adjacent-line prefetcher moves together), so that no other allocation's
+/// bytes share a line pair with a slot — a neighbour written often would otherwise steal the
+/// lines the two sides hand over.
+const fn padding<T>() -> usize {
+    let cell = std::mem::size_of::<T>();
+    if cell == 0 {
+        0
+    } else {
+        128_usize.div_ceil(cell)
+    }
 }
 
 impl<T> Shared<T> {
     /// The cell of logical index `index`.
     fn slot(&self, index: usize) -> &UnsafeCell<MaybeUninit<T>> {
-        let position = index & self.mask;
-        debug_assert!(position < self.slots.len());
-        &self.slots[position]
+        &self.cells[padding::<T>() + (index & self.mask)]
     }
 }
 
@@ -84,14 +96,14 @@ impl<T> Drop for Shared<T> {
 /// Creates a ring of at least `capacity` slots (rounded up to a power of two, minimum 1).
 pub fn channel<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
     let capacity = capacity.max(1).next_power_of_two();
-    let slots = (0..capacity)
+    let cells = (0..capacity + 2 * padding::<T>())
         .map(|_| UnsafeCell::new(MaybeUninit::uninit()))
         .collect::<Vec<_>>()
         .into_boxed_slice();
     let shared = Arc::new(Shared {
         head: CachePadded::new(AtomicUsize::new(0)),
         tail: CachePadded::new(AtomicUsize::new(0)),
-        slots,
+        cells,
         mask: capacity - 1,
     });
     let slots = Slots::of(&shared);
@@ -134,8 +146,9 @@ impl<T> Copy for Slots<T> {}
 impl<T> Slots<T> {
     fn of(shared: &Shared<T>) -> Self {
         Self {
-            // From the whole slice, so that the pointer may reach every slot.
-            first: NonNull::from(&*shared.slots).cast(),
+            // From the whole slice, so that the pointer may reach every slot; the slots
+            // start after the padding.
+            first: NonNull::from(&shared.cells[padding::<T>()..]).cast(),
             mask: shared.mask,
         }
     }
