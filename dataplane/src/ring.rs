@@ -1,18 +1,27 @@
 //! A bounded single-producer single-consumer ring: how application threads hand slices to
 //! a poller, and how commands reach it.
 //!
-//! The producer owns `tail` (the next slot to write), the consumer owns `head` (the next slot
-//! to read). Each index sits in its own [`CachePadded`] so the two sides never write the same
-//! cache line. Indices grow without bound (wrapping `usize`); `index & mask` is the slot.
-//! Each side keeps a cached copy of the other side's index and re-reads the atomic only when
-//! the ring looks full (producer) or empty (consumer), so an uncontended push or pop touches
-//! one shared cache line: the slot.
+//! The producer owns `tail` (the next position to write), the consumer owns `head` (the
+//! next position to read). Each index sits in its own [`CachePadded`] so the two sides never
+//! write the same cache line. Positions run over `0..2 * capacity` ([`Positions`]): twice the
+//! slots, so that a full ring (`distance == capacity`) differs from an empty one
+//! (`head == tail`); position `p` is slot `p` or `p - capacity`. Each side keeps a cached
+//! copy of the other side's index and re-reads the atomic only when the ring looks full
+//! (producer) or empty (consumer), so an uncontended push or pop touches one shared cache
+//! line: the slot.
+//!
+//! The position arithmetic is rtrb's: compare-and-subtract rather than masking. Measured on
+//! this 2-core VM, single pushes and pops between two pinned threads ran at 110–150 M/s with
+//! `& mask` on ever-growing indices (with or without the wrap at `2 * capacity`) and at
+//! 330–350 M/s with these branches, as rtrb does: how far apart the two sides run, and so
+//! how often they fight over one slot line, follows from it.
 //!
 //! # Invariants
-//! - `tail - head <= capacity` (wrapping arithmetic).
-//! - Slots in `head..tail` hold initialised values; all others are uninitialised.
-//! - Only the producer writes `tail` and slots in `tail..head + capacity`; only the consumer
-//!   writes `head` and reads slots in `head..tail`.
+//! - `distance(head, tail) <= capacity`.
+//! - Slots of positions in `head..tail` hold initialised values; all others are
+//!   uninitialised.
+//! - Only the producer writes `tail` and the slots of positions in `tail..head + capacity`;
+//!   only the consumer writes `head` and reads the slots of positions in `head..tail`.
 
 use std::cell::Cell;
 use std::fmt;
@@ -51,9 +60,58 @@ struct Shared<T> {
     head: CachePadded<AtomicUsize>,
     /// Next slot the producer writes. Written by the producer only.
     tail: CachePadded<AtomicUsize>,
-    /// `PADDING` unused cells, the ring's `mask + 1` slots, `PADDING` unused cells.
+    /// `padding` unused cells, the ring's slots, `padding` unused cells.
     cells: Box<[UnsafeCell<MaybeUninit<T>>]>,
-    mask: usize,
+    positions: Positions,
+}
+
+/// Position arithmetic over `0..2 * capacity` (see the module docs).
+#[derive(Clone, Copy, Debug)]
+struct Positions {
+    capacity: usize,
+}
+
+impl Positions {
+    /// The slot of `position`.
+    fn slot(self, position: usize) -> usize {
+        debug_assert!(position < 2 * self.capacity);
+        if position < self.capacity {
+            position
+        } else {
+            position - self.capacity
+        }
+    }
+
+    /// The position after `position`.
+    fn next(self, position: usize) -> usize {
+        debug_assert!(position < 2 * self.capacity);
+        if position < 2 * self.capacity - 1 {
+            position + 1
+        } else {
+            0
+        }
+    }
+
+    /// The position `n` (at most `capacity`) after `position`.
+    fn advance(self, position: usize, n: usize) -> usize {
+        debug_assert!(position < 2 * self.capacity && n <= self.capacity);
+        let threshold = 2 * self.capacity - n;
+        if position < threshold {
+            position + n
+        } else {
+            position - threshold
+        }
+    }
+
+    /// How many positions `to` is after `from`.
+    fn distance(self, from: usize, to: usize) -> usize {
+        debug_assert!(from < 2 * self.capacity && to < 2 * self.capacity);
+        if from <= to {
+            to - from
+        } else {
+            2 * self.capacity - from + to
+        }
+    }
 }
 
 /// Unused cells on each side of a ring's slots: at least 128 bytes (a pair of cache lines,
@@ -70,9 +128,9 @@ const fn padding<T>() -> usize {
 }
 
 impl<T> Shared<T> {
-    /// The cell of logical index `index`.
-    fn slot(&self, index: usize) -> &UnsafeCell<MaybeUninit<T>> {
-        &self.cells[padding::<T>() + (index & self.mask)]
+    /// The cell of `position`.
+    fn slot(&self, position: usize) -> &UnsafeCell<MaybeUninit<T>> {
+        &self.cells[padding::<T>() + self.positions.slot(position)]
     }
 }
 
@@ -81,14 +139,15 @@ impl<T> Drop for Shared<T> {
         // Both handles are gone (this is the last `Arc`), so no one else touches the ring.
         let head = self.head.load(Ordering::Relaxed);
         let tail = self.tail.load(Ordering::Relaxed);
-        let mut index = head;
-        while index != tail {
+        let mut position = head;
+        while position != tail {
             // SAFETY:
-            // - `index` is in `head..tail`, so the slot holds an initialised value (invariant).
+            // - `position` is in `head..tail`, so its slot holds an initialised value
+            //   (invariant).
             // - `&mut self`: nothing else can read or write the slot; each slot is dropped once.
-            self.slot(index)
+            self.slot(position)
                 .with_mut(|slot| unsafe { (*slot).assume_init_drop() });
-            index = index.wrapping_add(1);
+            position = self.positions.next(position);
         }
     }
 }
@@ -104,7 +163,7 @@ pub fn channel<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
         head: CachePadded::new(AtomicUsize::new(0)),
         tail: CachePadded::new(AtomicUsize::new(0)),
         cells,
-        mask: capacity - 1,
+        positions: Positions { capacity },
     });
     let slots = Slots::of(&shared);
     let producer = Producer {
@@ -124,15 +183,16 @@ pub fn channel<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
     (producer, consumer)
 }
 
-/// A side's direct view of the slots: their address and the mask, so that a push or pop
-/// reaches its slot without going through the `Arc` and a bounds check.
+/// A side's direct view of the slots: their address and the position arithmetic, so that
+/// a push or pop reaches its slot without going through the `Arc` and a bounds check.
 ///
 /// # Invariants
-/// `first` points at the `mask + 1` slots of the [`Shared`] that the side holding this view
-/// also holds an `Arc` of: they live (and do not move) as long as the view is used.
+/// `first` points at the `positions.capacity` slots of the [`Shared`] that the side holding
+/// this view also holds an `Arc` of: they live (and do not move) as long as the view is
+/// used.
 struct Slots<T> {
     first: NonNull<UnsafeCell<MaybeUninit<T>>>,
-    mask: usize,
+    positions: Positions,
 }
 
 impl<T> Clone for Slots<T> {
@@ -149,20 +209,20 @@ impl<T> Slots<T> {
             // From the whole slice, so that the pointer may reach every slot; the slots
             // start after the padding.
             first: NonNull::from(&shared.cells[padding::<T>()..]).cast(),
-            mask: shared.mask,
+            positions: shared.positions,
         }
     }
 
     fn capacity(&self) -> usize {
-        self.mask + 1
+        self.positions.capacity
     }
 
-    /// The cell of logical index `index`, for as long as this view is borrowed.
-    fn cell(&self, index: usize) -> &UnsafeCell<MaybeUninit<T>> {
-        // SAFETY: `index & mask` is below the slot count, and the slots outlive the view
+    /// The cell of `position`, for as long as this view is borrowed.
+    fn cell(&self, position: usize) -> &UnsafeCell<MaybeUninit<T>> {
+        // SAFETY: a position's slot is below the slot count, and the slots outlive the view
         // (the type's invariant: its holder holds the `Arc`, and the borrow of `self` ends
         // before the holder can drop it).
-        unsafe { self.first.add(index & self.mask).as_ref() }
+        unsafe { self.first.add(self.positions.slot(position)).as_ref() }
     }
 }
 
@@ -199,12 +259,13 @@ impl<T> Producer<T> {
     /// Free slots, re-reading the consumer's index only when the cached one says full.
     fn free_slots(&mut self, wanted: usize) -> usize {
         let capacity = self.capacity();
-        let mut free = capacity - self.tail.wrapping_sub(self.cached_head);
+        let positions = self.slots.positions;
+        let mut free = capacity - positions.distance(self.cached_head, self.tail);
         if free < wanted {
             // Acquire: pairs with the consumer's Release store of `head`, so its reads of
             // the slots it freed happen before we overwrite them.
             self.cached_head = self.shared.head.load(Ordering::Acquire);
-            free = capacity - self.tail.wrapping_sub(self.cached_head);
+            free = capacity - positions.distance(self.cached_head, self.tail);
         }
         debug_assert!(free <= capacity);
         free
@@ -236,7 +297,7 @@ impl<T> Producer<T> {
             return Err(PushError::Full(value));
         }
         self.write(self.tail, value);
-        self.tail = self.tail.wrapping_add(1);
+        self.tail = self.slots.positions.next(self.tail);
         self.publish();
         Ok(())
     }
@@ -247,11 +308,11 @@ impl<T> Producer<T> {
         let free = self.free_slots(self.capacity());
         let mut pushed = 0;
         for value in values.by_ref().take(free) {
-            self.write(self.tail.wrapping_add(pushed), value);
+            self.write(self.slots.positions.advance(self.tail, pushed), value);
             pushed += 1;
         }
         if pushed > 0 {
-            self.tail = self.tail.wrapping_add(pushed);
+            self.tail = self.slots.positions.advance(self.tail, pushed);
             self.publish();
         }
         pushed
@@ -302,12 +363,13 @@ impl<T> Consumer<T> {
     /// Readable slots, re-reading the producer's index only when the cached one shows fewer
     /// than `wanted`.
     fn available(&mut self, wanted: usize) -> usize {
-        if self.cached_tail.wrapping_sub(self.head) < wanted {
+        let positions = self.slots.positions;
+        if positions.distance(self.head, self.cached_tail) < wanted {
             // Acquire: pairs with the producer's Release store of `tail`, so its slot writes
             // are visible before we read them.
             self.cached_tail = self.shared.tail.load(Ordering::Acquire);
         }
-        let available = self.cached_tail.wrapping_sub(self.head);
+        let available = positions.distance(self.head, self.cached_tail);
         debug_assert!(available <= self.capacity());
         available
     }
@@ -336,7 +398,7 @@ impl<T> Consumer<T> {
             return None;
         }
         let value = self.take(self.head);
-        self.head = self.head.wrapping_add(1);
+        self.head = self.slots.positions.next(self.head);
         self.release();
         Some(value)
     }
@@ -357,7 +419,7 @@ impl<T> Consumer<T> {
             consumer: self,
             left: count,
         });
-        self.head.wrapping_sub(start)
+        self.slots.positions.distance(start, self.head)
     }
 
     /// Whether nothing is readable right now.
@@ -388,7 +450,7 @@ impl<T> Iterator for Drain<'_, T> {
         self.left -= 1;
         let value = self.consumer.take(self.consumer.head);
         // Advanced before the value leaves: if the caller panics with it, it is theirs.
-        self.consumer.head = self.consumer.head.wrapping_add(1);
+        self.consumer.head = self.consumer.slots.positions.next(self.consumer.head);
         Some(value)
     }
 
