@@ -503,7 +503,7 @@ const TCP_CEILING_ROUND: Duration = Duration::from_millis(300);
 /// Longest the TCP ceiling's writer or reader waits for the other to move a byte.
 const CEILING_STALL: Duration = Duration::from_secs(10);
 /// Rounds of the memcpy ceiling; the best counts.
-const MEMCPY_CEILING_ROUNDS: usize = 3;
+const MEMCPY_CEILING_ROUNDS: usize = 5;
 
 /// A plain TCP stream of the bench's requests — the blocks of `source` cut at `slice`
 /// bytes and sent [`REQUESTS_PER_SEND`] pieces per vectored write, as the fabric sends a
