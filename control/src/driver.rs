@@ -69,6 +69,10 @@ pub(crate) enum Request {
         peer: Incarnation,
         reply: Sender<Vec<Revocation>>,
     },
+    RefreshDescriptor {
+        addr: SocketAddr,
+        peer: Incarnation,
+    },
     DirectoryWarning(String),
     Shutdown,
 }
@@ -245,6 +249,9 @@ impl<F: RailFabric> Driver<F> {
                 Request::PeerChanged { name, change } => self.core.peer_changed(&name, change, now),
                 Request::Revoke { peer, reply } => {
                     let _ = reply.send(self.core.revoke(peer));
+                }
+                Request::RefreshDescriptor { addr, peer } => {
+                    self.core.refresh_descriptor(addr, peer);
                 }
                 Request::DirectoryWarning(message) => {
                     self.core.warn(WarningKind::Directory, message, now);

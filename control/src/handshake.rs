@@ -1240,6 +1240,20 @@ impl<F: RailFabric> Core<F> {
         self.handle_input(rail, id, Input::Retire, now);
     }
 
+    /// Asks incarnation `peer`, dialed at `addr`, for its descriptor again; its endpoints'
+    /// views take the answer. Nothing happens without a live dialed connection to that
+    /// incarnation (a reconnect fetches the descriptor anyway).
+    pub(crate) fn refresh_descriptor(&mut self, addr: SocketAddr, peer: Incarnation) {
+        let Some(&conn) = self.dialed.get(&addr) else {
+            return;
+        };
+        if self.conns.get(&conn).and_then(|state| state.peer) != Some(peer) {
+            return;
+        }
+        self.descriptors.invalidate(peer);
+        self.ask_descriptor(conn);
+    }
+
     /// Sends `bytes` to incarnation `target` at `addr`.
     pub(crate) fn notify(
         &mut self,

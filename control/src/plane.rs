@@ -28,7 +28,7 @@
 //! completion queue; soft: its inbox).
 
 use std::io::{self, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::os::unix::net::UnixStream;
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -61,6 +61,9 @@ pub struct ControlConfig {
     pub name: String,
     /// Where the handshake listener binds (port 0: any).
     pub listen: SocketAddr,
+    /// The address peers reach this process at, published in its descriptor and Hello
+    /// (with the bound port); `None`: the listener's own address.
+    pub advertise: Option<IpAddr>,
     /// Reconnect, flap and circuit policy, and what one connection may cost.
     pub policy: Policy,
     /// Seeds every endpoint's reconnect jitter and the handshake ids.
@@ -81,6 +84,7 @@ impl ControlConfig {
         Self {
             name: name.into(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
             policy: Policy::default(),
             seed: 0,
             incarnation: None,
@@ -140,7 +144,10 @@ impl ControlPlane {
         listener
             .set_nonblocking(true)
             .map_err(ControlError::Thread)?;
-        let local_addr = listener.local_addr().map_err(ControlError::Thread)?;
+        let bound = listener.local_addr().map_err(ControlError::Thread)?;
+        let local_addr = config
+            .advertise
+            .map_or(bound, |ip| SocketAddr::new(ip, bound.port()));
         let incarnation = config
             .incarnation
             .unwrap_or_else(|| Incarnation(random_u64()));
@@ -245,7 +252,8 @@ impl ControlPlane {
         }
     }
 
-    /// Where the handshake listener is.
+    /// Where peers reach the handshake listener: its advertised address
+    /// ([`ControlConfig::advertise`]) with the bound port, else where it is bound.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
     }
@@ -304,6 +312,20 @@ impl ControlPlane {
             rail: view.key.local_rail,
             id: view.id,
         })
+    }
+
+    /// Asks incarnation `peer`, dialed at `addr`, for its descriptor again (regions it
+    /// registered since, say); its endpoints' views take the answer
+    /// ([`EndpointView::descriptor_version`] moves).
+    ///
+    /// # Errors
+    /// [`ControlError::Stopped`].
+    pub fn refresh_descriptor(
+        &self,
+        addr: SocketAddr,
+        peer: Incarnation,
+    ) -> Result<(), ControlError> {
+        self.request(Request::RefreshDescriptor { addr, peer })
     }
 
     /// Sends `bytes` to incarnation `target`, listening at `addr`; with `after`, once that

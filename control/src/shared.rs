@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use railyard_dataplane::{EndpointId, Epoch, FailReason, RepairCause, Reprepare, Slice};
@@ -308,6 +308,8 @@ pub struct ControlShared {
     pub(crate) counters: Counters,
     regions: RwLock<(u64, Vec<RegionDescriptor>)>,
     notifications: Mutex<Received>,
+    /// Signalled when notifications arrive.
+    notified: Condvar,
 }
 
 /// Notifications waiting for the application, and the bytes they hold.
@@ -336,6 +338,7 @@ impl ControlShared {
             counters: Counters::default(),
             regions: RwLock::new((0, Vec::new())),
             notifications: Mutex::new(Received::default()),
+            notified: Condvar::new(),
         })
     }
 
@@ -404,6 +407,27 @@ impl ControlShared {
         received.queue.drain(..).collect()
     }
 
+    /// Takes the notifications peers sent, oldest first, waiting until at least one is
+    /// there or `deadline` passes (then the result is empty).
+    pub fn wait_notifications(&self, deadline: Instant) -> Vec<Notification> {
+        let mut received = self
+            .notifications
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        while received.queue.is_empty() {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                break;
+            };
+            received = self
+                .notified
+                .wait_timeout(received, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        received.bytes = 0;
+        received.queue.drain(..).collect()
+    }
+
     /// This process's published regions.
     pub(crate) fn regions(&self) -> Vec<RegionDescriptor> {
         self.regions
@@ -432,6 +456,9 @@ impl ControlShared {
                 received.bytes -= oldest.size();
                 bump(&self.counters.notifications_discarded);
             }
+        }
+        if !received.queue.is_empty() {
+            self.notified.notify_all();
         }
     }
 

@@ -2,7 +2,6 @@
 //! this engine published under its name with a lease, peers opened by name, their
 //! restarts and deaths reported to the control plane by the watch).
 
-use std::net::SocketAddr;
 use std::sync::{Mutex, PoisonError};
 
 use railyard_control::{ControlPlane, SegmentDescriptor};
@@ -25,7 +24,6 @@ pub(crate) struct Directory {
 pub(crate) fn start(
     choice: &DirectoryChoice,
     control: &ControlPlane,
-    listen: SocketAddr,
 ) -> Result<Directory, BuildError> {
     let url = match choice {
         DirectoryChoice::P2p => {
@@ -35,9 +33,10 @@ pub(crate) fn start(
         }
         DirectoryChoice::Etcd(url) => url,
     };
-    if listen.ip().is_unspecified() {
+    let advertised = control.local_addr();
+    if advertised.ip().is_unspecified() {
         return Err(BuildError::Directory(format!(
-            "the listen address {listen} cannot be published in a directory: listen on the \
+            "the address {advertised} cannot be published in a directory: advertise the \
              address peers reach this host at"
         )));
     }

@@ -57,6 +57,35 @@ pub enum MemoryError {
         /// Length asked for.
         len: u64,
     },
+    /// The range is not readable and writable memory mapped in this process: device
+    /// memory (only host memory is supported), or nothing at all.
+    #[error(
+        "cannot register {len} bytes at {addr:#x}: not readable and writable host memory of \
+         this process (device memory is not supported)"
+    )]
+    NotHostMemory {
+        /// Start asked for.
+        addr: u64,
+        /// Length asked for.
+        len: u64,
+    },
+    /// The range overlaps a registered region without being exactly it.
+    #[error(
+        "cannot register {len} bytes at {addr:#x}: overlaps region {region} ({region_len} \
+         bytes at {region_addr:#x}); deregister it first or register exactly its range"
+    )]
+    Overlaps {
+        /// Start asked for.
+        addr: u64,
+        /// Length asked for.
+        len: u64,
+        /// The region it overlaps.
+        region: u64,
+        /// That region's start.
+        region_addr: u64,
+        /// That region's length.
+        region_len: u64,
+    },
     /// A rail refused the registration.
     #[error("rail {rail} refused the registration of {len} bytes at {addr:#x}: {reason}")]
     Register {
@@ -203,6 +232,16 @@ pub enum TransferError {
         transfer: usize,
         /// The region's id.
         region: u64,
+    },
+    /// No registered region holds the local range (a transfer named by raw addresses).
+    #[error("transfer {transfer}: local range {addr:#x}+{len} is not inside one registered region")]
+    LocalUnregistered {
+        /// Its index in the submission.
+        transfer: usize,
+        /// Local start.
+        addr: u64,
+        /// Length.
+        len: u64,
     },
     /// The remote range is not inside one region the peer registered.
     #[error(

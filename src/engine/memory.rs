@@ -118,6 +118,44 @@ impl Drop for HostMemory {
     }
 }
 
+/// Whether `addr..addr + len` is covered, without a gap, by mappings of this process that
+/// are readable and writable (`/proc/self/maps`). Device memory a GPU driver maps into the
+/// address space (CUDA's unified addresses) is not mapped there like this, nor is an address
+/// nothing backs. `false` when the table cannot be read.
+pub(crate) fn mapped_read_write(addr: u64, len: u64) -> bool {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    let Some(end) = addr.checked_add(len) else {
+        return false;
+    };
+    let mut mappings: Vec<(u64, u64)> = maps
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (start, stop) = fields.next()?.split_once('-')?;
+            let perms = fields.next()?;
+            (perms.starts_with("rw")).then_some(())?;
+            Some((
+                u64::from_str_radix(start, 16).ok()?,
+                u64::from_str_radix(stop, 16).ok()?,
+            ))
+        })
+        .collect();
+    mappings.sort_unstable();
+    let mut covered = addr;
+    for (start, stop) in mappings {
+        if start > covered {
+            break;
+        }
+        covered = covered.max(stop);
+        if covered >= end {
+            return true;
+        }
+    }
+    false
+}
+
 /// This host's memory in bytes (`MemTotal`), if `/proc/meminfo` says.
 pub(crate) fn host_memory() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -134,6 +172,19 @@ pub(crate) fn host_memory() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_readable_writable_mappings_of_this_process_are_host_memory() {
+        let memory = HostMemory::new(4 << 20).expect("maps");
+        assert!(mapped_read_write(memory.addr(), 4 << 20));
+        assert!(mapped_read_write(memory.addr() + 4096, 4096));
+        // Past its end, a wrapping range, an address nothing maps, read-only code.
+        assert!(!mapped_read_write(memory.addr(), (4 << 20) + (1 << 30)));
+        assert!(!mapped_read_write(u64::MAX - 10, 100));
+        assert!(!mapped_read_write(0x1000, 4096));
+        let code = mapped_read_write as *const () as u64;
+        assert!(!mapped_read_write(code, 16));
+    }
 
     #[test]
     fn host_memory_maps_reports_its_backing_and_prefaults() {

@@ -49,9 +49,10 @@ mod directory;
 mod error;
 mod memory;
 mod rails;
+mod session;
 mod transfer;
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
@@ -69,6 +70,7 @@ use railyard_topology::{HostTopology, PlanOptions, RailKind};
 
 pub use error::{BuildError, MemoryError, PeerError, RevokeError, TransferError};
 use rails::{Memory, PlannedRail, Rails};
+pub use session::{REFRESH_WAIT, RawTransfer, SubmitterPool};
 pub use transfer::{EngineSubmitter, Op, SubmitTiming, Transfer};
 
 /// Which fabric moves the bytes.
@@ -100,6 +102,7 @@ pub enum RailChoice {
 pub struct EngineBuilder {
     name: String,
     listen: SocketAddr,
+    advertise: Option<IpAddr>,
     fabric: FabricChoice,
     rails: RailChoice,
     idle: IdleStrategy,
@@ -121,6 +124,22 @@ pub enum DirectoryChoice {
     Etcd(String),
 }
 
+/// This host's address on its default route — where a connection to the outside world
+/// would leave from (no packet is sent) — or loopback on a host without one.
+pub fn primary_ip() -> IpAddr {
+    let unspecified = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+    std::net::UdpSocket::bind((unspecified, 0))
+        .and_then(|socket| {
+            // A documentation address (TEST-NET-1): routed like any other, never answered.
+            socket.connect((Ipv4Addr::new(192, 0, 2, 1), 9))?;
+            socket.local_addr()
+        })
+        .map(|local| local.ip())
+        .ok()
+        .filter(|ip| !ip.is_unspecified())
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
 /// Default largest slice: big enough that per-slice work is small beside the copy.
 pub const DEFAULT_SLICE_SIZE: usize = 256 * 1024;
 
@@ -129,6 +148,16 @@ impl EngineBuilder {
     #[must_use]
     pub fn listen(mut self, addr: SocketAddr) -> Self {
         self.listen = addr;
+        self
+    }
+
+    /// The address peers reach this engine at: what its descriptor, its directory record
+    /// and [`Engine::addr`] name, with the listener's port. Default: the listener's own
+    /// address, or — for a listener on every address (`0.0.0.0`, `::`) — this host's
+    /// address on its default route ([`primary_ip`]).
+    #[must_use]
+    pub fn advertise(mut self, ip: IpAddr) -> Self {
+        self.advertise = Some(ip);
         self
     }
 
@@ -311,8 +340,12 @@ impl EngineBuilder {
         };
         let planned = if use_verbs { rdma } else { software };
         let shared = ControlShared::new(planned.len());
+        let advertise = self
+            .advertise
+            .or_else(|| self.listen.ip().is_unspecified().then(primary_ip));
         let control_config = ControlConfig {
             listen: self.listen,
+            advertise,
             policy: self.policy.clone(),
             ..ControlConfig::new(self.name.clone())
         };
@@ -342,7 +375,7 @@ impl EngineBuilder {
             )?
         };
         let rail_numa = planned.iter().map(|rail| rail.numa).collect();
-        let directory = directory::start(&self.directory, &started.control, self.listen)?;
+        let directory = directory::start(&self.directory, &started.control)?;
         Ok(Engine {
             inner: Arc::new(Inner {
                 directory,
@@ -363,6 +396,7 @@ impl EngineBuilder {
                 regions_version: AtomicU64::new(0),
                 warnings,
                 peers: transfer::PeerTable::default(),
+                sessions: session::SessionTable::default(),
             }),
         })
     }
@@ -382,6 +416,17 @@ pub struct Region {
     pub backing: Option<Backing>,
     /// The NUMA node it is bound to, if any.
     pub numa: Option<u32>,
+}
+
+impl Region {
+    /// Whether `addr..addr + len` (at least one byte) lies inside this region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        len > 0
+            && addr >= self.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr + self.len)
+    }
 }
 
 /// What an engine holds for one region.
@@ -419,6 +464,8 @@ struct Inner {
     regions_version: AtomicU64,
     warnings: Vec<String>,
     peers: transfer::PeerTable,
+    /// Peers by session string ([`Engine::peer`]).
+    sessions: session::SessionTable,
 }
 
 impl Drop for Inner {
@@ -604,6 +651,7 @@ impl Engine {
         EngineBuilder {
             name: name.into(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
             fabric: FabricChoice::Auto,
             rails: RailChoice::Plan,
             idle: IdleStrategy::SpinThenYield { spins: 1 << 14 },
@@ -705,32 +753,89 @@ impl Engine {
     /// [`Self::deregister`] returns `Ok` (or the engine ends): peers read and write them at
     /// any time, as a NIC would. After [`MemoryError::Busy`] they are still in use.
     ///
+    /// Registering exactly the range of a region registered already returns that region
+    /// (nothing changes); a range that overlaps another region without being it is refused.
+    /// So every registered byte belongs to one region, and an address names one.
+    ///
     /// # Errors
     /// [`MemoryError::BadRange`] for an empty, null or wrapping range;
+    /// [`MemoryError::NotHostMemory`] when the range is not readable and writable memory
+    /// mapped in this process (device memory, say, or nothing);
+    /// [`MemoryError::Overlaps`] for a range overlapping another region;
     /// [`MemoryError::Register`] when a rail refuses.
     pub unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Region, MemoryError> {
         let addr = ptr as u64;
-        if ptr.is_null() || len == 0 || addr.checked_add(len as u64).is_none() {
-            return Err(MemoryError::BadRange {
+        let len = len as u64;
+        if ptr.is_null() || len == 0 || addr.checked_add(len).is_none() {
+            return Err(MemoryError::BadRange { addr, len });
+        }
+        if !memory::mapped_read_write(addr, len) {
+            return Err(MemoryError::NotHostMemory { addr, len });
+        }
+        // Held across the registration, so that two threads registering one range get one
+        // region.
+        let mut regions = self
+            .inner
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(existing) = regions
+            .iter()
+            .map(|entry| entry.region)
+            .find(|region| region.addr < addr + len && addr < region.addr + region.len)
+        {
+            if existing.addr == addr && existing.len == len {
+                return Ok(existing);
+            }
+            return Err(MemoryError::Overlaps {
                 addr,
-                len: len as u64,
+                len,
+                region: existing.id,
+                region_addr: existing.addr,
+                region_len: existing.len,
             });
         }
         // SAFETY: the caller's contract is the rails'.
-        let registrations = unsafe { self.inner.rails.register_user(addr, len as u64) }?;
+        let registrations = unsafe { self.inner.rails.register_user(addr, len) }?;
         let region = Region {
             id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
             addr,
-            len: len as u64,
+            len,
             backing: None,
             numa: None,
         };
-        self.insert(RegionEntry {
+        regions.push(RegionEntry {
             region,
             memory: None,
             registrations,
         });
+        self.publish(&regions);
         Ok(region)
+    }
+
+    /// The registered region holding all of `addr..addr + len`, if one does.
+    pub fn region_at(&self, addr: u64, len: u64) -> Option<Region> {
+        self.inner
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|entry| entry.region)
+            .find(|region| region.contains(addr, len))
+    }
+
+    /// Every registered region (allocated or the application's), by address.
+    pub fn regions(&self) -> Vec<Region> {
+        let mut regions: Vec<Region> = self
+            .inner
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|entry| entry.region)
+            .collect();
+        regions.sort_by_key(|region| region.addr);
+        regions
     }
 
     /// Registers a region's memory anew — new keys on every rail — and withdraws its old
@@ -1088,6 +1193,12 @@ impl Engine {
     /// Takes the notifications peers sent, oldest first.
     pub fn drain_notifications(&self) -> Vec<Notification> {
         self.inner.shared.drain_notifications()
+    }
+
+    /// Takes the notifications peers sent, oldest first, waiting until at least one has
+    /// arrived or `deadline` passes (then it returns none).
+    pub fn wait_notifications(&self, deadline: Instant) -> Vec<Notification> {
+        self.inner.shared.wait_notifications(deadline)
     }
 
     /// Counters per rail, per peer and of the control plane.

@@ -19,6 +19,7 @@ use railyard_control::{EndpointView, Incarnation, SegmentDescriptor};
 use railyard_dataplane::fabric::{MemoryRegion, Opcode};
 use railyard_dataplane::{Batch, EndpointId, Epoch, SliceSpec, Submitter};
 
+use super::session::{REFRESH_WAIT, RegionIndex};
 use super::{Engine, Peer, PeerStats, Region, TransferError};
 
 /// The direction of a transfer.
@@ -91,7 +92,7 @@ pub(crate) fn peer_stats(engine: &Engine) -> Vec<PeerStats> {
 
 /// One thread's way to submit transfers. `Send`, not `Sync`.
 pub struct EngineSubmitter {
-    engine: Engine,
+    pub(crate) engine: Engine,
     submitter: Submitter,
     specs: Vec<SliceSpec>,
     next_rail: usize,
@@ -111,6 +112,10 @@ pub struct EngineSubmitter {
     chosen: Vec<usize>,
     /// Counters of the peers this submitter has submitted to.
     counters: HashMap<Incarnation, Arc<PeerCounters>>,
+    /// Its index of the local regions, for transfers named by raw addresses.
+    pub(crate) region_index: RegionIndex,
+    /// Scratch: raw transfers resolved to regions.
+    pub(crate) resolved: Vec<Transfer>,
 }
 
 impl std::fmt::Debug for EngineSubmitter {
@@ -141,6 +146,8 @@ impl EngineSubmitter {
             connected: Vec::new(),
             chosen: Vec::new(),
             counters: HashMap::new(),
+            region_index: RegionIndex::default(),
+            resolved: Vec::new(),
         })
     }
 
@@ -221,7 +228,18 @@ impl EngineSubmitter {
         deadline: Instant,
     ) -> Result<Batch, TransferError> {
         let started = Instant::now();
-        self.prepare(peer, transfers)?;
+        if let Err(error) = self.prepare(peer, transfers) {
+            // A remote range the descriptor does not hold may be a region the peer
+            // registered since: fetch the descriptor once more, then judge again.
+            if !matches!(error, TransferError::RemoteRange { .. })
+                || !self
+                    .engine
+                    .refresh_descriptor(peer, deadline.min(started + REFRESH_WAIT))
+            {
+                return Err(error);
+            }
+            self.prepare(peer, transfers)?;
+        }
         let prepared = Instant::now();
         let batch = self
             .submitter

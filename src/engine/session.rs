@@ -1,0 +1,219 @@
+//! Addressing the way inference servers do: peers by their `host:port` session string
+//! (opened once, cached, reopened when the process there was replaced), transfers named by
+//! raw addresses (each local range resolved to the registered region holding it), and a
+//! pool of submitters that any thread may borrow.
+//!
+//! The engine owns the session table: one slot per session string, each with its own lock,
+//! so that a slow open of one peer never holds up submissions to another. A submitter owns
+//! its index of the local regions, rebuilt only when the engine's regions change.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use railyard_dataplane::Batch;
+
+use super::transfer::EngineSubmitter;
+use super::{Engine, Op, Peer, PeerError, Region, Transfer, TransferError};
+
+/// The engine's peers by session string (see the module docs).
+pub(crate) type SessionTable = Mutex<HashMap<String, Arc<Mutex<Option<Peer>>>>>;
+
+/// Longest a submission waits for a peer's descriptor to be fetched again when it names a
+/// remote range the descriptor does not hold (a region the peer registered since).
+pub const REFRESH_WAIT: Duration = Duration::from_secs(1);
+
+/// How often a refresh looks whether the new descriptor has arrived.
+const REFRESH_POLL: Duration = Duration::from_micros(200);
+
+/// One transfer named by raw addresses: a local range inside one registered region and a
+/// remote range inside one region of the peer's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawTransfer {
+    /// Which way.
+    pub op: Op,
+    /// Local start address.
+    pub local_addr: u64,
+    /// Remote start address.
+    pub remote_addr: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl Engine {
+    /// The peer at session `target` (`host:port`, or a name with a directory): opened on
+    /// first use and kept; opened again when the one kept was retired (the process there
+    /// restarted, died, or was revoked). Threads asking for different sessions do not wait
+    /// for each other.
+    ///
+    /// # Errors
+    /// As [`Engine::open`].
+    pub fn peer(&self, target: &str) -> Result<Peer, PeerError> {
+        let slot = self
+            .inner
+            .sessions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(target.to_string())
+            .or_default()
+            .clone();
+        let mut kept = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(peer) = kept.as_ref().filter(|peer| !peer.is_retired()) {
+            return Ok(peer.clone());
+        }
+        let peer = self.open(target)?;
+        *kept = Some(peer.clone());
+        Ok(peer)
+    }
+
+    /// Asks `peer` for its descriptor again and waits (until `deadline`) for it to arrive:
+    /// true when a new one did.
+    pub fn refresh_descriptor(&self, peer: &Peer, deadline: Instant) -> bool {
+        let versions = |peer: &Peer| -> u64 {
+            peer.views()
+                .iter()
+                .map(|view| view.descriptor_version())
+                .sum()
+        };
+        let before = versions(peer);
+        if self
+            .inner
+            .control
+            .refresh_descriptor(peer.addr(), peer.incarnation())
+            .is_err()
+        {
+            return false;
+        }
+        while Instant::now() < deadline {
+            if versions(peer) != before {
+                return true;
+            }
+            std::thread::sleep(REFRESH_POLL);
+        }
+        false
+    }
+}
+
+/// The local regions of a submitter, sorted by address, and the engine's regions version
+/// they were read at.
+#[derive(Debug, Default)]
+pub(crate) struct RegionIndex {
+    version: Option<u64>,
+    regions: Vec<Region>,
+}
+
+impl RegionIndex {
+    /// The region holding `addr..addr + len`, reading the engine's regions again only when
+    /// they changed since the last look.
+    fn find(&mut self, engine: &Engine, addr: u64, len: u64) -> Option<Region> {
+        let version = engine.regions_version();
+        if self.version != Some(version) {
+            self.regions = engine.regions();
+            self.version = Some(version);
+        }
+        // Regions do not overlap (registration refuses it): the one starting last at or
+        // before `addr` is the only candidate.
+        let after = self.regions.partition_point(|region| region.addr <= addr);
+        let candidate = self.regions.get(after.checked_sub(1)?)?;
+        candidate.contains(addr, len).then_some(*candidate)
+    }
+}
+
+impl EngineSubmitter {
+    /// Submits `transfers`, named by raw addresses, to `peer` as one batch (request `i` is
+    /// transfer `i`), to be done by `deadline`. Each local range must lie inside one
+    /// registered region; otherwise nothing is queued. A remote range the peer's descriptor
+    /// does not hold makes the submitter fetch the descriptor again once (up to
+    /// [`REFRESH_WAIT`]) before it refuses.
+    ///
+    /// # Errors
+    /// [`TransferError::LocalUnregistered`] for a local range no region holds; otherwise as
+    /// [`Self::submit_by`].
+    pub fn submit_raw(
+        &mut self,
+        peer: &Peer,
+        transfers: &[RawTransfer],
+        deadline: Instant,
+    ) -> Result<Batch, TransferError> {
+        let mut resolved = std::mem::take(&mut self.resolved);
+        resolved.clear();
+        let result = self
+            .resolve(transfers, &mut resolved)
+            .and_then(|()| self.submit_by(peer, &resolved, deadline));
+        self.resolved = resolved;
+        result
+    }
+
+    /// Each raw transfer as a [`Transfer`] of the region holding its local range.
+    fn resolve(
+        &mut self,
+        transfers: &[RawTransfer],
+        resolved: &mut Vec<Transfer>,
+    ) -> Result<(), TransferError> {
+        for (index, raw) in transfers.iter().enumerate() {
+            if raw.len == 0 {
+                return Err(TransferError::Empty { transfer: index });
+            }
+            let region = self
+                .region_index
+                .find(&self.engine, raw.local_addr, raw.len)
+                .ok_or(TransferError::LocalUnregistered {
+                    transfer: index,
+                    addr: raw.local_addr,
+                    len: raw.len,
+                })?;
+            resolved.push(Transfer {
+                op: raw.op,
+                local: region,
+                local_offset: raw.local_addr - region.addr,
+                remote_addr: raw.remote_addr,
+                len: raw.len,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Submitters for any thread: [`Self::with`] lends one (creating it when all are lent) and
+/// takes it back, so the pool holds as many as threads ever submitted at once, and their
+/// rings to the pollers live until the pool is dropped.
+#[derive(Debug)]
+pub struct SubmitterPool {
+    engine: Engine,
+    idle: Mutex<Vec<EngineSubmitter>>,
+}
+
+impl SubmitterPool {
+    /// An empty pool for `engine`.
+    pub fn new(engine: Engine) -> Self {
+        Self {
+            engine,
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Runs `work` with a submitter of the pool.
+    ///
+    /// # Errors
+    /// [`TransferError::PollerStopped`] when a new submitter cannot open its rings.
+    pub fn with<R>(
+        &self,
+        work: impl FnOnce(&mut EngineSubmitter) -> R,
+    ) -> Result<R, TransferError> {
+        let lent = self
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        let mut submitter = match lent {
+            Some(submitter) => submitter,
+            None => self.engine.submitter()?,
+        };
+        let result = work(&mut submitter);
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(submitter);
+        Ok(result)
+    }
+}
