@@ -3,13 +3,17 @@
 
 CARGO ?= cargo
 
-.PHONY: deps build run test test-rdma loom bench lint fmt clean
+.PHONY: deps build run test test-rdma loom bench lint fmt clean python-dev python-test
 
 # etcd (the etcd directory's tests run a real one) and protoc (etcd-client's build).
 ETCD_PACKAGES = etcd-server protobuf-compiler libprotobuf-dev
 
+# The Python module (python/, built with maturin) and its tests use a project virtualenv.
+VENV = $(CURDIR)/.venv
+
 deps:
 	@scripts/deps.sh $(ETCD_PACKAGES)
+	@scripts/python-venv.sh $(VENV)
 
 build: deps
 	$(CARGO) build --release --workspace --features etcd
@@ -22,6 +26,15 @@ test: deps
 	$(CARGO) test --workspace --all-targets --features etcd,sabotage
 	$(CARGO) test --workspace --doc --features etcd,sabotage
 	$(MAKE) --no-print-directory loom
+	$(MAKE) --no-print-directory python-test
+
+# Builds railyard._native (release, into python/target) and installs the package into .venv.
+python-dev: deps
+	VIRTUAL_ENV=$(VENV) PATH="$(VENV)/bin:$$PATH" $(VENV)/bin/maturin develop --release -m python/Cargo.toml
+
+# The Python tests: two processes on loopback, the Mooncake shim, a throughput print.
+python-test: python-dev
+	$(VENV)/bin/python -m pytest -q python/tests
 
 # The verbs data path on real hardware: RAILYARD_TEST_VERBS_DEVICE=<device> make test-rdma
 # (a NIC, or SoftRoCE: `rdma link add rxe0 type rxe netdev <if>`).
@@ -46,9 +59,13 @@ lint: deps
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features etcd,sabotage -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --features etcd
+	$(CARGO) fmt --manifest-path python/Cargo.toml -- --check
+	$(CARGO) clippy --manifest-path python/Cargo.toml --release -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all
+	$(CARGO) fmt --manifest-path python/Cargo.toml
 
 clean:
 	$(CARGO) clean
+	rm -rf python/target

@@ -1158,7 +1158,13 @@ impl Engine {
             .notify(peer.addr, peer.incarnation(), bytes, None)?)
     }
 
-    pub(crate) fn notify_after(
+    /// Sends `bytes` to `peer` once `batch` has completed successfully (all its data is in
+    /// place before the notification leaves), and not at all if it failed.
+    ///
+    /// # Errors
+    /// [`PeerError::Control`] when the control plane has stopped or `bytes` is larger than
+    /// one notification carries.
+    pub fn notify_after(
         &self,
         peer: &Peer,
         bytes: Vec<u8>,

@@ -1,0 +1,21 @@
+"""railyard: a zero-copy transfer engine for disaggregated LLM inference.
+
+Move bytes between registered host memory of two processes (on one host or across a
+network) by raw address, the way KV-cache connectors do::
+
+    import numpy as np
+    import railyard
+
+    with railyard.Engine("prefill-0") as engine:
+        buf = np.zeros(1 << 20, dtype=np.uint8)
+        engine.register(buf.ctypes.data, buf.nbytes)
+        # remote_addr: an address the peer registered, learnt out of band
+        engine.write(peer_session_id, [buf.ctypes.data], [remote_addr], [buf.nbytes])
+
+:class:`Engine` is the native API; :mod:`railyard.compat.mooncake` offers
+``TransferEngine`` with Mooncake's method names and integer return codes.
+"""
+
+from ._native import Batch, Engine, TransferError, __version__
+
+__all__ = ["Batch", "Engine", "TransferError", "__version__"]

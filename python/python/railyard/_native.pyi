@@ -1,0 +1,240 @@
+"""Type stubs for ``railyard._native``, the Rust extension module behind ``railyard``.
+
+Addresses are Python ints: raw virtual addresses of host memory in this process, e.g.
+``tensor.data_ptr()`` or ``numpy_array.ctypes.data``. Wherever a list of ints is accepted,
+a 1-D NumPy array of ``uint64``/``int64`` is accepted too (read through the buffer
+protocol, without a copy to a list).
+"""
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Literal, Protocol
+
+__version__: str
+
+class _IntBuffer(Protocol):
+    """A 1-D buffer of 64-bit integers, e.g. ``numpy.ndarray`` of ``uint64``/``int64``."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+_Addrs = Sequence[int] | _IntBuffer
+"""A list of addresses or lengths: ``list[int]`` or a 1-D uint64/int64 array."""
+
+_BatchState = Literal["DONE", "PROC", "ERR"]
+
+class TransferError(Exception):
+    """A transfer failed or could not be queued.
+
+    ``str(err)`` names the failed range, the peer and the reason. When the failure is
+    tied to one request of a batch, ``index``, ``local_addr``, ``remote_addr`` and
+    ``length`` describe it; otherwise they are ``None``.
+    """
+
+    peer: str
+    """The peer's session id (``"host:port"``)."""
+    reason: str
+    """Why it failed (peer unreachable, timeout, unregistered range, ...)."""
+    index: int | None
+    """Index of the failed request in the batch, if one request is to blame."""
+    local_addr: int | None
+    remote_addr: int | None
+    length: int | None
+
+class Batch:
+    """An in-flight group of transfers returned by :meth:`Engine.submit`.
+
+    The state is one of ``"DONE"`` (every request completed), ``"PROC"`` (still in
+    flight) or ``"ERR"`` (at least one request failed; see :meth:`failures`).
+    """
+
+    def poll(self) -> _BatchState:
+        """The batch's state now, without blocking."""
+        ...
+
+    def wait(self, timeout_s: float | None = None) -> _BatchState:
+        """Block (GIL released) until the batch is done or failed, or ``timeout_s`` passed.
+
+        ``timeout_s=None`` waits up to the engine's ``timeout_s``. Returns ``"PROC"`` if
+        the wait timed out with requests still in flight.
+        """
+        ...
+
+    def failures(self) -> list[tuple[int, str]]:
+        """``(request index, reason)`` for each failed request; empty unless ``"ERR"``."""
+        ...
+
+class Engine:
+    """A railyard transfer engine: one per process is the usual shape.
+
+    Args:
+        name: This engine's name; peers see it as the sender of notifications.
+            ``None`` picks a unique one.
+        listen: ``"host:port"`` to listen on for peers (``port`` 0 picks a free one).
+        advertise_host: The host peers should dial, when ``listen`` is a wildcard
+            address such as ``0.0.0.0``. ``None`` lets the engine choose.
+        fabric: ``"auto"`` (the best one available between the two peers: soft fabric
+            on one host, verbs where an RDMA device is present, else TCP), ``"soft"``,
+            ``"tcp"`` or ``"verbs"``.
+        directory: Where peers' descriptors are found: ``"p2p"`` (exchanged when a
+            peer is first opened) or ``"etcd://host:port"``.
+        timeout_s: Default deadline of a blocking call (``write``, ``read``,
+            ``Batch.wait``).
+        rails: Number of software rails (default: one per NUMA node, from the topology
+            plan).
+        busy_poll: Whether each rail's poller spins on its own core while idle (the
+            default: lowest latency). ``False`` parks idle pollers, for shared or small
+            machines and tests.
+
+    Raises:
+        ValueError: An argument is malformed (unknown fabric, bad ``listen``).
+        RuntimeError: The engine could not start (port in use, fabric unavailable).
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        listen: str = "0.0.0.0:0",
+        advertise_host: str | None = None,
+        fabric: Literal["auto", "soft", "tcp", "verbs"] | str = "auto",
+        directory: str = "p2p",
+        timeout_s: float = 30.0,
+        rails: int | None = None,
+        busy_poll: bool = True,
+    ) -> None: ...
+    @property
+    def session_id(self) -> str:
+        """``"host:port"``: what peers pass as ``session_id`` to reach this engine."""
+        ...
+
+    @property
+    def name(self) -> str:
+        """This engine's name (the sender name on its notifications)."""
+        ...
+
+    @property
+    def fabric(self) -> str:
+        """The fabric in use: ``"soft"``, ``"tcp"``, ``"soft+tcp"`` or ``"verbs"``."""
+        ...
+
+    def alloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` of engine memory, already registered; returns its address.
+
+        Backed by huge pages when the system has them. Release it with :meth:`free`.
+        """
+        ...
+
+    def free(self, addr: int) -> None:
+        """Free memory returned by :meth:`alloc`. Unknown address: ``ValueError``."""
+        ...
+
+    def register(self, addrs: int | _Addrs, lengths: int | _Addrs) -> None:
+        """Register host memory ranges so that peers can read and write them.
+
+        Registering the same ``(addr, length)`` again is a no-op; a range that overlaps
+        a registered, different range is refused with ``ValueError``, and so is memory
+        that looks like device (GPU) memory: only host memory is supported.
+        """
+        ...
+
+    def deregister(self, addrs: int | _Addrs) -> None:
+        """Deregister ranges by their start address. Unknown address: ``ValueError``."""
+        ...
+
+    def write(
+        self,
+        session_id: str,
+        local_addrs: _Addrs,
+        remote_addrs: _Addrs,
+        lengths: _Addrs,
+        *,
+        notify: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Copy ``lengths[i]`` bytes from ``local_addrs[i]`` here to ``remote_addrs[i]`` on
+        the peer ``session_id``, for every ``i``; block (GIL released) until all landed.
+
+        ``notify``: a message delivered to the peer after every byte of the batch landed
+        (it appears in the peer's :meth:`get_notifs` under this engine's name).
+
+        Raises:
+            ValueError: mismatched list lengths, negative lengths.
+            TypeError: an address or length that is not an int.
+            TransferError: an unregistered local or remote range (the whole batch is
+                refused, nothing queued), an unreachable peer, a failed request, or the
+                deadline (``timeout_s``, default the engine's) passed.
+        """
+        ...
+
+    def read(
+        self,
+        session_id: str,
+        local_addrs: _Addrs,
+        remote_addrs: _Addrs,
+        lengths: _Addrs,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Copy ``lengths[i]`` bytes from ``remote_addrs[i]`` on the peer to
+        ``local_addrs[i]`` here; block (GIL released) until all arrived.
+
+        Raises the same errors as :meth:`write`.
+        """
+        ...
+
+    def submit(
+        self,
+        session_id: str,
+        op: Literal["write", "read"],
+        local_addrs: _Addrs,
+        remote_addrs: _Addrs,
+        lengths: _Addrs,
+        *,
+        notify: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> Batch:
+        """Queue a batch of writes or reads without waiting; returns its :class:`Batch`.
+
+        Argument errors (``ValueError``, ``TypeError``, unregistered ranges as
+        ``TransferError``) raise here; failures in flight show in the batch.
+        """
+        ...
+
+    def notify(self, session_id: str, data: bytes) -> None:
+        """Send a small message to the peer (it appears in the peer's
+        :meth:`get_notifs` under this engine's name). Raises ``TransferError`` if the
+        peer cannot be reached."""
+        ...
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """Drain the notifications received so far: sender name -> messages in order."""
+        ...
+
+    def wait_notifs(self, timeout_s: float) -> dict[str, list[bytes]]:
+        """Like :meth:`get_notifs`, but wait (GIL released) up to ``timeout_s`` for at
+        least one; returns ``{}`` on timeout."""
+        ...
+
+    def probe(self, session_id: str) -> bool:
+        """Whether the peer is reachable now (opening or reopening the connection).
+        Never raises for a dead peer; a malformed session id is ``ValueError``."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this engine (bytes and requests moved, failures, peers, ...)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the engine and release its memory and connections. Idempotent; any
+        other call afterwards raises ``RuntimeError``."""
+        ...
+
+    def __enter__(self) -> Engine: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Calls :meth:`close`."""
+        ...

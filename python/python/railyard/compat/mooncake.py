@@ -1,0 +1,779 @@
+"""Mooncake Transfer Engine's Python API on top of railyard.
+
+``TransferEngine`` here has the method names, arguments and integer return codes of
+``mooncake.engine.TransferEngine`` (Mooncake's pybind11 binding,
+``mooncake-integration/transfer_engine/transfer_engine_py.cpp``) for the calls that
+vLLM's and SGLang's Mooncake connectors make, so a connector written for Mooncake runs on
+railyard by changing one import::
+
+    # from mooncake.engine import TransferEngine
+    from railyard.compat.mooncake import TransferEngine
+
+    engine = TransferEngine()
+    assert engine.initialize(local_ip, "P2PHANDSHAKE", "rdma", "") == 0
+    session_id = f"{local_ip}:{engine.get_rpc_port()}"
+    assert engine.batch_register_memory(ptrs, lengths) == 0
+    ret = engine.batch_transfer_sync_write(peer_session, src_ptrs, dst_ptrs, lengths)
+
+Each call maps onto one :class:`railyard.Engine` call. Errors never raise: like Mooncake,
+they are logged (logger ``railyard.compat.mooncake``) and returned as integer codes.
+
+Return codes
+    * Sync transfers, registration, ``initialize``, ``get_batch_transfer_status``,
+      ``free_managed_buffer``: ``0`` success, ``-1`` failure.
+    * ``transfer_submit_write`` / ``batch_transfer_async_*``: a batch id ``> 0``, or ``0``
+      when the batch could not be submitted (Mooncake's sentinel); polling id ``0``
+      returns ``-1``.
+    * ``transfer_check_status``: ``1`` done, ``0`` still running, ``-1`` failed (or an
+      unknown id), ``-2`` timed out (the deadline passed, the batch is still in flight).
+    * ``send_probe``: ``0`` reachable, ``-1`` not.
+    * ``allocate_managed_buffer``: an address, ``0`` on failure.
+
+Timeouts
+    Sync calls and batch deadlines use ``MC_TRANSFER_TIMEOUT`` seconds (default 30, at
+    least 5, read when the ``TransferEngine`` is constructed) plus one second per GiB
+    moved, as Mooncake does.
+
+``initialize(local_hostname, metadata_server, protocol, device_name)``
+    * ``local_hostname``: ``"host"`` or ``"host:port"``; the engine listens on every
+      interface and advertises ``host``. The port is used only with
+      ``MC_LEGACY_RPC_PORT_BINDING`` set (as in Mooncake); otherwise a free port is
+      chosen, which ``get_rpc_port()`` returns. The session id peers use is
+      ``f"{host}:{get_rpc_port()}"``.
+    * ``metadata_server``: ``"P2PHANDSHAKE"`` selects railyard's ``p2p`` directory;
+      ``"etcd://host:port"`` or a bare ``"host:port"`` (Mooncake's default metadata type
+      is etcd) selects the etcd directory at that address. ``http://`` and ``redis://``
+      metadata servers are not supported (``-1``).
+    * ``protocol``: ``"tcp"`` selects the TCP fabric; ``"rdma"`` (and ``"efa"``) select
+      verbs when this host has an RDMA device and the engine can open it, else railyard's
+      ``auto`` fabric (soft fabric between processes on one host, TCP across hosts)
+      with a ``RuntimeWarning`` once per process. Device protocols (``nvlink``,
+      ``nvlink_intra``, ``hip``, ``musa``, ``ascend``, ``cxi``, ...) are refused with
+      ``-1``: only host memory is supported.
+    * ``device_name`` (an RDMA device filter in Mooncake) is ignored.
+
+Differences from Mooncake
+    * ``transfer_sync`` / ``batch_transfer_sync`` take ``opcode`` as
+      ``TransferEngine.TransferOpcode.Read``/``Write`` (also plain ints 0/1, Mooncake's
+      own enum values, or ``"read"``/``"write"``); ``opcode`` defaults to ``Write``.
+    * Notifications (``notify=TransferNotify(name, msg)``) are sent after the batch
+      completes, as a railyard notification whose payload carries ``name`` and ``msg``.
+      ``get_notifies()`` drains them as a list of ``TransferNotify(name, msg)`` (``msg``
+      a ``str``; bytes that are not UTF-8 come back as surrogate escapes). A
+      notification sent by a plain :class:`railyard.Engine` shows with ``name`` set to
+      the sending engine's name and its bytes as ``msg``.
+    * ``register_memory(..., location)``: a device location (``"cuda:0"``, ``"npu:1"``,
+      ...) is refused with ``-1``; registering the same range twice succeeds.
+    * ``allocate_managed_buffer`` returns railyard engine memory (one allocation per
+      call, huge pages when available) instead of slabs carved from a 2 GiB pool.
+    * ``transport_hint`` is accepted and ignored.
+    * ``write_bytes_to_buffer`` / ``read_bytes_from_buffer`` copy within this process,
+      as in Mooncake.
+
+Not supported (absent, so ``hasattr`` feature checks see them missing):
+    ``transfer_write_on_cuda``, ``transfer_read_on_cuda``,
+    ``batch_transfer_write_on_cuda``, ``batch_transfer_read_on_cuda`` (CUDA streams),
+    ``get_first_buffer_address`` (railyard does not expose a peer's buffer list),
+    ``get_local_topology``, ``warmup_efa_segment``, ``get_engine``, ``get_engine_ptr``
+    (no Mooncake ``InnerTransferEngine``; use :attr:`TransferEngine.engine` for the
+    :class:`railyard.Engine`), and Mooncake's shared-segment and RPC-interface classes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import itertools
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import Batch, Engine
+
+__all__ = ["TransferEngine", "TransferNotify", "TransferOpcode"]
+
+logger = logging.getLogger(__name__)
+
+P2PHANDSHAKE = "P2PHANDSHAKE"
+"""Mooncake's metadata server for peer-to-peer handshakes (railyard's ``p2p``)."""
+
+_DEFAULT_TIMEOUT_S = 30
+_MIN_TIMEOUT_S = 5
+_NS_PER_GIB = float(1 << 30)
+
+_RDMA_PROTOCOLS = frozenset({"rdma", "efa", "erdma"})
+_DEVICE_PROTOCOLS = frozenset(
+    {"nvlink", "nvlink_intra", "hip", "musa", "ascend", "xgmi", "cxi", "barex", "ubshmem"}
+)
+_DEVICE_LOCATION_PREFIXES = ("cuda", "gpu", "npu", "musa", "hip", "xpu", "mlu")
+
+# A shim-to-shim notification: magic, then the UTF-8 name, NUL, then the message.
+_NOTIFY_MAGIC = b"\x00rymc1\x00"
+
+_rdma_warning_lock = threading.Lock()
+_rdma_warned = False
+
+
+class TransferOpcode(enum.IntEnum):
+    """Direction of ``transfer_sync`` / ``batch_transfer_sync`` (Mooncake's values)."""
+
+    Read = 0
+    Write = 1
+
+
+# Mooncake exports the enum values at module level too (``py::enum_::export_values``).
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
+
+
+@dataclass
+class TransferNotify:
+    """A notification: ``name`` (chosen by the sender) and ``msg``, as in Mooncake."""
+
+    name: str = ""
+    msg: str = ""
+
+
+def _transfer_timeout_s() -> float:
+    raw = os.environ.get("MC_TRANSFER_TIMEOUT")
+    if raw is None:
+        return float(_DEFAULT_TIMEOUT_S)
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0  # atoi() semantics: garbage reads as 0, then clamps to the minimum
+    return float(max(_MIN_TIMEOUT_S, value))
+
+
+def _split_host_port(hostname: str) -> tuple[str, int | None]:
+    """``"host"``, ``"host:port"``, ``"[v6]:port"`` or Ascend's ``"host:port:npu_x"``."""
+    hostname = hostname.strip()
+    if hostname.startswith("["):
+        host, _, rest = hostname[1:].partition("]")
+        port = rest.lstrip(":").split(":", 1)[0]
+        return host, int(port) if port.isdigit() else None
+    parts = hostname.split(":")
+    if len(parts) == 1:
+        return hostname, None
+    if len(parts) > 3:  # a bare IPv6 address
+        return hostname, None
+    return parts[0], int(parts[1]) if parts[1].isdigit() else None
+
+
+def _map_directory(metadata_server: str, metadata_type: str = "etcd") -> str:
+    """Mooncake's connection string rules (``parseConnectionString``/``buildConnString``)."""
+    server = (metadata_server or "").strip()
+    if server == P2PHANDSHAKE:
+        return "p2p"
+    if "://" not in server:
+        if not server:
+            raise ValueError("empty metadata server (use 'P2PHANDSHAKE' for peer-to-peer)")
+        server = f"{metadata_type or 'etcd'}://{server}"
+    scheme = server.split("://", 1)[0].lower()
+    if scheme != "etcd":
+        raise ValueError(
+            f"metadata server {metadata_server!r}: only 'P2PHANDSHAKE' and etcd "
+            "are supported by railyard"
+        )
+    return server
+
+
+def _has_rdma_device() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+def _warn_rdma_fallback(protocol: str, why: str) -> None:
+    global _rdma_warned
+    with _rdma_warning_lock:
+        if _rdma_warned:
+            return
+        _rdma_warned = True
+    message = (
+        f"railyard.compat.mooncake: protocol {protocol!r} asked for RDMA but {why}; "
+        "using railyard's 'auto' fabric (soft fabric on one host, TCP across hosts)"
+    )
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _opcode_is_write(opcode: Any) -> bool:
+    if isinstance(opcode, str):
+        name = opcode.strip().lower()
+        if name in ("write", "w"):
+            return True
+        if name in ("read", "r"):
+            return False
+        raise ValueError(f"unknown opcode {opcode!r}")
+    value = int(opcode)  # TransferOpcode, Mooncake's arithmetic enum, or 0/1
+    if value == TransferOpcode.Write:
+        return True
+    if value == TransferOpcode.Read:
+        return False
+    raise ValueError(f"unknown opcode {opcode!r}")
+
+
+def _encode_notify(notify: Any) -> bytes:
+    name = getattr(notify, "name", "") or ""
+    msg = getattr(notify, "msg", "") or ""
+    msg_bytes = (
+        msg if isinstance(msg, (bytes, bytearray)) else str(msg).encode("utf-8", "surrogateescape")
+    )
+    return _NOTIFY_MAGIC + str(name).encode("utf-8", "surrogateescape") + b"\x00" + bytes(msg_bytes)
+
+
+def _decode_notify(sender: str, payload: bytes) -> TransferNotify:
+    if payload.startswith(_NOTIFY_MAGIC):
+        name, sep, msg = payload[len(_NOTIFY_MAGIC) :].partition(b"\x00")
+        if sep:
+            return TransferNotify(
+                name.decode("utf-8", "surrogateescape"), msg.decode("utf-8", "surrogateescape")
+            )
+    return TransferNotify(sender, bytes(payload).decode("utf-8", "surrogateescape"))
+
+
+def _deadline_s(timeout_s: float, lengths: Sequence[int]) -> float:
+    """Mooncake's budget: the timeout plus one second per GiB."""
+    try:
+        total = sum(int(n) for n in lengths)
+    except (TypeError, ValueError):
+        total = 0
+    return timeout_s + max(total, 0) / _NS_PER_GIB
+
+
+class _Pending:
+    __slots__ = ("batch", "deadline", "session")
+
+    def __init__(self, batch: Batch | None, deadline: float, session: str) -> None:
+        self.batch = batch
+        self.deadline = deadline
+        self.session = session
+
+
+class TransferEngine:
+    """Mooncake's ``TransferEngine`` on railyard. See the module docstring."""
+
+    TransferOpcode = TransferOpcode
+
+    def __init__(self) -> None:
+        self._engine: Engine | None = None
+        self._host: str | None = None
+        self._timeout_s = _transfer_timeout_s()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._managed: dict[int, int] = {}
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def initialize(
+        self, local_hostname: str, metadata_server: str, protocol: str, device_name: str
+    ) -> int:
+        """Start the engine; ``0`` on success, ``-1`` on failure."""
+        return self.initialize_ext(local_hostname, metadata_server, protocol, device_name, "etcd")
+
+    def initialize_ext(
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        protocol: str,
+        device_name: str,
+        metadata_type: str,
+    ) -> int:
+        """``initialize`` with an explicit metadata type for a bare metadata server."""
+        try:
+            directory = _map_directory(metadata_server, metadata_type)
+            host, port = _split_host_port(local_hostname or "")
+            if not os.environ.get("MC_LEGACY_RPC_PORT_BINDING"):
+                port = None
+            proto = (protocol or "").strip().lower()
+            if proto in _DEVICE_PROTOCOLS:
+                raise ValueError(
+                    f"protocol {protocol!r} moves device memory; railyard supports host "
+                    "memory only (use 'rdma' or 'tcp')"
+                )
+            if device_name:
+                logger.debug("device_name %r ignored: railyard picks its devices", device_name)
+            kwargs: dict[str, Any] = {
+                "listen": f"0.0.0.0:{port or 0}",
+                "advertise_host": host or None,
+                "directory": directory,
+                "timeout_s": self._timeout_s,
+            }
+            if self._engine is not None:
+                logger.warning("initialize called twice: closing the previous engine")
+                self.close()
+            self._engine = self._open_engine(proto, protocol, kwargs)
+            self._host = host or self._engine.session_id.rsplit(":", 1)[0]
+            logger.info(
+                "railyard engine %s at %s (protocol %s, directory %s)",
+                self._engine.name,
+                self._engine.session_id,
+                protocol,
+                directory,
+            )
+            return 0
+        except Exception as err:  # Mooncake reports initialisation failures as -1
+            logger.error("railyard TransferEngine initialization failed: %s", err)
+            return -1
+
+    @staticmethod
+    def _open_engine(proto: str, protocol: str, kwargs: dict[str, Any]) -> Engine:
+        if proto == "tcp":
+            return Engine(fabric="tcp", **kwargs)
+        if proto in _RDMA_PROTOCOLS:
+            if _has_rdma_device():
+                try:
+                    return Engine(fabric="verbs", **kwargs)
+                except Exception as err:
+                    _warn_rdma_fallback(protocol, f"the verbs fabric failed to start ({err})")
+            else:
+                _warn_rdma_fallback(protocol, "this host has no RDMA device")
+            return Engine(fabric="auto", **kwargs)
+        if proto in ("", "auto"):
+            return Engine(fabric="auto", **kwargs)
+        raise ValueError(f"unknown protocol {protocol!r} (railyard supports 'rdma' and 'tcp')")
+
+    @property
+    def engine(self) -> Engine:
+        """The underlying :class:`railyard.Engine` (after ``initialize``)."""
+        return self._require()
+
+    def get_rpc_port(self) -> int:
+        """The port peers reach this engine at (``-1`` before ``initialize``)."""
+        try:
+            return int(self._require().session_id.rsplit(":", 1)[1])
+        except Exception as err:
+            logger.error("get_rpc_port: %s", err)
+            return -1
+
+    def get_session_id(self) -> str:
+        """``"host:port"`` for this engine (not in Mooncake; connectors build it themselves)."""
+        return f"{self._host}:{self.get_rpc_port()}"
+
+    def close(self) -> None:
+        """Stop the engine (Mooncake does this in its destructor)."""
+        with self._lock:
+            engine, self._engine = self._engine, None
+            self._pending.clear()
+            self._managed.clear()
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require(self) -> Engine:
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError("TransferEngine is not initialized (call initialize first)")
+        return engine
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+        """Register ``[buffer_addr, buffer_addr + capacity)``; ``0`` or ``-1``."""
+        return self.batch_register_memory([buffer_addr], [capacity], location)
+
+    def unregister_memory(self, buffer_addr: int) -> int:
+        """Deregister the range starting at ``buffer_addr``; ``0`` or ``-1``."""
+        return self.batch_unregister_memory([buffer_addr])
+
+    def batch_register_memory(
+        self, buffer_addresses: Sequence[int], capacities: Sequence[int], location: str = "*"
+    ) -> int:
+        """Register several ranges; ``0`` or ``-1``."""
+        try:
+            if _is_device_location(location):
+                raise ValueError(
+                    f"location {location!r} is device memory; railyard registers host memory only"
+                )
+            addrs, lens = list(buffer_addresses), list(capacities)
+            if len(addrs) != len(lens):
+                raise ValueError(f"{len(addrs)} buffer addresses but {len(lens)} capacities")
+            if addrs:
+                self._require().register(addrs, lens)
+            return 0
+        except Exception as err:
+            logger.error("memory registration failed: %s", err)
+            return -1
+
+    def batch_unregister_memory(self, buffer_addresses: Sequence[int]) -> int:
+        """Deregister several ranges by start address; ``0`` or ``-1``."""
+        try:
+            addrs = list(buffer_addresses)
+            if addrs:
+                self._require().deregister(addrs)
+            return 0
+        except Exception as err:
+            logger.error("memory deregistration failed: %s", err)
+            return -1
+
+    def allocate_managed_buffer(self, length: int) -> int:
+        """Registered engine memory of ``length`` bytes; its address, or ``0``."""
+        try:
+            addr = int(self._require().alloc(int(length)))
+            with self._lock:
+                self._managed[addr] = int(length)
+            return addr
+        except Exception as err:
+            logger.error("allocate_managed_buffer(%s) failed: %s", length, err)
+            return 0
+
+    def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
+        """Free what ``allocate_managed_buffer`` returned; ``0`` or ``-1``."""
+        try:
+            with self._lock:
+                self._managed.pop(int(buffer_addr), None)
+            self._require().free(int(buffer_addr))
+            return 0
+        except Exception as err:
+            logger.error("free_managed_buffer(%#x) failed: %s", buffer_addr, err)
+            return -1
+
+    def write_bytes_to_buffer(self, dest_address: int, src_ptr: bytes, length: int) -> int:
+        """Copy ``length`` bytes of ``src_ptr`` to local memory at ``dest_address``."""
+        data = bytes(src_ptr)
+        if length > len(data):
+            raise ValueError(f"length {length} exceeds the {len(data)} bytes given")
+        ctypes.memmove(int(dest_address), data, int(length))
+        return 0
+
+    def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes:
+        """``length`` bytes of local memory at ``source_address``."""
+        return ctypes.string_at(int(source_address), int(length))
+
+    # -- synchronous transfers ------------------------------------------------------------
+
+    def transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
+        """Write ``length`` bytes from ``buffer`` to the peer's ``peer_buffer_address``."""
+        return self._sync(target_hostname, [buffer], [peer_buffer_address], [length], True, None)
+
+    def transfer_sync_read(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
+        """Read ``length`` bytes from the peer's ``peer_buffer_address`` into ``buffer``."""
+        return self._sync(target_hostname, [buffer], [peer_buffer_address], [length], False, None)
+
+    def batch_transfer_sync_write(
+        self,
+        target_hostname: str,
+        buffers: Sequence[int],
+        peer_buffer_addresses: Sequence[int],
+        lengths: Sequence[int],
+        transport_hint: str = "",
+    ) -> int:
+        """Write every ``(buffers[i], peer_buffer_addresses[i], lengths[i])``; ``0``/``-1``."""
+        return self._sync(target_hostname, buffers, peer_buffer_addresses, lengths, True, None)
+
+    def batch_transfer_sync_read(
+        self,
+        target_hostname: str,
+        buffers: Sequence[int],
+        peer_buffer_addresses: Sequence[int],
+        lengths: Sequence[int],
+        transport_hint: str = "",
+    ) -> int:
+        """Read every ``(buffers[i], peer_buffer_addresses[i], lengths[i])``; ``0``/``-1``."""
+        return self._sync(target_hostname, buffers, peer_buffer_addresses, lengths, False, None)
+
+    def transfer_sync(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        opcode: Any = TransferOpcode.Write,
+        notify: TransferNotify | None = None,
+        transport_hint: str = "",
+    ) -> int:
+        """One transfer in the direction ``opcode``, then ``notify`` if given."""
+        try:
+            write = _opcode_is_write(opcode)
+        except Exception as err:
+            logger.error("transfer_sync: %s", err)
+            return -1
+        return self._sync(target_hostname, [buffer], [peer_buffer_address], [length], write, notify)
+
+    def batch_transfer_sync(
+        self,
+        target_hostname: str,
+        buffers: Sequence[int],
+        peer_buffer_addresses: Sequence[int],
+        lengths: Sequence[int],
+        opcode: Any = TransferOpcode.Write,
+        notify: TransferNotify | None = None,
+        transport_hint: str = "",
+    ) -> int:
+        """A batch in the direction ``opcode``, then ``notify`` if given; ``0``/``-1``."""
+        try:
+            write = _opcode_is_write(opcode)
+        except Exception as err:
+            logger.error("batch_transfer_sync: %s", err)
+            return -1
+        return self._sync(target_hostname, buffers, peer_buffer_addresses, lengths, write, notify)
+
+    def _sync(
+        self,
+        session: str,
+        buffers: Sequence[int],
+        peers: Sequence[int],
+        lengths: Sequence[int],
+        write: bool,
+        notify: TransferNotify | None,
+    ) -> int:
+        try:
+            engine = self._require()
+            local, remote, lens = _as_lists(buffers, peers, lengths)
+            if not lens:
+                return 0
+            timeout_s = _deadline_s(self._timeout_s, lens)
+            payload = _encode_notify(notify) if notify is not None else None
+            if write:
+                engine.write(session, local, remote, lens, notify=payload, timeout_s=timeout_s)
+            else:
+                engine.read(session, local, remote, lens, timeout_s=timeout_s)
+                if payload is not None:
+                    engine.notify(session, payload)
+            return 0
+        except Exception as err:
+            logger.error(
+                "%s of %d range(s) with %s failed: %s",
+                "write" if write else "read",
+                _count(lengths),
+                session,
+                err,
+            )
+            return -1
+
+    # -- asynchronous transfers -----------------------------------------------------------
+
+    def transfer_submit_write(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        transport_hint: str = "",
+    ) -> int:
+        """Submit one write; a batch id for ``transfer_check_status``, or ``0``."""
+        return self._submit(target_hostname, [buffer], [peer_buffer_address], [length], True)
+
+    def batch_transfer_async_write(
+        self,
+        target_hostname: str,
+        buffers: Sequence[int],
+        peer_buffer_addresses: Sequence[int],
+        lengths: Sequence[int],
+        transport_hint: str = "",
+    ) -> int:
+        """Submit a batch of writes; a batch id, or ``0``."""
+        return self._submit(target_hostname, buffers, peer_buffer_addresses, lengths, True)
+
+    def batch_transfer_async_read(
+        self,
+        target_hostname: str,
+        buffers: Sequence[int],
+        peer_buffer_addresses: Sequence[int],
+        lengths: Sequence[int],
+        transport_hint: str = "",
+    ) -> int:
+        """Submit a batch of reads; a batch id, or ``0``."""
+        return self._submit(target_hostname, buffers, peer_buffer_addresses, lengths, False)
+
+    def batch_transfer_async(
+        self,
+        target_hostname: str,
+        buffers: Sequence[int],
+        peer_buffer_addresses: Sequence[int],
+        lengths: Sequence[int],
+        opcode: Any = TransferOpcode.Write,
+        transport_hint: str = "",
+    ) -> int:
+        """Submit a batch in the direction ``opcode``; a batch id, or ``0``."""
+        try:
+            write = _opcode_is_write(opcode)
+        except Exception as err:
+            logger.error("batch_transfer_async: %s", err)
+            return 0
+        return self._submit(target_hostname, buffers, peer_buffer_addresses, lengths, write)
+
+    def _submit(
+        self,
+        session: str,
+        buffers: Sequence[int],
+        peers: Sequence[int],
+        lengths: Sequence[int],
+        write: bool,
+    ) -> int:
+        try:
+            engine = self._require()
+            local, remote, lens = _as_lists(buffers, peers, lengths)
+            timeout_s = _deadline_s(self._timeout_s, lens)
+            batch = (
+                engine.submit(
+                    session, "write" if write else "read", local, remote, lens, timeout_s=timeout_s
+                )
+                if lens
+                else None
+            )
+        except Exception as err:
+            logger.error(
+                "submitting %s of %d range(s) to %s failed: %s",
+                "write" if write else "read",
+                _count(lengths),
+                session,
+                err,
+            )
+            return 0
+        with self._lock:
+            batch_id = next(self._ids)
+            self._pending[batch_id] = _Pending(batch, time.monotonic() + timeout_s, session)
+        return batch_id
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        """``1`` done, ``0`` running, ``-1`` failed or unknown id, ``-2`` timed out."""
+        with self._lock:
+            pending = self._pending.get(batch_id)
+        if pending is None:
+            if batch_id != 0:
+                logger.error("transfer_check_status: unknown batch id %s", batch_id)
+            return -1
+        state = self._poll(pending)
+        if state == "DONE":
+            self._forget(batch_id)
+            return 1
+        if state == "ERR":
+            self._log_failures(batch_id, pending)
+            self._forget(batch_id)
+            return -1
+        if time.monotonic() > pending.deadline:
+            return -2
+        return 0
+
+    def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> int:
+        """Wait for every batch: ``0`` if all completed, ``-1`` if one failed or timed out."""
+        ids = list(batch_ids)
+        ok = True
+        for batch_id in ids:
+            with self._lock:
+                pending = self._pending.get(batch_id)
+            if pending is None:
+                logger.error("get_batch_transfer_status: unknown batch id %s", batch_id)
+                ok = False
+                break
+            state = "DONE"
+            if pending.batch is not None:
+                try:
+                    remaining = max(0.0, pending.deadline - time.monotonic())
+                    state = pending.batch.wait(remaining)
+                except Exception as err:
+                    logger.error("batch %s: %s", batch_id, err)
+                    state = "ERR"
+            if state == "DONE":
+                self._forget(batch_id)
+                continue
+            if state == "ERR":
+                self._log_failures(batch_id, pending)
+            else:
+                logger.error("batch %s to %s timed out", batch_id, pending.session)
+            ok = False
+            break
+        if not ok:  # Mooncake frees every batch of the call once one fails
+            for batch_id in ids:
+                self._forget(batch_id)
+        return 0 if ok else -1
+
+    @staticmethod
+    def _poll(pending: _Pending) -> str:
+        if pending.batch is None:
+            return "DONE"
+        try:
+            return pending.batch.poll()
+        except Exception as err:
+            logger.error("polling a batch to %s failed: %s", pending.session, err)
+            return "ERR"
+
+    def _forget(self, batch_id: int) -> None:
+        with self._lock:
+            self._pending.pop(batch_id, None)
+
+    @staticmethod
+    def _log_failures(batch_id: int, pending: _Pending) -> None:
+        try:
+            failures = pending.batch.failures() if pending.batch is not None else []
+        except Exception:
+            failures = []
+        logger.error("batch %s to %s failed: %s", batch_id, pending.session, failures[:8])
+
+    # -- notifications and probes ---------------------------------------------------------
+
+    def get_notifies(self) -> list[TransferNotify]:
+        """Drain received notifications as ``TransferNotify(name, msg)`` objects."""
+        try:
+            received = self._require().get_notifs()
+        except Exception as err:
+            logger.error("Failed to get notifies: %s", err)
+            return []
+        return [
+            _decode_notify(sender, payload)
+            for sender, payloads in received.items()
+            for payload in payloads
+        ]
+
+    def send_probe(self, peer_server_name: str) -> int:
+        """``0`` if the peer answers (reopening its connection), else ``-1``."""
+        try:
+            return 0 if self._require().probe(peer_server_name) else -1
+        except Exception as err:
+            logger.error("probe of %s failed: %s", peer_server_name, err)
+            return -1
+
+
+def _is_device_location(location: str | None) -> bool:
+    if not location or location == "*":
+        return False
+    return location.strip().lower().startswith(_DEVICE_LOCATION_PREFIXES)
+
+
+def _as_lists(
+    buffers: Sequence[int], peers: Sequence[int], lengths: Sequence[int]
+) -> tuple[list[int], list[int], list[int]]:
+    local, remote, lens = (
+        x.tolist() if hasattr(x, "tolist") else list(x) for x in (buffers, peers, lengths)
+    )
+    if not (len(local) == len(remote) == len(lens)):
+        raise ValueError(
+            f"buffers, peer_buffer_addresses and lengths have different sizes "
+            f"({len(local)}, {len(remote)}, {len(lens)})"
+        )
+    return local, remote, lens
+
+
+def _count(lengths: Any) -> int:
+    try:
+        return len(lengths)
+    except TypeError:
+        return 0

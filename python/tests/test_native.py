@@ -1,0 +1,277 @@
+"""The native API (railyard.Engine) between two Python processes on loopback."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import time
+
+import numpy as np
+import pytest
+
+import railyard
+from railyard import TransferError
+
+from conftest import FABRIC
+
+BLOCK = 64 << 10  # 64 KiB
+NUM_BLOCKS = 256  # 16 MiB on each side
+BLOCKS_PER_BATCH = 8
+BATCHES = 1000
+THREADS = 10
+
+
+@pytest.fixture
+def engine():
+    with railyard.Engine("pytest-local", listen="127.0.0.1:0", fabric=FABRIC) as e:
+        yield e
+
+
+@pytest.fixture
+def peer(spawn_peer):
+    return spawn_peer(
+        "--mode",
+        "native",
+        "--size",
+        str(NUM_BLOCKS * BLOCK),
+        "--fabric",
+        FABRIC,
+        "--name",
+        "pytest-peer",
+    )
+
+
+def _batches(rng: np.random.Generator) -> list[np.ndarray]:
+    """1000 batches of distinct remote block indices; the first ones cover every block."""
+    order = rng.permutation(NUM_BLOCKS)
+    batches = [order[i : i + BLOCKS_PER_BATCH] for i in range(0, NUM_BLOCKS, BLOCKS_PER_BATCH)]
+    while len(batches) < BATCHES:
+        batches.append(rng.choice(NUM_BLOCKS, size=BLOCKS_PER_BATCH, replace=False))
+    return batches
+
+
+def test_session_id_and_name(engine):
+    host, _, port = engine.session_id.rpartition(":")
+    assert host and port.isdigit() and int(port) > 0
+    assert engine.name == "pytest-local"
+    assert isinstance(engine.stats(), dict)
+
+
+def test_scattered_writes_and_reads_from_ten_threads(engine, peer):
+    """1000 batches of 8 scattered 64 KiB blocks written, then 1000 read, from 10 threads;
+    every byte compared. Remote block r always receives local block perm[r], so batches
+    that overlap write the same bytes and the final contents are known."""
+    rng = np.random.default_rng(18)
+    src = rng.integers(0, 256, size=NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    back = np.zeros_like(src)
+    engine.register([src.ctypes.data, back.ctypes.data], [src.nbytes, back.nbytes])
+    remote_base, remote_len = peer.bufs[0]
+    assert remote_len == NUM_BLOCKS * BLOCK
+
+    perm = rng.permutation(NUM_BLOCKS)  # remote block r <- local block perm[r]
+    src_base, back_base = src.ctypes.data, back.ctypes.data
+    batches = _batches(rng)
+
+    def write(i: int) -> None:
+        remote = batches[i]
+        local_addrs = src_base + perm[remote].astype(np.uint64) * BLOCK
+        remote_addrs = remote_base + remote.astype(np.uint64) * BLOCK
+        lengths = np.full(len(remote), BLOCK, dtype=np.uint64)
+        if i % 2:  # lists of ints and NumPy uint64 arrays are both accepted
+            local_addrs, remote_addrs, lengths = (
+                local_addrs.tolist(),
+                remote_addrs.tolist(),
+                lengths.tolist(),
+            )
+        engine.write(peer.session, local_addrs, remote_addrs, lengths, timeout_s=30)
+
+    def read(i: int) -> None:  # remote block r -> back block r
+        remote = batches[i]
+        engine.read(
+            peer.session,
+            (back_base + remote.astype(np.uint64) * BLOCK).tolist(),
+            (remote_base + remote.astype(np.uint64) * BLOCK).tolist(),
+            [BLOCK] * len(remote),
+            timeout_s=30,
+        )
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        for fut in [pool.submit(write, i) for i in range(BATCHES)]:
+            fut.result(timeout=60)
+    expected = src.reshape(NUM_BLOCKS, BLOCK)[perm].reshape(-1)
+    digest = peer.cmd("DIGEST")["digests"][0]
+    assert digest == hashlib.sha256(expected.tobytes()).hexdigest(), "peer's bytes differ"
+
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        for fut in [pool.submit(read, i) for i in range(BATCHES)]:
+            fut.result(timeout=60)
+    mismatched = np.flatnonzero(
+        (back.reshape(NUM_BLOCKS, BLOCK) != expected.reshape(NUM_BLOCKS, BLOCK)).any(axis=1)
+    )
+    assert mismatched.size == 0, f"blocks read back wrong: {mismatched[:10].tolist()}"
+    elapsed = time.monotonic() - started
+    moved = 2 * BATCHES * BLOCKS_PER_BATCH * BLOCK
+    print(f"\n{moved / 2**20:.0f} MiB written and read back in {elapsed:.2f} s")
+
+
+def test_submit_poll_wait(engine, peer):
+    src = np.arange(4 * BLOCK, dtype=np.uint64).view(np.uint8)[: 4 * BLOCK].copy()
+    engine.register(src.ctypes.data, src.nbytes)
+    remote_base, _ = peer.bufs[0]
+    batch = engine.submit(
+        peer.session,
+        "write",
+        [src.ctypes.data + i * BLOCK for i in range(4)],
+        [remote_base + i * BLOCK for i in range(4)],
+        [BLOCK] * 4,
+    )
+    assert batch.poll() in ("DONE", "PROC")
+    assert batch.wait(10) == "DONE"
+    assert batch.poll() == "DONE"
+    assert batch.failures() == []
+    expected = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    expected[: 4 * BLOCK] = src
+    assert peer.cmd("DIGEST")["digests"][0] == hashlib.sha256(expected.tobytes()).hexdigest()
+
+    back = np.zeros(4 * BLOCK, dtype=np.uint8)
+    engine.register(back.ctypes.data, back.nbytes)
+    batch = engine.submit(peer.session, "read", [back.ctypes.data], [remote_base], [back.nbytes])
+    assert batch.wait(10) == "DONE"
+    assert np.array_equal(back, src)
+
+
+def test_notifications_both_ways(engine, peer):
+    # here -> peer, alone and after a write (the data is there when the message is)
+    engine.notify(peer.session, b"hello peer")
+    got = peer.cmd("WAIT_NOTIFS 10")["notifs"]
+    assert got == {engine.name: [b"hello peer".hex()]}
+
+    src = np.full(BLOCK, 0x5A, dtype=np.uint8)
+    engine.register(src.ctypes.data, src.nbytes)
+    remote_base, _ = peer.bufs[0]
+    engine.write(peer.session, [src.ctypes.data], [remote_base], [BLOCK], notify=b"kv ready")
+    got = peer.cmd("WAIT_NOTIFS 10")["notifs"]
+    assert got == {engine.name: [b"kv ready".hex()]}
+    expected = np.zeros(NUM_BLOCKS * BLOCK, dtype=np.uint8)
+    expected[:BLOCK] = 0x5A
+    assert peer.cmd("DIGEST")["digests"][0] == hashlib.sha256(expected.tobytes()).hexdigest()
+
+    # peer -> here, keyed by the peer's name
+    assert engine.get_notifs() == {}
+    for msg in (b"one", b"two"):
+        assert peer.cmd(f"NOTIFY {engine.session_id} {msg.hex()}") == {"ok": True}
+    received: dict[str, list[bytes]] = {}
+    deadline = time.monotonic() + 10
+    while sum(map(len, received.values())) < 2 and time.monotonic() < deadline:
+        for sender, msgs in engine.wait_notifs(1.0).items():
+            received.setdefault(sender, []).extend(bytes(m) for m in msgs)
+    assert received == {peer.name: [b"one", b"two"]}
+
+    started = time.monotonic()
+    assert engine.wait_notifs(0.2) == {}
+    assert time.monotonic() - started < 5
+
+
+def test_failed_peer_raises_within_deadline(engine, spawn_peer):
+    peer = spawn_peer("--mode", "native", "--size", str(BLOCK), "--fabric", FABRIC)
+    src = np.ones(BLOCK, dtype=np.uint8)
+    engine.register(src.ctypes.data, src.nbytes)
+    remote_base, _ = peer.bufs[0]
+    engine.write(peer.session, [src.ctypes.data], [remote_base], [BLOCK], timeout_s=10)
+    assert engine.probe(peer.session) is True
+
+    peer.kill()
+
+    started = time.monotonic()
+    with pytest.raises(TransferError) as info:
+        engine.write(peer.session, [src.ctypes.data], [remote_base], [BLOCK], timeout_s=5)
+    elapsed = time.monotonic() - started
+    # The 5 s deadline and the 2 s grace a synchronous call gives a batch to resolve.
+    assert elapsed < 8, f"took {elapsed:.1f} s to notice a dead peer"
+    assert peer.session in str(info.value) or info.value.peer == peer.session
+
+    started = time.monotonic()
+    assert engine.probe(peer.session) is False  # never raises for a dead peer
+    assert time.monotonic() - started < 15
+
+    started = time.monotonic()
+    try:
+        batch = engine.submit(
+            peer.session, "write", [src.ctypes.data], [remote_base], [BLOCK], timeout_s=3
+        )
+    except TransferError:
+        pass  # refused up front: the peer is known dead
+    else:
+        assert batch.wait(15) == "ERR"
+        assert batch.failures() and batch.failures()[0][0] == 0
+    assert time.monotonic() - started < 20
+
+    # the engine is still usable
+    assert isinstance(engine.stats(), dict)
+
+
+def test_bad_arguments_raise_and_never_crash(engine, peer):
+    src = np.zeros(4 * BLOCK, dtype=np.uint8)
+    engine.register(src.ctypes.data, src.nbytes)
+    unregistered = np.zeros(BLOCK, dtype=np.uint8)
+    remote_base, remote_len = peer.bufs[0]
+    a = src.ctypes.data
+
+    with pytest.raises(ValueError):  # mismatched list lengths
+        engine.write(peer.session, [a, a + BLOCK], [remote_base], [BLOCK, BLOCK])
+    with pytest.raises(ValueError):
+        engine.read(peer.session, [a], [remote_base], [BLOCK, BLOCK])
+    with pytest.raises(ValueError):  # negative size
+        engine.write(peer.session, [a], [remote_base], [-BLOCK])
+    with pytest.raises(ValueError):
+        engine.register(unregistered.ctypes.data, -1)
+    with pytest.raises(TransferError):  # unregistered local range
+        engine.write(peer.session, [unregistered.ctypes.data], [remote_base], [BLOCK])
+    with pytest.raises(TransferError):  # local range running past its registration
+        engine.write(peer.session, [a + 3 * BLOCK], [remote_base], [2 * BLOCK])
+    with pytest.raises(TransferError):  # unregistered remote range
+        engine.write(peer.session, [a], [remote_base + remote_len + (1 << 20)], [BLOCK])
+    with pytest.raises(ValueError):  # unknown op
+        engine.submit(peer.session, "copy", [a], [remote_base], [BLOCK])
+    for bad_session in ("not-a-session", "127.0.0.1", "127.0.0.1:notaport", ""):
+        with pytest.raises((ValueError, TransferError)):
+            engine.write(bad_session, [a], [remote_base], [BLOCK], timeout_s=5)
+    with pytest.raises(TypeError):
+        engine.write(peer.session, ["0x10"], [remote_base], [BLOCK])
+    with pytest.raises(TypeError):
+        engine.notify(peer.session, "not bytes")
+
+    # registration rules: the same range again is a no-op, an overlapping one is refused
+    engine.register(a, src.nbytes)
+    with pytest.raises(ValueError):
+        engine.register(a + BLOCK, src.nbytes)
+    with pytest.raises(ValueError):
+        engine.deregister(unregistered.ctypes.data)
+
+    # after all that, transfers still work
+    src[:] = 7
+    engine.write(peer.session, [a], [remote_base], [BLOCK])
+    back = np.zeros(BLOCK, dtype=np.uint8)
+    engine.register(back.ctypes.data, back.nbytes)
+    engine.read(peer.session, [back.ctypes.data], [remote_base], [BLOCK])
+    assert (back == 7).all()
+    engine.deregister([back.ctypes.data])
+
+
+def test_alloc_free_and_close():
+    e = railyard.Engine(listen="127.0.0.1:0", fabric=FABRIC)
+    addr = e.alloc(1 << 20)
+    assert isinstance(addr, int) and addr != 0
+    e.free(addr)
+    e.close()
+    e.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        e.alloc(4096)
+    with pytest.raises(RuntimeError):
+        _ = e.stats()
+
+
+def test_unknown_fabric_is_refused():
+    with pytest.raises((ValueError, RuntimeError)):
+        railyard.Engine(listen="127.0.0.1:0", fabric="warp-drive")
