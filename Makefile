@@ -32,8 +32,10 @@ test: deps
 python-dev: deps
 	VIRTUAL_ENV=$(VENV) PATH="$(VENV)/bin:$$PATH" $(VENV)/bin/maturin develop --release -m python/Cargo.toml
 
-# The Python tests: two processes on loopback, the Mooncake shim, a throughput print.
+# The Python tests: two processes on loopback, the Mooncake shim, and a throughput print
+# beside `railyard bench` (built here in release, as `make run` builds it).
 python-test: python-dev
+	$(CARGO) build --release --bin railyard
 	$(VENV)/bin/python -m pytest -q python/tests
 
 # The verbs data path on real hardware: RAILYARD_TEST_VERBS_DEVICE=<device> make test-rdma

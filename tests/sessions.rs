@@ -329,3 +329,34 @@ fn a_submitter_pool_serves_many_threads_with_every_byte_in_place() {
         "one queue pair for all threads"
     );
 }
+
+#[test]
+fn a_session_that_failed_to_open_answers_with_that_failure_briefly_then_tries_again() {
+    let initiator = engine("failing-initiator");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port");
+    let session = closed.to_string();
+    let first = initiator.peer(&session);
+    assert!(
+        matches!(first, Err(railyard::engine::PeerError::Unreachable { .. })),
+        "{first:?}"
+    );
+    // Threads that were waiting behind that open are answered at once, not one by one.
+    let began = Instant::now();
+    let again = initiator.peer(&session);
+    assert!(
+        matches!(
+            again,
+            Err(railyard::engine::PeerError::RecentlyFailed { .. })
+        ),
+        "{again:?}"
+    );
+    assert!(began.elapsed() < Duration::from_millis(100));
+    std::thread::sleep(railyard::engine::FAILED_OPEN_KEPT);
+    let later = initiator.peer(&session);
+    assert!(
+        matches!(later, Err(railyard::engine::PeerError::Unreachable { .. })),
+        "tried again after the pause: {later:?}"
+    );
+}

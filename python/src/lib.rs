@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -17,10 +18,12 @@ use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use railyard::control::NotificationBody;
+use railyard::control::wire::MAX_NOTIFY;
+use railyard::dataplane::FailReason;
 use railyard::dataplane::{Batch as NativeBatch, IdleStrategy, RequestOutcome};
 use railyard::engine::{
     DirectoryChoice, Engine as NativeEngine, FabricChoice, MemoryError, Op, Peer, RailChoice,
-    RawTransfer, Region, SubmitterPool, default_name,
+    RawTransfer, Region, SubmitterPool, TransferError as TransferError_, default_name,
 };
 
 create_exception!(
@@ -184,6 +187,35 @@ fn timeout_of(timeout_s: Option<f64>, default: Duration) -> PyResult<Duration> {
     }
 }
 
+/// How long a wait may last: like [`timeout_of`], but 0 is allowed (just look).
+fn wait_of(timeout_s: f64) -> PyResult<Duration> {
+    if timeout_s == 0.0 {
+        Ok(Duration::ZERO)
+    } else {
+        timeout_of(Some(timeout_s), Duration::ZERO)
+    }
+}
+
+/// Most rails an engine may be asked for.
+const MAX_RAILS: usize = 64;
+
+/// How long `probe` waits for an answer by default.
+const PROBE_WAIT: Duration = Duration::from_secs(2);
+
+/// How often a long wait for notifications looks whether the engine was closed.
+const CLOSE_POLL: Duration = Duration::from_millis(100);
+
+/// A notification larger than one can carry is refused before anything is queued.
+fn check_notify(notify: Option<&Vec<u8>>) -> PyResult<()> {
+    match notify {
+        Some(bytes) if bytes.len() > MAX_NOTIFY => Err(PyValueError::new_err(format!(
+            "notify is {} bytes; a notification carries at most {MAX_NOTIFY}",
+            bytes.len()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// The session string's form is checked before anything is opened.
 fn check_session(session_id: &str) -> PyResult<()> {
     let valid = session_id
@@ -227,20 +259,40 @@ impl Open {
         })
     }
 
-    /// Submits `transfers` to `session_id`, with `notify` sent once all of them are done.
+    /// Submits `transfers` to `session_id`, to be done by `deadline` (opening the peer
+    /// counts against it), with `notify` sent once all of them are done.
     fn submit(
         &self,
         session_id: &str,
         transfers: &[RawTransfer],
         notify: Option<Vec<u8>>,
-        timeout: Duration,
+        deadline: Instant,
     ) -> Result<(NativeBatch, Peer), Failure> {
         let peer = self.peer(session_id)?;
-        let deadline = Instant::now() + timeout;
-        let refused = |error: railyard::engine::TransferError| Failure {
-            peer: session_id.to_string(),
-            reason: error.to_string(),
-            ..Failure::default()
+        if Instant::now() >= deadline {
+            return Err(Failure {
+                peer: session_id.to_string(),
+                reason: "the deadline passed while the peer was being opened".to_string(),
+                ..Failure::default()
+            });
+        }
+        let refused = |error: TransferError_| {
+            let index = match error {
+                TransferError_::LocalUnregistered { transfer, .. }
+                | TransferError_::RemoteRange { transfer, .. }
+                | TransferError_::Empty { transfer }
+                | TransferError_::LocalRange { transfer, .. }
+                | TransferError_::UnknownRegion { transfer, .. } => Some(transfer),
+                _ => None,
+            };
+            Failure {
+                peer: session_id.to_string(),
+                reason: error.to_string(),
+                index,
+                range: index
+                    .and_then(|index| transfers.get(index))
+                    .map(|t| (t.local_addr, t.remote_addr, t.len)),
+            }
         };
         let batch = self
             .submitters
@@ -309,7 +361,12 @@ impl Engine {
         rails: Option<usize>,
         busy_poll: bool,
     ) -> PyResult<Self> {
-        let name = name.unwrap_or_else(|| default_name("python"));
+        // Unique within the process too: two engines of one process are two peers.
+        let name = name.unwrap_or_else(|| {
+            static CREATED: AtomicU64 = AtomicU64::new(0);
+            let ordinal = CREATED.fetch_add(1, Ordering::Relaxed);
+            format!("{}-{ordinal}", default_name("python"))
+        });
         let listen: SocketAddr = listen
             .to_socket_addrs()
             .ok()
@@ -357,7 +414,10 @@ impl Engine {
         }
         if let Some(rails) = rails {
             let rails = NonZeroUsize::new(rails)
-                .ok_or_else(|| PyValueError::new_err("rails must be at least 1"))?;
+                .filter(|rails| rails.get() <= MAX_RAILS)
+                .ok_or_else(|| {
+                    PyValueError::new_err(format!("rails must be between 1 and {MAX_RAILS}"))
+                })?;
             builder = builder.rails(RailChoice::Count(rails));
         }
         if !busy_poll {
@@ -451,14 +511,30 @@ impl Engine {
         }
         let open = self.open()?;
         py.detach(|| {
-            for (&addr, &len) in addrs.iter().zip(&lengths) {
+            // What this call registered anew: withdrawn again if a later range is refused,
+            // so a refused call leaves the registrations as they were.
+            let mut added = Vec::new();
+            let result = addrs.iter().zip(&lengths).try_for_each(|(&addr, &len)| {
                 let len = usize::try_from(len).map_err(|_| MemoryError::BadRange { addr, len })?;
+                let existed = open
+                    .engine
+                    .region_at(addr, len as u64)
+                    .is_some_and(|region| region.addr == addr && region.len == len as u64);
                 // SAFETY: the Python caller's contract (documented): the range is its
                 // memory and stays mapped until it deregisters it. `register` refuses a
                 // range that is not a read-write mapping of this process.
-                unsafe { open.engine.register(addr as *mut u8, len) }?;
+                let region = unsafe { open.engine.register(addr as *mut u8, len) }?;
+                if !existed {
+                    added.push(region);
+                }
+                Ok(())
+            });
+            if result.is_err() {
+                for region in added {
+                    let _ = open.engine.deregister(region);
+                }
             }
-            Ok(())
+            result
         })
         .map_err(memory_error)
     }
@@ -547,11 +623,12 @@ impl Engine {
         timeout_s: Option<f64>,
     ) -> PyResult<Batch> {
         check_session(session_id)?;
+        check_notify(notify.as_ref())?;
         let transfers = transfers(op_of(op)?, local_addrs, remote_addrs, lengths)?;
-        let timeout = timeout_of(timeout_s, self.timeout)?;
+        let deadline = Instant::now() + timeout_of(timeout_s, self.timeout)?;
         let open = self.open()?;
         let (batch, _) = py
-            .detach(|| open.submit(session_id, &transfers, notify, timeout))
+            .detach(|| open.submit(session_id, &transfers, notify, deadline))
             .map_err(Failure::into_err)?;
         Ok(Batch {
             batch,
@@ -583,21 +660,38 @@ impl Engine {
     }
 
     /// Like `get_notifs`, waiting up to `timeout_s` for at least one.
+    /// Returns early, with nothing, when the engine is closed meanwhile.
     fn wait_notifs<'py>(&self, py: Python<'py>, timeout_s: f64) -> PyResult<Bound<'py, PyDict>> {
-        let timeout = timeout_of(Some(timeout_s), Duration::ZERO)?;
+        let deadline = Instant::now() + wait_of(timeout_s)?;
         let open = self.open()?;
-        let received = py.detach(|| open.engine.wait_notifications(Instant::now() + timeout));
+        let received = py.detach(|| {
+            loop {
+                let step = deadline.min(Instant::now() + CLOSE_POLL);
+                let received = open.engine.wait_notifications(step);
+                let closed = self
+                    .open
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .is_none();
+                if !received.is_empty() || closed || Instant::now() >= deadline {
+                    break received;
+                }
+            }
+        });
         notifications_dict(py, received)
     }
 
-    /// Whether the engine at `session_id` answers (opening it again if it was replaced).
-    fn probe(&self, py: Python<'_>, session_id: &str) -> PyResult<bool> {
+    /// Whether the engine at `session_id` answers now: it is opened (again, if the one
+    /// known was replaced) and asked for its descriptor, within `timeout_s` (default 2 s).
+    #[pyo3(signature = (session_id, *, timeout_s=None))]
+    fn probe(&self, py: Python<'_>, session_id: &str, timeout_s: Option<f64>) -> PyResult<bool> {
         check_session(session_id)?;
+        let deadline = Instant::now() + timeout_of(timeout_s, PROBE_WAIT)?;
         let open = self.open()?;
         Ok(py.detach(|| {
-            open.engine
-                .peer(session_id)
-                .is_ok_and(|peer| !peer.is_retired() && !peer.is_unavailable())
+            open.engine.peer(session_id).is_ok_and(|peer| {
+                !peer.is_retired() && open.engine.refresh_descriptor(&peer, deadline)
+            })
         }))
     }
 
@@ -705,11 +799,12 @@ impl Engine {
         timeout_s: Option<f64>,
     ) -> PyResult<()> {
         check_session(session_id)?;
+        check_notify(notify.as_ref())?;
         let transfers = transfers(op, local_addrs, remote_addrs, lengths)?;
-        let timeout = timeout_of(timeout_s, self.timeout)?;
+        let deadline = Instant::now() + timeout_of(timeout_s, self.timeout)?;
         let open = self.open()?;
         py.detach(|| {
-            let (batch, _) = open.submit(session_id, &transfers, notify, timeout)?;
+            let (batch, _) = open.submit(session_id, &transfers, notify, deadline)?;
             let status = batch.wait(batch.deadline() + RESOLVE_GRACE);
             if status.done == status.total {
                 Ok(())
@@ -771,10 +866,20 @@ impl Batch {
     fn wait(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<&'static str> {
         let until = match timeout_s {
             None => self.batch.deadline() + RESOLVE_GRACE,
-            Some(_) => Instant::now() + timeout_of(timeout_s, Duration::ZERO)?,
+            Some(seconds) => Instant::now() + wait_of(seconds)?,
         };
         py.detach(|| self.batch.wait(until));
         Ok(state(&self.batch))
+    }
+
+    /// Whether a request failed because the batch's deadline passed (rather than for
+    /// another reason).
+    fn timed_out(&self) -> bool {
+        (0..self.transfers.len()).any(|index| {
+            self.batch
+                .failure(index)
+                .is_some_and(|failure| failure.reason == FailReason::Timeout)
+        })
     }
 
     /// `(request index, reason)` of every failed request.

@@ -256,3 +256,18 @@ def test_initialize_mappings():
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "mlx5_0") == 0
     assert engine.get_rpc_port() > 0
     engine.close()
+
+
+def test_a_finished_batch_checked_after_its_deadline_is_done(prefill, decode):
+    src = np.full(4096, 9, dtype=np.uint8)
+    assert prefill.register_memory(src.ctypes.data, src.nbytes) == 0
+    remote, _ = decode.bufs[0]
+    batch_id = prefill.batch_transfer_async_write(
+        decode.session, [src.ctypes.data], [remote], [4096]
+    )
+    assert batch_id > 0
+    pending = prefill._pending[batch_id]
+    assert pending.batch.wait(10) == "DONE"
+    # Looked at only after its deadline (a slow caller): still a success, as in Mooncake.
+    pending.deadline = time.monotonic() - 1
+    assert prefill.get_batch_transfer_status([batch_id]) == 0

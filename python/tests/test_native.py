@@ -275,3 +275,52 @@ def test_alloc_free_and_close():
 def test_unknown_fabric_is_refused():
     with pytest.raises((ValueError, RuntimeError)):
         railyard.Engine(listen="127.0.0.1:0", fabric="warp-drive")
+
+
+def test_refusals_queue_nothing_and_name_the_range(engine, peer):
+    src = np.full(2 * BLOCK, 3, dtype=np.uint8)
+    engine.register(src.ctypes.data, src.nbytes)
+    remote_base, remote_len = peer.bufs[0]
+    before = peer.cmd("DIGEST")["digests"][0]
+
+    # A notification too large for one message: refused before the batch is queued.
+    with pytest.raises(ValueError):
+        engine.write(peer.session, [src.ctypes.data], [remote_base], [BLOCK],
+                     notify=b"x" * (2 << 20))
+    with pytest.raises(ValueError):
+        engine.submit(peer.session, "write", [src.ctypes.data], [remote_base], [BLOCK],
+                      notify=b"x" * (2 << 20))
+    # The second range is outside every region: the error names it, nothing moved.
+    bad_remote = remote_base + remote_len + (1 << 20)
+    with pytest.raises(TransferError) as info:
+        engine.write(peer.session, [src.ctypes.data, src.ctypes.data + BLOCK],
+                     [remote_base, bad_remote], [BLOCK, BLOCK], timeout_s=5)
+    assert info.value.index == 1
+    assert info.value.remote_addr == bad_remote and info.value.length == BLOCK
+    assert peer.cmd("DIGEST")["digests"][0] == before, "a refused batch moved bytes"
+
+    # A registration call refused halfway leaves nothing of it registered.
+    other = np.zeros(BLOCK, dtype=np.uint8)
+    with pytest.raises(ValueError):
+        engine.register([other.ctypes.data, src.ctypes.data + 8], [other.nbytes, 16])
+    with pytest.raises(ValueError):
+        engine.deregister(other.ctypes.data)
+
+    # Waits of zero only look; an absurd rail count is refused.
+    batch = engine.submit(peer.session, "write", [src.ctypes.data], [remote_base], [BLOCK])
+    assert batch.wait(0) in ("DONE", "PROC")
+    assert batch.wait(10) == "DONE" and not batch.timed_out()
+    assert engine.wait_notifs(0) == {}
+    with pytest.raises(ValueError):
+        railyard.Engine(listen="127.0.0.1:0", rails=100_000)
+
+
+def test_close_releases_a_thread_waiting_for_notifications():
+    e = railyard.Engine(listen="127.0.0.1:0", fabric=FABRIC, busy_poll=False)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(e.wait_notifs, 60)
+        time.sleep(0.2)
+        started = time.monotonic()
+        e.close()
+        assert waiting.result(timeout=10) == {}
+        assert time.monotonic() - started < 2

@@ -193,6 +193,15 @@ pub enum PeerError {
         /// Why.
         reason: String,
     },
+    /// An open of the same session failed moments ago
+    /// ([`FAILED_OPEN_KEPT`](super::session::FAILED_OPEN_KEPT)); it is not tried again yet.
+    #[error("cannot open peer {target}: {reason} (an open failed just now)")]
+    RecentlyFailed {
+        /// The session.
+        target: String,
+        /// Why that open failed.
+        reason: String,
+    },
     /// The control plane stopped.
     #[error(transparent)]
     Control(#[from] ControlError),

@@ -70,7 +70,9 @@ use railyard_topology::{HostTopology, PlanOptions, RailKind};
 
 pub use error::{BuildError, MemoryError, PeerError, RevokeError, TransferError};
 use rails::{Memory, PlannedRail, Rails};
-pub use session::{REFRESH_WAIT, RawTransfer, SubmitterPool};
+pub use session::{
+    FAILED_OPEN_KEPT, MAX_IDLE_SUBMITTERS, REFRESH_WAIT, RawTransfer, SubmitterPool,
+};
 pub use transfer::{EngineSubmitter, Op, SubmitTiming, Transfer};
 
 /// Which fabric moves the bytes.
@@ -394,6 +396,7 @@ impl EngineBuilder {
                 revoking: Mutex::new(Vec::new()),
                 next_region: AtomicU64::new(1),
                 regions_version: AtomicU64::new(0),
+                registering: Mutex::new(()),
                 warnings,
                 peers: transfer::PeerTable::default(),
                 sessions: session::SessionTable::default(),
@@ -452,6 +455,8 @@ struct Inner {
     topology: Option<Arc<HostTopology>>,
     rail_numa: Vec<u32>,
     regions: RwLock<Vec<RegionEntry>>,
+    /// Held by [`Engine::register`] from its overlap check to its insert.
+    registering: Mutex<()>,
     /// Queue pairs revoked whose fence timed out ([`RevokeError::Busy`]), by peer: the next
     /// `revoke` of that peer waits for them again.
     revoking: Mutex<Vec<(Incarnation, railyard_control::Revocation)>>,
@@ -772,18 +777,23 @@ impl Engine {
         if !memory::mapped_read_write(addr, len) {
             return Err(MemoryError::NotHostMemory { addr, len });
         }
-        // Held across the registration, so that two threads registering one range get one
-        // region.
-        let mut regions = self
+        // Held across the check and the registration, so that two threads registering one
+        // range get one region; the regions' lock is taken only to read and then to insert,
+        // so submitters never wait for a rail pinning memory.
+        let _registering = self
+            .inner
+            .registering
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let overlapping = self
             .inner
             .regions
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(existing) = regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .map(|entry| entry.region)
-            .find(|region| region.addr < addr + len && addr < region.addr + region.len)
-        {
+            .find(|region| region.addr < addr + len && addr < region.addr + region.len);
+        if let Some(existing) = overlapping {
             if existing.addr == addr && existing.len == len {
                 return Ok(existing);
             }
@@ -804,12 +814,11 @@ impl Engine {
             backing: None,
             numa: None,
         };
-        regions.push(RegionEntry {
+        self.insert(RegionEntry {
             region,
             memory: None,
             registrations,
         });
-        self.publish(&regions);
         Ok(region)
     }
 

@@ -17,7 +17,19 @@ use super::transfer::EngineSubmitter;
 use super::{Engine, Op, Peer, PeerError, Region, Transfer, TransferError};
 
 /// The engine's peers by session string (see the module docs).
-pub(crate) type SessionTable = Mutex<HashMap<String, Arc<Mutex<Option<Peer>>>>>;
+pub(crate) type SessionTable = Mutex<HashMap<String, Arc<Mutex<Session>>>>;
+
+/// What is known of one session: the peer opened, or the last open that failed.
+#[derive(Debug, Default)]
+pub(crate) struct Session {
+    peer: Option<Peer>,
+    /// When the last open failed, and why.
+    failed: Option<(Instant, String)>,
+}
+
+/// How long a failed open is the answer for a session: threads that were waiting for it
+/// get the same error at once instead of each waiting out an open of its own.
+pub const FAILED_OPEN_KEPT: Duration = Duration::from_millis(500);
 
 /// Longest a submission waits for a peer's descriptor to be fetched again when it names a
 /// remote range the descriptor does not hold (a region the peer registered since).
@@ -44,7 +56,8 @@ impl Engine {
     /// The peer at session `target` (`host:port`, or a name with a directory): opened on
     /// first use and kept; opened again when the one kept was retired (the process there
     /// restarted, died, or was revoked). Threads asking for different sessions do not wait
-    /// for each other.
+    /// for each other; threads asking for one that failed to open get that failure for
+    /// [`FAILED_OPEN_KEPT`] instead of opening it again one after another.
     ///
     /// # Errors
     /// As [`Engine::open`].
@@ -57,13 +70,31 @@ impl Engine {
             .entry(target.to_string())
             .or_default()
             .clone();
-        let mut kept = slot.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(peer) = kept.as_ref().filter(|peer| !peer.is_retired()) {
+        let mut session = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(peer) = session.peer.as_ref().filter(|peer| !peer.is_retired()) {
             return Ok(peer.clone());
         }
-        let peer = self.open(target)?;
-        *kept = Some(peer.clone());
-        Ok(peer)
+        if let Some((at, reason)) = &session.failed {
+            if at.elapsed() < FAILED_OPEN_KEPT {
+                return Err(PeerError::RecentlyFailed {
+                    target: target.to_string(),
+                    reason: reason.clone(),
+                });
+            }
+        }
+        match self.open(target) {
+            Ok(peer) => {
+                *session = Session {
+                    peer: Some(peer.clone()),
+                    failed: None,
+                };
+                Ok(peer)
+            }
+            Err(error) => {
+                session.failed = Some((Instant::now(), error.to_string()));
+                Err(error)
+            }
+        }
     }
 
     /// Asks `peer` for its descriptor again and waits (until `deadline`) for it to arrive:
@@ -174,9 +205,14 @@ impl EngineSubmitter {
     }
 }
 
+/// Most submitters a [`SubmitterPool`] keeps between uses.
+pub const MAX_IDLE_SUBMITTERS: usize = 64;
+
 /// Submitters for any thread: [`Self::with`] lends one (creating it when all are lent) and
-/// takes it back, so the pool holds as many as threads ever submitted at once, and their
-/// rings to the pollers live until the pool is dropped.
+/// takes it back, so the pool holds as many as threads submit at once (up to
+/// [`MAX_IDLE_SUBMITTERS`] kept idle), and their rings to the pollers live until the pool
+/// is dropped. (A submitter kept per thread instead would hold the engine until the thread
+/// exits, so closing an engine could not stop it while a thread pool lives on.)
 #[derive(Debug)]
 pub struct SubmitterPool {
     engine: Engine,
@@ -192,7 +228,8 @@ impl SubmitterPool {
         }
     }
 
-    /// Runs `work` with a submitter of the pool.
+    /// Runs `work` with a submitter of the pool. At most [`MAX_IDLE_SUBMITTERS`] are kept
+    /// between uses; one returned beyond that is dropped, its rings released.
     ///
     /// # Errors
     /// [`TransferError::PollerStopped`] when a new submitter cannot open its rings.
@@ -210,10 +247,10 @@ impl SubmitterPool {
             None => self.engine.submitter()?,
         };
         let result = work(&mut submitter);
-        self.idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(submitter);
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        if idle.len() < MAX_IDLE_SUBMITTERS {
+            idle.push(submitter);
+        }
         Ok(result)
     }
 }

@@ -2,8 +2,8 @@
 
 Addresses are Python ints: raw virtual addresses of host memory in this process, e.g.
 ``tensor.data_ptr()`` or ``numpy_array.ctypes.data``. Wherever a list of ints is accepted,
-a 1-D NumPy array of ``uint64``/``int64`` is accepted too (read through the buffer
-protocol, without a copy to a list).
+a 1-D NumPy array of ``uint64``/``int64`` is accepted too (read with its ``tolist()``:
+the stable ABI this wheel is built for has no buffer protocol before Python 3.11).
 """
 
 from collections.abc import Sequence
@@ -54,9 +54,14 @@ class Batch:
     def wait(self, timeout_s: float | None = None) -> _BatchState:
         """Block (GIL released) until the batch is done or failed, or ``timeout_s`` passed.
 
-        ``timeout_s=None`` waits up to the engine's ``timeout_s``. Returns ``"PROC"`` if
-        the wait timed out with requests still in flight.
+        ``timeout_s=None`` waits until the batch's deadline (and a short grace: the
+        engine fails what is still in flight at the deadline); ``0`` only looks. Returns
+        ``"PROC"`` if the wait ended with requests still in flight.
         """
+        ...
+
+    def timed_out(self) -> bool:
+        """Whether a request failed because the batch's deadline passed."""
         ...
 
     def failures(self) -> list[tuple[int, str]]:
@@ -68,7 +73,7 @@ class Engine:
 
     Args:
         name: This engine's name; peers see it as the sender of notifications.
-            ``None`` picks a unique one.
+            ``None`` picks ``python-<host>-<pid>-<n>``, unique on the host.
         listen: ``"host:port"`` to listen on for peers (``port`` 0 picks a free one).
         advertise_host: The host peers should dial, when ``listen`` is a wildcard
             address such as ``0.0.0.0``. ``None`` lets the engine choose.
@@ -212,12 +217,14 @@ class Engine:
 
     def wait_notifs(self, timeout_s: float) -> dict[str, list[bytes]]:
         """Like :meth:`get_notifs`, but wait (GIL released) up to ``timeout_s`` for at
-        least one; returns ``{}`` on timeout."""
+        least one; returns ``{}`` on timeout (``0``: just look) or when the engine is
+        closed meanwhile."""
         ...
 
-    def probe(self, session_id: str) -> bool:
-        """Whether the peer is reachable now (opening or reopening the connection).
-        Never raises for a dead peer; a malformed session id is ``ValueError``."""
+    def probe(self, session_id: str, *, timeout_s: float | None = None) -> bool:
+        """Whether the peer answers now: it is opened (again, if the process there was
+        replaced) and asked for its descriptor, within ``timeout_s`` (default 2 s). Never
+        raises for a dead peer; a malformed session id is ``ValueError``."""
         ...
 
     def stats(self) -> dict[str, Any]:
@@ -225,8 +232,9 @@ class Engine:
         ...
 
     def close(self) -> None:
-        """Stop the engine and release its memory and connections. Idempotent; any
-        other call afterwards raises ``RuntimeError``."""
+        """Stop the engine and release its memory and connections once the calls still
+        running return (``wait_notifs`` returns at once; a transfer by its deadline).
+        Idempotent; any other call afterwards raises ``RuntimeError``."""
         ...
 
     def __enter__(self) -> Engine: ...

@@ -160,8 +160,8 @@ def _split_host_port(hostname: str) -> tuple[str, int | None]:
     parts = hostname.split(":")
     if len(parts) == 1:
         return hostname, None
-    if len(parts) > 3:  # a bare IPv6 address
-        return hostname, None
+    if len(parts) > 3 or (len(parts) == 3 and not parts[2].startswith("npu")):
+        return hostname, None  # a bare IPv6 address (two colons or more, no brackets)
     return parts[0], int(parts[1]) if parts[1].isdigit() else None
 
 
@@ -269,7 +269,6 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
-        self._managed: dict[int, int] = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -363,7 +362,6 @@ class TransferEngine:
         with self._lock:
             engine, self._engine = self._engine, None
             self._pending.clear()
-            self._managed.clear()
         if engine is not None:
             engine.close()
 
@@ -422,10 +420,7 @@ class TransferEngine:
     def allocate_managed_buffer(self, length: int) -> int:
         """Registered engine memory of ``length`` bytes; its address, or ``0``."""
         try:
-            addr = int(self._require().alloc(int(length)))
-            with self._lock:
-                self._managed[addr] = int(length)
-            return addr
+            return int(self._require().alloc(int(length)))
         except Exception as err:
             logger.error("allocate_managed_buffer(%s) failed: %s", length, err)
             return 0
@@ -433,8 +428,6 @@ class TransferEngine:
     def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
         """Free what ``allocate_managed_buffer`` returned; ``0`` or ``-1``."""
         try:
-            with self._lock:
-                self._managed.pop(int(buffer_addr), None)
             self._require().free(int(buffer_addr))
             return 0
         except Exception as err:
@@ -668,7 +661,10 @@ class TransferEngine:
         if state == "ERR":
             self._log_failures(batch_id, pending)
             self._forget(batch_id)
-            return -1
+            # The poller fails what is still in flight at the deadline: that is Mooncake's
+            # timeout (-2), not a failure (-1).
+            timed_out = pending.batch is not None and pending.batch.timed_out()
+            return -2 if timed_out else -1
         if time.monotonic() > pending.deadline:
             return -2
         return 0
@@ -684,8 +680,8 @@ class TransferEngine:
                 logger.error("get_batch_transfer_status: unknown batch id %s", batch_id)
                 ok = False
                 break
-            state = "DONE"
-            if pending.batch is not None:
+            state = self._poll(pending)
+            if state == "PROC" and pending.batch is not None:
                 try:
                     remaining = max(0.0, pending.deadline - time.monotonic())
                     state = pending.batch.wait(remaining)
