@@ -3,7 +3,7 @@
 //!
 //! The producer owns `tail` (the next position to write), the consumer owns `head` (the
 //! next position to read). Each index sits in its own [`CachePadded`] so the two sides never
-//! write the same cache line. Positions run over `0..2 * capacity` ([`Positions`]): twice the
+//! write the same cache line. Positions run over `0..2 * capacity` (`Positions`): twice the
 //! slots, so that a full ring (`distance == capacity`) differs from an empty one
 //! (`head == tail`); position `p` is slot `p` or `p - capacity`. Each side keeps a cached
 //! copy of the other side's index and re-reads the atomic only when the ring looks full

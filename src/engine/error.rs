@@ -194,7 +194,7 @@ pub enum PeerError {
         reason: String,
     },
     /// An open of the same session failed moments ago
-    /// ([`FAILED_OPEN_KEPT`](super::session::FAILED_OPEN_KEPT)); it is not tried again yet.
+    /// ([`FAILED_OPEN_KEPT`](super::FAILED_OPEN_KEPT)); it is not tried again yet.
     #[error("cannot open peer {target}: {reason} (an open failed just now)")]
     RecentlyFailed {
         /// The session.
