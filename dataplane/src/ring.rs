@@ -56,9 +56,9 @@ impl<T> fmt::Display for PushError<T> {
 }
 
 struct Shared<T> {
-    /// Next slot the consumer reads. Written by the consumer only.
+    /// Next position the consumer reads. Written by the consumer only.
     head: CachePadded<AtomicUsize>,
-    /// Next slot the producer writes. Written by the producer only.
+    /// Next position the producer writes. Written by the producer only.
     tail: CachePadded<AtomicUsize>,
     /// `padding` unused cells, the ring's slots, `padding` unused cells.
     cells: Box<[UnsafeCell<MaybeUninit<T>>]>,
@@ -478,6 +478,25 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize as StdAtomic;
     use std::thread;
+
+    /// The position arithmetic against plain modular arithmetic, exhaustively for small
+    /// capacities: every position, every step up to a whole ring.
+    #[test]
+    fn positions_agree_with_modular_arithmetic() {
+        for capacity in 1..=8 {
+            let positions = Positions { capacity };
+            let span = 2 * capacity;
+            for position in 0..span {
+                assert_eq!(positions.slot(position), position % capacity);
+                assert_eq!(positions.next(position), (position + 1) % span);
+                for n in 0..=capacity {
+                    let advanced = positions.advance(position, n);
+                    assert_eq!(advanced, (position + n) % span);
+                    assert_eq!(positions.distance(position, advanced), n);
+                }
+            }
+        }
+    }
 
     #[test]
     fn capacity_rounds_up_and_full_hands_the_value_back() {

@@ -443,18 +443,39 @@ fn measure_ceiling(
     site: CeilingSite,
     source: Region,
     pool_len: u64,
+    tcp: bool,
 ) -> anyhow::Result<Ceiling> {
     let request_bytes = args.block_size * args.batch;
     let rails = engine.rails();
-    // At least one block per memcpy thread, whole blocks only.
-    let slots = (pool_len.min(MAX_CEILING_POOL) / args.block_size).max(rails as u64);
-    let pool = engine
-        .alloc(slots * args.block_size, None)
-        .context("allocating the ceiling's pool")?;
+    // A target elsewhere reads the TCP stream itself: no pool here.
+    let discarding_sink =
+        tcp && matches!(site, CeilingSite::Remote(addr) if !addr.ip().is_loopback());
+    let slots = if discarding_sink {
+        0
+    } else {
+        (pool_len.min(MAX_CEILING_POOL) / args.block_size).max(1)
+    };
+    let pool = if slots == 0 {
+        None
+    } else {
+        Some(
+            engine
+                .alloc(slots * args.block_size, None)
+                .context("allocating the ceiling's pool")?,
+        )
+    };
     let source_bytes = local_slice(source, 0, request_bytes);
-    let pool_bytes = local_slice(pool, 0, slots * args.block_size);
-    let measured = if args.fabric == FabricChoice::Tcp {
+    let pool_bytes: &mut [u8] = match pool {
+        Some(pool) => local_slice(pool, 0, slots * args.block_size),
+        None => &mut [],
+    };
+    let measured = if tcp {
         let slice = engine.slice_size();
+        let landing = if discarding_sink {
+            "to the target's TCP port, which discards them"
+        } else {
+            "into random slots"
+        };
         tcp_ceiling(
             &site,
             source_bytes,
@@ -467,7 +488,7 @@ fn measure_ceiling(
             gbps,
             what: format!(
                 "plain TCP stream of {} requests of {} blocks, cut at {} and sent \
-                 {REQUESTS_PER_SEND} pieces per vectored write, into random slots, best of \
+                 {REQUESTS_PER_SEND} pieces per vectored write, {landing}, best of \
                  {TCP_CEILING_ROUNDS} rounds",
                 format_size(request_bytes),
                 format_size(args.block_size),
@@ -476,18 +497,22 @@ fn measure_ceiling(
         })
     } else {
         let block = &source_bytes[..args.block_size as usize];
-        Ok(Ceiling {
-            gbps: memcpy_ceiling(block, pool_bytes, args.seed, rails),
+        // A thread per rail, as long as each has a block of the pool to itself.
+        let threads = rails.min(slots as usize).max(1);
+        memcpy_ceiling(block, pool_bytes, args.seed, threads).map(|gbps| Ceiling {
+            gbps,
             what: format!(
-                "memcpy of {} blocks into random slots on {rails} thread(s), one per rail, \
+                "memcpy of {} blocks into random slots on {threads} thread(s), one per rail, \
                  best of {MEMCPY_CEILING_ROUNDS} rounds",
                 format_size(args.block_size)
             ),
         })
     };
-    engine
-        .deregister(pool)
-        .context("freeing the ceiling's pool")?;
+    if let Some(pool) = pool {
+        engine
+            .deregister(pool)
+            .context("freeing the ceiling's pool")?;
+    }
     measured
 }
 
@@ -549,9 +574,9 @@ fn tcp_ceiling(
                 let listener = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))?;
                 let addr = listener.local_addr()?;
                 let pool = &mut *pool;
+                listener.set_nonblocking(true)?;
                 let reader = scope.spawn(move || -> std::io::Result<()> {
-                    let (socket, _) = listener.accept()?;
-                    socket.set_nonblocking(true)?;
+                    let socket = accept_within(&listener, CEILING_STALL)?;
                     let mut rng = SplitMix64::new(seed);
                     let slots = (pool.len() / block) as u64;
                     loop {
@@ -615,6 +640,32 @@ fn tcp_ceiling(
     })
 }
 
+/// The first connection to a non-blocking `listener`, waited for at most `bound`.
+fn accept_within(
+    listener: &std::net::TcpListener,
+    bound: Duration,
+) -> std::io::Result<std::net::TcpStream> {
+    let began = Instant::now();
+    loop {
+        match listener.accept() {
+            Ok((socket, _)) => {
+                socket.set_nonblocking(true)?;
+                return Ok(socket);
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                if began.elapsed() > bound {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "the ceiling's writer never connected",
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
 /// One vectored write to a non-blocking `stream`, spinning while its send buffer is full:
 /// the bytes taken (at least one).
 fn write_spinning(
@@ -661,22 +712,32 @@ fn read_spinning(socket: &mut impl std::io::Read, buffer: &mut [u8]) -> std::io:
 /// memcpy of `block` into random block slots of `pool` on `threads` threads (one per
 /// rail), each into its own part of the pool: this machine's ceiling for the copies the
 /// soft fabric's rails make, measured over the same shape. The best of a few rounds counts.
-fn memcpy_ceiling(block: &[u8], pool: &mut [u8], seed: u64, threads: usize) -> f64 {
+fn memcpy_ceiling(block: &[u8], pool: &mut [u8], seed: u64, threads: usize) -> anyhow::Result<f64> {
     let threads = threads.max(1);
     let part = (pool.len() / threads / block.len()).max(1) * block.len();
-    (0..MEMCPY_CEILING_ROUNDS)
-        .map(|round| memcpy_round(block, pool, part, seed.wrapping_add(round as u64), threads))
-        .fold(0.0, f64::max)
+    let mut best = 0.0f64;
+    for round in 0..MEMCPY_CEILING_ROUNDS {
+        let seed = seed.wrapping_add(round as u64);
+        best = best.max(memcpy_round(block, pool, part, seed, threads)?);
+    }
+    Ok(best)
 }
 
 /// One round of [`memcpy_ceiling`], in GB/s: each thread copies into its `part` bytes of
 /// `pool`.
-fn memcpy_round(block: &[u8], pool: &mut [u8], part: usize, seed: u64, threads: usize) -> f64 {
+fn memcpy_round(
+    block: &[u8],
+    pool: &mut [u8],
+    part: usize,
+    seed: u64,
+    threads: usize,
+) -> anyhow::Result<f64> {
     let duration = Duration::from_millis(300);
+    let copiers = pool.chunks_exact_mut(part).take(threads).count().max(1);
     // The threads' rates, added up; they start copying together.
-    let start = std::sync::Barrier::new(threads);
-    let bytes_per_second: f64 = std::thread::scope(|scope| {
-        let copiers: Vec<_> = pool
+    let start = std::sync::Barrier::new(copiers);
+    let bytes_per_second = std::thread::scope(|scope| -> anyhow::Result<f64> {
+        let spawned: Vec<_> = pool
             .chunks_exact_mut(part)
             .take(threads)
             .enumerate()
@@ -700,12 +761,15 @@ fn memcpy_round(block: &[u8], pool: &mut [u8], part: usize, seed: u64, threads: 
                 })
             })
             .collect();
-        copiers
-            .into_iter()
-            .filter_map(|copier| copier.join().ok())
-            .sum()
-    });
-    bytes_per_second / 1e9
+        let mut total = 0.0;
+        for copier in spawned {
+            total += copier
+                .join()
+                .map_err(|_| anyhow::anyhow!("a memcpy ceiling thread panicked"))?;
+        }
+        Ok(total)
+    })?;
+    Ok(bytes_per_second / 1e9)
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -726,17 +790,50 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
     // A name of its own, so that two benches never claim the same one in a directory.
     let name = args.name.clone().unwrap_or_else(|| default_name("bench"));
+    if args.target.is_none() && args.pool / args.block_size < args.batch {
+        bail!(
+            "--pool {} holds {} blocks of {}, but a request needs {} (--batch)",
+            format_size(args.pool),
+            args.pool / args.block_size,
+            format_size(args.block_size),
+            args.batch
+        );
+    }
+    // With the target on this host, the ceiling is measured first, on an engine of its own
+    // whose pollers park while idle, before this bench's engine and its target start:
+    // nothing of railyard runs beside it. (Measured beside spinning or yielding pollers,
+    // the ceiling would lose cores to them, and a ratio above 1.0 would follow.)
+    let ceiling_with_the_machine_to_itself = match args.target {
+        Some(_) => None,
+        None => {
+            let ceiling_engine = Engine::builder(format!("{name}-ceiling"))
+                .fabric(args.fabric)
+                .rails(rails)
+                .verbs(args.verbs.config())
+                .idle(IdleStrategy::SpinThenPark {
+                    spins: 64,
+                    park: Duration::from_millis(1),
+                })
+                .build()
+                .context("starting the ceiling's engine")?;
+            let source = ceiling_engine
+                .alloc(request_bytes, None)
+                .context("allocating the ceiling's source")?;
+            Some(measure_ceiling(
+                args,
+                &ceiling_engine,
+                CeilingSite::Loopback,
+                source,
+                args.pool,
+                args.fabric == FabricChoice::Tcp,
+            )?)
+        }
+    };
     let engine = Engine::builder(name)
         .fabric(args.fabric)
         .rails(rails)
         .verbs(args.verbs.config())
         .directory(args.directory.clone())
-        // Parks while it has no peer (and spins, then yields, once it has one), so that the
-        // ceiling below has the machine to itself.
-        .idle(IdleStrategy::SpinThenPark {
-            spins: 1 << 14,
-            park: Duration::from_millis(1),
-        })
         .build()
         .context("starting the engine")?;
     // Each thread: its request's blocks, then a check area as large.
@@ -744,32 +841,9 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let local = engine
         .alloc(per_thread * args.threads, None)
         .context("allocating the local buffers")?;
-    // With the target on this host, the ceiling is measured before it starts, while this
-    // engine's pollers park: nothing of railyard runs beside it. (Measured with a peer open,
-    // spinning and yielding pollers would take the ceiling's cores, and a ratio above 1.0
-    // would follow.)
-    let ceiling_with_the_machine_to_itself = match args.target {
-        Some(_) => None,
-        None => Some(measure_ceiling(
-            args,
-            &engine,
-            CeilingSite::Loopback,
-            local,
-            args.pool,
-        )?),
-    };
     let (_child, target) = match &args.target {
         Some(target) => (None, target.clone()),
         None => {
-            if args.pool / args.block_size < args.batch {
-                bail!(
-                    "--pool {} holds {} blocks of {}, but a request needs {} (--batch)",
-                    format_size(args.pool),
-                    args.pool / args.block_size,
-                    format_size(args.block_size),
-                    args.batch
-                );
-            }
             let (child, addr) = start_target(args, engine.rails())?;
             (Some(child), addr.to_string())
         }
@@ -811,8 +885,9 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
 
     let ceiling = match ceiling_with_the_machine_to_itself {
         Some(ceiling) => ceiling,
-        // A target elsewhere: its TCP port takes the plain stream, measured now, before the
-        // run (this engine's poller keeps a peer now, so it yields between rounds).
+        // A target elsewhere: measured now, before the run, beside this engine's idle
+        // pollers; the TCP ceiling when the engine reached the peer over TCP (`auto` does
+        // for another host), its TCP port taking the plain stream.
         None => measure_ceiling(
             args,
             &engine,
@@ -822,6 +897,7 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
             )),
             local,
             pool.len,
+            engine.stats().control.tcp_qps > 0,
         )?,
     };
     let stop = AtomicBool::new(false);

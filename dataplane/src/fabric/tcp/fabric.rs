@@ -945,7 +945,11 @@ impl Served {
             return moved;
         }
         let waiting_immediate = matches!(self.incoming, Incoming::Immediate { .. });
-        if (self.readable || waiting_immediate) && !self.closed {
+        // A header read whole behind the last payload is in our buffer, not the socket:
+        // epoll will not report it.
+        let header_buffered =
+            matches!(self.incoming, Incoming::Header) && self.header_got == REQUEST_LEN;
+        if (self.readable || waiting_immediate || header_buffered) && !self.closed {
             self.readable = false;
             moved |= self.read(io);
             // Replies to what was just read go out in this round.
@@ -1284,11 +1288,10 @@ impl Served {
                     )
                 }?;
                 if got >= left {
+                    // A header read whole is started by the next step, after the checks
+                    // every request gets (its owner, the reply queue).
                     self.header_got = got - left;
                     self.applied(header);
-                    if matches!(self.incoming, Incoming::Header) && self.header_got == REQUEST_LEN {
-                        self.take_header(io);
-                    }
                 } else if got > 0 {
                     self.incoming = Incoming::Payload {
                         addr: addr + got as u64,
