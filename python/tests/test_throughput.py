@@ -22,7 +22,12 @@ BLOCK = 64 << 10
 BATCH = 64
 POOL_BLOCKS = 1024  # 64 MiB at the peer
 SECONDS = float(os.environ.get("RAILYARD_TEST_THROUGHPUT_S", "2"))
-BENCH = Path(__file__).resolve().parents[2] / "target" / "release" / "railyard"
+# Where `make python-test` built it: cargo's target directory (CARGO_TARGET_DIR if set).
+BENCH = (
+    Path(os.environ.get("CARGO_TARGET_DIR") or Path(__file__).resolve().parents[2] / "target")
+    / "release"
+    / "railyard"
+)
 
 
 def _python_gbps(spawn_peer) -> float:
