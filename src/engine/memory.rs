@@ -1,7 +1,9 @@
-//! Host memory for rails that register it themselves (verbs): an anonymous mapping, with 2 MiB
-//! huge pages from the hugetlb pool when it has them, else transparent huge pages advised
+//! Host memory for rails that register it themselves (verbs): private memory of this
+//! process, 2 MiB huge pages from the hugetlb pool when it has enough (allocated by
+//! `hugepage-rs`), else an anonymous mapping (`memmap2`) with transparent huge pages advised
 //! when the kernel allows them, else normal pages — and a report of which.
 
+use std::alloc::Layout;
 use std::io;
 use std::ptr::NonNull;
 
@@ -9,41 +11,74 @@ use railyard_dataplane::fabric::soft::Backing;
 
 const HUGE_PAGE: usize = 2 << 20;
 
-/// An anonymous mapping, unmapped on drop.
+/// Private memory of this process, freed on drop.
 ///
 /// # Invariants
-/// `ptr..ptr + len` is a live private anonymous mapping owned by this value.
+/// `pages` holds `len` bytes of live, readable and writable memory owned by this value.
+/// Concurrent access to its bytes is the RDMA contract (transfers resolve before the
+/// application reads what they wrote).
 #[derive(Debug)]
 pub(crate) struct HostMemory {
-    ptr: NonNull<u8>,
+    pages: Pages,
     len: usize,
     backing: Backing,
 }
 
-// SAFETY:
-// - Plain memory owned by this value; concurrent access to its bytes is the RDMA contract
-//   (transfers resolve before the application reads what they wrote).
-unsafe impl Send for HostMemory {}
-// SAFETY: as for Send.
-unsafe impl Sync for HostMemory {}
+/// Where a [`HostMemory`]'s bytes come from.
+#[derive(Debug)]
+enum Pages {
+    /// 2 MiB pages of the hugetlb pool, from `hugepage_rs::alloc` with this layout.
+    HugeTlb { first: NonNull<u8>, layout: Layout },
+    /// An anonymous mapping.
+    Mapped(memmap2::MmapRaw),
+}
 
-fn map(len: usize, extra: libc::c_int) -> Option<NonNull<u8>> {
-    // SAFETY:
-    // - A fresh anonymous mapping chosen by the kernel overlaps nothing we own.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | extra,
-            -1,
-            0,
-        )
+// SAFETY:
+// - The memory is plain bytes owned by this value (hugetlb pages, or a mapping); the RDMA
+//   contract above governs concurrent access, as for the mapping, which is Send and Sync.
+unsafe impl Send for Pages {}
+// SAFETY: as for Send.
+unsafe impl Sync for Pages {}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        if let Self::HugeTlb { first, layout } = *self {
+            // SAFETY:
+            // - `first` came from `hugepage_rs::alloc` with this `layout` (the variant's
+            //   invariant) and is freed once, here.
+            // - Registrations of it are withdrawn before the engine drops the memory.
+            unsafe { hugepage_rs::dealloc(first.as_ptr(), layout) };
+        }
+    }
+}
+
+impl Pages {
+    fn first(&self) -> *mut u8 {
+        match self {
+            Self::HugeTlb { first, .. } => first.as_ptr(),
+            Self::Mapped(map) => map.as_mut_ptr(),
+        }
+    }
+}
+
+/// Free bytes of the hugetlb pool, when its default page size is 2 MiB (what
+/// `hugepage-rs` allocates and our alignment assumes); 0 otherwise.
+fn hugetlb_free_bytes() -> usize {
+    let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else {
+        return 0;
     };
-    if ptr == libc::MAP_FAILED {
-        None
-    } else {
-        NonNull::new(ptr.cast())
+    let field = |name: &str| -> Option<usize> {
+        meminfo
+            .lines()
+            .find_map(|line| line.strip_prefix(name))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    match (field("Hugepagesize:"), field("HugePages_Free:")) {
+        (Some(2048), Some(free)) => free.saturating_mul(HUGE_PAGE),
+        _ => 0,
     }
 }
 
@@ -53,27 +88,34 @@ fn thp_allowed() -> bool {
 }
 
 impl HostMemory {
-    /// Maps `len` bytes (more than 0).
+    /// `len` bytes (more than 0).
     pub(crate) fn new(len: usize) -> io::Result<Self> {
         if len == 0 {
             return Err(io::ErrorKind::InvalidInput.into());
         }
-        if len % HUGE_PAGE == 0 {
-            if let Some(ptr) = map(len, libc::MAP_HUGETLB) {
+        if len % HUGE_PAGE == 0 && hugetlb_free_bytes() >= len {
+            let layout = Layout::from_size_align(len, HUGE_PAGE)
+                .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            // Null when the pool ran dry meanwhile: normal pages below.
+            // SAFETY: a layout of `len` (more than 0) bytes; the memory is owned by the value
+            // returned and freed with the same layout on drop.
+            let first = unsafe { hugepage_rs::alloc(layout) };
+            if let Some(first) = NonNull::new(first) {
                 return Ok(Self {
-                    ptr,
+                    pages: Pages::HugeTlb { first, layout },
                     len,
                     backing: Backing::HugeTlb,
                 });
             }
         }
-        let ptr = map(len, 0).ok_or_else(io::Error::last_os_error)?;
-        let advised = len >= HUGE_PAGE && thp_allowed() && {
-            // SAFETY: the range is exactly the mapping just made; advice changes no contents.
-            unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_HUGEPAGE) == 0 }
-        };
+        let map = memmap2::MmapOptions::new()
+            .len(len)
+            .map_anon()
+            .map(memmap2::MmapRaw::from)?;
+        let advised =
+            len >= HUGE_PAGE && thp_allowed() && map.advise(memmap2::Advice::HugePage).is_ok();
         Ok(Self {
-            ptr,
+            pages: Pages::Mapped(map),
             len,
             backing: if advised {
                 Backing::TransparentHugeAdvised
@@ -84,7 +126,7 @@ impl HostMemory {
     }
 
     pub(crate) fn addr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
+        self.pages.first() as u64
     }
 
     pub(crate) fn backing(&self) -> Backing {
@@ -98,23 +140,15 @@ impl HostMemory {
     pub(crate) unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: the mapping is live and `len` bytes long (invariant); the caller excludes
         // writers.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts(self.pages.first(), self.len) }
     }
 
     /// Touches every page so that none faults on the data path.
     pub(crate) fn prefault(&mut self) {
         for offset in (0..self.len).step_by(4096) {
             // SAFETY: inside the live writable mapping; `&mut self` excludes other users.
-            unsafe { self.ptr.as_ptr().add(offset).write_volatile(0) };
+            unsafe { self.pages.first().add(offset).write_volatile(0) };
         }
-    }
-}
-
-impl Drop for HostMemory {
-    fn drop(&mut self) {
-        // SAFETY: our mapping (invariant); registrations of it are withdrawn before the
-        // engine drops the memory.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
 
@@ -188,11 +222,24 @@ mod tests {
 
     #[test]
     fn host_memory_maps_reports_its_backing_and_prefaults() {
+        // What the hugetlb pool holds decides the backing: with room, 2 MiB pages (and the
+        // kernel says so for the mapping); without, an anonymous mapping with THP advised.
+        let pool_had_room = hugetlb_free_bytes() >= 4 << 20;
         let mut memory = HostMemory::new(4 << 20).expect("maps");
-        assert!(matches!(
-            memory.backing(),
-            Backing::HugeTlb | Backing::TransparentHugeAdvised | Backing::Normal
-        ));
+        match memory.backing() {
+            Backing::HugeTlb => assert_eq!(kernel_page_size_kib(memory.addr()), Some(2048)),
+            backing => {
+                assert_eq!(kernel_page_size_kib(memory.addr()), Some(4));
+                let expected = if thp_allowed() {
+                    Backing::TransparentHugeAdvised
+                } else {
+                    Backing::Normal
+                };
+                assert_eq!(backing, expected);
+                // Normal pages although the pool had room: only if another test took it.
+                assert!(!pool_had_room || hugetlb_free_bytes() < 4 << 20);
+            }
+        }
         memory.prefault();
         // SAFETY: nothing writes it now.
         assert!(unsafe { memory.as_slice() }.iter().all(|&b| b == 0));
@@ -201,5 +248,29 @@ mod tests {
             HostMemory::new(4096).expect("maps").backing(),
             Backing::Normal
         );
+    }
+
+    /// The kernel's page size (KiB) for the mapping holding `addr` (`/proc/self/smaps`).
+    fn kernel_page_size_kib(addr: u64) -> Option<u64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((start, end)) = range.split_once('-') {
+                    if let (Ok(start), Ok(end)) =
+                        (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
+                    {
+                        inside = (start..end).contains(&addr);
+                        continue;
+                    }
+                }
+            }
+            if inside {
+                if let Some(size) = line.strip_prefix("KernelPageSize:") {
+                    return size.split_whitespace().next()?.parse().ok();
+                }
+            }
+        }
+        None
     }
 }

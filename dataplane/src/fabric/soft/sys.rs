@@ -5,7 +5,6 @@ use std::io::{self, Read};
 use std::mem;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::ptr::NonNull;
 use std::sync::atomic::AtomicU64;
 
 /// Returns `Err(last OS error)` when a libc call returned -1.
@@ -69,23 +68,18 @@ pub(crate) fn sealed_len(fd: BorrowedFd<'_>) -> io::Result<Option<u64>> {
     Ok(u64::try_from(stat.st_size).ok())
 }
 
-/// A shared mapping of a file, unmapped on drop.
+/// A shared mapping of a file (`memmap2`'s raw map: only pointers, since the peer process
+/// and this one's pollers write it too), unmapped on drop.
 ///
 /// # Invariants
-/// `ptr..ptr + len` is a live `MAP_SHARED` mapping owned by this value.
+/// `map` is a live `MAP_SHARED` mapping of `len` bytes owned by this value. Every access to
+/// its contents goes through atomics (`Mapping::atomic`) or through raw copies whose
+/// callers state why no other thread writes the same bytes.
 #[derive(Debug)]
 pub(crate) struct Mapping {
-    ptr: NonNull<u8>,
+    map: memmap2::MmapRaw,
     len: usize,
 }
-
-// SAFETY:
-// - The mapping is plain memory owned by this value; every access to its contents goes
-//   through atomics (`Mapping::atomic`) or through raw copies whose callers state why no
-//   other thread writes the same bytes.
-unsafe impl Send for Mapping {}
-// SAFETY: as for Send.
-unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps the first `len` bytes of `fd`, shared, read-only unless `writable`.
@@ -93,34 +87,19 @@ impl Mapping {
         if len == 0 {
             return Err(io::ErrorKind::InvalidInput.into());
         }
-        let protection = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
+        let mut options = memmap2::MmapOptions::new();
+        options.len(len);
+        let map = if writable {
+            options.map_raw(fd.as_raw_fd())?
         } else {
-            libc::PROT_READ
+            options.map_raw_read_only(fd.as_raw_fd())?
         };
-        // SAFETY:
-        // - A fresh mapping chosen by the kernel (null hint) overlaps nothing we own.
-        // - `fd` is open for the duration of the call.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                protection,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(io::ErrorKind::InvalidData)?;
-        Ok(Self { ptr, len })
+        Ok(Self { map, len })
     }
 
     /// The address of the first byte in this process.
     pub(crate) fn addr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
+        self.map.as_mut_ptr() as u64
     }
 
     /// Bytes mapped.
@@ -130,9 +109,7 @@ impl Mapping {
 
     /// Asks the kernel for transparent huge pages on this mapping. `false` when it refuses.
     pub(crate) fn advise_huge_pages(&self) -> bool {
-        // SAFETY:
-        // - The range is exactly our live mapping; MADV_HUGEPAGE changes no contents.
-        unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_HUGEPAGE) == 0 }
+        self.map.advise(memmap2::Advice::HugePage).is_ok()
     }
 
     /// Touches every page so that none faults later (on the data path).
@@ -147,7 +124,7 @@ impl Mapping {
             // - `offset < len`: inside the live, writable mapping (callers map writable
             //   buffers only); the caller guarantees no concurrent user.
             unsafe {
-                let byte = self.ptr.as_ptr().add(offset);
+                let byte = self.map.as_mut_ptr().add(offset);
                 byte.write_volatile(byte.read_volatile());
             }
         }
@@ -165,16 +142,7 @@ impl Mapping {
         // - The mapping is page-aligned and `offset` a multiple of 8: the word is aligned.
         // - The word is only ever accessed atomically, here and in the peer process.
         // - The reference cannot outlive `self`, which keeps the mapping alive.
-        Some(unsafe { &*self.ptr.as_ptr().add(offset).cast::<AtomicU64>() })
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY:
-        // - `ptr..ptr + len` is our mapping (invariant) and no reference into it outlives
-        //   `self` (`atomic` borrows from `self`).
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        Some(unsafe { &*self.map.as_mut_ptr().add(offset).cast::<AtomicU64>() })
     }
 }
 
