@@ -19,6 +19,10 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Err(error) = command.install_logging() {
+        eprintln!("railyard: error: {error:#}");
+        return ExitCode::from(2);
+    }
     match command.run() {
         Ok(code) => code,
         Err(error) => {

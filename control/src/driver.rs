@@ -304,9 +304,14 @@ impl<F: RailFabric> Driver<F> {
                     phase,
                     probation,
                 } => view.publish(phase, probation),
-                Action::Warn(line) => {
+                Action::Warn { kind, line } => {
                     if self.printer.enabled {
-                        eprintln!("railyard[{}]: warning: {line}", self.printer.name);
+                        tracing::warn!(
+                            target: "railyard::control",
+                            engine = %self.printer.name,
+                            kind = ?kind,
+                            "{line}"
+                        );
                     }
                 }
             }

@@ -111,7 +111,12 @@ pub(crate) enum Action {
         probation: bool,
     },
     /// A warning line the rate limiter let through.
-    Warn(String),
+    Warn {
+        /// Which kind of warning (rate-limited per kind).
+        kind: WarningKind,
+        /// What happened (with how many of its kind were suppressed before it).
+        line: String,
+    },
 }
 
 /// What the core is told about this process.
@@ -319,7 +324,7 @@ impl<F: RailFabric> Core<F> {
         match self.warnings.admit(kind, &message, now) {
             Some(line) => {
                 bump(&counters.warnings_printed);
-                self.actions.push_back(Action::Warn(line));
+                self.actions.push_back(Action::Warn { kind, line });
             }
             None => bump(&counters.warnings_suppressed),
         }

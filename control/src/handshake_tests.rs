@@ -266,7 +266,7 @@ impl Net {
                     },
                 ));
             }
-            Action::Warn(line) => self.procs[index].warnings.push(line),
+            Action::Warn { line, .. } => self.procs[index].warnings.push(line),
             Action::Publish {
                 view,
                 phase,

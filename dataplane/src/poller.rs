@@ -736,7 +736,7 @@ impl PollerHandle {
         if let Some(thread) = lock(&self.thread).take() {
             if thread.join().is_err() {
                 // The poller panicked: a bug. Its slices were resolved by their Drop.
-                eprintln!("railyard: poller {} panicked", self.name);
+                tracing::error!(target: "railyard::poller", rail = %self.name, "the poller panicked");
             }
         }
     }

@@ -12,8 +12,23 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "railyard", version, about)]
 pub(crate) struct Cli {
+    /// Which log events to print: a level (error, warn, info, debug, trace) or `RUST_LOG`
+    /// directives (`railyard::control=debug,warn`). Default: `RUST_LOG`, else `warn`.
+    #[arg(long, global = true, value_name = "FILTER")]
+    log: Option<String>,
+    /// How log events look on stderr: `text` for people, `json` (one object per line) for
+    /// machines.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--log-format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -35,6 +50,31 @@ enum Command {
 }
 
 impl Cli {
+    /// Installs the `tracing` subscriber every log event of the engine, the control plane
+    /// and the CLI goes to: stderr, filtered by `--log` (else `RUST_LOG`, else `warn`), as
+    /// text (coloured on a terminal) or JSON lines.
+    ///
+    /// # Errors
+    /// A `--log` filter that does not parse.
+    pub(crate) fn install_logging(&self) -> anyhow::Result<()> {
+        use tracing_subscriber::EnvFilter;
+        let filter = match &self.log {
+            Some(directives) => EnvFilter::try_new(directives)
+                .map_err(|error| anyhow::anyhow!("--log {directives:?}: {error}"))?,
+            None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+        };
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr);
+        let installed = match self.log_format {
+            LogFormat::Text => builder
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .try_init(),
+            LogFormat::Json => builder.json().try_init(),
+        };
+        installed.map_err(|error| anyhow::anyhow!("installing the log subscriber: {error}"))
+    }
+
     pub(crate) fn run(self) -> anyhow::Result<std::process::ExitCode> {
         match self.command {
             Command::Topology(args) => {

@@ -72,6 +72,15 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         .alloc(args.pool, None)
         .context("allocating the pool")?;
     let mut out = std::io::stdout().lock();
+    tracing::info!(
+        target: "railyard::serve",
+        engine = engine.name(),
+        addr = %engine.addr(),
+        incarnation = %engine.incarnation(),
+        fabric = engine.fabric(),
+        pool_bytes = pool.len,
+        "serving"
+    );
     // First line: machine-readable, for scripts and `railyard bench`.
     writeln!(
         out,
@@ -91,7 +100,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         pool.backing.map_or("user memory", |b| b.describe())
     )?;
     for warning in engine.warnings() {
-        writeln!(out, "railyard serve: warning: {warning}")?;
+        tracing::warn!(target: "railyard::serve", engine = engine.name(), "{warning}");
     }
     out.flush()?;
     drop(out);

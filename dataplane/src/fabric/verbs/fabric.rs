@@ -374,7 +374,12 @@ impl Fabric for VerbsFabric {
     fn retire(&mut self, qp: QpNum) {
         if let Some(entry) = self.qps.get_mut(&qp.0) {
             if let Err(error) = entry.qp.to_error() {
-                eprintln!("railyard: verbs: retiring queue pair {}: {error}", qp.0);
+                tracing::warn!(
+                    target: "railyard::verbs",
+                    qp = qp.0,
+                    %error,
+                    "moving a retired queue pair to ERR failed"
+                );
             }
             entry.retired = true;
         }

@@ -50,9 +50,11 @@ fn failed_with(call: &'static str, code: i32) -> VerbsError {
 /// Reports a destroy that failed during `Drop`.
 fn report_leak(call: &str, code: i32) {
     if code != 0 {
-        eprintln!(
-            "railyard: verbs: {call} failed while releasing a resource: {} — it leaks",
-            io::Error::from_raw_os_error(code.abs())
+        tracing::warn!(
+            target: "railyard::verbs",
+            call,
+            error = %io::Error::from_raw_os_error(code.abs()),
+            "releasing a verbs resource failed: it leaks"
         );
     }
 }
