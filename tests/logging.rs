@@ -36,10 +36,17 @@ fn serve_with(log_args: &[&str]) -> (String, Vec<String>) {
         let _ = stderr.read_to_string(&mut text);
         text
     });
-    let mut first = String::new();
-    BufReader::new(child.stdout.take().expect("piped"))
-        .read_line(&mut first)
-        .expect("a first line");
+    // Read to the end, so that serve never writes into a closed pipe.
+    let stdout = child.stdout.take().expect("piped");
+    let (first_line, first) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        if let Some(Ok(line)) = lines.next() {
+            let _ = first_line.send(line);
+        }
+        lines.for_each(drop);
+    });
+    let first = first.recv_timeout(BOUND).expect("a first line");
     drop(child.stdin.take());
     let end = Instant::now() + BOUND;
     while child.try_wait().expect("waitable").is_none() {
