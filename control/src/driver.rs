@@ -126,11 +126,11 @@ struct Socket {
     stalled_since: Option<Instant>,
 }
 
-/// How the driver prints warnings.
+/// How the driver reports admitted warnings: as `tracing` events.
 pub(crate) struct Printer {
-    /// Prefix of each line (the segment name).
+    /// The `engine` field of each event (the segment name).
     pub(crate) name: String,
-    /// Whether to print at all (counted either way).
+    /// Whether to emit them at all (counted either way).
     pub(crate) enabled: bool,
 }
 

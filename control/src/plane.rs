@@ -74,7 +74,7 @@ pub struct ControlConfig {
     pub warn_burst: u32,
     /// See [`Self::warn_burst`].
     pub warn_window: Duration,
-    /// Whether to print admitted warnings on stderr (counted either way).
+    /// Whether to emit admitted warnings as `tracing` events (counted either way).
     pub print_warnings: bool,
 }
 
