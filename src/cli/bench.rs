@@ -599,11 +599,11 @@ fn tcp_ceiling(
         stream.set_nodelay(true)?;
         stream.set_nonblocking(true)?;
         // Sends the request's blocks for `duration`: the bytes the kernel took.
+        let pieces: Vec<&[u8]> = source.chunks(piece).collect();
         let send_for = |duration: Duration| -> anyhow::Result<u64> {
             let started = Instant::now();
             let mut moved = 0u64;
             while started.elapsed() < duration {
-                let pieces: Vec<&[u8]> = source.chunks(piece).collect();
                 for send in pieces.chunks(REQUESTS_PER_SEND) {
                     let mut iov: Vec<IoSlice<'_>> = send.iter().map(|p| IoSlice::new(p)).collect();
                     let mut left: &mut [IoSlice<'_>] = &mut iov;

@@ -64,22 +64,24 @@ impl Pages {
 /// Free bytes of the hugetlb pool, when its default page size is 2 MiB (what
 /// `hugepage-rs` allocates and our alignment assumes); 0 otherwise.
 fn hugetlb_free_bytes() -> usize {
-    let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else {
-        return 0;
-    };
-    let field = |name: &str| -> Option<usize> {
-        meminfo
-            .lines()
-            .find_map(|line| line.strip_prefix(name))?
-            .split_whitespace()
-            .next()?
-            .parse()
-            .ok()
-    };
-    match (field("Hugepagesize:"), field("HugePages_Free:")) {
-        (Some(2048), Some(free)) => free.saturating_mul(HUGE_PAGE),
+    match (meminfo("Hugepagesize:"), meminfo("HugePages_Free:")) {
+        (Some(2048), Some(free)) => usize::try_from(free)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(HUGE_PAGE),
         _ => 0,
     }
+}
+
+/// The number after `field` (e.g. `"MemTotal:"`) in `/proc/meminfo`, in its own unit.
+fn meminfo(field: &str) -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()?
+        .lines()
+        .find_map(|line| line.strip_prefix(field))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 fn thp_allowed() -> bool {
@@ -192,15 +194,7 @@ pub(crate) fn mapped_read_write(addr: u64, len: u64) -> bool {
 
 /// This host's memory in bytes (`MemTotal`), if `/proc/meminfo` says.
 pub(crate) fn host_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib: u64 = meminfo
-        .lines()
-        .find_map(|line| line.strip_prefix("MemTotal:"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    kib.checked_mul(1024)
+    meminfo("MemTotal:")?.checked_mul(1024)
 }
 
 #[cfg(test)]

@@ -785,14 +785,8 @@ impl Engine {
             .registering
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let overlapping = self
-            .inner
-            .regions
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .map(|entry| entry.region)
-            .find(|region| region.addr < addr + len && addr < region.addr + region.len);
+        let overlapping =
+            self.find_region(|region| region.addr < addr + len && addr < region.addr + region.len);
         if let Some(existing) = overlapping {
             if existing.addr == addr && existing.len == len {
                 return Ok(existing);
@@ -824,13 +818,18 @@ impl Engine {
 
     /// The registered region holding all of `addr..addr + len`, if one does.
     pub fn region_at(&self, addr: u64, len: u64) -> Option<Region> {
+        self.find_region(|region| region.contains(addr, len))
+    }
+
+    /// The first registered region `matches` accepts.
+    fn find_region(&self, matches: impl Fn(&Region) -> bool) -> Option<Region> {
         self.inner
             .regions
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .map(|entry| entry.region)
-            .find(|region| region.contains(addr, len))
+            .find(|region| matches(region))
     }
 
     /// Every registered region (allocated or the application's), by address.
