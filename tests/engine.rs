@@ -82,8 +82,8 @@ fn two_processes_write_read_and_notify_with_every_byte_checked() {
         stats.rails.iter().all(|r| r.poller.completed > 0),
         "both rails carried slices"
     );
-    assert_eq!(stats.peers[0].requests, 48);
-    assert_eq!(stats.peers[0].bytes, 3 * (4 << 20));
+    assert_eq!(stats.peers[0].requests(), 48);
+    assert_eq!(stats.peers[0].bytes(), 3 * (4 << 20));
     let end = Instant::now() + BOUND;
     while engine.stats().control.notifications_sent < 3 && Instant::now() < end {
         std::thread::sleep(Duration::from_millis(1));

@@ -125,7 +125,8 @@ fn raw_transfers_resolve_their_regions_and_an_unregistered_range_queues_nothing(
     );
     let stats = initiator.stats();
     assert_eq!(
-        stats.peers[0].requests, 16,
+        stats.peers[0].requests(),
+        16,
         "only the two good batches counted"
     );
 }

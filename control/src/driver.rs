@@ -32,10 +32,11 @@ use railyard_dataplane::{Batch, EndpointId, Event, PollerHandle, SliceSpec, Subm
 use crate::endpoint::Incarnation;
 use crate::error::ControlError;
 use crate::handshake::{Action, ConnId, Core, PeerChange};
+use crate::plane::DirectoryWarning;
 use crate::policy::Policy;
 use crate::rail::{RailFabric, Revocation};
 use crate::shared::{ControlShared, EndpointView, bump, bump_by};
-use crate::warn::WarningKind;
+use crate::warn::{WarningKind, control_warning};
 use crate::wire::{FrameDecoder, MAX_BODY, MAX_HELLO_BODY, Message};
 
 /// What the application asks of the control thread.
@@ -73,7 +74,7 @@ pub(crate) enum Request {
         addr: SocketAddr,
         peer: Incarnation,
     },
-    DirectoryWarning(String),
+    DirectoryWarning(DirectoryWarning),
     Shutdown,
 }
 
@@ -126,14 +127,6 @@ struct Socket {
     stalled_since: Option<Instant>,
 }
 
-/// How the driver reports admitted warnings: as `tracing` events.
-pub(crate) struct Printer {
-    /// The `engine` field of each event (the segment name).
-    pub(crate) name: String,
-    /// Whether to emit them at all (counted either way).
-    pub(crate) enabled: bool,
-}
-
 /// The control thread. See the module docs.
 pub(crate) struct Driver<F: RailFabric> {
     core: Core<F>,
@@ -156,7 +149,8 @@ pub(crate) struct Driver<F: RailFabric> {
     signals_in_flight: Vec<Batch>,
     /// This thread's rings to the pollers, for immediates.
     signals: Submitter,
-    printer: Printer,
+    /// The `engine` field of its warnings (the segment name).
+    engine: String,
 }
 
 /// What the driver is built from.
@@ -169,7 +163,7 @@ pub(crate) struct DriverParts {
     pub(crate) requests: Receiver<Request>,
     pub(crate) wake: UnixStream,
     pub(crate) signals: Submitter,
-    pub(crate) printer: Printer,
+    pub(crate) engine: String,
 }
 
 impl<F: RailFabric> Driver<F> {
@@ -190,7 +184,7 @@ impl<F: RailFabric> Driver<F> {
             held_signals: Vec::new(),
             signals_in_flight: Vec::new(),
             signals: parts.signals,
-            printer: parts.printer,
+            engine: parts.engine,
         }
     }
 
@@ -253,9 +247,17 @@ impl<F: RailFabric> Driver<F> {
                 Request::RefreshDescriptor { addr, peer } => {
                     self.core.refresh_descriptor(addr, peer);
                 }
-                Request::DirectoryWarning(message) => {
-                    self.core.warn(WarningKind::Directory, message, now);
-                }
+                Request::DirectoryWarning(warning) => control_warning!(
+                    self.shared,
+                    self.engine,
+                    WarningKind::Directory,
+                    directory = %warning.directory,
+                    peer = warning.peer.as_deref(),
+                    incarnation = warning.incarnation.map(tracing::field::display),
+                    reason = warning.reason.as_deref(),
+                    "{}",
+                    warning.message
+                ),
                 Request::Connect {
                     addr,
                     local_rail,
@@ -304,16 +306,6 @@ impl<F: RailFabric> Driver<F> {
                     phase,
                     probation,
                 } => view.publish(phase, probation),
-                Action::Warn { kind, line } => {
-                    if self.printer.enabled {
-                        tracing::warn!(
-                            target: "railyard::control",
-                            engine = %self.printer.name,
-                            kind = ?kind,
-                            "{line}"
-                        );
-                    }
-                }
             }
         }
     }
@@ -366,13 +358,15 @@ impl<F: RailFabric> Driver<F> {
         if matches!(message, Message::Notify { .. }) {
             if socket.notification_bytes + frame.len() > bound {
                 bump(&self.shared.counters.notifications_dropped);
-                let message = format!(
-                    "dropping a notification of {} bytes: {} bytes of notifications already \
-                     wait for that peer",
-                    frame.len(),
-                    socket.notification_bytes
+                control_warning!(
+                    self.shared,
+                    self.engine,
+                    WarningKind::Connection,
+                    bytes = frame.len(),
+                    queued = socket.notification_bytes,
+                    "dropping a notification: the peer's bound of queued notifications is reached"
                 );
-                return self.core.warn(WarningKind::Connection, message, now);
+                return;
             }
             socket.notification_bytes += frame.len();
             socket.notifications.push_back(frame);
@@ -419,10 +413,12 @@ impl<F: RailFabric> Driver<F> {
                 Err(error) if out_of_descriptors(&error) => {
                     bump(&self.shared.counters.accept_pauses);
                     self.accept_paused_until = Some(now + ACCEPT_BACKOFF);
-                    self.core.warn(
+                    control_warning!(
+                        self.shared,
+                        self.engine,
                         WarningKind::Connection,
-                        format!("cannot accept a connection ({error}); pausing the listener"),
-                        now,
+                        reason = %error,
+                        "cannot accept a connection; pausing the listener"
                     );
                     return;
                 }

@@ -171,6 +171,30 @@ pub enum Phase {
     Retired,
 }
 
+impl Phase {
+    /// Every phase.
+    pub const ALL: [Phase; 6] = [
+        Self::Idle,
+        Self::Connecting,
+        Self::Ready,
+        Self::Backoff,
+        Self::CircuitOpen,
+        Self::Retired,
+    ];
+
+    /// Its name in snake case (the `state` label of the endpoint metric).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Idle => "idle",
+            Self::Connecting => "connecting",
+            Self::Ready => "ready",
+            Self::Backoff => "backoff",
+            Self::CircuitOpen => "circuit_open",
+            Self::Retired => "retired",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     Idle,

@@ -24,8 +24,8 @@
 //! # Outages
 //! Start-up fails with an error naming the endpoints when etcd cannot be reached. Later, a
 //! failed call, a watch that ends, or a keep-alive that goes unanswered for a lease period
-//! ends the session: the thread reports it (rate-limited, through the control plane's
-//! warnings), retries every half second, and on reconnecting claims the name again (a new
+//! ends the session: the thread reports it (a control-plane warning of kind `directory`),
+//! retries every half second, and on reconnecting claims the name again (a new
 //! lease), publishes, re-reads the prefix (peers that went or changed meanwhile are
 //! reported) and watches again. Transfers between connected peers never depend on etcd.
 
@@ -44,7 +44,7 @@ use tokio::sync::mpsc;
 
 use crate::descriptor::SegmentDescriptor;
 use crate::endpoint::Incarnation;
-use crate::plane::{PeerChange, PeerEvents};
+use crate::plane::{DirectoryWarning, PeerChange, PeerEvents};
 use crate::wire::{FrameDecoder, Message, WireError};
 
 /// How to reach etcd and how the directory behaves.
@@ -410,11 +410,14 @@ impl Session {
                             }));
                             return;
                         }
-                        self.events.warn(format!(
-                            "etcd at {members}: the name {:?} was taken by incarnation \
-                             {holder} while this process could not renew it; retrying",
-                            self.own.name
-                        ));
+                        self.events.warn(DirectoryWarning {
+                            message: "etcd: another incarnation took this process's name \
+                                      while it could not renew it; retrying",
+                            directory: members,
+                            peer: Some(self.own.name.clone()),
+                            incarnation: Some(holder),
+                            reason: None,
+                        });
                     }
                     Ended::Failed(reason) => {
                         if let Some(started) = started.take() {
@@ -429,19 +432,28 @@ impl Session {
                                 self.shared.outages.fetch_add(1, Ordering::Relaxed);
                                 down_since = Some(Instant::now());
                                 retries = 0;
-                                self.events.warn(format!(
-                                    "etcd at {members} is unreachable ({reason}); transfers \
-                                     between connected peers go on; retrying"
-                                ));
+                                self.events.warn(DirectoryWarning {
+                                    message: "etcd is unreachable; transfers between \
+                                              connected peers go on; retrying",
+                                    directory: members,
+                                    peer: None,
+                                    incarnation: None,
+                                    reason: Some(reason),
+                                });
                             }
                             Some(since) => {
                                 retries += 1;
                                 if retries % STILL_DOWN_EVERY == 0 {
-                                    self.events.warn(format!(
-                                        "etcd at {members} still unreachable after {:.0} s \
-                                         ({reason})",
-                                        since.elapsed().as_secs_f64()
-                                    ));
+                                    self.events.warn(DirectoryWarning {
+                                        message: "etcd is still unreachable",
+                                        directory: members,
+                                        peer: None,
+                                        incarnation: None,
+                                        reason: Some(format!(
+                                            "{reason} (for {:.0} s)",
+                                            since.elapsed().as_secs_f64()
+                                        )),
+                                    });
                                 }
                             }
                         }
@@ -526,12 +538,16 @@ impl Session {
         if let Some(started) = started.take() {
             let _ = started.send(Ok(()));
         } else if let Some(since) = down_since.take() {
-            self.events.warn(format!(
-                "etcd at {} is reachable again after {:.1} s; {:?} re-published",
-                self.config.members(),
-                since.elapsed().as_secs_f64(),
-                self.own.name
-            ));
+            self.events.warn(DirectoryWarning {
+                message: "etcd is reachable again; this process's record is re-published",
+                directory: self.config.members(),
+                peer: Some(self.own.name.clone()),
+                incarnation: None,
+                reason: Some(format!(
+                    "it was unreachable for {:.1} s",
+                    since.elapsed().as_secs_f64()
+                )),
+            });
         }
         // A third of the lease (tokio refuses a zero period; a zero TTL is granted as 1 s).
         let period = (self.config.lease_ttl / 3).max(Duration::from_millis(100));
@@ -697,10 +713,13 @@ impl Session {
             return;
         };
         let Ok((generation, descriptor)) = decode_record(kv.value()) else {
-            self.events.warn(format!(
-                "etcd: ignoring a malformed record under {}{name}",
-                self.config.prefix
-            ));
+            self.events.warn(DirectoryWarning {
+                message: "etcd: ignoring a malformed record",
+                directory: self.config.members(),
+                peer: Some(name.to_string()),
+                incarnation: None,
+                reason: Some(format!("the record under {}{name}", self.config.prefix)),
+            });
             return;
         };
         let name = name.to_string();

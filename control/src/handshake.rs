@@ -3,7 +3,7 @@
 //! [`Core`] is fed what happened — a connection accepted or dialed, a message received on
 //! connection `c`, a connection closed, an application request, a poller event, the time —
 //! and answers with [`Action`]s for the I/O driver ([`crate::driver`]) to carry out: dial,
-//! send a frame, close, command a poller, print a warning. It reads no clock, owns no socket
+//! send a frame, close, command a poller. It reads no clock, owns no socket
 //! and draws randomness only from its seeded generator, so every interleaving can be
 //! replayed in a unit test on virtual time. It calls the rails' fabrics ([`RailFabric`])
 //! directly: creating, connecting, staging and revoking queue pairs are synchronous and
@@ -27,12 +27,22 @@
 //! counted and ignored. An endpoint that leaves the attempt (retired, timed out, moved to a
 //! newer epoch) cancels it. A ConnectQp is answered only for the incarnation that said
 //! Hello on that connection; a notification is delivered only if it names this incarnation.
+//!
+//! # Log events
+//! Warnings go out as `tracing` events with fields ([`crate::warn`]). Each control
+//! connection has a `handshake` span (its address, and once it said Hello the peer's name
+//! and incarnation) and each endpoint an `endpoint` span (peer, incarnation, address, rail,
+//! id), both at level `info` and entered while the core works on them: with
+//! `railyard=info`, one search for an incarnation shows its connections, queue pairs and
+//! retirement in order.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
+
+use tracing::field::{Empty, display};
 
 use railyard_dataplane::fabric::tcp::TcpAttachment;
 use railyard_dataplane::rng::SplitMix64;
@@ -47,12 +57,19 @@ use crate::host::HostId;
 use crate::policy::Policy;
 use crate::rail::{PeerLink, RailFabric, Revocation};
 use crate::shared::{ControlShared, EndpointView, Notification, NotificationBody, bump};
-use crate::warn::{RateLimiter, WarningKind};
+use crate::warn::{WarningKind, control_warning};
 use crate::wire::{Message, QpSide, WireKey};
 
 /// How long an accepted connection is safe from eviction before its Hello: time for the
 /// driver to read a Hello sent right after the connect.
 pub(crate) const EVICTABLE_AFTER: Duration = Duration::from_millis(100);
+
+/// Counts and emits a warning of kind `$kind` for `$core` (see [`control_warning`]).
+macro_rules! warning {
+    ($core:expr, $kind:ident, $($fields:tt)+) => {
+        control_warning!($core.shared, $core.me.name, WarningKind::$kind, $($fields)+)
+    };
+}
 
 /// A control connection, as the core names it. Never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -110,13 +127,6 @@ pub(crate) enum Action {
         /// Its circuit is half-open.
         probation: bool,
     },
-    /// A warning line the rate limiter let through.
-    Warn {
-        /// Which kind of warning (rate-limited per kind).
-        kind: WarningKind,
-        /// What happened (with how many of its kind were suppressed before it).
-        line: String,
-    },
 }
 
 /// What the core is told about this process.
@@ -130,15 +140,6 @@ pub(crate) struct Identity {
     pub(crate) local_addr: SocketAddr,
     /// This process's host.
     pub(crate) host: HostId,
-}
-
-/// How warnings are limited.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct WarnLimit {
-    /// Lines of one kind per window.
-    pub(crate) burst: u32,
-    /// The window.
-    pub(crate) window: Duration,
 }
 
 /// A peer incarnation as its Hello described it.
@@ -169,6 +170,8 @@ struct Conn {
     last_heard: Instant,
     /// When this side last sent a Ping on it.
     last_ping: Option<Instant>,
+    /// Its `handshake` span.
+    span: tracing::Span,
 }
 
 /// An application's connect waiting for the peer's Hello and descriptor.
@@ -187,6 +190,8 @@ struct Pending<Q> {
     /// The connection the ConnectQp went out on: the only one its reply is taken from.
     conn: ConnId,
     qp: Q,
+    /// When the ConnectQp went out.
+    sent: Instant,
 }
 
 struct Active<Q> {
@@ -200,6 +205,8 @@ struct Active<Q> {
     offered: Option<(Epoch, u32)>,
     /// The phase (and probation) last handed to the driver to publish in `view`.
     published: Option<(Phase, bool)>,
+    /// Its `endpoint` span.
+    span: tracing::Span,
 }
 
 /// An initiator with target queue pairs here and no control connection.
@@ -251,7 +258,6 @@ pub(crate) struct Core<F: RailFabric> {
     /// (at most once per keepalive interval).
     redialed: HashMap<SocketAddr, Instant>,
     waiting: Vec<Waiting>,
-    warnings: RateLimiter,
     rng: SplitMix64,
     actions: VecDeque<Action>,
     /// Scratch for immediates taken from passive queue pairs.
@@ -268,7 +274,6 @@ impl<F: RailFabric> Core<F> {
     pub(crate) fn new(
         me: Identity,
         policy: Policy,
-        warn: WarnLimit,
         seed: u64,
         fabrics: Vec<F>,
         shared: Arc<ControlShared>,
@@ -294,7 +299,6 @@ impl<F: RailFabric> Core<F> {
             orphans: HashMap::new(),
             redialed: HashMap::new(),
             waiting: Vec::new(),
-            warnings: RateLimiter::new(warn.window, warn.burst),
             actions: VecDeque::new(),
             immediates: Vec::new(),
             #[cfg(feature = "sabotage")]
@@ -315,18 +319,6 @@ impl<F: RailFabric> Core<F> {
             handshake_addr: self.me.local_addr.to_string(),
             rails: self.fabrics.iter().map(RailFabric::describe).collect(),
             regions: self.shared.regions(),
-        }
-    }
-
-    /// Counts and rate-limits a warning; an admitted line becomes [`Action::Warn`].
-    pub(crate) fn warn(&mut self, kind: WarningKind, message: String, now: Instant) {
-        let counters = &self.shared.counters;
-        match self.warnings.admit(kind, &message, now) {
-            Some(line) => {
-                bump(&counters.warnings_printed);
-                self.actions.push_back(Action::Warn { kind, line });
-            }
-            None => bump(&counters.warnings_suppressed),
         }
     }
 
@@ -432,6 +424,21 @@ impl<F: RailFabric> Core<F> {
     fn new_conn(&mut self, addr: SocketAddr, dialed: bool, now: Instant) -> ConnId {
         let id = ConnId(self.next_conn);
         self.next_conn += 1;
+        // A root: a connection opened while an endpoint's span is entered is not part of
+        // that endpoint's life (nor the other way round).
+        let span = tracing::info_span!(
+            target: "railyard::control",
+            parent: None,
+            "handshake",
+            engine = %self.me.name,
+            addr = %addr,
+            dialed,
+            peer = Empty,
+            incarnation = Empty,
+        );
+        span.in_scope(|| {
+            tracing::debug!(target: "railyard::control", "control connection opened");
+        });
         self.conns.insert(
             id,
             Conn {
@@ -443,6 +450,7 @@ impl<F: RailFabric> Core<F> {
                 opened: now,
                 last_heard: now,
                 last_ping: None,
+                span,
             },
         );
         id
@@ -500,6 +508,9 @@ impl<F: RailFabric> Core<F> {
         let Some(state) = self.conns.remove(&conn) else {
             return;
         };
+        state.span.in_scope(|| {
+            tracing::info!(target: "railyard::control", reason, "control connection closed");
+        });
         self.actions.push_back(Action::Close { conn });
         if self.dialed.get(&state.addr) == Some(&conn) {
             self.dialed.remove(&state.addr);
@@ -545,25 +556,28 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    /// Closes `conn` for breaking a bound or the protocol: counted, and a rate-limited
-    /// warning names the peer.
+    /// Closes `conn` for breaking a bound or the protocol: counted, and a warning names the
+    /// peer.
     pub(crate) fn refuse(&mut self, conn: ConnId, reason: &str, now: Instant) {
         let Some(state) = self.conns.get(&conn) else {
             return;
         };
-        let who = match state
+        let peer = state
             .peer
-            .and_then(|peer| self.peers.get(&peer).map(|p| (peer, p)))
-        {
-            Some((incarnation, info)) => format!("{} ({incarnation}) at {}", info.name, state.addr),
-            None => state.addr.to_string(),
-        };
+            .and_then(|peer| self.peers.get(&peer))
+            .map(|info| info.name.as_str());
         bump(&self.shared.counters.connections_closed);
-        self.warn(
-            WarningKind::Connection,
-            format!("closing the connection of {who}: {reason}"),
-            now,
-        );
+        state.span.in_scope(|| {
+            warning!(
+                self,
+                Connection,
+                addr = %state.addr,
+                peer,
+                incarnation = state.peer.map(display),
+                reason,
+                "closing a control connection that broke a bound or the protocol"
+            );
+        });
         self.closed(conn, reason, now);
     }
 
@@ -586,6 +600,8 @@ impl<F: RailFabric> Core<F> {
         };
         state.last_heard = now;
         let speaker = state.peer;
+        let span = state.span.clone();
+        let _entered = span.enter();
         if speaker.is_none() && !matches!(message, Message::Hello { .. } | Message::Bye) {
             return self.refuse(conn, "a message before Hello", now);
         }
@@ -606,7 +622,7 @@ impl<F: RailFabric> Core<F> {
                 epoch,
                 handshake,
                 side,
-            } => self.on_connect_qp(conn, key, epoch, handshake, &side, now),
+            } => self.on_connect_qp(conn, key, epoch, handshake, &side),
             Message::ConnectQpReply {
                 key,
                 epoch,
@@ -618,7 +634,7 @@ impl<F: RailFabric> Core<F> {
                 epoch: _,
                 qp_num,
             } => self.on_retire_qp(conn, key, qp_num),
-            Message::Notify { target, bytes } => self.on_notify(conn, target, bytes, now),
+            Message::Notify { target, bytes } => self.on_notify(conn, target, bytes),
             Message::Bye => self.closed(conn, "the peer said goodbye", now),
             Message::Ping { nonce } => self.send(conn, Message::Pong { nonce }),
             // Heard: that is all a Pong is for.
@@ -681,13 +697,14 @@ impl<F: RailFabric> Core<F> {
                 if !endpoints.is_empty() {
                     self.shared.record_detection(heard);
                     let name = self.peer_name(peer);
-                    self.warn(
-                        WarningKind::Retire,
-                        format!(
-                            "{name} ({peer}) at {addr} said nothing for {heard:?}: unreachable; \
-                             failing its work fast"
-                        ),
-                        now,
+                    warning!(
+                        self,
+                        Retire,
+                        peer = %name,
+                        incarnation = %peer,
+                        addr = %addr,
+                        silent = ?heard,
+                        "peer unreachable: silent past the liveness timeout; failing its work fast"
                     );
                 }
                 for (rail, endpoint) in endpoints {
@@ -754,6 +771,9 @@ impl<F: RailFabric> Core<F> {
             Some(_) => return,
             None => state.peer = Some(incarnation),
         }
+        state.span.record("peer", name.as_str());
+        state.span.record("incarnation", display(incarnation));
+        tracing::info!(target: "railyard::control", listen, "peer said Hello");
         let (dialed, addr) = (state.dialed, state.addr);
         if !dialed {
             self.send(conn, self.hello());
@@ -798,12 +818,14 @@ impl<F: RailFabric> Core<F> {
         now: Instant,
     ) {
         bump(&self.shared.counters.peer_restarts);
-        self.warn(
-            WarningKind::Retire,
-            format!(
-                "{old} no longer listens at {addr}: {name} ({new}) does; retiring its endpoints"
-            ),
-            now,
+        warning!(
+            self,
+            Retire,
+            peer = %name,
+            incarnation = %old,
+            successor = %new,
+            addr = %addr,
+            "peer restarted: a new incarnation listens at its address; retiring its endpoints"
         );
         let stale: Vec<(u16, EndpointId, u16)> = self
             .active
@@ -861,21 +883,22 @@ impl<F: RailFabric> Core<F> {
         self.resolve_waiting(now);
     }
 
-    fn on_notify(&mut self, conn: ConnId, target: Incarnation, bytes: Vec<u8>, now: Instant) {
+    fn on_notify(&mut self, conn: ConnId, target: Incarnation, bytes: Vec<u8>) {
         let Some(from) = self.conns.get(&conn).and_then(|state| state.peer) else {
             return;
         };
         let name = self.peer_name(from);
         if target != self.me.incarnation {
             bump(&self.shared.counters.notifications_refused);
-            let me = self.me.incarnation;
-            return self.warn(
-                WarningKind::Handshake,
-                format!(
-                    "refusing a notification from {name} ({from}) meant for {target}: this process is {me}"
-                ),
-                now,
+            warning!(
+                self,
+                Handshake,
+                peer = %name,
+                incarnation = %from,
+                target = %target,
+                "refusing a notification meant for another incarnation"
             );
+            return;
         }
         self.shared.deliver([Notification {
             from: name,
@@ -924,7 +947,6 @@ impl<F: RailFabric> Core<F> {
         epoch: u64,
         handshake: u64,
         side: &QpSide,
-        now: Instant,
     ) {
         let speaker = self.conns.get(&conn).and_then(|state| state.peer);
         let result = if speaker == Some(key.initiator) {
@@ -937,7 +959,16 @@ impl<F: RailFabric> Core<F> {
                 key.initiator,
                 speaker.map_or_else(|| "no one".into(), |s| s.to_string())
             );
-            self.warn(WarningKind::Handshake, reason.clone(), now);
+            warning!(
+                self,
+                Handshake,
+                incarnation = %key.initiator,
+                speaker = speaker.map(display),
+                rail = key.target_rail,
+                epoch,
+                reason,
+                "refusing a ConnectQp"
+            );
             Err(reason)
         };
         self.send(
@@ -1083,15 +1114,31 @@ impl<F: RailFabric> Core<F> {
         let outcome = result
             .and_then(|side| fabric.connect_qp(pending.qp, &side))
             .and_then(|connected| fabric.stage(id, epoch, connected));
+        let span = active.span.clone();
+        let _entered = span.enter();
         match outcome {
-            Ok(()) => self.handle_input(rail, id, Input::HandshakeDone { epoch }, now),
+            Ok(()) => {
+                let took = now.saturating_duration_since(pending.sent);
+                self.shared.counters.handshake_times.record(took);
+                tracing::info!(
+                    target: "railyard::control",
+                    epoch = epoch.get(),
+                    took = ?took,
+                    "queue pair connected"
+                );
+                self.handle_input(rail, id, Input::HandshakeDone { epoch }, now);
+            }
             Err(reason) => {
-                let peer = active.view.peer_name.clone();
-                let target = key.target;
-                self.warn(
-                    WarningKind::Handshake,
-                    format!("queue pair for {peer} ({target}) at {epoch} refused: {reason}"),
-                    now,
+                warning!(
+                    self,
+                    Handshake,
+                    peer = %active.view.peer_name,
+                    incarnation = %key.target,
+                    endpoint = id.0,
+                    rail,
+                    epoch = epoch.get(),
+                    reason,
+                    "the peer refused a queue pair"
                 );
                 self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
             }
@@ -1110,15 +1157,23 @@ impl<F: RailFabric> Core<F> {
             active.view.peer_name.clone(),
         );
         let reconnect = epoch != active.view.first_epoch;
+        let span = active.span.clone();
+        let _entered = span.enter();
         let conn = self.conn_to(addr, now);
         let link = self.link(conn, key.peer);
         let (qp, side) = match self.fabrics[usize::from(rail)].create_qp(&link) {
             Ok(created) => created,
             Err(reason) => {
-                self.warn(
-                    WarningKind::Handshake,
-                    format!("cannot create a queue pair for {peer}: {reason}"),
-                    now,
+                warning!(
+                    self,
+                    Handshake,
+                    peer = %peer,
+                    incarnation = %key.peer,
+                    endpoint = id.0,
+                    rail,
+                    epoch = epoch.get(),
+                    reason,
+                    "cannot create a queue pair"
                 );
                 return self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
             }
@@ -1130,15 +1185,27 @@ impl<F: RailFabric> Core<F> {
         let qp_num = side.info.qp_num;
         if reconnect {
             bump(&self.shared.counters.reconnects);
-            self.warn(
-                WarningKind::Reconnect,
-                format!("reconnecting to {peer} ({}) at {epoch}", key.peer),
-                now,
+            warning!(
+                self,
+                Reconnect,
+                peer = %peer,
+                incarnation = %key.peer,
+                addr = %addr,
+                endpoint = id.0,
+                rail,
+                epoch = epoch.get(),
+                "reconnecting"
             );
             self.descriptors.invalidate(key.peer);
             self.ask_descriptor(conn);
         }
         let handshake = self.rng.next_u64();
+        tracing::info!(
+            target: "railyard::control",
+            epoch = epoch.get(),
+            qp_num,
+            "queue pair offered"
+        );
         self.send(
             conn,
             Message::ConnectQp {
@@ -1161,6 +1228,7 @@ impl<F: RailFabric> Core<F> {
             handshake,
             conn,
             qp,
+            sent: now,
         }) {
             self.handshakes.remove(&replaced.handshake);
         }
@@ -1341,12 +1409,12 @@ impl<F: RailFabric> Core<F> {
             })
             .collect();
         if !gone.is_empty() {
-            self.warn(
-                WarningKind::Circuit,
-                format!(
-                    "peer {name} ({incarnation}) lost its directory lease; failing its work fast"
-                ),
-                now,
+            warning!(
+                self,
+                Circuit,
+                peer = name,
+                incarnation = %incarnation,
+                "peer lost its directory lease; failing its work fast"
             );
         }
         for (rail, id) in gone {
@@ -1485,6 +1553,25 @@ impl<F: RailFabric> Core<F> {
         let mut machine = Endpoint::new(key, self.policy.clone(), SplitMix64::new(seed));
         machine.start_at(first_epoch);
         self.by_key.insert(key, id);
+        let span = tracing::info_span!(
+            target: "railyard::control",
+            parent: None,
+            "endpoint",
+            engine = %self.me.name,
+            peer = %view.peer_name,
+            incarnation = %incarnation,
+            addr = %addr,
+            rail = local_rail,
+            remote_rail,
+            endpoint = id.0,
+        );
+        span.in_scope(|| {
+            tracing::info!(
+                target: "railyard::control",
+                first_epoch = first_epoch.get(),
+                "endpoint opened"
+            );
+        });
         self.active.insert(
             (local_rail, id),
             Active {
@@ -1494,6 +1581,7 @@ impl<F: RailFabric> Core<F> {
                 pending: None,
                 offered: None,
                 published: None,
+                span,
             },
         );
         self.handle_input(local_rail, id, Input::ConnectWanted, now);
@@ -1539,6 +1627,12 @@ impl<F: RailFabric> Core<F> {
         }
         let next = active.machine.epoch().map_or(Epoch::FIRST, Epoch::next);
         let key = active.machine.key();
+        active.span.in_scope(|| {
+            tracing::info!(
+                target: "railyard::control",
+                "endpoint drained: nothing in flight, its id is free"
+            );
+        });
         self.active.remove(&(rail, id));
         if self.by_key.get(&key) == Some(&id) {
             self.by_key.remove(&key);
@@ -1578,7 +1672,7 @@ impl<F: RailFabric> Core<F> {
         }
         self.check_liveness(now);
         self.expire_orphaned_queue_pairs(now);
-        self.take_immediates(now);
+        self.take_immediates();
     }
 
     /// Takes out of service the target queue pairs of initiators that have had no control
@@ -1625,14 +1719,14 @@ impl<F: RailFabric> Core<F> {
             self.orphans.remove(&initiator);
             let revoked = self.revoke(initiator).len();
             let name = self.peer_name(initiator);
-            self.warn(
-                WarningKind::Retire,
-                format!(
-                    "{name} ({initiator}) has had no connection for {:?} and did not answer at its \
-                     listener: its {revoked} queue pair(s) here go",
-                    self.policy.passive_linger
-                ),
-                now,
+            warning!(
+                self,
+                Retire,
+                peer = %name,
+                incarnation = %initiator,
+                queue_pairs = revoked,
+                linger = ?self.policy.passive_linger,
+                "initiator gone: no connection, and no answer at its listener; its queue pairs here go"
             );
             self.forget_if_unused(initiator);
         }
@@ -1643,6 +1737,8 @@ impl<F: RailFabric> Core<F> {
             return;
         };
         active.machine.handle(input, now);
+        let span = active.span.clone();
+        let _entered = span.enter();
         self.drive(rail, id, now);
     }
 
@@ -1687,8 +1783,18 @@ impl<F: RailFabric> Core<F> {
                 }
                 Output::RetireEndpoint { reason } => {
                     bump(&self.shared.counters.teardowns);
-                    let peer = active.view.peer_name.clone();
-                    let incarnation = active.machine.key().peer;
+                    warning!(
+                        self,
+                        Retire,
+                        peer = %active.view.peer_name,
+                        incarnation = %active.machine.key().peer,
+                        addr = %active.addr,
+                        endpoint = id.0,
+                        rail,
+                        epoch = active.machine.epoch().map(Epoch::get),
+                        reason = %reason,
+                        "endpoint retired"
+                    );
                     self.actions.push_back(Action::Command {
                         rail,
                         command: Command::RetireEndpoint {
@@ -1696,16 +1802,20 @@ impl<F: RailFabric> Core<F> {
                             reason,
                         },
                     });
-                    self.warn(
-                        WarningKind::Retire,
-                        format!("endpoint {id:?} to {peer} ({incarnation}) retired: {reason}"),
-                        now,
-                    );
                     self.announce_retired_qp(rail, id, None, now);
                 }
                 Output::OpenCircuit => {
                     bump(&self.shared.counters.circuit_openings);
-                    let peer = active.view.peer_name.clone();
+                    warning!(
+                        self,
+                        Circuit,
+                        peer = %active.view.peer_name,
+                        incarnation = %active.machine.key().peer,
+                        addr = %active.addr,
+                        endpoint = id.0,
+                        rail,
+                        "circuit opened: work for the peer fails fast with PeerUnavailable"
+                    );
                     self.actions.push_back(Action::Command {
                         rail,
                         command: Command::SetCircuit {
@@ -1713,11 +1823,6 @@ impl<F: RailFabric> Core<F> {
                             open: true,
                         },
                     });
-                    self.warn(
-                        WarningKind::Circuit,
-                        format!("circuit to {peer} opened: it fails fast with PeerUnavailable"),
-                        now,
-                    );
                 }
                 Output::Unreachable => {
                     self.actions.push_back(Action::Command {
@@ -1761,7 +1866,7 @@ impl<F: RailFabric> Core<F> {
 
     /// Turns the immediates that arrived on passive queue pairs into notifications; drops
     /// passive queue pairs that broke (their initiator sees its side fail and reconnects).
-    fn take_immediates(&mut self, now: Instant) {
+    fn take_immediates(&mut self) {
         let keys: Vec<WireKey> = self.passive.keys().copied().collect();
         for key in keys {
             let Some(mut passive) = self.passive.remove(&key) else {
@@ -1773,13 +1878,14 @@ impl<F: RailFabric> Core<F> {
                 }
                 Err(reason) => {
                     bump(&self.shared.counters.teardowns);
-                    self.warn(
-                        WarningKind::Handshake,
-                        format!(
-                            "dropping the queue pair for {} rail {}: {reason}",
-                            key.initiator, key.initiator_rail
-                        ),
-                        now,
+                    warning!(
+                        self,
+                        Handshake,
+                        incarnation = %key.initiator,
+                        rail = key.target_rail,
+                        initiator_rail = key.initiator_rail,
+                        reason,
+                        "dropping a target queue pair that broke"
                     );
                 }
             }

@@ -96,7 +96,6 @@ struct Proc {
     addr: SocketAddr,
     incarnation: Incarnation,
     commands: Vec<(u16, Command)>,
-    warnings: Vec<String>,
     /// Whether the process is still up (a crashed one drops what reaches it).
     up: bool,
     /// Stopped: up, connections open, but it neither handles nor answers anything.
@@ -171,10 +170,6 @@ impl Net {
                 host: HostId::default(),
             },
             policy,
-            WarnLimit {
-                burst: 1000,
-                window: Duration::from_secs(1),
-            },
             incarnation.0,
             fabrics,
             shared.clone(),
@@ -185,7 +180,6 @@ impl Net {
             addr,
             incarnation,
             commands: Vec::new(),
-            warnings: Vec::new(),
             up: true,
             stopped: false,
         });
@@ -266,7 +260,6 @@ impl Net {
                     },
                 ));
             }
-            Action::Warn { line, .. } => self.procs[index].warnings.push(line),
             Action::Publish {
                 view,
                 phase,

@@ -7,7 +7,7 @@
 //! - the control thread: the application's handle ([`plane`]), the I/O driver that owns
 //!   sockets and rings (`driver`), and under it the sans-IO peer table and handshake
 //!   state machine (`handshake`); what the thread shares with the application and pollers
-//!   ([`shared`]); rate-limited warnings ([`warn`]); what it needs of a rail's fabric
+//!   ([`shared`]); warnings as `tracing` events with fields ([`warn`]); what it needs of a rail's fabric
 //!   ([`rail`]), and which host a peer is on ([`host`]), which decides the fabric that
 //!   reaches it;
 //! - with feature `etcd`, the cluster directory on etcd (`etcd`).
@@ -42,8 +42,10 @@ pub use endpoint::{Endpoint, EndpointKey, EndpointStats, Incarnation, Input, Out
 pub use host::HostId;
 pub use plane::{
     ControlConfig, ControlError, ControlPlane, ControlRail, ControlShared, ControlStats,
-    EndpointView, Notification, NotificationBody, PeerChange, PeerEvents,
+    DirectoryWarning, EndpointView, Notification, NotificationBody, PeerChange, PeerEvents,
 };
 pub use policy::Policy;
 pub use rail::{HostMode, HostRail, PeerLink, RailFabric, Revocation};
+pub use shared::{TIME_BUCKET_BOUNDS_US, TimeHistogram};
+pub use warn::WarningKind;
 pub use wire::{FrameDecoder, Message, WireError};

@@ -33,7 +33,6 @@ use std::os::unix::net::UnixStream;
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use railyard_dataplane::{Batch, PollerHandle, Submitter};
 
@@ -44,9 +43,9 @@ pub use crate::shared::{
 };
 
 use crate::descriptor::{RailDescriptor, SegmentDescriptor};
-use crate::driver::{Driver, DriverParts, Printer, Request};
+use crate::driver::{Driver, DriverParts, Request};
 use crate::endpoint::Incarnation;
-use crate::handshake::{Core, Identity, WarnLimit};
+use crate::handshake::{Core, Identity};
 use crate::host::HostId;
 use crate::policy::Policy;
 use crate::rail::{RailFabric, Revocation};
@@ -70,12 +69,6 @@ pub struct ControlConfig {
     pub seed: u64,
     /// The incarnation; `None` draws a random one.
     pub incarnation: Option<Incarnation>,
-    /// Warning lines of one kind per [`Self::warn_window`].
-    pub warn_burst: u32,
-    /// See [`Self::warn_burst`].
-    pub warn_window: Duration,
-    /// Whether to emit admitted warnings as `tracing` events (counted either way).
-    pub print_warnings: bool,
 }
 
 impl ControlConfig {
@@ -88,11 +81,23 @@ impl ControlConfig {
             policy: Policy::default(),
             seed: 0,
             incarnation: None,
-            warn_burst: 5,
-            warn_window: Duration::from_secs(10),
-            print_warnings: true,
         }
     }
+}
+
+/// A warning about the cluster directory, as its fields.
+#[derive(Clone, Debug)]
+pub struct DirectoryWarning {
+    /// What happened (the event's message).
+    pub message: &'static str,
+    /// The directory's endpoints (the `directory` field).
+    pub directory: String,
+    /// The name it concerns, if one (the `peer` field).
+    pub peer: Option<String>,
+    /// The incarnation it concerns, if one.
+    pub incarnation: Option<Incarnation>,
+    /// Why, or what else is known (the `reason` field).
+    pub reason: Option<String>,
 }
 
 /// A rail as the control plane drives it.
@@ -184,14 +189,9 @@ impl ControlPlane {
             local_addr,
             host: HostId::this_process(),
         };
-        let warn = WarnLimit {
-            burst: config.warn_burst,
-            window: config.warn_window,
-        };
         let core = Core::new(
             me,
             config.policy.clone(),
-            warn,
             config.seed,
             fabrics,
             shared.clone(),
@@ -207,10 +207,7 @@ impl ControlPlane {
                 requests: requests_rx,
                 wake: wake_rx,
                 signals,
-                printer: Printer {
-                    name: name.clone(),
-                    enabled: config.print_warnings,
-                },
+                engine: name.clone(),
             },
         );
         let thread = std::thread::Builder::new()
@@ -266,6 +263,11 @@ impl ControlPlane {
     /// What the control plane has done so far.
     pub fn stats(&self) -> ControlStats {
         self.shared.stats()
+    }
+
+    /// Every endpoint that exists now, with its rail (for reports: takes each rail's lock).
+    pub fn endpoints(&self) -> Vec<(u16, Arc<EndpointView>)> {
+        self.shared.endpoints()
     }
 
     fn request(&self, request: Request) -> Result<(), ControlError> {
@@ -425,10 +427,10 @@ impl PeerEvents {
         self.send(Request::PeerChanged { name, change });
     }
 
-    /// A warning about the directory, printed and counted (rate-limited) like the control
-    /// plane's own.
-    pub fn warn(&self, message: String) {
-        self.send(Request::DirectoryWarning(message));
+    /// A warning about the directory, counted and emitted like the control plane's own
+    /// (kind `directory`).
+    pub fn warn(&self, warning: DirectoryWarning) {
+        self.send(Request::DirectoryWarning(warning));
     }
 
     fn send(&self, request: Request) {

@@ -12,6 +12,7 @@ use railyard_dataplane::{EndpointId, Epoch, FailReason, RepairCause, Reprepare, 
 
 use crate::descriptor::{RegionDescriptor, SegmentDescriptor};
 use crate::endpoint::{EndpointKey, Incarnation, Phase};
+use crate::warn::WarningKind;
 
 /// An endpoint as the application and the re-prepare hook see it.
 #[derive(Debug)]
@@ -170,10 +171,9 @@ pub struct ControlStats {
     pub circuit_openings: u64,
     /// ConnectQp requests refused.
     pub refused: u64,
-    /// Warning lines printed.
-    pub warnings_printed: u64,
-    /// Warning lines suppressed by the rate limit.
-    pub warnings_suppressed: u64,
+    /// Warnings emitted, by [`WarningKind::index`] (before any rate limit of the log
+    /// subscriber).
+    pub warnings: [u64; WarningKind::ALL.len()],
     /// Notifications sent (queued on the control connection, or posted as an immediate).
     pub notifications_sent: u64,
     /// Notifications not sent: the batch they rode on failed, the connection closed before
@@ -204,6 +204,67 @@ pub struct ControlStats {
     pub last_detection_ms: u64,
     /// The longest such detection time, in ms.
     pub max_detection_ms: u64,
+    /// Every detection time.
+    pub detection_times: TimeHistogram,
+    /// Queue-pair handshakes that succeeded: from ConnectQp sent to its reply applied.
+    pub handshake_times: TimeHistogram,
+}
+
+impl ControlStats {
+    /// Warnings emitted, of every kind.
+    pub fn warnings_total(&self) -> u64 {
+        self.warnings.iter().sum()
+    }
+}
+
+/// Upper bounds, in microseconds, of the buckets of a [`TimeHistogram`].
+pub const TIME_BUCKET_BOUNDS_US: [u64; 14] = [
+    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
+    1_000_000, 5_000_000,
+];
+
+/// Durations counted into buckets: `buckets[i]` counts those above bound `i - 1` and at or
+/// under [`TIME_BUCKET_BOUNDS_US`]`[i]` (not cumulative); those above the last bound are
+/// `count` minus the buckets' sum.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TimeHistogram {
+    /// Durations per bucket.
+    pub buckets: [u64; TIME_BUCKET_BOUNDS_US.len()],
+    /// Durations recorded.
+    pub count: u64,
+    /// Their sum, in microseconds.
+    pub sum_us: u64,
+}
+
+/// The shared, atomically updated form of a [`TimeHistogram`].
+#[derive(Debug, Default)]
+pub(crate) struct AtomicTimeHistogram {
+    /// One per bound, then one for durations above the last: the count is their sum, so a
+    /// snapshot taken during a `record` never has more in its buckets than in its count.
+    buckets: [AtomicU64; TIME_BUCKET_BOUNDS_US.len() + 1],
+    sum_us: AtomicU64,
+}
+
+impl AtomicTimeHistogram {
+    pub(crate) fn record(&self, duration: Duration) {
+        let us = u64::try_from(duration.as_micros()).unwrap_or(u64::MAX);
+        let bucket = TIME_BUCKET_BOUNDS_US
+            .iter()
+            .position(|&bound| us <= bound)
+            .unwrap_or(TIME_BUCKET_BOUNDS_US.len());
+        bump(&self.buckets[bucket]);
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> TimeHistogram {
+        let counts: [u64; TIME_BUCKET_BOUNDS_US.len() + 1] =
+            std::array::from_fn(|i| self.buckets[i].load(Ordering::Relaxed));
+        TimeHistogram {
+            buckets: std::array::from_fn(|i| counts[i]),
+            count: counts.iter().sum(),
+            sum_us: self.sum_us.load(Ordering::Relaxed),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -218,8 +279,7 @@ pub(crate) struct Counters {
     pub(crate) peer_restarts: AtomicU64,
     pub(crate) circuit_openings: AtomicU64,
     pub(crate) refused: AtomicU64,
-    pub(crate) warnings_printed: AtomicU64,
-    pub(crate) warnings_suppressed: AtomicU64,
+    pub(crate) warnings: [AtomicU64; WarningKind::ALL.len()],
     pub(crate) notifications_sent: AtomicU64,
     pub(crate) notifications_dropped: AtomicU64,
     pub(crate) notifications_received: AtomicU64,
@@ -231,6 +291,8 @@ pub(crate) struct Counters {
     pub(crate) unreachable_peers: AtomicU64,
     pub(crate) last_detection_ms: AtomicU64,
     pub(crate) max_detection_ms: AtomicU64,
+    pub(crate) detection_times: AtomicTimeHistogram,
+    pub(crate) handshake_times: AtomicTimeHistogram,
 }
 
 pub(crate) fn bump_by(counter: &AtomicU64, n: usize) {
@@ -390,6 +452,19 @@ impl ControlShared {
             .clone()
     }
 
+    /// Every endpoint that exists now, with its rail (for reports: takes each rail's lock).
+    pub fn endpoints(&self) -> Vec<(u16, Arc<EndpointView>)> {
+        let mut endpoints = Vec::new();
+        for (rail, shared) in (0u16..).zip(&self.rails) {
+            let views = shared
+                .endpoints
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            endpoints.extend(views.iter().flatten().map(|view| (rail, view.clone())));
+        }
+        endpoints
+    }
+
     /// Publishes this process's regions (a new generation of its descriptor).
     pub fn set_regions(&self, regions: Vec<RegionDescriptor>) {
         let mut guard = self.regions.write().unwrap_or_else(PoisonError::into_inner);
@@ -470,6 +545,12 @@ impl ControlShared {
         self.counters
             .max_detection_ms
             .fetch_max(ms, Ordering::Relaxed);
+        self.counters.detection_times.record(silent);
+    }
+
+    /// Counts a warning of `kind` (see [`crate::warn`]).
+    pub(crate) fn count_warning(&self, kind: WarningKind) {
+        bump(&self.counters.warnings[kind.index()]);
     }
 
     /// Publishes `view` as endpoint `view.id` of `rail`, or clears the slot (`None`).
@@ -515,8 +596,7 @@ impl ControlShared {
             peer_restarts: get(&c.peer_restarts),
             circuit_openings: get(&c.circuit_openings),
             refused: get(&c.refused),
-            warnings_printed: get(&c.warnings_printed),
-            warnings_suppressed: get(&c.warnings_suppressed),
+            warnings: std::array::from_fn(|i| get(&c.warnings[i])),
             notifications_sent: get(&c.notifications_sent),
             notifications_dropped: get(&c.notifications_dropped),
             notifications_received: get(&c.notifications_received),
@@ -528,6 +608,8 @@ impl ControlShared {
             unreachable_peers: get(&c.unreachable_peers),
             last_detection_ms: get(&c.last_detection_ms),
             max_detection_ms: get(&c.max_detection_ms),
+            detection_times: c.detection_times.snapshot(),
+            handshake_times: c.handshake_times.snapshot(),
         }
     }
 }
@@ -561,6 +643,24 @@ pub const NOTIFICATION_BYTES: usize = 64 << 20;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_land_in_the_first_bucket_whose_bound_holds_them() {
+        let histogram = AtomicTimeHistogram::default();
+        for us in [50, 100, 101, 5_000_000, 5_000_001, u64::MAX / 2] {
+            histogram.record(Duration::from_micros(us));
+        }
+        let snapshot = histogram.snapshot();
+        assert_eq!(snapshot.buckets[0], 2, "50 and 100 µs: at or under 100");
+        assert_eq!(snapshot.buckets[1], 1, "101 µs: at or under 250");
+        assert_eq!(snapshot.buckets[TIME_BUCKET_BOUNDS_US.len() - 1], 1, "5 s");
+        assert_eq!(snapshot.buckets.iter().sum::<u64>(), 4);
+        assert_eq!(snapshot.count, 6, "two above the last bound");
+        assert_eq!(
+            snapshot.sum_us,
+            50 + 100 + 101 + 5_000_000 + 5_000_001 + u64::MAX / 2
+        );
+    }
 
     fn bytes(n: usize) -> Notification {
         Notification {

@@ -1,11 +1,13 @@
-//! Rate-limited warnings: a reconnect storm must not become a log storm. Each kind of
-//! warning prints at most [`RateLimiter::burst`] lines per window; the rest are counted and
-//! the count is printed with the next line that gets through.
+//! The control plane's warnings: their kinds, and the macro that counts one and emits it as
+//! a `tracing` event. Each event has target `railyard::control`, the engine's name and the
+//! warning's kind as fields, and the fields of what it is about (`peer`, `addr`,
+//! `incarnation`, `endpoint`, `epoch`, `rail`, `reason`) — no formatted sentences to parse.
+//! Rate limiting is the subscriber's business: a reconnect storm is many events of one
+//! kind, which `railyard::logging::RateLimit` folds into a count.
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::fmt;
 
-/// Kinds of repeatable warnings.
+/// Kinds of repeatable warnings (the `kind` field of a control-plane warning event).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WarningKind {
     /// An endpoint reconnects.
@@ -22,104 +24,71 @@ pub enum WarningKind {
     Connection,
 }
 
-#[derive(Debug)]
-struct Window {
-    start: Instant,
-    printed: u32,
-    suppressed: u64,
-}
+impl WarningKind {
+    /// Every kind, in the order of [`Self::index`].
+    pub const ALL: [WarningKind; 6] = [
+        Self::Reconnect,
+        Self::Retire,
+        Self::Handshake,
+        Self::Circuit,
+        Self::Directory,
+        Self::Connection,
+    ];
 
-/// Counts and limits warning lines by kind.
-#[derive(Debug)]
-pub struct RateLimiter {
-    window: Duration,
-    burst: u32,
-    windows: HashMap<WarningKind, Window>,
-    printed: u64,
-    suppressed: u64,
-}
-
-impl RateLimiter {
-    /// At most `burst` lines per kind per `window`.
-    pub fn new(window: Duration, burst: u32) -> Self {
-        Self {
-            window,
-            burst,
-            windows: HashMap::new(),
-            printed: 0,
-            suppressed: 0,
+    /// The value of the `kind` field (and of the `kind` label of the warnings metric).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reconnect => "reconnect",
+            Self::Retire => "retire",
+            Self::Handshake => "handshake",
+            Self::Circuit => "circuit",
+            Self::Directory => "directory",
+            Self::Connection => "connection",
         }
     }
 
-    /// Lines of one kind allowed per window.
-    pub fn burst(&self) -> u32 {
-        self.burst
-    }
-
-    /// The line to print for a warning of `kind` at `now`, or `None` when it is suppressed.
-    /// A printed line says how many of its kind were suppressed since the last one.
-    pub fn admit(&mut self, kind: WarningKind, message: &str, now: Instant) -> Option<String> {
-        let window = self.windows.entry(kind).or_insert(Window {
-            start: now,
-            printed: 0,
-            suppressed: 0,
-        });
-        if now.duration_since(window.start) >= self.window {
-            window.start = now;
-            window.printed = 0;
-        }
-        if window.printed >= self.burst {
-            window.suppressed += 1;
-            self.suppressed += 1;
-            return None;
-        }
-        window.printed += 1;
-        self.printed += 1;
-        let line = if window.suppressed > 0 {
-            format!("{message} ({} similar suppressed)", window.suppressed)
-        } else {
-            message.to_string()
-        };
-        window.suppressed = 0;
-        Some(line)
-    }
-
-    /// Lines let through so far.
-    pub fn printed(&self) -> u64 {
-        self.printed
-    }
-
-    /// Lines suppressed so far.
-    pub fn suppressed(&self) -> u64 {
-        self.suppressed
+    /// Its position in [`Self::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
     }
 }
+
+impl fmt::Display for WarningKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Counts a warning of `$kind` in `$shared`'s counters and emits it as a `tracing` warning
+/// with target `railyard::control` and the fields `engine` (`$engine`) and `kind`, then the
+/// given fields and message, in `tracing::warn!` syntax.
+macro_rules! control_warning {
+    ($shared:expr, $engine:expr, $kind:expr, $($fields:tt)+) => {{
+        let kind: $crate::warn::WarningKind = $kind;
+        $shared.count_warning(kind);
+        tracing::warn!(
+            target: "railyard::control",
+            engine = %$engine,
+            kind = kind.as_str(),
+            $($fields)+
+        );
+    }};
+}
+pub(crate) use control_warning;
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn a_storm_prints_a_burst_per_window_and_counts_the_rest() {
-        let t0 = Instant::now();
-        let mut limiter = RateLimiter::new(Duration::from_secs(10), 3);
-        let printed: Vec<_> = (0..1000)
-            .filter_map(|_| limiter.admit(WarningKind::Reconnect, "reconnecting", t0))
+    fn kinds_index_their_place_in_all() {
+        for (index, kind) in WarningKind::ALL.into_iter().enumerate() {
+            assert_eq!(kind.index(), index);
+        }
+        let names: std::collections::HashSet<_> = WarningKind::ALL
+            .into_iter()
+            .map(WarningKind::as_str)
             .collect();
-        assert_eq!(printed.len(), 3);
-        assert_eq!(limiter.suppressed(), 997);
-        assert!(
-            limiter.admit(WarningKind::Retire, "retired", t0).is_some(),
-            "per kind"
-        );
-        let next = limiter
-            .admit(
-                WarningKind::Reconnect,
-                "reconnecting",
-                t0 + Duration::from_secs(10),
-            )
-            .expect("a new window");
-        assert_eq!(next, "reconnecting (997 similar suppressed)");
-        assert_eq!(limiter.printed(), 5);
+        assert_eq!(names.len(), WarningKind::ALL.len());
     }
 }

@@ -17,7 +17,6 @@ const BOUND: Duration = Duration::from_secs(10);
 fn plane(policy: Policy) -> ControlPlane {
     let config = ControlConfig {
         policy,
-        print_warnings: false,
         ..ControlConfig::new("bounded")
     };
     let rails: Vec<ControlRail<SoftDevice>> = Vec::new();

@@ -20,7 +20,6 @@ fn a_speaker_gets_in_past_silent_connections_at_the_cap() {
             connect_timeout: Duration::from_secs(2),
             ..Policy::default()
         },
-        print_warnings: false,
         ..ControlConfig::new("capped")
     };
     let rails: Vec<ControlRail<SoftDevice>> = Vec::new();

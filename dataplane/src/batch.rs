@@ -99,6 +99,28 @@ impl FailReason {
         self as usize - 1
     }
 
+    /// Its name in snake case (the `reason` label of the failure metric).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::StaleEpoch => "stale_epoch",
+            Self::Timeout => "timeout",
+            Self::EndpointRetired => "endpoint_retired",
+            Self::UnknownEndpoint => "unknown_endpoint",
+            Self::PeerUnavailable => "peer_unavailable",
+            Self::Shutdown => "shutdown",
+            Self::PollerGone => "poller_gone",
+            Self::BacklogFull => "backlog_full",
+            Self::PostFailed => "post_failed",
+            Self::LocalLength => "local_length",
+            Self::LocalProtection => "local_protection",
+            Self::RemoteAccess => "remote_access",
+            Self::RemoteInvalidRequest => "remote_invalid_request",
+            Self::RetryExceeded => "retry_exceeded",
+            Self::Flushed => "flushed",
+            Self::PeerRestarted => "peer_restarted",
+        }
+    }
+
     fn from_code(code: u8) -> Option<Self> {
         Self::ALL.get(usize::from(code).checked_sub(1)?).copied()
     }

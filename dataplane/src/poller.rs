@@ -326,6 +326,10 @@ impl Counter {
         );
     }
 
+    fn set(&self, value: u64) {
+        self.0.store(value, Ordering::Relaxed);
+    }
+
     fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
@@ -339,6 +343,9 @@ struct Counters {
     reprepared: Counter,
     stale_dropped: Counter,
     idle_rounds: Counter,
+    busy_rounds: Counter,
+    /// Work requests posted and not yet completed, as of the last busy round.
+    in_flight: Counter,
     ignored_completions: Counter,
     events_coalesced: Counter,
     unflushed: Counter,
@@ -366,6 +373,10 @@ pub struct CounterSnapshot {
     pub stale_dropped: u64,
     /// Rounds that found no work.
     pub idle_rounds: u64,
+    /// Rounds that did some work: with [`Self::idle_rounds`], how busy the poller's core is.
+    pub busy_rounds: u64,
+    /// Work requests posted to the fabric and not yet completed.
+    pub in_flight: u64,
     /// Completions for a slot that had moved on (ignored).
     pub ignored_completions: u64,
     /// Events replaced by a later event of the same endpoint while the event ring was full.
@@ -715,6 +726,8 @@ impl PollerHandle {
             reprepared: c.reprepared.get(),
             stale_dropped: c.stale_dropped.get(),
             idle_rounds: c.idle_rounds.get(),
+            busy_rounds: c.busy_rounds.get(),
+            in_flight: c.in_flight.get(),
             ignored_completions: c.ignored_completions.get(),
             events_coalesced: c.events_coalesced.get(),
             unflushed: c.unflushed.get(),
@@ -974,6 +987,9 @@ impl<F: Fabric> Poller<F> {
             self.shared.rounds.end();
             if busy {
                 idle_rounds = 0;
+                let counters = &self.shared.counters;
+                counters.busy_rounds.add(1);
+                counters.in_flight.set(self.inflight.busy as u64);
             } else {
                 idle_rounds = idle_rounds.saturating_add(1);
                 self.shared.counters.idle_rounds.add(1);

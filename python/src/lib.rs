@@ -695,6 +695,13 @@ impl Engine {
         }))
     }
 
+    /// The engine's Prometheus metrics, in the text format (content type
+    /// `railyard.METRICS_CONTENT_TYPE`), for the application's own `/metrics` endpoint.
+    fn metrics_text(&self, py: Python<'_>) -> PyResult<String> {
+        let open = self.open()?;
+        Ok(py.detach(|| open.engine.metrics_text()))
+    }
+
     /// Counters: per rail, per peer and of the control plane.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let stats = self.open()?.engine.stats();
@@ -718,9 +725,14 @@ impl Engine {
             let entry = PyDict::new(py);
             entry.set_item("name", &peer.name)?;
             entry.set_item("incarnation", peer.incarnation.to_string())?;
-            entry.set_item("requests", peer.requests)?;
+            entry.set_item("requests", peer.requests())?;
             entry.set_item("slices", peer.slices)?;
-            entry.set_item("bytes", peer.bytes)?;
+            entry.set_item("bytes", peer.bytes())?;
+            for op in Op::ALL {
+                let totals = peer.op(op);
+                entry.set_item(format!("{}_requests", op.as_str()), totals.requests)?;
+                entry.set_item(format!("{}_bytes", op.as_str()), totals.bytes)?;
+            }
             peers.append(entry)?;
         }
         dict.set_item("peers", peers)?;
@@ -911,6 +923,7 @@ impl Batch {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("METRICS_CONTENT_TYPE", railyard::metrics::CONTENT_TYPE)?;
     m.add("TransferError", m.py().get_type::<TransferError>())?;
     m.add_class::<Engine>()?;
     m.add_class::<Batch>()?;

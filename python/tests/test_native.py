@@ -114,6 +114,18 @@ def test_scattered_writes_and_reads_from_ten_threads(engine, peer):
     moved = 2 * BATCHES * BLOCKS_PER_BATCH * BLOCK
     print(f"\n{moved / 2**20:.0f} MiB written and read back in {elapsed:.2f} s")
 
+    # What an inference server would serve at /metrics counts exactly this traffic.
+    assert railyard.METRICS_CONTENT_TYPE.startswith("text/plain")
+    submitted = {}
+    for line in engine.metrics_text().splitlines():
+        if line.startswith("railyard_submitted_bytes_total{"):
+            labels, value = line.rsplit(" ", 1)
+            op = labels.split('op="')[1].split('"')[0]
+            submitted[op] = submitted.get(op, 0) + int(value)
+    assert submitted == {"write": moved // 2, "read": moved // 2}
+    (peer_stats,) = engine.stats()["peers"]
+    assert peer_stats["write_bytes"] == peer_stats["read_bytes"] == moved // 2
+
 
 def test_submit_poll_wait(engine, peer):
     src = np.arange(4 * BLOCK, dtype=np.uint64).view(np.uint8)[: 4 * BLOCK].copy()

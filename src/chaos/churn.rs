@@ -42,8 +42,8 @@ pub struct ChurnReport {
     pub idempotent_replies: u64,
     /// Repeats answered with a different queue pair than the first answer.
     pub changed_answers: u64,
-    /// Warning lines printed by every node.
-    pub warning_lines: u64,
+    /// Warnings emitted by every node.
+    pub warnings: u64,
     /// Whether both initiators on this host got distinct endpoints and their bytes arrived.
     pub peers_distinct: bool,
     /// Two initiator *processes* with one name (`railyard bench --name`) writing to one
@@ -57,7 +57,7 @@ pub struct ChurnReport {
     pub twins_ran: bool,
 }
 
-/// Warning lines the scenario tolerates.
+/// Warnings the scenario tolerates.
 pub const WARNING_BOUND: u64 = 10;
 
 impl ChurnReport {
@@ -82,10 +82,10 @@ impl ChurnReport {
                 self.idempotent_replies, self.repeated_handshakes
             ));
         }
-        if self.warning_lines > WARNING_BOUND {
+        if self.warnings > WARNING_BOUND {
             broken.push(format!(
-                "warning_lines = {} (bound {WARNING_BOUND})",
-                self.warning_lines
+                "warnings = {} (bound {WARNING_BOUND})",
+                self.warnings
             ));
         }
         if !self.peers_distinct {
@@ -252,7 +252,7 @@ pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
         passive_qps,
         idempotent_replies: target.stat("idempotent_replies")?,
         changed_answers: changed,
-        warning_lines: target.stat("warnings_printed")?,
+        warnings: target.stat("warnings")?,
         peers_distinct: peers_distinct && passive_qps == 3,
         twin_failed_requests: 0,
         twin_reconnects: 0,
@@ -263,7 +263,7 @@ pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
         let stats = node.control.stats();
         report.teardowns += stats.teardowns;
         report.reconnects += stats.reconnects;
-        report.warning_lines += stats.warnings_printed;
+        report.warnings += stats.warnings_total();
     }
     drop(qp);
     let twins = twin_processes(binary, seed)?;

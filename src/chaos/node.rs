@@ -209,7 +209,6 @@ impl Node {
             policy,
             seed,
             incarnation,
-            print_warnings: false,
             ..ControlConfig::new(name)
         };
         let control = ControlPlane::start(config, control_rails, shared.clone())

@@ -18,6 +18,7 @@ use railyard::dataplane::{IdleStrategy, RequestOutcome};
 use railyard::engine::{
     DirectoryChoice, Engine, FabricChoice, Op, Peer, RailChoice, Region, Transfer, default_name,
 };
+use railyard::metrics::MetricsServer;
 
 use super::size::{format_size, parse_size};
 
@@ -79,6 +80,10 @@ pub(crate) struct BenchArgs {
     /// Print the results as one JSON object.
     #[arg(long)]
     json: bool,
+    /// Serve this engine's Prometheus metrics at http://ADDR/metrics while it runs (port 0:
+    /// any free port; stderr says which).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
     #[command(flatten)]
     verbs: super::VerbsArgs,
 }
@@ -836,6 +841,18 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         .directory(args.directory.clone())
         .build()
         .context("starting the engine")?;
+    let metrics = match args.metrics {
+        Some(addr) => {
+            let server = MetricsServer::start(&engine, addr)
+                .with_context(|| format!("serving metrics on {addr}"))?;
+            eprintln!(
+                "railyard bench: metrics at http://{}/metrics",
+                server.addr()
+            );
+            Some(server)
+        }
+        None => None,
+    };
     // Each thread: its request's blocks, then a check area as large.
     let per_thread = request_bytes * 2;
     let local = engine
@@ -1080,7 +1097,9 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
     }
     // Stop this engine before the target it started: otherwise it sees the target go away
-    // and reports reconnecting to it.
+    // and reports reconnecting to it. (The metrics server first: a scrape in progress
+    // holds the engine.)
+    drop(metrics);
     drop(peer);
     drop(engine);
     if args.check && mismatches > 0 {

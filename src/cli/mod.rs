@@ -13,11 +13,13 @@ use clap::{Parser, Subcommand};
 #[command(name = "railyard", version, about)]
 pub(crate) struct Cli {
     /// Which log events to print: a level (error, warn, info, debug, trace) or `RUST_LOG`
-    /// directives (`railyard::control=debug,warn`). Default: `RUST_LOG`, else `warn`.
+    /// directives (`railyard::control=debug,warn`). Default: `RUST_LOG`, else `warn`
+    /// (`chaos`: `warn,railyard::control=error`, as its scenarios provoke those warnings).
     #[arg(long, global = true, value_name = "FILTER")]
     log: Option<String>,
     /// How log events look on stderr: `text` for people, `json` (one object per line) for
-    /// machines.
+    /// machines. Either way, at most 5 warnings of a kind per 10 s are written; a line
+    /// before the next one says how many were suppressed.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     #[command(subcommand)]
@@ -52,7 +54,8 @@ enum Command {
 impl Cli {
     /// Installs the `tracing` subscriber every log event of the engine, the control plane
     /// and the CLI goes to: stderr, filtered by `--log` (else `RUST_LOG`, else `warn`), as
-    /// text (coloured on a terminal) or JSON lines.
+    /// text (coloured on a terminal) or JSON lines, warnings rate-limited
+    /// ([`railyard::logging`]).
     ///
     /// # Errors
     /// A `--log` filter that does not parse.
@@ -61,18 +64,19 @@ impl Cli {
         let filter = match &self.log {
             Some(directives) => EnvFilter::try_new(directives)
                 .map_err(|error| anyhow::anyhow!("--log {directives:?}: {error}"))?,
-            None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+            // Chaos scenarios provoke control-plane warnings on purpose (their report counts
+            // them): by default it shows only the rest.
+            None => EnvFilter::try_from_default_env().unwrap_or_else(|_| match self.command {
+                Command::Chaos(_) => EnvFilter::new("warn,railyard::control=error"),
+                _ => EnvFilter::new("warn"),
+            }),
         };
-        let builder = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr);
-        let installed = match self.log_format {
-            LogFormat::Text => builder
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .try_init(),
-            LogFormat::Json => builder.json().try_init(),
+        let format = match self.log_format {
+            LogFormat::Text => railyard::logging::LogFormat::Text,
+            LogFormat::Json => railyard::logging::LogFormat::Json,
         };
-        installed.map_err(|error| anyhow::anyhow!("installing the log subscriber: {error}"))
+        railyard::logging::install(filter, format)
+            .map_err(|error| anyhow::anyhow!("installing the log subscriber: {error}"))
     }
 
     pub(crate) fn run(self) -> anyhow::Result<std::process::ExitCode> {

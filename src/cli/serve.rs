@@ -11,6 +11,7 @@ use anyhow::{Context as _, bail};
 use clap::Args;
 use railyard::control::NotificationBody;
 use railyard::engine::{DirectoryChoice, Engine, FabricChoice, RailChoice, Region, default_name};
+use railyard::metrics::MetricsServer;
 
 use super::size::{format_size, parse_size};
 
@@ -42,10 +43,14 @@ pub(crate) struct ServeArgs {
     /// same memory) → `region NEWID 0xADDR LEN`; `deregister ID` → `deregistered ID`;
     /// `digest ID OFFSET LEN CHUNK` → `digest D...` (FNV-1a, one per CHUNK bytes); `stats` →
     /// `stats teardowns=N reconnects=N passive_qps=N idempotent_replies=N
-    /// warnings_printed=N` (the control plane's counters); a command that cannot be done →
+    /// warnings=N` (the control plane's counters); a command that cannot be done →
     /// `error: WHY`. The pool is the region the first line names.
     #[arg(long)]
     until_stdin_closes: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics (port 0: any free port; the first
+    /// line then ends with `metrics ADDR`).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
     #[command(flatten)]
     verbs: super::VerbsArgs,
 }
@@ -71,6 +76,14 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let pool = engine
         .alloc(args.pool, None)
         .context("allocating the pool")?;
+    let metrics = args
+        .metrics
+        .map(|addr| {
+            MetricsServer::start(&engine, addr)
+                .with_context(|| format!("serving metrics on {addr}"))
+        })
+        .transpose()?;
+    let metrics_addr = metrics.as_ref().map(MetricsServer::addr);
     let mut out = std::io::stdout().lock();
     tracing::info!(
         target: "railyard::serve",
@@ -79,10 +92,11 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         incarnation = %engine.incarnation(),
         fabric = engine.fabric(),
         pool_bytes = pool.len,
+        metrics = metrics_addr.map(tracing::field::display),
         "serving"
     );
     // First line: machine-readable, for scripts and `railyard bench`.
-    writeln!(
+    write!(
         out,
         "listening {} incarnation {} pool {:#x} {} region {}",
         engine.addr(),
@@ -91,6 +105,10 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         pool.len,
         pool.id
     )?;
+    match metrics_addr {
+        Some(addr) => writeln!(out, " metrics {addr}")?,
+        None => writeln!(out)?,
+    }
     writeln!(
         out,
         "railyard serve: {} on {} rail(s), pool {} ({})",
@@ -100,7 +118,12 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         pool.backing.map_or("user memory", |b| b.describe())
     )?;
     for warning in engine.warnings() {
-        tracing::warn!(target: "railyard::serve", engine = engine.name(), "{warning}");
+        tracing::warn!(
+            target: "railyard::serve",
+            engine = engine.name(),
+            compromise = %warning,
+            "the engine runs with a compromise"
+        );
     }
     out.flush()?;
     drop(out);
@@ -257,12 +280,12 @@ fn command(engine: &Engine, regions: &mut HashMap<u64, Region>, line: &str) -> S
             Some("stats") => {
                 let control = engine.stats().control;
                 Ok(format!(
-                    "stats teardowns={} reconnects={} passive_qps={} idempotent_replies={} warnings_printed={}",
+                    "stats teardowns={} reconnects={} passive_qps={} idempotent_replies={} warnings={}",
                     control.teardowns,
                     control.reconnects,
                     control.passive_qps,
                     control.idempotent_replies,
-                    control.warnings_printed
+                    control.warnings_total()
                 ))
             }
             _ => Err(format!("unknown command {line:?}")),

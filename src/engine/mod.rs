@@ -55,7 +55,7 @@ mod transfer;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use railyard_control::{
@@ -64,6 +64,7 @@ use railyard_control::{
 };
 use railyard_dataplane::fabric::MemoryRegion;
 use railyard_dataplane::fabric::soft::{Backing, FaultHandle};
+pub use railyard_dataplane::fabric::tcp::ServedStats;
 pub use railyard_dataplane::fabric::verbs::RailConfig;
 use railyard_dataplane::{Batch, CounterSnapshot, DEFAULT_DEADLINE, IdleStrategy, PollerHandle};
 use railyard_topology::{HostTopology, PlanOptions, RailKind};
@@ -591,6 +592,9 @@ pub struct RailStats {
     /// Its poller's counters (posted, completed, failed by reason, re-prepared, stale
     /// dropped…).
     pub poller: CounterSnapshot,
+    /// What its TCP target side carried out for initiators (`None` on verbs). Soft-fabric
+    /// and RDMA transfers are one-sided: the target never sees them.
+    pub served: Option<ServedStats>,
 }
 
 /// Counters of one peer.
@@ -600,11 +604,35 @@ pub struct PeerStats {
     pub name: String,
     /// Its incarnation.
     pub incarnation: Incarnation,
-    /// Requests submitted to it.
-    pub requests: u64,
+    /// Requests and bytes submitted to it, by [`Op::index`].
+    pub by_op: [OpTotals; 2],
     /// Slices submitted to it.
     pub slices: u64,
-    /// Bytes submitted to it.
+}
+
+impl PeerStats {
+    /// Requests submitted to it, of either op.
+    pub fn requests(&self) -> u64 {
+        self.by_op.iter().map(|op| op.requests).sum()
+    }
+
+    /// Bytes submitted to it, of either op.
+    pub fn bytes(&self) -> u64 {
+        self.by_op.iter().map(|op| op.bytes).sum()
+    }
+
+    /// Requests and bytes of `op`.
+    pub fn op(&self, op: Op) -> OpTotals {
+        self.by_op[op.index()]
+    }
+}
+
+/// Requests of one op submitted to a peer, and their bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpTotals {
+    /// Requests (transfers) submitted.
+    pub requests: u64,
+    /// Their bytes.
     pub bytes: u64,
 }
 
@@ -623,6 +651,27 @@ pub struct EngineStats {
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
+}
+
+/// A handle that does not keep an engine running: for observers (the metrics server, a
+/// registered collector), so that dropping the application's last [`Engine`] still stops it.
+#[derive(Clone)]
+pub(crate) struct WeakEngine(Weak<Inner>);
+
+impl WeakEngine {
+    /// The engine, while it runs.
+    pub(crate) fn upgrade(&self) -> Option<Engine> {
+        self.0.upgrade().map(|inner| Engine { inner })
+    }
+}
+
+impl std::fmt::Debug for WeakEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.upgrade() {
+            Some(engine) => f.debug_tuple("WeakEngine").field(&engine.name()).finish(),
+            None => f.write_str("WeakEngine(stopped)"),
+        }
+    }
 }
 
 impl std::fmt::Debug for Engine {
@@ -1226,11 +1275,35 @@ impl Engine {
                 .map(|(rail, poller)| RailStats {
                     name: self.inner.rails.name(rail),
                     poller: poller.counters(),
+                    served: self.inner.rails.served(rail),
                 })
                 .collect(),
             peers: transfer::peer_stats(self),
             control: self.inner.control.stats(),
         }
+    }
+
+    /// Its metrics in the Prometheus text format, read from [`Self::stats`] now: what a
+    /// Prometheus scrape of `/metrics` wants (content type [`crate::metrics::CONTENT_TYPE`]),
+    /// for an application that serves them on its own endpoint. Every metric is in the
+    /// README; [`crate::metrics::EngineMetrics`] adds them to an application's registry.
+    pub fn metrics_text(&self) -> String {
+        crate::metrics::render(self)
+    }
+
+    /// A handle that does not keep it running.
+    pub(crate) fn downgrade(&self) -> WeakEngine {
+        WeakEngine(Arc::downgrade(&self.inner))
+    }
+
+    /// Every endpoint that exists now, with its rail.
+    pub(crate) fn endpoint_views(&self) -> Vec<(u16, Arc<EndpointView>)> {
+        self.inner.control.endpoints()
+    }
+
+    /// Rail `rail`'s name.
+    pub(crate) fn rail_name(&self, rail: u16) -> String {
+        self.inner.rails.name(usize::from(rail))
     }
 
     pub(crate) fn pollers(&self) -> &[Arc<PollerHandle>] {

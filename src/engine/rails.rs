@@ -11,7 +11,7 @@ use railyard_control::{
 };
 use railyard_dataplane::fabric::host::HostFabric;
 use railyard_dataplane::fabric::soft::{FaultHandle, SoftBuffer, SoftConfig, SoftDevice};
-use railyard_dataplane::fabric::tcp::{TcpConfig, TcpDevice};
+use railyard_dataplane::fabric::tcp::{ServedStats, TcpConfig, TcpDevice};
 use railyard_dataplane::fabric::verbs::{RailConfig, VerbsFabric, VerbsRail};
 use railyard_dataplane::fabric::{Access, Fabric, MemoryRegion};
 use railyard_dataplane::{IdleStrategy, PollerConfig, PollerHandle, SpawnError};
@@ -219,6 +219,15 @@ impl Rails {
     pub(crate) fn faults(&self, index: usize) -> Option<FaultHandle> {
         match self {
             Self::Host(rails) => rails.get(index).map(|rail| rail.soft.faults()),
+            Self::Verbs(_) => None,
+        }
+    }
+
+    /// What rail `index`'s TCP target side carried out for initiators (host rails only:
+    /// nothing else reaches this process's CPU).
+    pub(crate) fn served(&self, index: usize) -> Option<ServedStats> {
+        match self {
+            Self::Host(rails) => rails.get(index).map(|rail| rail.tcp.served()),
             Self::Verbs(_) => None,
         }
     }

@@ -20,7 +20,7 @@ use railyard_dataplane::fabric::{MemoryRegion, Opcode};
 use railyard_dataplane::{Batch, EndpointId, Epoch, SliceSpec, Submitter};
 
 use super::session::{REFRESH_WAIT, RegionIndex};
-use super::{Engine, Peer, PeerStats, Region, TransferError};
+use super::{Engine, OpTotals, Peer, PeerStats, Region, TransferError};
 
 /// The direction of a transfer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,9 +59,28 @@ pub struct SubmitTiming {
 #[derive(Debug, Default)]
 pub(crate) struct PeerCounters {
     name: Mutex<String>,
-    requests: AtomicU64,
+    /// Requests and bytes, by [`Op::index`].
+    requests: [AtomicU64; 2],
+    bytes: [AtomicU64; 2],
     slices: AtomicU64,
-    bytes: AtomicU64,
+}
+
+impl Op {
+    /// Both ops, in the order of [`Self::index`].
+    pub const ALL: [Op; 2] = [Op::Write, Op::Read];
+
+    /// Its position in [`Self::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// `write` or `read` (the `op` label of the metrics).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::Write => "write",
+            Op::Read => "read",
+        }
+    }
 }
 
 pub(crate) type PeerTable = Mutex<HashMap<Incarnation, Arc<PeerCounters>>>;
@@ -81,9 +100,11 @@ pub(crate) fn peer_stats(engine: &Engine) -> Vec<PeerStats> {
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone(),
             incarnation: *incarnation,
-            requests: counters.requests.load(Ordering::Relaxed),
+            by_op: std::array::from_fn(|op| OpTotals {
+                requests: counters.requests[op].load(Ordering::Relaxed),
+                bytes: counters.bytes[op].load(Ordering::Relaxed),
+            }),
             slices: counters.slices.load(Ordering::Relaxed),
-            bytes: counters.bytes.load(Ordering::Relaxed),
         })
         .collect();
     stats.sort_by(|a, b| a.name.cmp(&b.name));
@@ -271,16 +292,21 @@ impl EngineSubmitter {
                 })
                 .clone()
         });
-        counters
-            .requests
-            .fetch_add(transfers.len() as u64, Ordering::Relaxed);
+        let mut requests = [0u64; 2];
+        let mut bytes = [0u64; 2];
+        for transfer in transfers {
+            requests[transfer.op.index()] += 1;
+            bytes[transfer.op.index()] += transfer.len;
+        }
+        for op in Op::ALL.map(Op::index) {
+            if requests[op] > 0 {
+                counters.requests[op].fetch_add(requests[op], Ordering::Relaxed);
+                counters.bytes[op].fetch_add(bytes[op], Ordering::Relaxed);
+            }
+        }
         counters
             .slices
             .fetch_add(self.specs.len() as u64, Ordering::Relaxed);
-        counters.bytes.fetch_add(
-            transfers.iter().map(|t| t.len).sum::<u64>(),
-            Ordering::Relaxed,
-        );
     }
 
     /// `peer`'s descriptor, from the last one kept while its endpoints' descriptor versions

@@ -26,6 +26,8 @@ pub struct Serve {
     pub pool_len: u64,
     /// The pool's region id (for stdin commands).
     pub pool_id: u64,
+    /// Where its metrics are served (with `--metrics`).
+    pub metrics: Option<String>,
 }
 
 impl Serve {
@@ -80,7 +82,7 @@ impl Serve {
         let first = lines
             .recv_timeout(BOUND)
             .expect("serve prints where it listens");
-        // listening ADDR incarnation INC pool 0xBASE LEN region ID
+        // listening ADDR incarnation INC pool 0xBASE LEN region ID [metrics ADDR]
         let words: Vec<&str> = first.split_whitespace().collect();
         assert_eq!(
             (words[0], words[2], words[4], words[7]),
@@ -93,6 +95,11 @@ impl Serve {
                 .expect("a hex pool address"),
             pool_len: words[6].parse().expect("a pool length"),
             pool_id: words[8].parse().expect("a region id"),
+            metrics: match words.get(9..) {
+                Some(["metrics", addr]) => Some(addr.to_string()),
+                Some([]) => None,
+                rest => panic!("after the region: {rest:?}"),
+            },
             child,
             stdin,
             lines,

@@ -16,6 +16,6 @@ network) by raw address, the way KV-cache connectors do::
 ``TransferEngine`` with Mooncake's method names and integer return codes.
 """
 
-from ._native import Batch, Engine, TransferError, __version__
+from ._native import METRICS_CONTENT_TYPE, Batch, Engine, TransferError, __version__
 
-__all__ = ["Batch", "Engine", "TransferError", "__version__"]
+__all__ = ["METRICS_CONTENT_TYPE", "Batch", "Engine", "TransferError", "__version__"]

@@ -11,6 +11,8 @@ from types import TracebackType
 from typing import Any, Literal, Protocol
 
 __version__: str
+METRICS_CONTENT_TYPE: str
+"""The content type of :meth:`Engine.metrics_text` (the Prometheus text format)."""
 
 class _IntBuffer(Protocol):
     """A 1-D buffer of 64-bit integers, e.g. ``numpy.ndarray`` of ``uint64``/``int64``."""
@@ -225,6 +227,11 @@ class Engine:
         """Whether the peer answers now: it is opened (again, if the process there was
         replaced) and asked for its descriptor, within ``timeout_s`` (default 2 s). Never
         raises for a dead peer; a malformed session id is ``ValueError``."""
+        ...
+
+    def metrics_text(self) -> str:
+        """This engine's Prometheus metrics in the text format (``METRICS_CONTENT_TYPE``),
+        for the application's own ``/metrics`` endpoint; every metric is in the README."""
         ...
 
     def stats(self) -> dict[str, Any]:

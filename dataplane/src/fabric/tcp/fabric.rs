@@ -32,7 +32,7 @@ use super::sys::{self, Epoll};
 use super::wire::{
     HELLO_LEN, Hello, REPLY_LEN, REQUEST_LEN, ReplyHeader, RequestHeader, RequestOp,
 };
-use super::{TargetLink, TcpDevice, TcpQp};
+use super::{ServedCounters, TargetLink, TcpDevice, TcpQp};
 use crate::fabric::delayed::DelayedCompletions;
 use crate::fabric::soft::faults::{FaultView, QpFaultState, Verdict};
 use crate::fabric::{
@@ -1161,18 +1161,21 @@ impl Served {
         match header.op {
             // A refused WRITE's payload is never read: the connection stops here.
             _ if !allowed => self.refuse(header, WcStatus::RemAccessErr, io),
-            RequestOp::Read => self.replies.push_back(Reply {
-                header: ReplyHeader {
-                    status: WcStatus::Success,
-                    len: header.len,
-                    wr_id: header.wr_id,
-                }
-                .encode(),
-                request: header,
-                data_addr: header.remote_addr,
-                data_len: header.len as usize,
-            }),
-            _ if len == 0 => self.applied(header),
+            RequestOp::Read => {
+                io.device.served_counters().read(header.len);
+                self.replies.push_back(Reply {
+                    header: ReplyHeader {
+                        status: WcStatus::Success,
+                        len: header.len,
+                        wr_id: header.wr_id,
+                    }
+                    .encode(),
+                    request: header,
+                    data_addr: header.remote_addr,
+                    data_len: header.len as usize,
+                });
+            }
+            _ if len == 0 => self.applied(header, io.device.served_counters()),
             _ => {
                 self.incoming = Incoming::Payload {
                     addr: header.remote_addr,
@@ -1184,7 +1187,7 @@ impl Served {
     }
 
     /// A WRITE's payload is in place: deliver its immediate (or wait for room), answer.
-    fn applied(&mut self, header: RequestHeader) {
+    fn applied(&mut self, header: RequestHeader, served: &ServedCounters) {
         if header.op == RequestOp::WriteWithImm {
             let Role::Target(link) = &mut self.role else {
                 return;
@@ -1195,6 +1198,7 @@ impl Served {
             }
         }
         self.incoming = Incoming::Header;
+        served.wrote(header.len);
         self.answer(header, WcStatus::Success);
     }
 
@@ -1291,7 +1295,7 @@ impl Served {
                     // A header read whole is started by the next step, after the checks
                     // every request gets (its owner, the reply queue).
                     self.header_got = got - left;
-                    self.applied(header);
+                    self.applied(header, io.device.served_counters());
                 } else if got > 0 {
                     self.incoming = Incoming::Payload {
                         addr: addr + got as u64,
@@ -1302,7 +1306,7 @@ impl Served {
                 Ok(got)
             }
             Incoming::Immediate { header } => {
-                self.applied(header);
+                self.applied(header, io.device.served_counters());
                 if matches!(self.incoming, Incoming::Immediate { .. }) {
                     Err(ErrorKind::WouldBlock.into())
                 } else {

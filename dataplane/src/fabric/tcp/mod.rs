@@ -65,7 +65,7 @@ mod wire;
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -375,6 +375,51 @@ struct DeviceInner {
     next_qp: AtomicU32,
     staged: Staging<TcpQp>,
     pending: Mutex<HashMap<u64, TargetLink>>,
+    served: ServedCounters,
+}
+
+/// What this device's target side carried out for initiators, counted by the poller that
+/// serves its connections (one writer).
+#[derive(Debug, Default)]
+pub(crate) struct ServedCounters {
+    writes: AtomicU64,
+    write_bytes: AtomicU64,
+    reads: AtomicU64,
+    read_bytes: AtomicU64,
+}
+
+impl ServedCounters {
+    /// A WRITE (or WRITE_WITH_IMM) of `len` bytes landed in registered memory.
+    pub(crate) fn wrote(&self, len: u32) {
+        add(&self.writes, 1);
+        add(&self.write_bytes, u64::from(len));
+    }
+
+    /// A READ of `len` bytes was checked and its data queued to go back.
+    pub(crate) fn read(&self, len: u32) {
+        add(&self.reads, 1);
+        add(&self.read_bytes, u64::from(len));
+    }
+}
+
+/// Relaxed load and store, no read-modify-write: the device's one poller is the only writer.
+fn add(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+}
+
+/// What a TCP device's target side carried out for initiators: WRITEs whose payload landed
+/// in this process's registered memory, READs whose data it sent back. (Soft-fabric and RDMA
+/// transfers are one-sided: the target's CPU never sees them, so only TCP counts them.)
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServedStats {
+    /// WRITEs applied.
+    pub writes: u64,
+    /// Their bytes.
+    pub write_bytes: u64,
+    /// READs answered.
+    pub reads: u64,
+    /// Their bytes.
+    pub read_bytes: u64,
 }
 
 /// One rail's TCP device. Cheap to clone; `Send + Sync`: the control plane connects and
@@ -404,7 +449,23 @@ impl TcpDevice {
             next_qp: AtomicU32::new(1),
             staged: Staging::default(),
             pending: Mutex::new(HashMap::new()),
+            served: ServedCounters::default(),
         })))
+    }
+
+    /// What its target side carried out so far.
+    pub fn served(&self) -> ServedStats {
+        let served = &self.0.served;
+        ServedStats {
+            writes: served.writes.load(Ordering::Relaxed),
+            write_bytes: served.write_bytes.load(Ordering::Relaxed),
+            reads: served.reads.load(Ordering::Relaxed),
+            read_bytes: served.read_bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    pub(crate) fn served_counters(&self) -> &ServedCounters {
+        &self.0.served
     }
 
     /// The device's name.
