@@ -5,7 +5,8 @@
 # Usage: scripts/deps.sh [extra-package ...]
 set -euo pipefail
 
-packages=(pkg-config libibverbs-dev librdmacm-dev libhwloc-dev libudev-dev libclang-dev clang iproute2 "$@")
+packages=(pkg-config libibverbs-dev librdmacm-dev libhwloc-dev libudev-dev libclang-dev clang iproute2
+  libfabric-dev libfabric-bin "$@")
 
 missing=()
 for pkg in "${packages[@]}"; do

@@ -19,6 +19,7 @@
 mod delayed;
 pub mod host;
 pub mod null;
+pub mod ofi;
 pub mod scripted;
 pub mod soft;
 mod staging;

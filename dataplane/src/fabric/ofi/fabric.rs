@@ -1,0 +1,474 @@
+//! [`OfiFabric`]: an [`OfiRail`] as its poller drives it — the only code that posts on the
+//! rail's endpoint, reads its completion queue and changes its address vector.
+//!
+//! Each operation carries a slot of this fabric as its context: the slot starts with room
+//! for the provider's own context (`FI_CONTEXT2`) and says what the completion reports (work
+//! request, queue pair, opcode, length). A peer address is in the address vector once,
+//! however many queue pairs (epochs) name it: a repeated handshake with the same address
+//! inserts nothing; the entry goes when the last queue pair naming it is retired and its
+//! last operation has completed.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
+
+use railyard_ofi_sys as sys;
+
+use super::rail::{OfiRail, strerror};
+use super::status::map_error;
+use crate::fabric::{
+    Fabric, FabricError, FabricLimits, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
+    WorkRequest, WrId,
+};
+use crate::{EndpointId, Epoch};
+
+/// Completions taken per `fi_cq_read`.
+const READ_BATCH: usize = 64;
+
+/// One operation's context. `provider` must come first: the slot's address is the
+/// operation's context pointer, and the provider may use that many bytes of it.
+#[repr(C)]
+struct OpSlot {
+    provider: [*mut c_void; 8],
+    index: u32,
+    busy: bool,
+    wr_id: WrId,
+    qp: QpNum,
+    opcode: Opcode,
+    len: u32,
+}
+
+/// A queue pair: a peer's address-vector entry at one epoch of one endpoint.
+struct QueuePair {
+    address: Vec<u8>,
+    fi_addr: sys::fi_addr_t,
+    retired: bool,
+    outstanding: usize,
+}
+
+/// An address-vector entry and the queue pairs that name it.
+struct AvEntry {
+    fi_addr: sys::fi_addr_t,
+    users: usize,
+}
+
+/// The poller's side of an [`OfiRail`]. See the module docs.
+pub struct OfiFabric {
+    rail: Arc<OfiRail>,
+    qps: HashMap<u32, QueuePair>,
+    addresses: HashMap<Vec<u8>, AvEntry>,
+    next_qp: u32,
+    /// Boxed: an operation's context is its slot's address, which must not move while the
+    /// vector grows.
+    #[allow(clippy::vec_box)]
+    slots: Vec<Box<OpSlot>>,
+    free: Vec<u32>,
+    ready: VecDeque<WorkCompletion>,
+    entries: Vec<sys::fi_cq_data_entry>,
+    /// Immediates (remote CQ data) that arrived, oldest first.
+    immediates: VecDeque<u32>,
+}
+
+// SAFETY: the raw pointers in the slots are the provider's context scratch, only ever
+// touched by the provider during calls made from the thread that owns this fabric; the
+// fabric moves to its poller thread once and stays there.
+unsafe impl Send for OfiFabric {}
+
+impl std::fmt::Debug for OfiFabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OfiFabric")
+            .field("rail", &self.rail.name())
+            .field("queue_pairs", &self.qps.len())
+            .field("addresses", &self.addresses.len())
+            .finish()
+    }
+}
+
+impl OfiFabric {
+    pub(crate) fn new(rail: Arc<OfiRail>) -> Self {
+        Self {
+            rail,
+            qps: HashMap::new(),
+            addresses: HashMap::new(),
+            next_qp: 1,
+            slots: Vec::new(),
+            free: Vec::new(),
+            ready: VecDeque::new(),
+            entries: vec![sys::fi_cq_data_entry::default(); READ_BATCH],
+            immediates: VecDeque::new(),
+        }
+    }
+
+    /// Address-vector entries held (one per distinct peer address in use).
+    pub fn address_vector_entries(&self) -> usize {
+        self.addresses.len()
+    }
+
+    /// Takes the immediates (remote CQ data of peers' WRITE_WITH_IMM) that arrived.
+    pub fn take_immediates(&mut self, out: &mut Vec<u32>) {
+        out.extend(self.immediates.drain(..));
+    }
+
+    fn take_slot(&mut self) -> u32 {
+        if let Some(index) = self.free.pop() {
+            return index;
+        }
+        let index = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
+        self.slots.push(Box::new(OpSlot {
+            provider: [ptr::null_mut(); 8],
+            index,
+            busy: false,
+            wr_id: WrId(0),
+            qp: QpNum(0),
+            opcode: Opcode::Write,
+            len: 0,
+        }));
+        index
+    }
+
+    /// Reads the completion queue into `ready` (and progresses the provider); true when
+    /// anything was read.
+    fn progress(&mut self) -> bool {
+        let mut moved = false;
+        loop {
+            // SAFETY: `entries` holds READ_BATCH entries of the format the queue was opened
+            // with (FI_CQ_FORMAT_DATA); only this fabric reads the queue.
+            let read = unsafe {
+                sys::railyard_fi_cq_read(
+                    self.rail.cq,
+                    self.entries.as_mut_ptr().cast(),
+                    self.entries.len(),
+                )
+            };
+            if read > 0 {
+                moved = true;
+                for i in 0..usize::try_from(read).unwrap_or(0) {
+                    let entry = self.entries[i];
+                    self.completed(&entry, WcStatus::Success);
+                }
+                continue;
+            }
+            if read as i64 == -i64::from(sys::FI_EAVAIL) {
+                let mut error = sys::fi_cq_err_entry::default();
+                // SAFETY: reads one error entry into `error`; only this fabric reads the queue.
+                let got = unsafe { sys::railyard_fi_cq_readerr(self.rail.cq, &mut error, 0) };
+                if got <= 0 {
+                    return moved;
+                }
+                moved = true;
+                let entry = sys::fi_cq_data_entry {
+                    op_context: error.op_context,
+                    flags: error.flags,
+                    len: error.len,
+                    buf: error.buf,
+                    data: error.data,
+                };
+                let status = map_error(error.err.unsigned_abs(), error.prov_errno);
+                tracing::debug!(
+                    target: "railyard::ofi",
+                    rail = self.rail.name(),
+                    err = error.err,
+                    reason = %strerror(i64::from(error.err)),
+                    prov_errno = error.prov_errno,
+                    ?status,
+                    "a work request failed"
+                );
+                self.completed(&entry, status);
+                continue;
+            }
+            // -FI_EAGAIN: nothing more now; anything else: the queue is unusable, and the
+            // requests in flight are flushed by retiring their queue pairs.
+            return moved;
+        }
+    }
+
+    /// One completion: an operation of ours (`op_context` is its slot) or a peer's remote
+    /// CQ data (an immediate).
+    fn completed(&mut self, entry: &sys::fi_cq_data_entry, status: WcStatus) {
+        if entry.op_context.is_null() {
+            if entry.flags & u64::from(sys::FI_REMOTE_CQ_DATA) != 0 && status == WcStatus::Success {
+                self.immediates.push_back(entry.data as u32);
+            }
+            return;
+        }
+        // SAFETY: every operation posted here carries the address of one of this fabric's
+        // boxed slots, which live as long as the fabric.
+        let index = unsafe { (*entry.op_context.cast::<OpSlot>()).index };
+        let Some(slot) = self.slots.get_mut(index as usize) else {
+            return;
+        };
+        if !slot.busy {
+            return;
+        }
+        slot.busy = false;
+        let (wr_id, qp, opcode, len) = (slot.wr_id, slot.qp, slot.opcode, slot.len);
+        self.free.push(index);
+        let mut status = status;
+        let mut drained = false;
+        if let Some(pair) = self.qps.get_mut(&qp.0) {
+            pair.outstanding = pair.outstanding.saturating_sub(1);
+            if pair.retired {
+                // Reported only now, once the operation no longer runs.
+                status = WcStatus::WrFlushErr;
+                drained = pair.outstanding == 0;
+            }
+        }
+        self.ready
+            .push_back(WorkCompletion::ended(wr_id, opcode, len, qp, status));
+        if drained {
+            self.forget(qp);
+        }
+    }
+
+    /// Drops a retired queue pair whose operations have all completed, and its peer's
+    /// address-vector entry if no other queue pair names it.
+    fn forget(&mut self, qp: QpNum) {
+        let Some(pair) = self.qps.remove(&qp.0) else {
+            return;
+        };
+        let Some(entry) = self.addresses.get_mut(&pair.address) else {
+            return;
+        };
+        entry.users = entry.users.saturating_sub(1);
+        if entry.users > 0 {
+            return;
+        }
+        let mut fi_addr = entry.fi_addr;
+        self.addresses.remove(&pair.address);
+        // SAFETY: removes one entry this fabric inserted and no operation names any more.
+        let code = unsafe { sys::railyard_fi_av_remove(self.rail.av, &mut fi_addr, 1, 0) };
+        if code != 0 {
+            tracing::warn!(
+                target: "railyard::ofi",
+                rail = self.rail.name(),
+                reason = %strerror(i64::from(code)),
+                "cannot remove a peer from the address vector"
+            );
+        }
+    }
+
+    /// The address-vector entry for `address`, inserted if it is not there.
+    fn entry_for(&mut self, address: &[u8]) -> Result<sys::fi_addr_t, String> {
+        if let Some(entry) = self.addresses.get_mut(address) {
+            entry.users += 1;
+            return Ok(entry.fi_addr);
+        }
+        let mut fi_addr: sys::fi_addr_t = u64::MAX;
+        // SAFETY: inserts one address of the provider's format (the peer's fi_getname bytes;
+        // a malformed one is refused by the provider); only this fabric changes the vector.
+        let inserted = unsafe {
+            sys::railyard_fi_av_insert(
+                self.rail.av,
+                address.as_ptr().cast(),
+                1,
+                &mut fi_addr,
+                0,
+                ptr::null_mut(),
+            )
+        };
+        if inserted != 1 || fi_addr == u64::MAX {
+            return Err(format!(
+                "the address vector refused the peer's address ({})",
+                if inserted < 0 {
+                    strerror(i64::from(inserted))
+                } else {
+                    "not inserted".into()
+                }
+            ));
+        }
+        self.addresses
+            .insert(address.to_vec(), AvEntry { fi_addr, users: 1 });
+        Ok(fi_addr)
+    }
+}
+
+impl Fabric for OfiFabric {
+    fn connect(&mut self, endpoint: EndpointId, epoch: Epoch) -> Result<QpNum, FabricError> {
+        let peer = self
+            .rail
+            .staged
+            .take_for_connect(endpoint, epoch, self.rail.name())?;
+        let fi_addr = self
+            .entry_for(&peer.address)
+            .map_err(|reason| FabricError::Connect {
+                endpoint,
+                epoch,
+                reason,
+            })?;
+        let qp = QpNum(self.next_qp);
+        self.next_qp = self.next_qp.wrapping_add(1).max(1);
+        self.qps.insert(
+            qp.0,
+            QueuePair {
+                address: peer.address,
+                fi_addr,
+                retired: false,
+                outstanding: 0,
+            },
+        );
+        Ok(qp)
+    }
+
+    fn post(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
+        let refuse = |posted, error| Err(PostError { posted, error });
+        let (fi_addr, address) = match self.qps.get(&qp.0) {
+            None => return refuse(0, FabricError::UnknownQp { qp }),
+            Some(pair) if pair.retired => return refuse(0, FabricError::QpInError { qp }),
+            Some(pair) => (pair.fi_addr, pair.address.clone()),
+        };
+        let rail = self.rail.clone();
+        let descriptors = rail.mr_mode().local.then(|| {
+            rail.descriptors
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+        });
+        let remote_regions = rail
+            .remote_regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        let announced = remote_regions.get(&address);
+        let virt_addr = rail.virt_addr();
+        for (posted, request) in requests.iter().enumerate() {
+            // Checked against what the peer announced; then the address it names: the
+            // virtual address, or the offset in the region.
+            let remote_addr = match announced {
+                None if virt_addr => Some(request.remote_addr),
+                None => None,
+                Some(regions) => regions.get(&request.rkey).and_then(|&(base, len)| {
+                    let offset = request.remote_addr.checked_sub(base)?;
+                    let inside = offset.checked_add(u64::from(request.len))? <= len;
+                    inside.then_some(if virt_addr {
+                        request.remote_addr
+                    } else {
+                        offset
+                    })
+                }),
+            };
+            let Some(remote_addr) = remote_addr else {
+                self.ready
+                    .push_back(WorkCompletion::of(request, qp, WcStatus::RemAccessErr));
+                continue;
+            };
+            let mut desc: *mut c_void = ptr::null_mut();
+            if let Some(descriptors) = &descriptors {
+                match descriptors.get(&request.lkey) {
+                    Some(&found) => desc = found as *mut c_void,
+                    None if request.len > 0 => {
+                        // No registration for the local key: the request fails on its own.
+                        self.ready
+                            .push_back(WorkCompletion::of(request, qp, WcStatus::LocProtErr));
+                        continue;
+                    }
+                    None => {}
+                }
+            }
+            let index = self.take_slot();
+            let slot = &mut self.slots[index as usize];
+            slot.busy = true;
+            slot.wr_id = request.wr_id;
+            slot.qp = qp;
+            slot.opcode = request.opcode;
+            slot.len = request.len;
+            let context: *mut OpSlot = &mut **slot;
+            let iov = libc::iovec {
+                iov_base: request.local_addr as *mut c_void,
+                iov_len: request.len as usize,
+            };
+            let rma = sys::fi_rma_iov {
+                addr: remote_addr,
+                len: request.len as usize,
+                key: u64::from(request.rkey),
+            };
+            let msg = sys::fi_msg_rma {
+                msg_iov: &iov,
+                desc: &mut desc,
+                iov_count: 1,
+                addr: fi_addr,
+                rma_iov: &rma,
+                rma_iov_count: 1,
+                context: context.cast(),
+                data: u64::from(request.imm),
+            };
+            // A WRITE completes once its bytes are visible in the target's memory (as a
+            // verbs WRITE is acknowledged after placement), not when they left here: what the
+            // application does next (notify the target) relies on it.
+            let mut flags = u64::from(sys::FI_COMPLETION | sys::FI_DELIVERY_COMPLETE);
+            if posted + 1 < requests.len() {
+                flags |= u64::from(sys::FI_MORE);
+            }
+            // SAFETY: `msg` and what it points to live across the call (libfabric copies the
+            // descriptors it keeps); the local range lies in memory registered on this
+            // rail, kept mapped while requests on it are in flight (the engine's
+            // deregistration waits for the poller); the context is a boxed slot that lives
+            // as long as this fabric.
+            let code = unsafe {
+                match request.opcode {
+                    Opcode::Read => sys::railyard_fi_readmsg(self.rail.ep, &msg, flags),
+                    Opcode::Write => sys::railyard_fi_writemsg(self.rail.ep, &msg, flags),
+                    Opcode::WriteWithImm => sys::railyard_fi_writemsg(
+                        self.rail.ep,
+                        &msg,
+                        flags | u64::from(sys::FI_REMOTE_CQ_DATA),
+                    ),
+                }
+            };
+            if code == 0 {
+                if let Some(pair) = self.qps.get_mut(&qp.0) {
+                    pair.outstanding += 1;
+                }
+                continue;
+            }
+            self.slots[index as usize].busy = false;
+            self.free.push(index);
+            drop(descriptors);
+            drop(remote_regions);
+            if code as i64 == -i64::from(sys::FI_EAGAIN) {
+                // Backpressure: progress, and the rest waits for the next round.
+                self.progress();
+                return refuse(posted, FabricError::SendQueueFull { qp });
+            }
+            tracing::warn!(
+                target: "railyard::ofi",
+                rail = self.rail.name(),
+                qp = qp.0,
+                reason = %strerror(code as i64),
+                "the provider refused a work request"
+            );
+            return refuse(posted, FabricError::QpInError { qp });
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        if self.ready.len() < max {
+            self.progress();
+        }
+        let taken = max.min(self.ready.len());
+        out.extend(self.ready.drain(..taken));
+        taken
+    }
+
+    fn retire(&mut self, qp: QpNum) {
+        let Some(pair) = self.qps.get_mut(&qp.0) else {
+            return;
+        };
+        pair.retired = true;
+        if pair.outstanding == 0 {
+            self.forget(qp);
+        }
+    }
+
+    fn serve(&mut self) -> bool {
+        self.rail.manual_progress() && self.progress()
+    }
+
+    fn serving(&self) -> bool {
+        self.rail.manual_progress() && self.rail.remotely_accessible.load(Ordering::Relaxed) > 0
+    }
+
+    fn limits(&self) -> FabricLimits {
+        self.rail.limits()
+    }
+}

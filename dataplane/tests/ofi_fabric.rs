@@ -1,0 +1,385 @@
+//! The libfabric fabric on libfabric's own `tcp;ofi_rxm` provider (loopback): two rails in
+//! one process, the target's poller side serving on a thread of its own (the provider
+//! progresses data only while the target reads its completion queue). WRITE, READ and
+//! WRITE_WITH_IMM land byte for byte; a bad key, a range outside the region and a peer that
+//! is gone fail with verbs' statuses; a repeated connect to the same address shares one
+//! address-vector entry, which goes with the last queue pair naming it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use railyard_dataplane::fabric::ofi::{OfiConfig, OfiFabric, OfiPeer, OfiRail};
+use railyard_dataplane::fabric::{
+    Access, Fabric, FabricError, MemoryRegion, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
+    WorkRequest, WrId,
+};
+use railyard_dataplane::{EndpointId, Epoch};
+
+const BOUND: Duration = Duration::from_secs(30);
+const PROVIDER: &str = "tcp;ofi_rxm";
+
+fn rail(name: &str) -> Arc<OfiRail> {
+    OfiRail::open(
+        name,
+        &OfiConfig {
+            provider: PROVIDER.into(),
+            domain: Some("lo".into()),
+        },
+    )
+    .expect("libfabric's tcp;ofi_rxm provider on lo (make deps installs libfabric)")
+}
+
+/// Page-aligned memory, registered on `rail`.
+struct Buffer {
+    bytes: Vec<u8>,
+    region: MemoryRegion,
+}
+
+fn buffer(rail: &OfiRail, len: usize, access: Access, fill: impl Fn(usize) -> u8) -> Buffer {
+    let bytes: Vec<u8> = (0..len).map(fill).collect();
+    // SAFETY: the vector stays alive (and unmoved: it is never grown) while registered; the
+    // test deregisters or drops the rail before dropping it.
+    let region =
+        unsafe { rail.register(bytes.as_ptr() as u64, len as u64, access) }.expect("registered");
+    Buffer { bytes, region }
+}
+
+/// A target rail's poller side, serving on its own thread until dropped; the immediates it
+/// received come out of `immediates`.
+struct Target {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    immediates: mpsc::Receiver<u32>,
+}
+
+fn serve(rail: &Arc<OfiRail>) -> Target {
+    let mut fabric: OfiFabric = rail.fabric().expect("the target's fabric");
+    let stop = Arc::new(AtomicBool::new(false));
+    let (sender, immediates) = mpsc::channel();
+    let stopping = stop.clone();
+    let thread = std::thread::spawn(move || {
+        let mut taken = Vec::new();
+        while !stopping.load(Ordering::Relaxed) {
+            if !fabric.serve() {
+                std::thread::yield_now();
+            }
+            fabric.take_immediates(&mut taken);
+            for imm in taken.drain(..) {
+                let _ = sender.send(imm);
+            }
+        }
+    });
+    Target {
+        stop,
+        thread: Some(thread),
+        immediates,
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn request(
+    slot: u32,
+    opcode: Opcode,
+    local: &Buffer,
+    local_offset: usize,
+    remote: u64,
+    rkey: u32,
+    len: u32,
+) -> WorkRequest {
+    WorkRequest {
+        wr_id: WrId::new(slot, 1),
+        opcode,
+        local_addr: local.region.addr + local_offset as u64,
+        lkey: local.region.lkey,
+        remote_addr: remote,
+        rkey,
+        len,
+        imm: 0,
+        signaled: true,
+        epoch: Epoch::FIRST,
+    }
+}
+
+/// Posts `requests` on `qp` as a poller does — what a full send queue holds back (a new
+/// peer's connection is still being made) goes again after a poll — and returns their
+/// completions, one each.
+fn run(fabric: &mut OfiFabric, qp: QpNum, requests: &[WorkRequest]) -> Vec<WorkCompletion> {
+    let mut done = Vec::new();
+    let mut posted = 0;
+    let end = Instant::now() + BOUND;
+    while posted < requests.len() {
+        assert!(
+            Instant::now() < end,
+            "only {posted} of {} posted",
+            requests.len()
+        );
+        match fabric.post(qp, &requests[posted..]) {
+            Ok(()) => posted = requests.len(),
+            Err(PostError {
+                posted: some,
+                error: FabricError::SendQueueFull { .. },
+            }) => {
+                posted += some;
+                fabric.poll(&mut done, 64);
+            }
+            Err(other) => panic!("post: {other:?}"),
+        }
+    }
+    while done.len() < requests.len() {
+        assert!(
+            Instant::now() < end,
+            "only {} of {} completions",
+            done.len(),
+            requests.len()
+        );
+        if fabric.poll(&mut done, 64) == 0 {
+            std::thread::yield_now();
+        }
+    }
+    done
+}
+
+/// Connects `fabric` to `target` at `epoch` (endpoint 0), telling it where the target's
+/// regions start (as the control plane does from the target's descriptor).
+fn connect(
+    initiator: &Arc<OfiRail>,
+    fabric: &mut OfiFabric,
+    target: &OfiRail,
+    regions: &[&Buffer],
+    epoch: Epoch,
+) -> QpNum {
+    initiator.learn_remote_regions(
+        target.address(),
+        regions
+            .iter()
+            .map(|buffer| (buffer.region.rkey, buffer.region.addr, buffer.region.len)),
+    );
+    initiator.stage(
+        EndpointId(0),
+        epoch,
+        OfiPeer {
+            address: target.address().to_vec(),
+        },
+    );
+    fabric.connect(EndpointId(0), epoch).expect("connected")
+}
+
+#[test]
+fn writes_reads_and_immediates_land_byte_for_byte() {
+    const LEN: usize = 8 << 20;
+    const BLOCK: usize = 64 << 10;
+    let (a, b) = (rail("initiator"), rail("target"));
+    let source = buffer(&a, LEN, Access::LOCAL_WRITE, |i| (i * 7 + i / 4096) as u8);
+    let back = buffer(&a, LEN, Access::LOCAL_WRITE, |_| 0);
+    let pool = buffer(&b, LEN, Access::ALL, |_| 0);
+    let target = serve(&b);
+    let mut fabric = a.fabric().expect("the initiator's fabric");
+    let qp = connect(&a, &mut fabric, &b, &[&pool], Epoch::FIRST);
+
+    let blocks = LEN / BLOCK;
+    // Scattered: block i goes to slot (i * 37) % blocks.
+    let slot = |i: usize| (i * 37) % blocks;
+    let writes: Vec<WorkRequest> = (0..blocks)
+        .map(|i| {
+            request(
+                i as u32,
+                Opcode::Write,
+                &source,
+                i * BLOCK,
+                pool.region.addr + (slot(i) * BLOCK) as u64,
+                pool.region.rkey,
+                BLOCK as u32,
+            )
+        })
+        .collect();
+    let done = run(&mut fabric, qp, &writes);
+    assert!(
+        done.iter()
+            .all(|c| c.status == WcStatus::Success && c.qp == qp),
+        "{done:?}"
+    );
+    for i in 0..blocks {
+        assert!(
+            pool.bytes[slot(i) * BLOCK..][..BLOCK] == source.bytes[i * BLOCK..][..BLOCK],
+            "block {i} differs at the target"
+        );
+    }
+
+    let reads: Vec<WorkRequest> = (0..blocks)
+        .map(|i| {
+            request(
+                i as u32,
+                Opcode::Read,
+                &back,
+                i * BLOCK,
+                pool.region.addr + (slot(i) * BLOCK) as u64,
+                pool.region.rkey,
+                BLOCK as u32,
+            )
+        })
+        .collect();
+    let done = run(&mut fabric, qp, &reads);
+    assert!(
+        done.iter().all(|c| c.status == WcStatus::Success),
+        "{done:?}"
+    );
+    assert!(back.bytes == source.bytes, "read back differs");
+
+    let mut signal = request(
+        0,
+        Opcode::WriteWithImm,
+        &source,
+        0,
+        pool.region.addr,
+        pool.region.rkey,
+        8,
+    );
+    signal.imm = 0xdead_beef;
+    let done = run(&mut fabric, qp, &[signal]);
+    assert_eq!(done[0].status, WcStatus::Success);
+    assert_eq!(
+        target
+            .immediates
+            .recv_timeout(BOUND)
+            .expect("the immediate arrives"),
+        0xdead_beef
+    );
+    drop(target);
+}
+
+#[test]
+fn a_bad_key_a_range_outside_and_a_gone_peer_fail_with_verbs_statuses() {
+    let (a, b) = (rail("initiator"), rail("target"));
+    let source = buffer(&a, 1 << 20, Access::LOCAL_WRITE, |i| i as u8);
+    let pool = buffer(&b, 1 << 20, Access::ALL, |_| 0);
+    let target = serve(&b);
+    let mut fabric = a.fabric().expect("the initiator's fabric");
+    let qp = connect(&a, &mut fabric, &b, &[&pool], Epoch::FIRST);
+
+    let bad_key = request(
+        1,
+        Opcode::Write,
+        &source,
+        0,
+        pool.region.addr,
+        pool.region.rkey ^ 0x5a5a,
+        4096,
+    );
+    assert_eq!(
+        run(&mut fabric, qp, &[bad_key])[0].status,
+        WcStatus::RemAccessErr
+    );
+
+    let outside = request(
+        2,
+        Opcode::Write,
+        &source,
+        0,
+        pool.region.addr + (1 << 20) - 100,
+        pool.region.rkey,
+        4096,
+    );
+    assert_eq!(
+        run(&mut fabric, qp, &[outside])[0].status,
+        WcStatus::RemAccessErr
+    );
+    assert!(pool.bytes.iter().all(|&b| b == 0), "nothing was written");
+    // Both were refused here: the connection carries on.
+    let good = request(
+        3,
+        Opcode::Write,
+        &source,
+        0,
+        pool.region.addr,
+        pool.region.rkey,
+        4096,
+    );
+    assert_eq!(run(&mut fabric, qp, &[good])[0].status, WcStatus::Success);
+    assert!(pool.bytes[..4096] == source.bytes[..4096]);
+
+    // The target withdraws the region after announcing it: the target refuses the request.
+    b.deregister(&pool.region).expect("deregistered");
+    let late = request(
+        4,
+        Opcode::Write,
+        &source,
+        4096,
+        pool.region.addr + 4096,
+        pool.region.rkey,
+        4096,
+    );
+    assert_eq!(
+        run(&mut fabric, qp, &[late])[0].status,
+        WcStatus::RemAccessErr
+    );
+    assert!(
+        pool.bytes[4096..8192].iter().all(|&b| b == 0),
+        "nothing was written"
+    );
+
+    // The target goes: its rail closes.
+    drop(target);
+    drop(pool);
+    drop(b);
+    let gone = request(3, Opcode::Write, &source, 0, 0x1000, 1, 4096);
+    let status = run(&mut fabric, qp, &[gone])[0].status;
+    assert_ne!(status, WcStatus::Success);
+}
+
+#[test]
+fn one_address_vector_entry_per_peer_address_gone_with_its_last_queue_pair() {
+    let (a, b) = (rail("initiator"), rail("target"));
+    let source = buffer(&a, 1 << 16, Access::LOCAL_WRITE, |i| i as u8);
+    let pool = buffer(&b, 1 << 16, Access::ALL, |_| 0);
+    let target = serve(&b);
+    let mut fabric = a.fabric().expect("the initiator's fabric");
+    // The same handshake, again and again: new epochs, one address.
+    let mut qps = Vec::new();
+    let mut epoch = Epoch::FIRST;
+    for _ in 0..100 {
+        qps.push(connect(&a, &mut fabric, &b, &[&pool], epoch));
+        epoch = epoch.next();
+    }
+    assert_eq!(fabric.address_vector_entries(), 1);
+    // Transfers keep completing through it, on the newest queue pair.
+    let newest = *qps.last().expect("connected");
+    let write = request(
+        0,
+        Opcode::Write,
+        &source,
+        0,
+        pool.region.addr,
+        pool.region.rkey,
+        1 << 16,
+    );
+    assert_eq!(
+        run(&mut fabric, newest, &[write])[0].status,
+        WcStatus::Success
+    );
+    for &qp in &qps[..qps.len() - 1] {
+        fabric.retire(qp);
+    }
+    assert_eq!(
+        fabric.address_vector_entries(),
+        1,
+        "the newest still names it"
+    );
+    fabric.retire(newest);
+    assert_eq!(fabric.address_vector_entries(), 0);
+    assert!(
+        fabric.post(newest, &[write]).is_err(),
+        "a retired queue pair takes nothing"
+    );
+    drop(target);
+}
