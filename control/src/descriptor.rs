@@ -11,6 +11,8 @@ pub mod fabric {
     pub const VERBS: u8 = 2;
     /// TCP between hosts.
     pub const TCP: u8 = 3;
+    /// libfabric (EFA, or a software provider).
+    pub const OFI: u8 = 4;
 }
 
 /// One rail of a segment.
@@ -22,6 +24,9 @@ pub struct RailDescriptor {
     pub fabric: u8,
     /// Its TCP fabric data port, when it takes TCP queue pairs (0: it does not).
     pub tcp_port: u16,
+    /// Its endpoint's fabric address, for fabrics whose peers address one endpoint per rail
+    /// (libfabric: `fi_getname`); empty otherwise.
+    pub address: Vec<u8>,
 }
 
 /// One registered region of a segment.

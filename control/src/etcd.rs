@@ -843,6 +843,7 @@ mod tests {
                 name: "soft0".into(),
                 fabric: fabric::SOFT,
                 tcp_port: 41000,
+                address: Vec::new(),
             }],
             regions: vec![RegionDescriptor {
                 base: 0x1000,

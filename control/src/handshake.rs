@@ -874,6 +874,9 @@ impl<F: RailFabric> Core<F> {
             return self.refuse(conn, &reason, now);
         }
         state.descriptors_asked -= 1;
+        for fabric in &self.fabrics {
+            fabric.learn_descriptor(&descriptor);
+        }
         let fresh = self.descriptors.record(descriptor);
         for active in self.active.values() {
             if active.machine.key().peer == incarnation {

@@ -86,6 +86,7 @@ impl RailFabric for FakeFabric {
             name: "fake".into(),
             fabric: 0,
             tcp_port: 0,
+            address: Vec::new(),
         }
     }
 }

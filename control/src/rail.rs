@@ -6,6 +6,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use railyard_dataplane::fabric::ofi::{OfiPeer, OfiRail};
 use railyard_dataplane::fabric::soft::{SoftAttachment, SoftDevice, SoftQp};
 use railyard_dataplane::fabric::tcp::{
     TcpAttachment, TcpDevice, TcpPreparedQp, TcpQp, TcpTarget, is_unspecified,
@@ -15,7 +16,7 @@ use railyard_dataplane::fabric::verbs::ffi::{PreparedQp, QueuePair};
 use railyard_dataplane::fabric::{Access, QpInfo};
 use railyard_dataplane::{EndpointId, Epoch};
 
-use crate::descriptor::{RailDescriptor, fabric};
+use crate::descriptor::{RailDescriptor, SegmentDescriptor, fabric};
 use crate::wire::QpSide;
 
 /// What the control thread knows of the peer a queue pair is for.
@@ -84,6 +85,11 @@ pub trait RailFabric: Send + Sync + 'static {
 
     /// How the rail appears in this process's segment descriptor.
     fn describe(&self) -> RailDescriptor;
+
+    /// A peer's descriptor arrived (on first contact and after every refresh). Fabrics that
+    /// check or translate remote addresses themselves learn the peer's regions here; the
+    /// others keep the default.
+    fn learn_descriptor(&self, _descriptor: &SegmentDescriptor) {}
 }
 
 /// A target queue pair taken out of service ([`RailFabric::revoke`]), to wait on.
@@ -181,6 +187,7 @@ impl RailFabric for SoftDevice {
             name: self.name().to_string(),
             fabric: fabric::SOFT,
             tcp_port: 0,
+            address: Vec::new(),
         }
     }
 }
@@ -341,6 +348,7 @@ impl RailFabric for HostRail {
                 HostMode::Auto | HostMode::Soft => fabric::SOFT,
             },
             tcp_port: self.tcp.local_addr().port(),
+            address: Vec::new(),
         }
     }
 }
@@ -391,6 +399,7 @@ impl RailFabric for Arc<VerbsRail> {
             name: self.name().to_string(),
             fabric: fabric::VERBS,
             tcp_port: 0,
+            address: Vec::new(),
         }
     }
 }
@@ -399,5 +408,147 @@ fn verbs_side(info: QpInfo) -> QpSide {
     QpSide {
         info,
         attachment: Vec::new(),
+    }
+}
+
+/// One side of a libfabric "queue pair" before it is connected: nothing is allocated per
+/// peer on a reliable-datagram endpoint, only the tag the target side gives the connection.
+#[derive(Debug)]
+pub enum OfiHalf {
+    /// The initiator's side.
+    Initiator,
+    /// The target's side, with its tag.
+    Target {
+        /// The high 32 bits of the remote CQ data of the initiator's immediates.
+        tag: u32,
+    },
+}
+
+/// A connected libfabric "queue pair".
+#[derive(Debug)]
+pub enum OfiConnected {
+    /// The initiator's: the peer to stage for the poller.
+    Initiator(OfiPeer),
+    /// The target's: where its immediates are kept.
+    Target {
+        /// Its tag.
+        tag: u32,
+    },
+}
+
+/// The attachment of a libfabric side: the tag (little-endian) and the endpoint's address.
+fn ofi_attachment(rail: &OfiRail, tag: u32) -> Vec<u8> {
+    let mut attachment = tag.to_le_bytes().to_vec();
+    attachment.extend_from_slice(rail.address());
+    attachment
+}
+
+fn ofi_side(rail: &OfiRail, tag: u32) -> QpSide {
+    QpSide {
+        info: QpInfo {
+            // Names the offer in RetireQp; libfabric has no queue-pair number.
+            qp_num: (crate::random::random_u64() as u32 & 0x00ff_ffff).max(1),
+            lid: 0,
+            gid: [0; 16],
+            psn: 0,
+            path_mtu: 4096,
+        },
+        attachment: ofi_attachment(rail, tag),
+    }
+}
+
+/// Reads a libfabric side's attachment.
+fn ofi_peer(remote: &QpSide) -> Result<OfiPeer, String> {
+    match remote.attachment.split_first_chunk::<4>() {
+        Some((tag, address)) if !address.is_empty() => Ok(OfiPeer {
+            address: address.to_vec(),
+            tag: u32::from_le_bytes(*tag),
+        }),
+        _ => Err(format!(
+            "a libfabric side needs a tag and an endpoint address: {} bytes of attachment",
+            remote.attachment.len()
+        )),
+    }
+}
+
+impl RailFabric for Arc<OfiRail> {
+    type Qp = OfiHalf;
+    type Connected = OfiConnected;
+
+    fn create_qp(&self, _link: &PeerLink) -> Result<(OfiHalf, QpSide), String> {
+        Ok((OfiHalf::Initiator, ofi_side(self, 0)))
+    }
+
+    /// Opens the immediates of a fresh tag for the initiator's connection.
+    fn create_target_qp(
+        &self,
+        _link: &PeerLink,
+        initiator: &QpSide,
+    ) -> Result<(OfiHalf, QpSide), String> {
+        ofi_peer(initiator)?;
+        let tag = crate::random::random_u64() as u32;
+        self.open_immediates(tag);
+        Ok((OfiHalf::Target { tag }, ofi_side(self, tag)))
+    }
+
+    fn take_immediates(&self, qp: &mut OfiConnected, out: &mut Vec<u32>) -> Result<(), String> {
+        if let OfiConnected::Target { tag } = qp {
+            OfiRail::take_immediates(self, *tag, out);
+        }
+        Ok(())
+    }
+
+    fn connect_qp(&self, qp: OfiHalf, remote: &QpSide) -> Result<OfiConnected, String> {
+        let peer = ofi_peer(remote)?;
+        Ok(match qp {
+            OfiHalf::Initiator => OfiConnected::Initiator(peer),
+            OfiHalf::Target { tag } => OfiConnected::Target { tag },
+        })
+    }
+
+    fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: OfiConnected) -> Result<(), String> {
+        match qp {
+            OfiConnected::Initiator(peer) => {
+                OfiRail::stage(self, endpoint, epoch, peer);
+                Ok(())
+            }
+            OfiConnected::Target { .. } => {
+                Err("a target's queue pair is served, never staged for an endpoint".into())
+            }
+        }
+    }
+
+    /// A reliable-datagram endpoint keeps no state per initiator: the target side's
+    /// immediates stop being kept; RMA by key lasts until the region is deregistered.
+    fn revoke(&self, qp: OfiConnected) -> Revocation {
+        if let OfiConnected::Target { tag } = qp {
+            self.close_immediates(tag);
+        }
+        Revocation::done()
+    }
+
+    fn describe(&self) -> RailDescriptor {
+        RailDescriptor {
+            name: self.name().to_string(),
+            fabric: fabric::OFI,
+            tcp_port: 0,
+            address: self.address().to_vec(),
+        }
+    }
+
+    /// Learns the regions of each of the peer's libfabric rails, by that rail's address.
+    fn learn_descriptor(&self, descriptor: &SegmentDescriptor) {
+        for (index, rail) in descriptor.rails.iter().enumerate() {
+            if rail.fabric != fabric::OFI || rail.address.is_empty() {
+                continue;
+            }
+            self.learn_remote_regions(
+                &rail.address,
+                descriptor.regions.iter().filter_map(|region| {
+                    let rkey = *region.rkeys.get(index)?;
+                    Some((rkey, region.base, region.len))
+                }),
+            );
+        }
     }
 }

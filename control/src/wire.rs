@@ -323,6 +323,7 @@ fn write_descriptor(w: &mut Writer, d: &SegmentDescriptor) {
         w.string(&rail.name);
         w.u8(rail.fabric);
         w.u16(rail.tcp_port);
+        w.bytes(&rail.address);
     }
     w.u32(d.regions.len() as u32);
     for region in &d.regions {
@@ -340,13 +341,14 @@ fn read_descriptor(r: &mut Reader<'_>) -> Result<SegmentDescriptor, WireError> {
     let name = r.string("segment name")?;
     let incarnation = Incarnation(r.u64("incarnation")?);
     let handshake_addr = r.string("handshake address")?;
-    let rail_count = r.count(7, "rail count")?;
+    let rail_count = r.count(11, "rail count")?;
     let mut rails = Vec::with_capacity(rail_count);
     for _ in 0..rail_count {
         rails.push(RailDescriptor {
             name: r.string("rail name")?,
             fabric: r.u8("rail fabric")?,
             tcp_port: r.u16("rail TCP port")?,
+            address: r.bytes(MAX_ATTACHMENT, "rail address")?,
         });
     }
     let region_count = r.count(28, "region count")?;
@@ -715,13 +717,17 @@ mod tests {
     }
 
     fn descriptor() -> impl Strategy<Value = SegmentDescriptor> {
-        let rail =
-            ("[a-z0-9_]{0,12}", any::<u8>(), any::<u16>()).prop_map(|(name, fabric, tcp_port)| {
-                RailDescriptor {
-                    name,
-                    fabric,
-                    tcp_port,
-                }
+        let rail = (
+            "[a-z0-9_]{0,12}",
+            any::<u8>(),
+            any::<u16>(),
+            prop::collection::vec(any::<u8>(), 0..24),
+        )
+            .prop_map(|(name, fabric, tcp_port, address)| RailDescriptor {
+                name,
+                fabric,
+                tcp_port,
+                address,
             });
         let region = (
             0u64..1 << 47,

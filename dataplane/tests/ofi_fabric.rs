@@ -7,7 +7,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -20,6 +19,8 @@ use railyard_dataplane::{EndpointId, Epoch};
 
 const BOUND: Duration = Duration::from_secs(30);
 const PROVIDER: &str = "tcp;ofi_rxm";
+/// The target's tag for the one connection of these tests.
+const TAG: u32 = 7;
 
 fn rail(name: &str) -> Arc<OfiRail> {
     OfiRail::open(
@@ -47,35 +48,26 @@ fn buffer(rail: &OfiRail, len: usize, access: Access, fill: impl Fn(usize) -> u8
     Buffer { bytes, region }
 }
 
-/// A target rail's poller side, serving on its own thread until dropped; the immediates it
-/// received come out of `immediates`.
+/// A target rail's poller side, serving on its own thread until dropped.
 struct Target {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
-    immediates: mpsc::Receiver<u32>,
 }
 
 fn serve(rail: &Arc<OfiRail>) -> Target {
     let mut fabric: OfiFabric = rail.fabric().expect("the target's fabric");
     let stop = Arc::new(AtomicBool::new(false));
-    let (sender, immediates) = mpsc::channel();
     let stopping = stop.clone();
     let thread = std::thread::spawn(move || {
-        let mut taken = Vec::new();
         while !stopping.load(Ordering::Relaxed) {
             if !fabric.serve() {
                 std::thread::yield_now();
-            }
-            fabric.take_immediates(&mut taken);
-            for imm in taken.drain(..) {
-                let _ = sender.send(imm);
             }
         }
     });
     Target {
         stop,
         thread: Some(thread),
-        immediates,
     }
 }
 
@@ -170,6 +162,7 @@ fn connect(
         epoch,
         OfiPeer {
             address: target.address().to_vec(),
+            tag: TAG,
         },
     );
     fabric.connect(EndpointId(0), epoch).expect("connected")
@@ -246,15 +239,21 @@ fn writes_reads_and_immediates_land_byte_for_byte() {
         8,
     );
     signal.imm = 0xdead_beef;
-    let done = run(&mut fabric, qp, &[signal]);
-    assert_eq!(done[0].status, WcStatus::Success);
-    assert_eq!(
-        target
-            .immediates
-            .recv_timeout(BOUND)
-            .expect("the immediate arrives"),
-        0xdead_beef
-    );
+    b.open_immediates(TAG);
+    let done = run(&mut fabric, qp, &[signal, signal]);
+    assert!(done.iter().all(|c| c.status == WcStatus::Success));
+    let mut arrived = Vec::new();
+    let end = Instant::now() + BOUND;
+    while arrived.len() < 2 {
+        assert!(Instant::now() < end, "immediates: {arrived:x?}");
+        b.take_immediates(TAG, &mut arrived);
+        std::thread::yield_now();
+    }
+    assert_eq!(arrived, [0xdead_beef, 0xdead_beef]);
+    // Another connection's tag sees none of them.
+    let mut other = Vec::new();
+    b.take_immediates(TAG + 1, &mut other);
+    assert!(other.is_empty());
     drop(target);
 }
 

@@ -63,7 +63,7 @@ pub(crate) struct BenchArgs {
     /// Software rails on both sides (default: one per NUMA node, from the topology plan).
     #[arg(long)]
     rails: Option<NonZeroUsize>,
-    /// auto, soft, tcp or verbs.
+    /// auto, soft, tcp, verbs or ofi (libfabric: --ofi-provider).
     #[arg(long, value_parser = super::parse_fabric, default_value = "auto")]
     fabric: FabricChoice,
     /// Pool of the target bench starts (ignored with --target).
@@ -152,6 +152,7 @@ fn start_target(args: &BenchArgs, rails: usize) -> anyhow::Result<(TargetChild, 
                 FabricChoice::Soft => "soft",
                 FabricChoice::Tcp => "tcp",
                 FabricChoice::Verbs => "verbs",
+                FabricChoice::Ofi => "ofi",
             },
         ])
         .stdin(Stdio::piped())
@@ -167,6 +168,9 @@ fn start_target(args: &BenchArgs, rails: usize) -> anyhow::Result<(TargetChild, 
     }
     if let Some(index) = args.verbs.gid_index {
         command.args(["--gid-index", &index.to_string()]);
+    }
+    if let Some(provider) = &args.verbs.ofi_provider {
+        command.args(["--ofi-provider", provider]);
     }
     let mut child = TargetChild(command.spawn().context("starting the target process")?);
     let stdout = child.0.stdout.take().context("the target's stdout")?;
@@ -811,10 +815,11 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let ceiling_with_the_machine_to_itself = match args.target {
         Some(_) => None,
         None => {
-            let ceiling_engine = Engine::builder(format!("{name}-ceiling"))
+            let ceiling_engine = args
+                .verbs
+                .apply(Engine::builder(format!("{name}-ceiling")))
                 .fabric(args.fabric)
                 .rails(rails)
-                .verbs(args.verbs.config())
                 .idle(IdleStrategy::SpinThenPark {
                     spins: 64,
                     park: Duration::from_millis(1),
@@ -830,14 +835,16 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
                 CeilingSite::Loopback,
                 source,
                 args.pool,
-                args.fabric == FabricChoice::Tcp,
+                // libfabric's ratio is against TCP too: the fabric it replaces off EFA.
+                matches!(args.fabric, FabricChoice::Tcp | FabricChoice::Ofi),
             )?)
         }
     };
-    let engine = Engine::builder(name)
+    let engine = args
+        .verbs
+        .apply(Engine::builder(name))
         .fabric(args.fabric)
         .rails(rails)
-        .verbs(args.verbs.config())
         .directory(args.directory.clone())
         .build()
         .context("starting the engine")?;

@@ -91,7 +91,7 @@ impl Cli {
     }
 }
 
-/// `--fabric auto|soft|tcp|verbs`.
+/// `--fabric auto|soft|tcp|verbs|ofi`.
 fn parse_fabric(text: &str) -> Result<railyard::engine::FabricChoice, String> {
     use railyard::engine::FabricChoice;
     match text {
@@ -99,8 +99,9 @@ fn parse_fabric(text: &str) -> Result<railyard::engine::FabricChoice, String> {
         "soft" => Ok(FabricChoice::Soft),
         "tcp" => Ok(FabricChoice::Tcp),
         "verbs" => Ok(FabricChoice::Verbs),
+        "ofi" => Ok(FabricChoice::Ofi),
         other => Err(format!(
-            "{other:?} is not a fabric (auto, soft, tcp, verbs)"
+            "{other:?} is not a fabric (auto, soft, tcp, verbs, ofi)"
         )),
     }
 }
@@ -117,9 +118,14 @@ fn parse_directory(text: &str) -> Result<railyard::engine::DirectoryChoice, Stri
     }
 }
 
-/// Verbs rail settings shared by `serve` and `bench` (ignored on the soft fabric).
+/// Verbs and libfabric rail settings shared by `serve` and `bench` (ignored on the soft
+/// fabric).
 #[derive(Debug, clap::Args)]
 pub(crate) struct VerbsArgs {
+    /// The libfabric provider of `--fabric ofi`, as `fi_info -l` names it (default: efa when
+    /// this machine has it; a software provider such as "tcp;ofi_rxm" only when named).
+    #[arg(long, value_name = "NAME")]
+    pub(crate) ofi_provider: Option<String>,
     /// RDMA port of every rail (default: the first ACTIVE one).
     #[arg(long, value_name = "N")]
     pub(crate) ib_port: Option<u8>,
@@ -133,7 +139,19 @@ pub(crate) struct VerbsArgs {
 }
 
 impl VerbsArgs {
-    pub(crate) fn config(&self) -> railyard::engine::RailConfig {
+    /// `builder` with these settings.
+    pub(crate) fn apply(
+        &self,
+        builder: railyard::engine::EngineBuilder,
+    ) -> railyard::engine::EngineBuilder {
+        let builder = builder.verbs(self.config());
+        match &self.ofi_provider {
+            Some(provider) => builder.ofi(provider),
+            None => builder,
+        }
+    }
+
+    fn config(&self) -> railyard::engine::RailConfig {
         let defaults = railyard::engine::RailConfig::default();
         railyard::engine::RailConfig {
             port: self.ib_port,

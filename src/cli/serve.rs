@@ -23,7 +23,7 @@ pub(crate) struct ServeArgs {
     /// Size of the registered pool peers write into and read from (e.g. 1GiB).
     #[arg(long, value_parser = parse_size, default_value = "256MiB")]
     pool: u64,
-    /// auto, soft, tcp or verbs.
+    /// auto, soft, tcp, verbs or ofi (libfabric: --ofi-provider).
     #[arg(long, value_parser = super::parse_fabric, default_value = "auto")]
     pub(crate) fabric: FabricChoice,
     /// Where peers find this process: p2p (by address) or etcd://HOST:PORT[,HOST:PORT...]
@@ -64,11 +64,12 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
     }
     let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
     let name = args.name.clone().unwrap_or_else(|| default_name("serve"));
-    let engine = Engine::builder(name)
+    let engine = args
+        .verbs
+        .apply(Engine::builder(name))
         .listen(args.listen)
         .fabric(args.fabric)
         .rails(rails)
-        .verbs(args.verbs.config())
         .directory(args.directory.clone())
         .idle(railyard::dataplane::IdleStrategy::gentle())
         .build()

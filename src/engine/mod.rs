@@ -88,6 +88,9 @@ pub enum FabricChoice {
     Tcp,
     /// RDMA verbs.
     Verbs,
+    /// libfabric ([`EngineBuilder::ofi`] names the provider): EFA in production. `Auto`
+    /// never picks it.
+    Ofi,
 }
 
 /// How many rails, and where their pollers run.
@@ -113,6 +116,7 @@ pub struct EngineBuilder {
     deadline: Duration,
     policy: Policy,
     verbs: RailConfig,
+    ofi: Option<String>,
     directory: DirectoryChoice,
 }
 
@@ -216,6 +220,14 @@ impl EngineBuilder {
         self
     }
 
+    /// The libfabric provider of [`FabricChoice::Ofi`] rails, as `fi_info -l` names it (`efa`,
+    /// `tcp;ofi_rxm`, `shm`). Default: `efa` when this machine has it; a software provider
+    /// only when named here.
+    pub fn ofi(mut self, provider: impl Into<String>) -> Self {
+        self.ofi = Some(provider.into());
+        self
+    }
+
     /// Where peers are found (default [`DirectoryChoice::P2p`]).
     #[must_use]
     pub fn directory(mut self, directory: DirectoryChoice) -> Self {
@@ -305,7 +317,7 @@ impl EngineBuilder {
         };
         let verbs = railyard_dataplane::fabric::verbs::devices();
         let use_verbs = match (self.fabric, &verbs) {
-            (FabricChoice::Soft | FabricChoice::Tcp, _) => false,
+            (FabricChoice::Soft | FabricChoice::Tcp | FabricChoice::Ofi, _) => false,
             (FabricChoice::Auto, Err(unavailable)) => {
                 warnings.push(format!(
                     "no verbs fabric ({unavailable}); using the soft fabric for peers on this \
@@ -341,7 +353,16 @@ impl EngineBuilder {
             }
             (FabricChoice::Verbs, Ok(_)) => true,
         };
-        let planned = if use_verbs { rdma } else { software };
+        let ofi = match self.fabric {
+            FabricChoice::Ofi => Some(ofi_provider(self.ofi.as_deref())?),
+            _ => None,
+        };
+        // EFA devices are RDMA rails of the plan: one libfabric rail on each.
+        let planned = if use_verbs || (ofi.is_some() && !rdma.is_empty()) {
+            rdma
+        } else {
+            software
+        };
         let shared = ControlShared::new(planned.len());
         let advertise = self
             .advertise
@@ -352,7 +373,17 @@ impl EngineBuilder {
             policy: self.policy.clone(),
             ..ControlConfig::new(self.name.clone())
         };
-        let started = if use_verbs {
+        let started = if let Some(provider) = ofi {
+            Rails::start_ofi(
+                &self.name,
+                &planned,
+                &provider,
+                self.idle,
+                control_config,
+                &shared,
+                &mut warnings,
+            )?
+        } else if use_verbs {
             Rails::start_verbs(
                 &planned,
                 self.verbs,
@@ -365,7 +396,7 @@ impl EngineBuilder {
             let mode = match self.fabric {
                 FabricChoice::Soft => HostMode::Soft,
                 FabricChoice::Tcp => HostMode::Tcp,
-                FabricChoice::Auto | FabricChoice::Verbs => HostMode::Auto,
+                FabricChoice::Auto | FabricChoice::Verbs | FabricChoice::Ofi => HostMode::Auto,
             };
             Rails::start_host(
                 &self.name,
@@ -403,6 +434,38 @@ impl EngineBuilder {
                 sessions: session::SessionTable::default(),
             }),
         })
+    }
+}
+
+/// The libfabric provider to run: the one asked for if this machine has it; else `efa` if
+/// present.
+fn ofi_provider(asked: Option<&str>) -> Result<String, BuildError> {
+    let present = railyard_dataplane::fabric::ofi::providers();
+    let unavailable = |reason: String| BuildError::FabricUnavailable {
+        fabric: "ofi",
+        reason,
+    };
+    match asked {
+        Some(provider) if present.iter().any(|p| p == provider) => Ok(provider.to_string()),
+        Some(provider) => Err(unavailable(format!(
+            "libfabric has no provider {provider:?} with RMA on reliable-datagram endpoints \
+             here (present: {})",
+            if present.is_empty() {
+                "none".into()
+            } else {
+                present.join(", ")
+            }
+        ))),
+        None if present.iter().any(|p| p == "efa") => Ok("efa".into()),
+        None => Err(unavailable(format!(
+            "no efa provider on this machine; name a software provider to use one (present: \
+             {})",
+            if present.is_empty() {
+                "none".into()
+            } else {
+                present.join(", ")
+            }
+        ))),
     }
 }
 
@@ -713,6 +776,7 @@ impl Engine {
             deadline: DEFAULT_DEADLINE,
             policy: Policy::default(),
             verbs: RailConfig::default(),
+            ofi: None,
             directory: DirectoryChoice::P2p,
         }
     }

@@ -10,6 +10,7 @@ use railyard_control::{
     ControlConfig, ControlPlane, ControlRail, ControlShared, HostMode, HostRail, RailFabric,
 };
 use railyard_dataplane::fabric::host::HostFabric;
+use railyard_dataplane::fabric::ofi::{OfiConfig, OfiRail};
 use railyard_dataplane::fabric::soft::{FaultHandle, SoftBuffer, SoftConfig, SoftDevice};
 use railyard_dataplane::fabric::tcp::{ServedStats, TcpConfig, TcpDevice};
 use railyard_dataplane::fabric::verbs::{RailConfig, VerbsFabric, VerbsRail};
@@ -33,10 +34,12 @@ pub(crate) struct PlannedRail {
     pub(crate) numa: u32,
 }
 
-/// The rails of one engine: all RDMA (verbs) or all host rails (soft and TCP).
+/// The rails of one engine: all RDMA (verbs), all libfabric, or all host rails (soft and
+/// TCP).
 pub(crate) enum Rails {
     Host(Vec<HostRail>),
     Verbs(Vec<Arc<VerbsRail>>),
+    Ofi(Vec<Arc<OfiRail>>),
 }
 
 /// Memory the engine allocated.
@@ -196,10 +199,45 @@ impl Rails {
         })
     }
 
+    /// Starts the planned rails on libfabric's `provider`: an RDMA rail of the plan (an EFA
+    /// device) opens the provider's domain of that device, a software rail its first domain.
+    pub(crate) fn start_ofi(
+        name: &str,
+        planned: &[PlannedRail],
+        provider: &str,
+        idle: IdleStrategy,
+        control: ControlConfig,
+        shared: &Arc<ControlShared>,
+        warnings: &mut Vec<String>,
+    ) -> Result<Started, BuildError> {
+        let (rails, pollers, control) = start_all(
+            planned,
+            idle,
+            control,
+            shared,
+            |index, plan| {
+                let config = OfiConfig {
+                    provider: provider.to_string(),
+                    // efa names a device's reliable-datagram domain `<device>-rdm`.
+                    domain: plan.device.as_ref().map(|device| format!("{device}-rdm")),
+                };
+                OfiRail::open(format!("{name}-ofi{index}"), &config).map_err(|e| e.to_string())
+            },
+            |rail: &Arc<OfiRail>| rail.fabric().map_err(|e| e.to_string()),
+            warnings,
+        )?;
+        Ok(Started {
+            rails: Self::Ofi(rails),
+            pollers,
+            control,
+        })
+    }
+
     pub(crate) fn len(&self) -> usize {
         match self {
             Self::Host(rails) => rails.len(),
             Self::Verbs(rails) => rails.len(),
+            Self::Ofi(rails) => rails.len(),
         }
     }
 
@@ -212,6 +250,7 @@ impl Rails {
                 Some(HostMode::Auto) | None => "soft+tcp",
             },
             Self::Verbs(_) => "verbs",
+            Self::Ofi(_) => "ofi",
         }
     }
 
@@ -219,7 +258,7 @@ impl Rails {
     pub(crate) fn faults(&self, index: usize) -> Option<FaultHandle> {
         match self {
             Self::Host(rails) => rails.get(index).map(|rail| rail.soft.faults()),
-            Self::Verbs(_) => None,
+            Self::Verbs(_) | Self::Ofi(_) => None,
         }
     }
 
@@ -228,7 +267,7 @@ impl Rails {
     pub(crate) fn served(&self, index: usize) -> Option<ServedStats> {
         match self {
             Self::Host(rails) => rails.get(index).map(|rail| rail.tcp.served()),
-            Self::Verbs(_) => None,
+            Self::Verbs(_) | Self::Ofi(_) => None,
         }
     }
 
@@ -239,6 +278,9 @@ impl Rails {
                 .get(index)
                 .map_or(String::new(), |r| r.soft.name().to_string()),
             Self::Verbs(rails) => rails
+                .get(index)
+                .map_or(String::new(), |r| r.name().to_string()),
+            Self::Ofi(rails) => rails
                 .get(index)
                 .map_or(String::new(), |r| r.name().to_string()),
         }
@@ -254,7 +296,7 @@ impl Rails {
                 .alloc(size, Access::ALL)
                 .map(Memory::Soft)
                 .map_err(|e| failed(e.to_string())),
-            Self::Verbs(_) => HostMemory::new(size)
+            Self::Verbs(_) | Self::Ofi(_) => HostMemory::new(size)
                 .map(Memory::Host)
                 .map_err(|e| failed(e.to_string())),
         }
@@ -293,7 +335,7 @@ impl Rails {
                 )?);
                 Ok(registrations)
             }
-            (Self::Verbs(_), Memory::Host(host)) => {
+            (Self::Verbs(_) | Self::Ofi(_), Memory::Host(host)) => {
                 // SAFETY: the engine keeps the mapping until these registrations go.
                 unsafe { self.register_user(host.addr(), len) }
             }
@@ -350,6 +392,19 @@ impl Rails {
                     rail.deregister(region.rkey);
                 },
             ),
+            Self::Ofi(rails) => register_all(
+                rails,
+                0,
+                addr,
+                len,
+                |rail| {
+                    // SAFETY: forwarded from the caller.
+                    unsafe { rail.register(addr, len, Access::ALL) }.map_err(|e| e.to_string())
+                },
+                |rail, region| {
+                    let _ = rail.deregister(region);
+                },
+            ),
         }
     }
 
@@ -367,17 +422,25 @@ impl Rails {
                     rail.deregister(region.rkey);
                 }
             }
+            Self::Ofi(rails) => {
+                for (rail, region) in rails.iter().zip(registrations) {
+                    let _ = rail.deregister(region);
+                }
+            }
         }
     }
 
     /// After [`Self::deregister`]: true once no peer process is inside a copy into or out of
     /// this engine's memory that it checked before the withdrawal (soft fabric: peers copy
     /// themselves; TCP and verbs peers only reach memory through this engine's pollers or
-    /// its NIC, whose deregistration fences itself). False if `deadline` passes first.
+    /// its NIC, whose deregistration fences itself; libfabric likewise). False if `deadline`
+    /// passes first.
     pub(crate) fn quiesce_peers(&self, deadline: Instant) -> bool {
         match self {
             Self::Host(rails) => rails.iter().all(|rail| rail.soft.quiesce_peers(deadline)),
-            Self::Verbs(_) => true,
+            // Peers reach memory only through this engine's pollers (a manual-progress
+            // provider) or its NIC, and fi_close of a registration fences the NIC.
+            Self::Verbs(_) | Self::Ofi(_) => true,
         }
     }
 }

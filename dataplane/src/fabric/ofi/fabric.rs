@@ -43,6 +43,8 @@ struct OpSlot {
 /// A queue pair: a peer's address-vector entry at one epoch of one endpoint.
 struct QueuePair {
     address: Vec<u8>,
+    /// The target's tag, sent with every immediate.
+    tag: u32,
     fi_addr: sys::fi_addr_t,
     retired: bool,
     outstanding: usize,
@@ -67,8 +69,6 @@ pub struct OfiFabric {
     free: Vec<u32>,
     ready: VecDeque<WorkCompletion>,
     entries: Vec<sys::fi_cq_data_entry>,
-    /// Immediates (remote CQ data) that arrived, oldest first.
-    immediates: VecDeque<u32>,
 }
 
 // SAFETY: the raw pointers in the slots are the provider's context scratch, only ever
@@ -97,18 +97,12 @@ impl OfiFabric {
             free: Vec::new(),
             ready: VecDeque::new(),
             entries: vec![sys::fi_cq_data_entry::default(); READ_BATCH],
-            immediates: VecDeque::new(),
         }
     }
 
     /// Address-vector entries held (one per distinct peer address in use).
     pub fn address_vector_entries(&self) -> usize {
         self.addresses.len()
-    }
-
-    /// Takes the immediates (remote CQ data of peers' WRITE_WITH_IMM) that arrived.
-    pub fn take_immediates(&mut self, out: &mut Vec<u32>) {
-        out.extend(self.immediates.drain(..));
     }
 
     fn take_slot(&mut self) -> u32 {
@@ -189,7 +183,7 @@ impl OfiFabric {
     fn completed(&mut self, entry: &sys::fi_cq_data_entry, status: WcStatus) {
         if entry.op_context.is_null() {
             if entry.flags & u64::from(sys::FI_REMOTE_CQ_DATA) != 0 && status == WcStatus::Success {
-                self.immediates.push_back(entry.data as u32);
+                self.rail.deliver_immediate(entry.data);
             }
             return;
         }
@@ -303,6 +297,7 @@ impl Fabric for OfiFabric {
             qp.0,
             QueuePair {
                 address: peer.address,
+                tag: peer.tag,
                 fi_addr,
                 retired: false,
                 outstanding: 0,
@@ -313,10 +308,10 @@ impl Fabric for OfiFabric {
 
     fn post(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
         let refuse = |posted, error| Err(PostError { posted, error });
-        let (fi_addr, address) = match self.qps.get(&qp.0) {
+        let (fi_addr, address, tag) = match self.qps.get(&qp.0) {
             None => return refuse(0, FabricError::UnknownQp { qp }),
             Some(pair) if pair.retired => return refuse(0, FabricError::QpInError { qp }),
-            Some(pair) => (pair.fi_addr, pair.address.clone()),
+            Some(pair) => (pair.fi_addr, pair.address.clone(), pair.tag),
         };
         let rail = self.rail.clone();
         let descriptors = rail.mr_mode().local.then(|| {
@@ -331,22 +326,29 @@ impl Fabric for OfiFabric {
         let announced = remote_regions.get(&address);
         let virt_addr = rail.virt_addr();
         for (posted, request) in requests.iter().enumerate() {
-            // Checked against what the peer announced; then the address it names: the
-            // virtual address, or the offset in the region.
-            let remote_addr = match announced {
-                None if virt_addr => Some(request.remote_addr),
+            // Checked against what the peer announced; then the key and address it names:
+            // the virtual address, or the offset in the region. A zero-length request (a
+            // bare immediate) names no memory, but the provider checks whatever key it
+            // carries: it borrows the start of any region the peer announced.
+            let target = match announced {
+                None if virt_addr && request.len > 0 => Some((request.rkey, request.remote_addr)),
                 None => None,
+                Some(regions) if request.len == 0 => regions
+                    .iter()
+                    .next()
+                    .map(|(&rkey, &(base, _))| (rkey, if virt_addr { base } else { 0 })),
                 Some(regions) => regions.get(&request.rkey).and_then(|&(base, len)| {
                     let offset = request.remote_addr.checked_sub(base)?;
                     let inside = offset.checked_add(u64::from(request.len))? <= len;
-                    inside.then_some(if virt_addr {
+                    let addr = if virt_addr {
                         request.remote_addr
                     } else {
                         offset
-                    })
+                    };
+                    inside.then_some((request.rkey, addr))
                 }),
             };
-            let Some(remote_addr) = remote_addr else {
+            let Some((rkey, remote_addr)) = target else {
                 self.ready
                     .push_back(WorkCompletion::of(request, qp, WcStatus::RemAccessErr));
                 continue;
@@ -379,7 +381,7 @@ impl Fabric for OfiFabric {
             let rma = sys::fi_rma_iov {
                 addr: remote_addr,
                 len: request.len as usize,
-                key: u64::from(request.rkey),
+                key: u64::from(rkey),
             };
             let msg = sys::fi_msg_rma {
                 msg_iov: &iov,
@@ -389,7 +391,7 @@ impl Fabric for OfiFabric {
                 rma_iov: &rma,
                 rma_iov_count: 1,
                 context: context.cast(),
-                data: u64::from(request.imm),
+                data: (u64::from(tag) << 32) | u64::from(request.imm),
             };
             // A WRITE completes once its bytes are visible in the target's memory (as a
             // verbs WRITE is acknowledged after placement), not when they left here: what the

@@ -104,11 +104,15 @@ pub(crate) fn check(call: &'static str, code: i64) -> Result<(), OfiError> {
     }
 }
 
-/// A peer as the control plane stages it: the address of its endpoint (`fi_getname`).
+/// A peer as the control plane stages it: the address of its endpoint (`fi_getname`) and
+/// the tag its side of the connection gave (the high 32 bits of each immediate's remote CQ
+/// data, by which the target tells whose immediate it is).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OfiPeer {
     /// The provider's address bytes.
     pub address: Vec<u8>,
+    /// The target's tag for this connection.
+    pub tag: u32,
 }
 
 /// A peer's regions as it announced them: (first byte, length) by rkey.
@@ -159,6 +163,9 @@ pub struct OfiRail {
     next_lkey: AtomicU32,
     next_key: Mutex<SplitMix64>,
     pub(crate) staged: Staging<OfiPeer>,
+    /// Immediates that arrived, by the tag of the connection they came on; only tags opened
+    /// with [`Self::open_immediates`] are kept.
+    immediates: Mutex<HashMap<u32, Vec<u32>>>,
     fabric_taken: AtomicBool,
 }
 
@@ -323,6 +330,7 @@ impl OfiRail {
             next_lkey: AtomicU32::new(1),
             next_key: Mutex::new(SplitMix64::new(seed())),
             staged: Staging::default(),
+            immediates: Mutex::new(HashMap::new()),
             fabric_taken: AtomicBool::new(false),
         };
         // On an error, `rail`'s Drop closes what was opened.
@@ -639,6 +647,49 @@ impl OfiRail {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(address);
+    }
+
+    /// Keeps the immediates peers send with `tag` (a target's side of one connection) until
+    /// [`Self::take_immediates`] takes them.
+    pub fn open_immediates(&self, tag: u32) {
+        self.immediates
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(tag)
+            .or_default();
+    }
+
+    /// Stops keeping immediates with `tag`, dropping those not taken.
+    pub fn close_immediates(&self, tag: u32) {
+        self.immediates
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&tag);
+    }
+
+    /// Appends the immediates that arrived with `tag`, oldest first.
+    pub fn take_immediates(&self, tag: u32, out: &mut Vec<u32>) {
+        if let Some(arrived) = self
+            .immediates
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(&tag)
+        {
+            out.append(arrived);
+        }
+    }
+
+    /// An immediate arrived (the poller): kept if its tag is open.
+    pub(crate) fn deliver_immediate(&self, data: u64) {
+        let (tag, imm) = ((data >> 32) as u32, data as u32);
+        if let Some(arrived) = self
+            .immediates
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(&tag)
+        {
+            arrived.push(imm);
+        }
     }
 
     /// Stages `peer` for `endpoint` at `epoch`: the poller's next connect for exactly that

@@ -1,0 +1,157 @@
+//! The libfabric fabric through the Engine, between two processes: a `railyard serve
+//! --fabric ofi --ofi-provider "tcp;ofi_rxm"` target and this process, every byte checked;
+//! notifications and immediates; a range the target never registered refused before it
+//! reaches the wire; and the errors a user sees for a provider that is not there.
+
+mod common;
+
+use std::num::NonZeroUsize;
+
+use common::{Serve, bytes_of, done, read_back};
+use railyard::dataplane::{IdleStrategy, RequestOutcome};
+use railyard::engine::{BuildError, Engine, FabricChoice, Op, RailChoice, Transfer};
+
+const PROVIDER: &str = "tcp;ofi_rxm";
+
+fn engine(name: &str, rails: usize) -> Engine {
+    Engine::builder(name)
+        .fabric(FabricChoice::Ofi)
+        .ofi(PROVIDER)
+        .rails(RailChoice::Count(NonZeroUsize::new(rails).expect("rails")))
+        .idle(IdleStrategy::gentle())
+        .slice_size(256 << 10)
+        .build()
+        .expect("the engine starts on libfabric's tcp provider")
+}
+
+fn serve(pool: &str) -> Serve {
+    Serve::start_with(
+        pool,
+        &[
+            "--rails",
+            "2",
+            "--fabric",
+            "ofi",
+            "--ofi-provider",
+            PROVIDER,
+        ],
+    )
+}
+
+#[test]
+fn two_processes_write_read_notify_and_signal_with_every_byte_checked() {
+    let mut serve = serve("64MiB");
+    let engine = engine("prefill-ofi", 2);
+    assert_eq!(engine.fabric(), "ofi");
+    let peer = engine.open(&serve.addr).expect("the target answers");
+    let source = engine.alloc(16 << 20, None).expect("memory");
+    let back = engine.alloc(16 << 20, None).expect("memory");
+    for (i, byte) in bytes_of(source).iter_mut().enumerate() {
+        *byte = (i % 251) as u8 ^ (i >> 16) as u8;
+    }
+    // 64 transfers of 256 KiB at scattered slots of the 64 MiB pool, over both rails.
+    let slots: Vec<u64> = (0..64u64).map(|i| (i * 37 % 256) * (256 << 10)).collect();
+    let writes: Vec<Transfer> = slots
+        .iter()
+        .enumerate()
+        .map(|(i, &slot)| Transfer {
+            op: Op::Write,
+            local: source,
+            local_offset: i as u64 * (256 << 10),
+            remote_addr: serve.pool_base + slot,
+            len: 256 << 10,
+        })
+        .collect();
+    let mut submitter = engine.submitter().expect("a submitter");
+    let batch = submitter
+        .submit_and_notify(&peer, &writes, b"kv ready".to_vec())
+        .expect("submitted");
+    assert!(done(&batch), "{:?}", batch.outcomes());
+    let line = serve.expect_line("notification from prefill-ofi");
+    assert!(line.ends_with("8 bytes 6b76207265616479"), "{line}");
+    // The target's own digest of each slot it received.
+    for (i, &slot) in slots.iter().enumerate() {
+        let answer = serve.command(&format!(
+            "digest {} {slot} {} {}",
+            serve.pool_id,
+            256 << 10,
+            256 << 10
+        ));
+        let expected = format!(
+            "{:016x}",
+            railyard::chaos::digest(&bytes_of(source)[i * (256 << 10)..][..256 << 10])
+        );
+        assert_eq!(answer, format!("digest {expected}"), "slot {i}");
+    }
+
+    let reads = read_back(&writes, back);
+    let batch = submitter.submit(&peer, &reads).expect("submitted");
+    assert!(done(&batch));
+    assert!(bytes_of(back)[..16 << 20] == bytes_of(source)[..16 << 20]);
+
+    // An immediate riding the data path, on both rails' writes.
+    let batch = submitter
+        .submit_and_signal(&peer, &writes, 0xC0FF_EE02)
+        .expect("submitted");
+    assert!(done(&batch));
+    let line = serve.expect_line("immediate from prefill-ofi");
+    assert!(line.ends_with(": 0xc0ffee02"), "{line}");
+
+    let stats = engine.stats();
+    assert!(
+        stats.rails.iter().all(|rail| rail.poller.completed > 0),
+        "both rails carried slices: {:?}",
+        stats.rails
+    );
+}
+
+#[test]
+fn a_range_the_target_never_registered_fails_and_the_peer_stays_usable() {
+    let serve = serve("4MiB");
+    let engine = engine("prefill-ofi-range", 1);
+    let peer = engine.open(&serve.addr).expect("the target answers");
+    let source = engine.alloc(1 << 20, None).expect("memory");
+    let mut submitter = engine.submitter().expect("a submitter");
+    let outside = Transfer {
+        op: Op::Write,
+        local: source,
+        local_offset: 0,
+        remote_addr: serve.pool_base + serve.pool_len - 4096,
+        len: 8192,
+    };
+    // Refused when the batch is prepared: the range is not inside one region.
+    assert!(submitter.submit(&peer, &[outside]).is_err());
+    let inside = Transfer {
+        remote_addr: serve.pool_base,
+        ..outside
+    };
+    let batch = submitter.submit(&peer, &[inside]).expect("submitted");
+    assert!(done(&batch));
+    assert_eq!(batch.outcomes(), [Some(RequestOutcome::Done)]);
+}
+
+#[test]
+fn a_provider_that_is_not_there_is_a_clear_error() {
+    for (provider, expected) in [
+        (Some("no-such-provider"), "no-such-provider"),
+        (None, "no efa provider"),
+    ] {
+        let mut builder = Engine::builder("prefill-ofi-none")
+            .fabric(FabricChoice::Ofi)
+            .rails(RailChoice::Count(NonZeroUsize::MIN));
+        if let Some(provider) = provider {
+            builder = builder.ofi(provider);
+        }
+        match builder.build() {
+            Err(error @ BuildError::FabricUnavailable { .. }) => {
+                let text = error.to_string();
+                assert!(text.contains(expected), "{text}");
+                assert!(
+                    text.contains("tcp;ofi_rxm"),
+                    "lists what is present: {text}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
