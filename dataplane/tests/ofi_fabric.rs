@@ -327,13 +327,125 @@ fn a_bad_key_a_range_outside_and_a_gone_peer_fail_with_verbs_statuses() {
         "nothing was written"
     );
 
-    // The target goes: its rail closes.
+    // The target goes: its rail closes. A request it would have taken reaches the provider,
+    // which cannot deliver it.
     drop(target);
-    drop(pool);
     drop(b);
-    let gone = request(3, Opcode::Write, &source, 0, 0x1000, 1, 4096);
-    let status = run(&mut fabric, qp, &[gone])[0].status;
-    assert_ne!(status, WcStatus::Success);
+    let gone = request(
+        5,
+        Opcode::Write,
+        &source,
+        0,
+        pool.region.addr,
+        pool.region.rkey,
+        4096,
+    );
+    assert_eq!(
+        run(&mut fabric, qp, &[gone])[0].status,
+        WcStatus::RetryExcErr
+    );
+    drop(pool);
+}
+
+#[test]
+fn requests_are_checked_against_local_registrations_before_they_are_posted() {
+    let (a, b) = (rail("initiator"), rail("target"));
+    let read_only = buffer(&a, 1 << 16, Access::NONE, |i| i as u8);
+    let pool = buffer(&b, 1 << 16, Access::ALL, |_| 0);
+    let target = serve(&b);
+    let mut fabric = a.fabric().expect("the initiator's fabric");
+    let qp = connect(&a, &mut fabric, &b, &[&pool], Epoch::FIRST);
+    let mut unknown = request(
+        1,
+        Opcode::Write,
+        &read_only,
+        0,
+        pool.region.addr,
+        pool.region.rkey,
+        4096,
+    );
+    unknown.lkey ^= 0xffff;
+    let beyond = request(
+        2,
+        Opcode::Write,
+        &read_only,
+        (1 << 16) - 100,
+        pool.region.addr,
+        pool.region.rkey,
+        4096,
+    );
+    // A READ writes its local range, which this registration does not allow.
+    let into_read_only = request(
+        3,
+        Opcode::Read,
+        &read_only,
+        0,
+        pool.region.addr,
+        pool.region.rkey,
+        4096,
+    );
+    let done = run(&mut fabric, qp, &[unknown, beyond, into_read_only]);
+    assert!(
+        done.iter().all(|c| c.status == WcStatus::LocProtErr),
+        "{done:?}"
+    );
+    assert!(pool.bytes.iter().all(|&b| b == 0));
+    drop(target);
+}
+
+#[test]
+fn a_retired_queue_pair_reports_what_was_in_flight_flushed_then_leaves_the_address_vector() {
+    let (a, b) = (rail("initiator"), rail("target"));
+    let source = buffer(&a, 1 << 20, Access::LOCAL_WRITE, |i| i as u8);
+    let pool = buffer(&b, 1 << 20, Access::ALL, |_| 0);
+    let target = serve(&b);
+    let mut fabric = a.fabric().expect("the initiator's fabric");
+    let qp = connect(&a, &mut fabric, &b, &[&pool], Epoch::FIRST);
+    // The connection is made by a first request.
+    let first = request(
+        0,
+        Opcode::Write,
+        &source,
+        0,
+        pool.region.addr,
+        pool.region.rkey,
+        4096,
+    );
+    assert_eq!(run(&mut fabric, qp, &[first])[0].status, WcStatus::Success);
+    let writes: Vec<WorkRequest> = (0..16u32)
+        .map(|i| {
+            request(
+                i,
+                Opcode::Write,
+                &source,
+                (i as usize) << 16,
+                pool.region.addr + (u64::from(i) << 16),
+                pool.region.rkey,
+                1 << 16,
+            )
+        })
+        .collect();
+    fabric
+        .post(qp, &writes)
+        .expect("posted at once: the connection is up");
+    fabric.retire(qp);
+    assert_eq!(
+        fabric.address_vector_entries(),
+        1,
+        "operations still name it"
+    );
+    let mut done = Vec::new();
+    let end = Instant::now() + BOUND;
+    while done.len() < writes.len() {
+        assert!(Instant::now() < end, "{} of 16 completed", done.len());
+        fabric.poll(&mut done, 64);
+    }
+    assert!(
+        done.iter().all(|c| c.status == WcStatus::WrFlushErr),
+        "{done:?}"
+    );
+    assert_eq!(fabric.address_vector_entries(), 0);
+    drop(target);
 }
 
 #[test]
@@ -343,16 +455,10 @@ fn one_address_vector_entry_per_peer_address_gone_with_its_last_queue_pair() {
     let pool = buffer(&b, 1 << 16, Access::ALL, |_| 0);
     let target = serve(&b);
     let mut fabric = a.fabric().expect("the initiator's fabric");
-    // The same handshake, again and again: new epochs, one address.
+    // The same handshake, again and again (seed 002): new epochs, one address. Transfers
+    // keep completing through it all along, each on the newest queue pair.
     let mut qps = Vec::new();
     let mut epoch = Epoch::FIRST;
-    for _ in 0..100 {
-        qps.push(connect(&a, &mut fabric, &b, &[&pool], epoch));
-        epoch = epoch.next();
-    }
-    assert_eq!(fabric.address_vector_entries(), 1);
-    // Transfers keep completing through it, on the newest queue pair.
-    let newest = *qps.last().expect("connected");
     let write = request(
         0,
         Opcode::Write,
@@ -362,10 +468,23 @@ fn one_address_vector_entry_per_peer_address_gone_with_its_last_queue_pair() {
         pool.region.rkey,
         1 << 16,
     );
-    assert_eq!(
-        run(&mut fabric, newest, &[write])[0].status,
-        WcStatus::Success
-    );
+    for round in 0..2000 {
+        qps.push(connect(&a, &mut fabric, &b, &[&pool], epoch));
+        if round % 2 == 1 {
+            // Every other one: the one before is retired now (the others at the end).
+            fabric.retire(qps[qps.len() - 2]);
+        }
+        epoch = epoch.next();
+        if round % 100 == 0 {
+            let newest = *qps.last().expect("connected");
+            assert_eq!(
+                run(&mut fabric, newest, &[write])[0].status,
+                WcStatus::Success
+            );
+        }
+        assert_eq!(fabric.address_vector_entries(), 1, "round {round}");
+    }
+    let newest = *qps.last().expect("connected");
     for &qp in &qps[..qps.len() - 1] {
         fabric.retire(qp);
     }
@@ -381,4 +500,49 @@ fn one_address_vector_entry_per_peer_address_gone_with_its_last_queue_pair() {
         "a retired queue pair takes nothing"
     );
     drop(target);
+}
+
+#[test]
+fn two_targets_on_one_host_and_nic_are_two_entries_both_usable() {
+    let a = rail("initiator");
+    // Two target processes' endpoints on the same host and interface (seed 002's twins):
+    // distinct addresses.
+    let (b, c) = (rail("twin"), rail("twin"));
+    assert_ne!(b.address(), c.address());
+    let source = buffer(&a, 1 << 16, Access::LOCAL_WRITE, |i| (i % 13) as u8);
+    let pool_b = buffer(&b, 1 << 16, Access::ALL, |_| 0);
+    let pool_c = buffer(&c, 1 << 16, Access::ALL, |_| 0);
+    let (serve_b, serve_c) = (serve(&b), serve(&c));
+    let mut fabric = a.fabric().expect("the initiator's fabric");
+    let to_b = connect(&a, &mut fabric, &b, &[&pool_b], Epoch::FIRST);
+    a.learn_remote_regions(
+        c.address(),
+        [(pool_c.region.rkey, pool_c.region.addr, pool_c.region.len)],
+    );
+    a.stage(
+        EndpointId(1),
+        Epoch::FIRST,
+        OfiPeer {
+            address: c.address().to_vec(),
+            tag: TAG,
+        },
+    );
+    let to_c = fabric
+        .connect(EndpointId(1), Epoch::FIRST)
+        .expect("connected");
+    assert_eq!(fabric.address_vector_entries(), 2);
+    for (qp, pool) in [(to_b, &pool_b), (to_c, &pool_c)] {
+        let write = request(
+            0,
+            Opcode::Write,
+            &source,
+            0,
+            pool.region.addr,
+            pool.region.rkey,
+            1 << 16,
+        );
+        assert_eq!(run(&mut fabric, qp, &[write])[0].status, WcStatus::Success);
+        assert!(pool.bytes == source.bytes);
+    }
+    drop((serve_b, serve_c));
 }

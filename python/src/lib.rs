@@ -348,7 +348,7 @@ fn first_failure(batch: &NativeBatch, session_id: &str, transfers: &[RawTransfer
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (name=None, *, listen="0.0.0.0:0", advertise_host=None, fabric="auto", directory="p2p", timeout_s=30.0, rails=None, busy_poll=true))]
+    #[pyo3(signature = (name=None, *, listen="0.0.0.0:0", advertise_host=None, fabric="auto", directory="p2p", timeout_s=30.0, rails=None, busy_poll=true, ofi_provider=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -360,6 +360,7 @@ impl Engine {
         timeout_s: f64,
         rails: Option<usize>,
         busy_poll: bool,
+        ofi_provider: Option<String>,
     ) -> PyResult<Self> {
         // Unique within the process too: two engines of one process are two peers.
         let name = name.unwrap_or_else(|| {
@@ -377,9 +378,11 @@ impl Engine {
             "soft" => FabricChoice::Soft,
             "tcp" => FabricChoice::Tcp,
             "verbs" | "rdma" => FabricChoice::Verbs,
+            "ofi" | "efa" => FabricChoice::Ofi,
             other => {
                 return Err(PyValueError::new_err(format!(
-                    "fabric must be \"auto\", \"soft\", \"tcp\" or \"verbs\", not {other:?}"
+                    "fabric must be \"auto\", \"soft\", \"tcp\", \"verbs\" or \"ofi\", not \
+                     {other:?}"
                 )));
             }
         };
@@ -398,6 +401,12 @@ impl Engine {
             .fabric(fabric)
             .directory(directory)
             .default_deadline(timeout);
+        if let Some(provider) = ofi_provider {
+            if fabric != FabricChoice::Ofi {
+                return Err(PyValueError::new_err("ofi_provider is for fabric=\"ofi\""));
+            }
+            builder = builder.ofi(provider);
+        }
         if let Some(host) = advertise_host {
             let ip: IpAddr = match host.parse() {
                 Ok(ip) => ip,
@@ -451,7 +460,7 @@ impl Engine {
         self.name.clone()
     }
 
-    /// The fabric in use ("soft", "tcp", "soft+tcp", "verbs").
+    /// The fabric in use ("soft", "tcp", "soft+tcp", "verbs", "ofi").
     #[getter]
     fn fabric(&self) -> PyResult<&'static str> {
         Ok(self.open()?.engine.fabric())

@@ -336,3 +336,20 @@ def test_close_releases_a_thread_waiting_for_notifications():
         e.close()
         assert waiting.result(timeout=10) == {}
         assert time.monotonic() - started < 2
+
+
+def test_libfabric_engines_write_to_each_other():
+    """fabric="ofi" on libfabric's tcp provider, two engines in one process."""
+    provider = {"ofi_provider": "tcp;ofi_rxm", "fabric": "ofi", "busy_poll": False, "rails": 1}
+    with railyard.Engine("py-ofi-a", listen="127.0.0.1:0", **provider) as a, railyard.Engine(
+        "py-ofi-b", listen="127.0.0.1:0", **provider
+    ) as b:
+        assert a.fabric == "ofi"
+        src = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)[: 1 << 20].copy()
+        dst = np.zeros(1 << 20, dtype=np.uint8)
+        a.register(src.ctypes.data, src.nbytes)
+        b.register(dst.ctypes.data, dst.nbytes)
+        a.write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [src.nbytes], timeout_s=10)
+        assert (dst == src).all()
+    with pytest.raises(RuntimeError, match="no-such"):
+        railyard.Engine("py-ofi-c", fabric="ofi", ofi_provider="no-such")

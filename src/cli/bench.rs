@@ -432,6 +432,47 @@ struct Ceiling {
     what: String,
 }
 
+/// The same workload on railyard's TCP fabric, for as long: a `railyard bench --fabric tcp`
+/// child with this bench's settings.
+fn tcp_fabric_ceiling(args: &BenchArgs) -> anyhow::Result<Ceiling> {
+    let mut command = Command::new(std::env::current_exe().context("finding this binary")?);
+    command
+        .args(["bench", "--fabric", "tcp", "--json"])
+        .args([
+            "--op",
+            match args.op {
+                BenchOp::Write => "write",
+                BenchOp::Read => "read",
+            },
+        ])
+        .args(["--block-size", &args.block_size.to_string()])
+        .args(["--batch", &args.batch.to_string()])
+        .args(["--threads", &args.threads.to_string()])
+        .args(["--duration", &args.duration.to_string()])
+        .args(["--pool", &args.pool.to_string()])
+        .args(["--seed", &args.seed.to_string()]);
+    if let Some(rails) = args.rails {
+        command.args(["--rails", &rails.to_string()]);
+    }
+    let output = command
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running the TCP fabric's bench")?;
+    if !output.status.success() {
+        bail!("the TCP fabric's bench failed ({})", output.status);
+    }
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).context("reading the TCP fabric's bench")?;
+    let gbps = report["gbps"]
+        .as_f64()
+        .filter(|gbps| *gbps > 0.0)
+        .context("the TCP fabric's bench moved nothing")?;
+    Ok(Ceiling {
+        gbps,
+        what: "railyard's TCP fabric on the same workload, run just before".into(),
+    })
+}
+
 /// Where the TCP ceiling's reader runs.
 enum CeilingSite {
     /// A thread of this process on loopback: the target is on this host.
@@ -795,6 +836,7 @@ fn micros(d: Duration) -> f64 {
 
 pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     validate(args)?;
+    args.verbs.check(args.fabric)?;
     let request_bytes = args.block_size * args.batch;
     let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
     // A name of its own, so that two benches never claim the same one in a directory.
@@ -812,8 +854,11 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     // whose pollers park while idle, before this bench's engine and its target start:
     // nothing of railyard runs beside it. (Measured beside spinning or yielding pollers,
     // the ceiling would lose cores to them, and a ratio above 1.0 would follow.)
+    // libfabric off EFA replaces railyard's TCP fabric: its ratio is against that fabric,
+    // run on the same workload just before, by a bench of its own.
     let ceiling_with_the_machine_to_itself = match args.target {
         Some(_) => None,
+        None if args.fabric == FabricChoice::Ofi => Some(tcp_fabric_ceiling(args)?),
         None => {
             let ceiling_engine = args
                 .verbs
@@ -835,8 +880,7 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
                 CeilingSite::Loopback,
                 source,
                 args.pool,
-                // libfabric's ratio is against TCP too: the fabric it replaces off EFA.
-                matches!(args.fabric, FabricChoice::Tcp | FabricChoice::Ofi),
+                args.fabric == FabricChoice::Tcp,
             )?)
         }
     };
@@ -921,7 +965,8 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
             )),
             local,
             pool.len,
-            engine.stats().control.tcp_qps > 0,
+            // libfabric off EFA stands in for TCP: a remote target's ratio is against it too.
+            engine.stats().control.tcp_qps > 0 || args.fabric == FabricChoice::Ofi,
         )?,
     };
     let stop = AtomicBool::new(false);

@@ -139,6 +139,17 @@ pub(crate) struct VerbsArgs {
 }
 
 impl VerbsArgs {
+    /// Refuses settings of another fabric than `fabric`.
+    ///
+    /// # Errors
+    /// `--ofi-provider` without `--fabric ofi`.
+    pub(crate) fn check(&self, fabric: railyard::engine::FabricChoice) -> anyhow::Result<()> {
+        if self.ofi_provider.is_some() && fabric != railyard::engine::FabricChoice::Ofi {
+            anyhow::bail!("--ofi-provider is for --fabric ofi");
+        }
+        Ok(())
+    }
+
     /// `builder` with these settings.
     pub(crate) fn apply(
         &self,

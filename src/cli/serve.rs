@@ -62,6 +62,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
     if args.pool == 0 {
         bail!("--pool must be more than 0 bytes");
     }
+    args.verbs.check(args.fabric)?;
     let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
     let name = args.name.clone().unwrap_or_else(|| default_name("serve"));
     let engine = args

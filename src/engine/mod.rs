@@ -357,8 +357,9 @@ impl EngineBuilder {
             FabricChoice::Ofi => Some(ofi_provider(self.ofi.as_deref())?),
             _ => None,
         };
-        // EFA devices are RDMA rails of the plan: one libfabric rail on each.
-        let planned = if use_verbs || (ofi.is_some() && !rdma.is_empty()) {
+        // EFA devices are RDMA rails of the plan: one efa rail on each. Other providers run
+        // on software rails.
+        let planned = if use_verbs || (ofi.as_deref() == Some("efa") && !rdma.is_empty()) {
             rdma
         } else {
             software

@@ -200,7 +200,8 @@ impl Rails {
     }
 
     /// Starts the planned rails on libfabric's `provider`: an RDMA rail of the plan (an EFA
-    /// device) opens the provider's domain of that device, a software rail its first domain.
+    /// device) opens the provider's domain of that device, a software rail the provider's
+    /// first domain.
     pub(crate) fn start_ofi(
         name: &str,
         planned: &[PlannedRail],

@@ -81,7 +81,8 @@ class Engine:
             address such as ``0.0.0.0``. ``None`` lets the engine choose.
         fabric: ``"auto"`` (the best one available between the two peers: soft fabric
             on one host, verbs where an RDMA device is present, else TCP), ``"soft"``,
-            ``"tcp"`` or ``"verbs"``.
+            ``"tcp"``, ``"verbs"`` or ``"ofi"`` (libfabric; ``"efa"`` is the same, and
+            without ``ofi_provider`` runs the ``efa`` provider).
         directory: Where peers' descriptors are found: ``"p2p"`` (exchanged when a
             peer is first opened) or ``"etcd://host:port"``.
         timeout_s: Default deadline of a blocking call (``write``, ``read``,
@@ -91,6 +92,8 @@ class Engine:
         busy_poll: Whether each rail's poller spins on its own core while idle (the
             default: lowest latency). ``False`` parks idle pollers, for shared or small
             machines and tests.
+        ofi_provider: The libfabric provider of ``fabric="ofi"``, as ``fi_info -l`` names
+            it (``"efa"``, ``"tcp;ofi_rxm"``); default ``"efa"`` when present.
 
     Raises:
         ValueError: An argument is malformed (unknown fabric, bad ``listen``).
@@ -103,11 +106,12 @@ class Engine:
         *,
         listen: str = "0.0.0.0:0",
         advertise_host: str | None = None,
-        fabric: Literal["auto", "soft", "tcp", "verbs"] | str = "auto",
+        fabric: Literal["auto", "soft", "tcp", "verbs", "ofi", "efa"] | str = "auto",
         directory: str = "p2p",
         timeout_s: float = 30.0,
         rails: int | None = None,
         busy_poll: bool = True,
+        ofi_provider: str | None = None,
     ) -> None: ...
     @property
     def session_id(self) -> str:
@@ -121,7 +125,7 @@ class Engine:
 
     @property
     def fabric(self) -> str:
-        """The fabric in use: ``"soft"``, ``"tcp"``, ``"soft+tcp"`` or ``"verbs"``."""
+        """The fabric in use: ``"soft"``, ``"tcp"``, ``"soft+tcp"``, ``"verbs"`` or ``"ofi"``."""
         ...
 
     def alloc(self, nbytes: int) -> int:

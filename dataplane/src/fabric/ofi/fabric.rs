@@ -10,7 +10,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
-use std::ptr;
+use std::ptr::{self, NonNull};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 
@@ -19,7 +19,7 @@ use railyard_ofi_sys as sys;
 use super::rail::{OfiRail, strerror};
 use super::status::map_error;
 use crate::fabric::{
-    Fabric, FabricError, FabricLimits, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
+    Access, Fabric, FabricError, FabricLimits, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
     WorkRequest, WrId,
 };
 use crate::{EndpointId, Epoch};
@@ -62,10 +62,11 @@ pub struct OfiFabric {
     qps: HashMap<u32, QueuePair>,
     addresses: HashMap<Vec<u8>, AvEntry>,
     next_qp: u32,
-    /// Boxed: an operation's context is its slot's address, which must not move while the
-    /// vector grows.
-    #[allow(clippy::vec_box)]
-    slots: Vec<Box<OpSlot>>,
+    /// Allocated one by one (`Box::into_raw`) and only ever reached through these pointers:
+    /// an operation's context is its slot's address, which must not move, and the provider
+    /// may write its part while the operation runs. Freed on drop, unless an operation is
+    /// still in flight (then they are leaked: the provider may still write them).
+    slots: Vec<NonNull<OpSlot>>,
     free: Vec<u32>,
     ready: VecDeque<WorkCompletion>,
     entries: Vec<sys::fi_cq_data_entry>,
@@ -105,21 +106,46 @@ impl OfiFabric {
         self.addresses.len()
     }
 
-    fn take_slot(&mut self) -> u32 {
-        if let Some(index) = self.free.pop() {
-            return index;
+    /// A free slot, marked busy for `request` on `qp`: its pointer is the operation's
+    /// context.
+    fn take_slot(&mut self, request: &WorkRequest, qp: QpNum) -> (u32, NonNull<OpSlot>) {
+        let index = match self.free.pop() {
+            Some(index) => index,
+            None => {
+                let index = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
+                self.slots.push(NonNull::from(Box::leak(Box::new(OpSlot {
+                    provider: [ptr::null_mut(); 8],
+                    index,
+                    busy: false,
+                    wr_id: WrId(0),
+                    qp: QpNum(0),
+                    opcode: Opcode::Write,
+                    len: 0,
+                }))));
+                index
+            }
+        };
+        let slot = self.slots[index as usize];
+        // SAFETY: a free slot: no operation names it, so nothing else reaches its memory;
+        // written through its own pointer, field by field.
+        unsafe {
+            let raw = slot.as_ptr();
+            (*raw).busy = true;
+            (*raw).wr_id = request.wr_id;
+            (*raw).qp = qp;
+            (*raw).opcode = request.opcode;
+            (*raw).len = request.len;
         }
-        let index = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
-        self.slots.push(Box::new(OpSlot {
-            provider: [ptr::null_mut(); 8],
-            index,
-            busy: false,
-            wr_id: WrId(0),
-            qp: QpNum(0),
-            opcode: Opcode::Write,
-            len: 0,
-        }));
-        index
+        (index, slot)
+    }
+
+    /// Frees slot `index` (its operation completed, or was never posted).
+    fn release_slot(&mut self, index: u32) {
+        if let Some(slot) = self.slots.get(index as usize) {
+            // SAFETY: its operation is over: the provider no longer writes it.
+            unsafe { (*slot.as_ptr()).busy = false };
+            self.free.push(index);
+        }
     }
 
     /// Reads the completion queue into `ready` (and progresses the provider); true when
@@ -187,18 +213,29 @@ impl OfiFabric {
             }
             return;
         }
-        // SAFETY: every operation posted here carries the address of one of this fabric's
-        // boxed slots, which live as long as the fabric.
-        let index = unsafe { (*entry.op_context.cast::<OpSlot>()).index };
-        let Some(slot) = self.slots.get_mut(index as usize) else {
-            return;
-        };
-        if !slot.busy {
+        let context = entry.op_context.cast::<OpSlot>();
+        // SAFETY: a completion's context is what its operation was posted with: one of this
+        // fabric's slots, live as long as the fabric (checked just below).
+        let index = unsafe { (*context).index };
+        if self.slots.get(index as usize).map(|slot| slot.as_ptr()) != Some(context) {
             return;
         }
-        slot.busy = false;
-        let (wr_id, qp, opcode, len) = (slot.wr_id, slot.qp, slot.opcode, slot.len);
-        self.free.push(index);
+        // SAFETY: one of this fabric's slots, whose operation just completed: the provider
+        // is done with it.
+        let (busy, wr_id, qp, opcode, len) = unsafe {
+            let raw = context;
+            (
+                (*raw).busy,
+                (*raw).wr_id,
+                (*raw).qp,
+                (*raw).opcode,
+                (*raw).len,
+            )
+        };
+        if !busy {
+            return;
+        }
+        self.release_slot(index);
         let mut status = status;
         let mut drained = false;
         if let Some(pair) = self.qps.get_mut(&qp.0) {
@@ -245,13 +282,22 @@ impl OfiFabric {
 
     /// The address-vector entry for `address`, inserted if it is not there.
     fn entry_for(&mut self, address: &[u8]) -> Result<sys::fi_addr_t, String> {
+        // fi_av_insert takes no length: the provider reads an address of its own format's
+        // size, which is this endpoint's.
+        if address.len() != self.rail.address().len() {
+            return Err(format!(
+                "the peer's address is {} bytes; this provider's are {}",
+                address.len(),
+                self.rail.address().len()
+            ));
+        }
         if let Some(entry) = self.addresses.get_mut(address) {
             entry.users += 1;
             return Ok(entry.fi_addr);
         }
         let mut fi_addr: sys::fi_addr_t = u64::MAX;
-        // SAFETY: inserts one address of the provider's format (the peer's fi_getname bytes;
-        // a malformed one is refused by the provider); only this fabric changes the vector.
+        // SAFETY: inserts one address of the provider's format, as long as this endpoint's
+        // (checked above); only this fabric changes the vector.
         let inserted = unsafe {
             sys::railyard_fi_av_insert(
                 self.rail.av,
@@ -275,6 +321,98 @@ impl OfiFabric {
         self.addresses
             .insert(address.to_vec(), AvEntry { fi_addr, users: 1 });
         Ok(fi_addr)
+    }
+}
+
+/// Where a checked request goes, and its local descriptor.
+struct Target {
+    rkey: u32,
+    /// The virtual address, or the offset in the peer's region (no `FI_MR_VIRT_ADDR`).
+    remote_addr: u64,
+    desc: usize,
+}
+
+impl OfiFabric {
+    /// Checks `request` to the peer at `address` against this process's registrations and
+    /// the regions the peer announced: what to post, or the status it fails with here.
+    fn check(&self, request: &WorkRequest, address: &[u8]) -> Result<Target, WcStatus> {
+        let len = u64::from(request.len);
+        let desc = if len == 0 {
+            0
+        } else {
+            let local = self
+                .rail
+                .local
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            let registration = local.get(&request.lkey).ok_or(WcStatus::LocProtErr)?;
+            if !registration.region.contains(request.local_addr, len) {
+                return Err(WcStatus::LocProtErr);
+            }
+            // A READ writes its local range.
+            if request.opcode == Opcode::Read
+                && !registration.region.access.contains(Access::LOCAL_WRITE)
+            {
+                return Err(WcStatus::LocProtErr);
+            }
+            registration.desc
+        };
+        if request.opcode == Opcode::WriteWithImm && !self.rail.tagged_immediates {
+            return Err(WcStatus::RemInvReqErr);
+        }
+        let virt_addr = self.rail.virt_addr();
+        let remote_regions = self
+            .rail
+            .remote_regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        // A zero-length request (a bare immediate) names no memory, but the provider checks
+        // whatever key it carries: it borrows the start of any region the peer announced.
+        let (rkey, remote_addr) = match remote_regions.get(address) {
+            None if virt_addr && len > 0 => (request.rkey, request.remote_addr),
+            None => return Err(WcStatus::RemAccessErr),
+            Some(regions) if len == 0 => regions
+                .iter()
+                .next()
+                .map(|(&rkey, &(base, _))| (rkey, if virt_addr { base } else { 0 }))
+                .ok_or(WcStatus::RemAccessErr)?,
+            Some(regions) => {
+                let &(base, size) = regions.get(&request.rkey).ok_or(WcStatus::RemAccessErr)?;
+                let offset = request
+                    .remote_addr
+                    .checked_sub(base)
+                    .filter(|offset| offset.checked_add(len).is_some_and(|end| end <= size))
+                    .ok_or(WcStatus::RemAccessErr)?;
+                let addr = if virt_addr {
+                    request.remote_addr
+                } else {
+                    offset
+                };
+                (request.rkey, addr)
+            }
+        };
+        Ok(Target {
+            rkey,
+            remote_addr,
+            desc,
+        })
+    }
+}
+
+impl Drop for OfiFabric {
+    fn drop(&mut self) {
+        let in_flight = self.slots.iter().any(|slot| {
+            // SAFETY: a slot of this fabric; only its flag is read.
+            unsafe { (*slot.as_ptr()).busy }
+        });
+        if in_flight {
+            // The provider may still write their context: leave them be.
+            return;
+        }
+        for slot in self.slots.drain(..) {
+            // SAFETY: made by `Box::leak` in `take_slot`, freed once, with no operation left.
+            drop(unsafe { Box::from_raw(slot.as_ptr()) });
+        }
     }
 }
 
@@ -308,81 +446,42 @@ impl Fabric for OfiFabric {
 
     fn post(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
         let refuse = |posted, error| Err(PostError { posted, error });
-        let (fi_addr, address, tag) = match self.qps.get(&qp.0) {
+        let (fi_addr, tag) = match self.qps.get(&qp.0) {
             None => return refuse(0, FabricError::UnknownQp { qp }),
             Some(pair) if pair.retired => return refuse(0, FabricError::QpInError { qp }),
-            Some(pair) => (pair.fi_addr, pair.address.clone(), pair.tag),
+            Some(pair) => (pair.fi_addr, pair.tag),
         };
-        let rail = self.rail.clone();
-        let descriptors = rail.mr_mode().local.then(|| {
-            rail.descriptors
-                .read()
-                .unwrap_or_else(PoisonError::into_inner)
-        });
-        let remote_regions = rail
-            .remote_regions
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
-        let announced = remote_regions.get(&address);
-        let virt_addr = rail.virt_addr();
-        for (posted, request) in requests.iter().enumerate() {
-            // Checked against what the peer announced; then the key and address it names:
-            // the virtual address, or the offset in the region. A zero-length request (a
-            // bare immediate) names no memory, but the provider checks whatever key it
-            // carries: it borrows the start of any region the peer announced.
-            let target = match announced {
-                None if virt_addr && request.len > 0 => Some((request.rkey, request.remote_addr)),
-                None => None,
-                Some(regions) if request.len == 0 => regions
-                    .iter()
-                    .next()
-                    .map(|(&rkey, &(base, _))| (rkey, if virt_addr { base } else { 0 })),
-                Some(regions) => regions.get(&request.rkey).and_then(|&(base, len)| {
-                    let offset = request.remote_addr.checked_sub(base)?;
-                    let inside = offset.checked_add(u64::from(request.len))? <= len;
-                    let addr = if virt_addr {
-                        request.remote_addr
-                    } else {
-                        offset
-                    };
-                    inside.then_some((request.rkey, addr))
-                }),
-            };
-            let Some((rkey, remote_addr)) = target else {
-                self.ready
-                    .push_back(WorkCompletion::of(request, qp, WcStatus::RemAccessErr));
-                continue;
-            };
-            let mut desc: *mut c_void = ptr::null_mut();
-            if let Some(descriptors) = &descriptors {
-                match descriptors.get(&request.lkey) {
-                    Some(&found) => desc = found as *mut c_void,
-                    None if request.len > 0 => {
-                        // No registration for the local key: the request fails on its own.
-                        self.ready
-                            .push_back(WorkCompletion::of(request, qp, WcStatus::LocProtErr));
-                        continue;
-                    }
-                    None => {}
+        // Every request checked first: the last one that will be posted goes without
+        // FI_MORE, so the provider never waits for a request that is not coming.
+        let checked: Vec<Result<Target, WcStatus>> = {
+            let address = &self.qps[&qp.0].address;
+            requests
+                .iter()
+                .map(|request| self.check(request, address))
+                .collect()
+        };
+        let last_posted = checked.iter().rposition(Result::is_ok);
+        for (posted, (request, check)) in requests.iter().zip(checked).enumerate() {
+            let target = match check {
+                Ok(target) => target,
+                Err(status) => {
+                    // Refused here: it completes at once and the provider never sees it.
+                    self.ready
+                        .push_back(WorkCompletion::of(request, qp, status));
+                    continue;
                 }
-            }
-            let index = self.take_slot();
-            let slot = &mut self.slots[index as usize];
-            slot.busy = true;
-            slot.wr_id = request.wr_id;
-            slot.qp = qp;
-            slot.opcode = request.opcode;
-            slot.len = request.len;
-            let context: *mut OpSlot = &mut **slot;
+            };
+            let (index, slot) = self.take_slot(request, qp);
             let iov = libc::iovec {
                 iov_base: request.local_addr as *mut c_void,
                 iov_len: request.len as usize,
             };
             let rma = sys::fi_rma_iov {
-                addr: remote_addr,
+                addr: target.remote_addr,
                 len: request.len as usize,
-                key: u64::from(rkey),
+                key: u64::from(target.rkey),
             };
+            let mut desc = target.desc as *mut c_void;
             let msg = sys::fi_msg_rma {
                 msg_iov: &iov,
                 desc: &mut desc,
@@ -390,21 +489,21 @@ impl Fabric for OfiFabric {
                 addr: fi_addr,
                 rma_iov: &rma,
                 rma_iov_count: 1,
-                context: context.cast(),
+                context: slot.as_ptr().cast(),
                 data: (u64::from(tag) << 32) | u64::from(request.imm),
             };
             // A WRITE completes once its bytes are visible in the target's memory (as a
             // verbs WRITE is acknowledged after placement), not when they left here: what the
             // application does next (notify the target) relies on it.
             let mut flags = u64::from(sys::FI_COMPLETION | sys::FI_DELIVERY_COMPLETE);
-            if posted + 1 < requests.len() {
+            if Some(posted) != last_posted {
                 flags |= u64::from(sys::FI_MORE);
             }
-            // SAFETY: `msg` and what it points to live across the call (libfabric copies the
-            // descriptors it keeps); the local range lies in memory registered on this
-            // rail, kept mapped while requests on it are in flight (the engine's
-            // deregistration waits for the poller); the context is a boxed slot that lives
-            // as long as this fabric.
+            // SAFETY: `msg` and what it points to live across the call (libfabric copies what
+            // it keeps); the local range was just checked to lie in a registration of this
+            // rail, which stays mapped while requests on it are in flight (the engine's
+            // deregistration waits for the poller's round); the context is a slot of this
+            // fabric, reserved for this operation until its completion.
             let code = unsafe {
                 match request.opcode {
                     Opcode::Read => sys::railyard_fi_readmsg(self.rail.ep, &msg, flags),
@@ -422,12 +521,10 @@ impl Fabric for OfiFabric {
                 }
                 continue;
             }
-            self.slots[index as usize].busy = false;
-            self.free.push(index);
-            drop(descriptors);
-            drop(remote_regions);
+            self.release_slot(index);
             if code as i64 == -i64::from(sys::FI_EAGAIN) {
-                // Backpressure: progress, and the rest waits for the next round.
+                // Backpressure: progress, and the rest waits for the next round (whose last
+                // request goes without FI_MORE).
                 self.progress();
                 return refuse(posted, FabricError::SendQueueFull { qp });
             }

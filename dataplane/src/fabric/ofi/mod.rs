@@ -25,8 +25,17 @@
 //! provider picks the key (it must fit the 32 bits railyard's descriptors carry), otherwise
 //! railyard does; with `FI_MR_LOCAL` the local descriptor (`fi_mr_desc`) goes with every
 //! request (looked up by the lkey railyard assigns); with `FI_MR_ENDPOINT` the region is
-//! bound to the endpoint and enabled; without `FI_MR_VIRT_ADDR` the region is registered
-//! with its virtual address as its offset, so peers name bytes by virtual address either way.
+//! bound to the endpoint and enabled; without `FI_MR_VIRT_ADDR` peers address a region by
+//! offset from its start, which the poller computes from the regions the peer announced
+//! ([`OfiRail::learn_remote_regions`]). Every request is checked against this process's
+//! registrations (local key, range, access) and the peer's announced regions before it is
+//! posted: the provider sees only requests it should accept.
+//!
+//! # Immediates
+//! An immediate is remote CQ data: the high 32 bits carry the tag the target gave the
+//! connection, the low 32 the value. Providers whose CQ data is narrower than 8 bytes
+//! (`efa` carries 4) cannot tag it: a WRITE_WITH_IMM fails there with REM_INV_REQ_ERR
+//! before it is posted (use notifications on the control connection).
 //!
 //! # Progress
 //! Providers with manual data progress (`tcp;ofi_rxm`) move a peer's RMA into this

@@ -118,6 +118,14 @@ pub struct OfiPeer {
 /// A peer's regions as it announced them: (first byte, length) by rkey.
 pub(crate) type AnnouncedRegions = HashMap<u32, (u64, u64)>;
 
+/// A registration as the poller checks requests against it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LocalRegistration {
+    pub(crate) region: MemoryRegion,
+    /// `fi_mr_desc` with `FI_MR_LOCAL`, else 0.
+    pub(crate) desc: usize,
+}
+
 /// One registration.
 struct Registered {
     mr: *mut sys::fid_mr,
@@ -152,8 +160,13 @@ pub struct OfiRail {
     manual_progress: bool,
     pub(crate) limits: FabricLimits,
     registrations: Mutex<HashMap<u32, Registered>>,
-    /// Local descriptors by lkey, read by the poller for every request (`FI_MR_LOCAL`).
-    pub(crate) descriptors: RwLock<HashMap<u32, usize>>,
+    /// This process's registrations by lkey, read by the poller for every request: its
+    /// local range is checked against them, and with `FI_MR_LOCAL` their descriptor goes
+    /// with it.
+    pub(crate) local: RwLock<HashMap<u32, LocalRegistration>>,
+    /// Whether remote CQ data is wide enough (8 bytes) to carry a connection's tag beside
+    /// an immediate.
+    pub(crate) tagged_immediates: bool,
     /// Registrations peers may access: a manual-progress rail serves while there are any.
     pub(crate) remotely_accessible: AtomicU32,
     /// The regions peers announced (first byte and length by rkey, by the peer's address):
@@ -324,7 +337,8 @@ impl OfiRail {
             manual_progress: false,
             limits: FabricLimits::UNLIMITED,
             registrations: Mutex::new(HashMap::new()),
-            descriptors: RwLock::new(HashMap::new()),
+            local: RwLock::new(HashMap::new()),
+            tagged_immediates: false,
             remotely_accessible: AtomicU32::new(0),
             remote_regions: RwLock::new(HashMap::new()),
             next_lkey: AtomicU32::new(1),
@@ -352,6 +366,15 @@ impl OfiRail {
             };
             self.manual_progress =
                 (*info.domain_attr).data_progress == sys::fi_progress_FI_PROGRESS_MANUAL;
+            self.tagged_immediates = (*info.domain_attr).cq_data_size >= 8;
+            // Registering memory from application threads beside the poller needs it.
+            if (*info.domain_attr).threading != sys::fi_threading_FI_THREAD_SAFE {
+                return Err(OfiError::NoProvider {
+                    provider: self.provider.clone(),
+                    domain: None,
+                    reason: "its domain is not thread-safe (FI_THREAD_SAFE)".into(),
+                });
+            }
             let send_queue = (*info.tx_attr).size.max(1);
             self.limits = FabricLimits {
                 send_queue,
@@ -481,10 +504,6 @@ impl OfiRail {
         self.manual_progress
     }
 
-    pub(crate) fn mr_mode(&self) -> MrMode {
-        self.mr_mode
-    }
-
     fn registrations(&self) -> MutexGuard<'_, HashMap<u32, Registered>> {
         self.registrations
             .lock()
@@ -577,10 +596,10 @@ impl OfiRail {
             } else {
                 0
             };
-            self.descriptors
+            self.local
                 .write()
                 .unwrap_or_else(PoisonError::into_inner)
-                .insert(lkey, desc);
+                .insert(lkey, LocalRegistration { region, desc });
             if access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_READ) {
                 self.remotely_accessible.fetch_add(1, Ordering::Relaxed);
             }
@@ -599,7 +618,7 @@ impl OfiRail {
             .registrations()
             .remove(&region.lkey)
             .ok_or(OfiError::NotRegistered { lkey: region.lkey })?;
-        self.descriptors
+        self.local
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&region.lkey);
