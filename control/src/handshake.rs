@@ -551,7 +551,7 @@ impl<F: RailFabric> Core<F> {
             || self.passive.keys().any(|key| key.initiator == peer);
         if !used {
             self.peers.remove(&peer);
-            self.descriptors.forget(peer);
+            self.forget_descriptor(peer);
             self.listeners.retain(|_, listener| *listener != peer);
         }
     }
@@ -853,12 +853,22 @@ impl<F: RailFabric> Core<F> {
     /// descriptor and the passive queue pairs it connected (teardowns).
     fn forget_incarnation(&mut self, gone: Incarnation) {
         self.peers.remove(&gone);
-        self.descriptors.forget(gone);
+        self.forget_descriptor(gone);
         let before = self.passive.len();
         self.passive.retain(|key, _| key.initiator != gone);
         for _ in self.passive.len()..before {
             bump(&self.shared.counters.teardowns);
         }
+    }
+
+    /// Forgets `peer`'s descriptor, and what the rails' fabrics learnt from it.
+    fn forget_descriptor(&mut self, peer: Incarnation) {
+        if let Some(descriptor) = self.descriptors.lookup(peer) {
+            for fabric in &self.fabrics {
+                fabric.forget_descriptor(&descriptor);
+            }
+        }
+        self.descriptors.forget(peer);
     }
 
     fn on_descriptor(&mut self, conn: ConnId, descriptor: SegmentDescriptor, now: Instant) {

@@ -90,6 +90,10 @@ pub trait RailFabric: Send + Sync + 'static {
     /// check or translate remote addresses themselves learn the peer's regions here; the
     /// others keep the default.
     fn learn_descriptor(&self, _descriptor: &SegmentDescriptor) {}
+
+    /// The peer of `descriptor` is forgotten (gone, or nothing refers to it any more): what
+    /// [`Self::learn_descriptor`] kept of it goes.
+    fn forget_descriptor(&self, _descriptor: &SegmentDescriptor) {}
 }
 
 /// A target queue pair taken out of service ([`RailFabric::revoke`]), to wait on.
@@ -486,8 +490,11 @@ impl RailFabric for Arc<OfiRail> {
         initiator: &QpSide,
     ) -> Result<(OfiHalf, QpSide), String> {
         ofi_peer(initiator)?;
-        let tag = crate::random::random_u64() as u32;
-        self.open_immediates(tag);
+        // A tag of its own: a random one not open for another connection.
+        let tag = (0..64)
+            .map(|_| crate::random::random_u64() as u32)
+            .find(|&tag| self.open_immediates(tag))
+            .ok_or("no free immediate tag after 64 draws")?;
         Ok((OfiHalf::Target { tag }, ofi_side(self, tag)))
     }
 
@@ -536,6 +543,15 @@ impl RailFabric for Arc<OfiRail> {
         }
     }
 
+    /// Forgets the regions of each of the peer's libfabric rails.
+    fn forget_descriptor(&self, descriptor: &SegmentDescriptor) {
+        for rail in &descriptor.rails {
+            if rail.fabric == fabric::OFI {
+                self.forget_remote_regions(&rail.address, descriptor.incarnation.0);
+            }
+        }
+    }
+
     /// Learns the regions of each of the peer's libfabric rails, by that rail's address.
     fn learn_descriptor(&self, descriptor: &SegmentDescriptor) {
         for (index, rail) in descriptor.rails.iter().enumerate() {
@@ -544,6 +560,7 @@ impl RailFabric for Arc<OfiRail> {
             }
             self.learn_remote_regions(
                 &rail.address,
+                descriptor.incarnation.0,
                 descriptor.regions.iter().filter_map(|region| {
                     let rkey = *region.rkeys.get(index)?;
                     Some((rkey, region.base, region.len))

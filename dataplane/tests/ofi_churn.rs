@@ -101,7 +101,11 @@ fn a_thousand_incarnations_while_writes_are_in_flight_lose_and_corrupt_nothing()
         let region =
             unsafe { target.register(pool.as_ptr() as u64, pool.len() as u64, Access::ALL) }
                 .expect("registered");
-        initiator.learn_remote_regions(target.address(), [(region.rkey, region.addr, region.len)]);
+        initiator.learn_remote_regions(
+            target.address(),
+            epoch,
+            [(region.rkey, region.addr, region.len)],
+        );
         placement
             .lock()
             .expect("placement")
@@ -118,9 +122,11 @@ fn a_thousand_incarnations_while_writes_are_in_flight_lose_and_corrupt_nothing()
         );
         let mut live = live.lock().expect("live");
         live.push((epoch, target, fabric));
-        // The previous incarnation goes at once, whatever was in flight to it.
+        // The previous incarnation goes at once, whatever was in flight to it, and what it
+        // announced is forgotten (as the control plane does for a forgotten peer).
         while live.len() > 1 {
-            live.remove(0);
+            let (gone, rail, _) = live.remove(0);
+            initiator.forget_remote_regions(rail.address(), gone);
         }
     };
 
@@ -272,6 +278,11 @@ fn a_thousand_incarnations_while_writes_are_in_flight_lose_and_corrupt_nothing()
         assert_eq!(
             counters.ignored_completions, 0,
             "a completion arrived twice"
+        );
+        assert_eq!(
+            initiator.known_peers(),
+            1,
+            "only the last incarnation's regions are kept"
         );
         assert_eq!(counters.unflushed, 0, "a request was never handed back");
     });

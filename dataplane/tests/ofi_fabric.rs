@@ -153,6 +153,7 @@ fn connect(
 ) -> QpNum {
     initiator.learn_remote_regions(
         target.address(),
+        1,
         regions
             .iter()
             .map(|buffer| (buffer.region.rkey, buffer.region.addr, buffer.region.len)),
@@ -517,6 +518,7 @@ fn two_targets_on_one_host_and_nic_are_two_entries_both_usable() {
     let to_b = connect(&a, &mut fabric, &b, &[&pool_b], Epoch::FIRST);
     a.learn_remote_regions(
         c.address(),
+        2,
         [(pool_c.region.rkey, pool_c.region.addr, pool_c.region.len)],
     );
     a.stage(

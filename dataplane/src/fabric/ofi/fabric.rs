@@ -368,7 +368,7 @@ impl OfiFabric {
             .unwrap_or_else(PoisonError::into_inner);
         // A zero-length request (a bare immediate) names no memory, but the provider checks
         // whatever key it carries: it borrows the start of any region the peer announced.
-        let (rkey, remote_addr) = match remote_regions.get(address) {
+        let (rkey, remote_addr) = match remote_regions.get(address).map(|known| &known.regions) {
             None if virt_addr && len > 0 => (request.rkey, request.remote_addr),
             None => return Err(WcStatus::RemAccessErr),
             Some(regions) if len == 0 => regions

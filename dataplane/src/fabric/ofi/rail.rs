@@ -115,8 +115,12 @@ pub struct OfiPeer {
     pub tag: u32,
 }
 
-/// A peer's regions as it announced them: (first byte, length) by rkey.
-pub(crate) type AnnouncedRegions = HashMap<u32, (u64, u64)>;
+/// A peer's regions as it announced them: (first byte, length) by rkey, and who announced
+/// them (the peer's incarnation: a newer one at the same address replaces them).
+pub(crate) struct AnnouncedRegions {
+    owner: u64,
+    pub(crate) regions: HashMap<u32, (u64, u64)>,
+}
 
 /// A registration as the poller checks requests against it.
 #[derive(Clone, Copy, Debug)]
@@ -539,31 +543,40 @@ impl OfiRail {
         if access.contains(Access::REMOTE_READ) {
             flags |= u64::from(sys::FI_REMOTE_READ);
         }
-        let requested_key = if self.mr_mode.prov_key {
-            0
-        } else {
-            let mut keys = self.next_key.lock().unwrap_or_else(PoisonError::into_inner);
-            u64::from(keys.next_u64() as u32)
-        };
-        let offset = 0;
         let mut mr = ptr::null_mut();
-        // SAFETY: the caller keeps the range mapped while registered; `mr` is closed on every
-        // error path below and otherwise kept until `deregister`.
-        unsafe {
-            check(
-                "fi_mr_reg",
-                i64::from(sys::railyard_fi_mr_reg(
+        // Keys railyard picks are random: one already in use is drawn again.
+        let mut attempts = 0;
+        let registered = loop {
+            let requested_key = if self.mr_mode.prov_key {
+                0
+            } else {
+                let mut keys = self.next_key.lock().unwrap_or_else(PoisonError::into_inner);
+                u64::from(keys.next_u64() as u32)
+            };
+            // SAFETY: the caller keeps the range mapped while registered; `mr` is closed on
+            // every error path below and otherwise kept until `deregister`.
+            let code = unsafe {
+                sys::railyard_fi_mr_reg(
                     self.domain,
                     addr as *const c_void,
                     size,
                     flags,
-                    offset,
+                    0,
                     requested_key,
                     0,
                     &mut mr,
                     ptr::null_mut(),
-                )),
-            )?;
+                )
+            };
+            attempts += 1;
+            let taken = i64::from(code) == -i64::from(sys::FI_ENOKEY);
+            if !taken || self.mr_mode.prov_key || attempts == 8 {
+                break check("fi_mr_reg", i64::from(code));
+            }
+        };
+        registered?;
+        // SAFETY: as above; `mr` was registered just now.
+        unsafe {
             let bound = if self.mr_mode.endpoint {
                 check(
                     "fi_mr_bind",
@@ -644,38 +657,59 @@ impl OfiRail {
     /// is posted: the target never sees it. (With `tcp;ofi_rxm` 1.17 a request the target
     /// refuses closes the connection between the two endpoints for good.) Without
     /// `FI_MR_VIRT_ADDR` requests to a peer that announced nothing fail the same way, as
-    /// their offsets cannot be known.
+    /// their offsets cannot be known. `owner` names who announced them (its incarnation).
     pub fn learn_remote_regions(
         &self,
         address: &[u8],
+        owner: u64,
         regions: impl IntoIterator<Item = (u32, u64, u64)>,
     ) {
-        let regions: AnnouncedRegions = regions
+        let regions = regions
             .into_iter()
             .map(|(rkey, base, len)| (rkey, (base, len)))
             .collect();
         self.remote_regions
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(address.to_vec(), regions);
+            .insert(address.to_vec(), AnnouncedRegions { owner, regions });
     }
 
-    /// Forgets what the peer at `address` announced.
-    pub fn forget_remote_regions(&self, address: &[u8]) {
-        self.remote_regions
+    /// Forgets what `owner` announced at `address` (nothing, if a newer owner's regions are
+    /// there now).
+    pub fn forget_remote_regions(&self, address: &[u8], owner: u64) {
+        let mut known = self
+            .remote_regions
             .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if known
+            .get(address)
+            .is_some_and(|announced| announced.owner == owner)
+        {
+            known.remove(address);
+        }
+    }
+
+    /// Peer addresses whose regions this rail knows.
+    pub fn known_peers(&self) -> usize {
+        self.remote_regions
+            .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(address);
+            .len()
     }
 
     /// Keeps the immediates peers send with `tag` (a target's side of one connection) until
-    /// [`Self::take_immediates`] takes them.
-    pub fn open_immediates(&self, tag: u32) {
-        self.immediates
+    /// [`Self::take_immediates`] takes them; false (and nothing changes) when the tag is
+    /// already open for another connection.
+    pub fn open_immediates(&self, tag: u32) -> bool {
+        let mut open = self
+            .immediates
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entry(tag)
-            .or_default();
+            .unwrap_or_else(PoisonError::into_inner);
+        if open.contains_key(&tag) {
+            return false;
+        }
+        open.insert(tag, Vec::new());
+        true
     }
 
     /// Stops keeping immediates with `tag`, dropping those not taken.

@@ -22,7 +22,7 @@ pub(crate) fn map_error(err: u32, prov_errno: i32) -> WcStatus {
         // Cancelled, or flushed with its endpoint.
         sys::FI_ECANCELED => WcStatus::WrFlushErr,
         // A key, range or access the target's registration does not allow.
-        sys::FI_EACCES | sys::FI_EKEYREJECTED | sys::FI_EFAULT | sys::FI_EPERM => {
+        sys::FI_EACCES | sys::FI_EKEYREJECTED | sys::FI_ENOKEY | sys::FI_EFAULT | sys::FI_EPERM => {
             WcStatus::RemAccessErr
         }
         // A local length the provider cannot carry.
@@ -53,6 +53,7 @@ mod tests {
         assert_eq!(map_error(sys::FI_ECANCELED, 2), WcStatus::RemAccessErr);
         assert_eq!(map_error(sys::FI_EACCES, 0), WcStatus::RemAccessErr);
         assert_eq!(map_error(sys::FI_EKEYREJECTED, 0), WcStatus::RemAccessErr);
+        assert_eq!(map_error(sys::FI_ENOKEY, 0), WcStatus::RemAccessErr);
         assert_eq!(map_error(sys::FI_EMSGSIZE, 0), WcStatus::LocLenErr);
         assert_eq!(map_error(sys::FI_ECONNREFUSED, 0), WcStatus::RetryExcErr);
         assert_eq!(map_error(sys::FI_EIO, 0), WcStatus::RetryExcErr);
