@@ -273,3 +273,70 @@ fn a_provider_without_the_ofi_fabric_is_refused() {
         "{stderr}"
     );
 }
+
+#[test]
+fn two_targets_with_one_name_on_one_host_are_two_peers_both_written() {
+    // Seed 002's twins: two processes, one name, one host and interface.
+    let twins = [
+        Serve::start_named(
+            "decode-twin",
+            "4MiB",
+            &[
+                "--rails",
+                "1",
+                "--fabric",
+                "ofi",
+                "--ofi-provider",
+                PROVIDER,
+            ],
+        ),
+        Serve::start_named(
+            "decode-twin",
+            "4MiB",
+            &[
+                "--rails",
+                "1",
+                "--fabric",
+                "ofi",
+                "--ofi-provider",
+                PROVIDER,
+            ],
+        ),
+    ];
+    let engine = engine("prefill-ofi-twins", 1);
+    let source = engine.alloc(1 << 20, None).expect("memory");
+    let mut submitter = engine.submitter().expect("a submitter");
+    let mut incarnations = Vec::new();
+    for (i, twin) in twins.iter().enumerate() {
+        bytes_of(source).fill(0x10 + i as u8);
+        let peer = engine.open(&twin.addr).expect("the twin answers");
+        assert_eq!(peer.name(), "decode-twin");
+        incarnations.push(peer.incarnation());
+        let write = Transfer {
+            op: Op::Write,
+            local: source,
+            local_offset: 0,
+            remote_addr: twin.pool_base,
+            len: 1 << 20,
+        };
+        let batch = submitter.submit(&peer, &[write]).expect("submitted");
+        assert!(done(&batch));
+    }
+    assert_ne!(incarnations[0], incarnations[1]);
+    // Each twin holds what was meant for it.
+    for (i, twin) in twins.into_iter().enumerate() {
+        let mut twin = twin;
+        let expected = format!(
+            "digest {:016x}",
+            railyard::chaos::digest(&vec![0x10 + i as u8; 1 << 20])
+        );
+        let answer = twin.command(&format!(
+            "digest {} 0 {} {}",
+            twin.pool_id,
+            1 << 20,
+            1 << 20
+        ));
+        assert_eq!(answer, expected, "twin {i}");
+    }
+    assert_eq!(engine.stats().peers.len(), 2);
+}
