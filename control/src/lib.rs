@@ -45,7 +45,9 @@ pub use plane::{
     DirectoryWarning, EndpointView, Notification, NotificationBody, PeerChange, PeerEvents,
 };
 pub use policy::Policy;
-pub use rail::{HostMode, HostRail, OfiConnected, OfiHalf, PeerLink, RailFabric, Revocation};
+pub use rail::{
+    HostMode, HostRail, OfiConnected, OfiHalf, OfiTag, PeerLink, RailFabric, Revocation,
+};
 pub use shared::{TIME_BUCKET_BOUNDS_US, TimeHistogram};
 pub use warn::WarningKind;
 pub use wire::{FrameDecoder, Message, WireError};

@@ -421,11 +421,8 @@ fn verbs_side(info: QpInfo) -> QpSide {
 pub enum OfiHalf {
     /// The initiator's side.
     Initiator,
-    /// The target's side, with its tag.
-    Target {
-        /// The high 32 bits of the remote CQ data of the initiator's immediates.
-        tag: u32,
-    },
+    /// The target's side.
+    Target(OfiTag),
 }
 
 /// A connected libfabric "queue pair".
@@ -434,10 +431,36 @@ pub enum OfiConnected {
     /// The initiator's: the peer to stage for the poller.
     Initiator(OfiPeer),
     /// The target's: where its immediates are kept.
-    Target {
-        /// Its tag.
-        tag: u32,
-    },
+    Target(OfiTag),
+}
+
+/// A target's tag for one connection (the high 32 bits of the remote CQ data of the
+/// initiator's immediates): open while this lives, closed when it drops — however the
+/// control plane lets go of the queue pair.
+#[derive(Debug)]
+pub struct OfiTag {
+    rail: Arc<OfiRail>,
+    tag: u32,
+}
+
+impl OfiTag {
+    /// Opens a fresh tag on `rail`: a random one not open for another connection.
+    fn open(rail: &Arc<OfiRail>) -> Result<Self, String> {
+        (0..64)
+            .map(|_| crate::random::random_u64() as u32)
+            .find(|&tag| rail.open_immediates(tag))
+            .map(|tag| Self {
+                rail: rail.clone(),
+                tag,
+            })
+            .ok_or_else(|| "no free immediate tag after 64 draws".into())
+    }
+}
+
+impl Drop for OfiTag {
+    fn drop(&mut self) {
+        self.rail.close_immediates(self.tag);
+    }
 }
 
 /// The attachment of a libfabric side: the tag (little-endian) and the endpoint's address.
@@ -490,17 +513,14 @@ impl RailFabric for Arc<OfiRail> {
         initiator: &QpSide,
     ) -> Result<(OfiHalf, QpSide), String> {
         ofi_peer(initiator)?;
-        // A tag of its own: a random one not open for another connection.
-        let tag = (0..64)
-            .map(|_| crate::random::random_u64() as u32)
-            .find(|&tag| self.open_immediates(tag))
-            .ok_or("no free immediate tag after 64 draws")?;
-        Ok((OfiHalf::Target { tag }, ofi_side(self, tag)))
+        let tag = OfiTag::open(self)?;
+        let side = ofi_side(self, tag.tag);
+        Ok((OfiHalf::Target(tag), side))
     }
 
     fn take_immediates(&self, qp: &mut OfiConnected, out: &mut Vec<u32>) -> Result<(), String> {
-        if let OfiConnected::Target { tag } = qp {
-            OfiRail::take_immediates(self, *tag, out);
+        if let OfiConnected::Target(tag) = qp {
+            OfiRail::take_immediates(self, tag.tag, out);
         }
         Ok(())
     }
@@ -509,7 +529,7 @@ impl RailFabric for Arc<OfiRail> {
         let peer = ofi_peer(remote)?;
         Ok(match qp {
             OfiHalf::Initiator => OfiConnected::Initiator(peer),
-            OfiHalf::Target { tag } => OfiConnected::Target { tag },
+            OfiHalf::Target(tag) => OfiConnected::Target(tag),
         })
     }
 
@@ -519,18 +539,18 @@ impl RailFabric for Arc<OfiRail> {
                 OfiRail::stage(self, endpoint, epoch, peer);
                 Ok(())
             }
-            OfiConnected::Target { .. } => {
+            OfiConnected::Target(_) => {
                 Err("a target's queue pair is served, never staged for an endpoint".into())
             }
         }
     }
 
     /// A reliable-datagram endpoint keeps no state per initiator: the target side's
-    /// immediates stop being kept; RMA by key lasts until the region is deregistered.
+    /// immediates stop being kept (its tag closes); RMA by key lasts until the region is
+    /// deregistered.
     fn revoke(&self, qp: OfiConnected) -> Revocation {
-        if let OfiConnected::Target { tag } = qp {
-            self.close_immediates(tag);
-        }
+        // A target's tag closes as it drops.
+        drop(qp);
         Revocation::done()
     }
 
@@ -567,5 +587,63 @@ impl RailFabric for Arc<OfiRail> {
                 }),
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod ofi_tests {
+    use super::*;
+    use railyard_dataplane::fabric::ofi::OfiConfig;
+
+    #[test]
+    fn a_target_side_tag_stays_open_while_its_queue_pair_lives_however_it_goes() {
+        let rail = OfiRail::open(
+            "tags",
+            &OfiConfig {
+                provider: "tcp;ofi_rxm".into(),
+                domain: Some("lo".into()),
+            },
+        )
+        .expect("libfabric's tcp;ofi_rxm provider on lo");
+        let link = PeerLink {
+            same_host: true,
+            local_ip: IpAddr::from([127, 0, 0, 1]),
+        };
+        let (_, initiator) = rail.create_qp(&link).expect("an initiator's side");
+        let tag_of = |side: &QpSide| ofi_peer(side).expect("a libfabric side").tag;
+
+        // Dropped before connecting.
+        let (half, side) = rail
+            .create_target_qp(&link, &initiator)
+            .expect("a target side");
+        let tag = tag_of(&side);
+        assert!(!rail.open_immediates(tag), "open while it lives");
+        drop(half);
+        assert!(rail.open_immediates(tag), "closed with it");
+        rail.close_immediates(tag);
+
+        // Connected, then dropped by the control plane, or revoked.
+        for revoke in [false, true] {
+            let (half, side) = rail
+                .create_target_qp(&link, &initiator)
+                .expect("a target side");
+            let tag = tag_of(&side);
+            let connected = rail.connect_qp(half, &initiator).expect("connected");
+            assert!(!rail.open_immediates(tag));
+            if revoke {
+                assert!(rail.revoke(connected).wait(Instant::now()));
+            } else {
+                drop(connected);
+            }
+            assert!(rail.open_immediates(tag), "closed (revoked: {revoke})");
+            rail.close_immediates(tag);
+        }
+
+        // A malformed initiator side is refused.
+        let short = QpSide {
+            info: initiator.info,
+            attachment: vec![1, 2, 3],
+        };
+        assert!(rail.create_target_qp(&link, &short).is_err());
     }
 }
