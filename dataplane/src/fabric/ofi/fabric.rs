@@ -62,7 +62,7 @@ pub struct OfiFabric {
     qps: HashMap<u32, QueuePair>,
     addresses: HashMap<Vec<u8>, AvEntry>,
     next_qp: u32,
-    /// Allocated one by one (`Box::into_raw`) and only ever reached through these pointers:
+    /// Allocated one by one (`Box::leak`) and only ever reached through these pointers:
     /// an operation's context is its slot's address, which must not move, and the provider
     /// may write its part while the operation runs. Freed on drop, unless an operation is
     /// still in flight (then they are leaked: the provider may still write them).
