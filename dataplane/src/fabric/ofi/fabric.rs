@@ -12,11 +12,11 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
+use std::sync::{Arc, PoisonError, RwLockReadGuard};
 
 use railyard_ofi_sys as sys;
 
-use super::rail::{OfiRail, strerror};
+use super::rail::{AnnouncedRegions, LocalRegistration, OfiRail, strerror};
 use super::status::map_error;
 use crate::fabric::{
     Access, Fabric, FabricError, FabricLimits, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
@@ -70,6 +70,8 @@ pub struct OfiFabric {
     free: Vec<u32>,
     ready: VecDeque<WorkCompletion>,
     entries: Vec<sys::fi_cq_data_entry>,
+    /// Scratch: each request of the post being made, checked.
+    checked: Vec<Result<Target, WcStatus>>,
 }
 
 // SAFETY: the raw pointers in the slots are the provider's context scratch, only ever
@@ -98,6 +100,7 @@ impl OfiFabric {
             free: Vec::new(),
             ready: VecDeque::new(),
             entries: vec![sys::fi_cq_data_entry::default(); READ_BATCH],
+            checked: Vec::new(),
         }
     }
 
@@ -332,20 +335,35 @@ struct Target {
     desc: usize,
 }
 
-impl OfiFabric {
-    /// Checks `request` to the peer at `address` against this process's registrations and
-    /// the regions the peer announced: what to post, or the status it fails with here.
+/// What one post checks its requests against, read-locked once for the whole list: this
+/// process's registrations and the regions the peer announced.
+struct Checker<'a> {
+    local: RwLockReadGuard<'a, HashMap<u32, LocalRegistration>>,
+    remote: RwLockReadGuard<'a, HashMap<Vec<u8>, AnnouncedRegions>>,
+    virt_addr: bool,
+    tagged_immediates: bool,
+}
+
+impl<'a> Checker<'a> {
+    fn new(rail: &'a OfiRail) -> Self {
+        Self {
+            local: rail.local.read().unwrap_or_else(PoisonError::into_inner),
+            remote: rail
+                .remote_regions
+                .read()
+                .unwrap_or_else(PoisonError::into_inner),
+            virt_addr: rail.virt_addr(),
+            tagged_immediates: rail.tagged_immediates,
+        }
+    }
+
+    /// What to post for `request` to the peer at `address`, or the status it fails with here.
     fn check(&self, request: &WorkRequest, address: &[u8]) -> Result<Target, WcStatus> {
         let len = u64::from(request.len);
         let desc = if len == 0 {
             0
         } else {
-            let local = self
-                .rail
-                .local
-                .read()
-                .unwrap_or_else(PoisonError::into_inner);
-            let registration = local.get(&request.lkey).ok_or(WcStatus::LocProtErr)?;
+            let registration = self.local.get(&request.lkey).ok_or(WcStatus::LocProtErr)?;
             if !registration.region.contains(request.local_addr, len) {
                 return Err(WcStatus::LocProtErr);
             }
@@ -357,18 +375,13 @@ impl OfiFabric {
             }
             registration.desc
         };
-        if request.opcode == Opcode::WriteWithImm && !self.rail.tagged_immediates {
+        if request.opcode == Opcode::WriteWithImm && !self.tagged_immediates {
             return Err(WcStatus::RemInvReqErr);
         }
-        let virt_addr = self.rail.virt_addr();
-        let remote_regions = self
-            .rail
-            .remote_regions
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
+        let virt_addr = self.virt_addr;
         // A zero-length request (a bare immediate) names no memory, but the provider checks
         // whatever key it carries: it borrows the start of any region the peer announced.
-        let (rkey, remote_addr) = match remote_regions.get(address).map(|known| &known.regions) {
+        let (rkey, remote_addr) = match self.remote.get(address).map(|known| &known.regions) {
             None if virt_addr && len > 0 => (request.rkey, request.remote_addr),
             None => return Err(WcStatus::RemAccessErr),
             Some(regions) if len == 0 => regions
@@ -453,17 +466,72 @@ impl Fabric for OfiFabric {
         };
         // Every request checked first: the last one that will be posted goes without
         // FI_MORE, so the provider never waits for a request that is not coming.
-        let checked: Vec<Result<Target, WcStatus>> = {
+        let mut checked = std::mem::take(&mut self.checked);
+        checked.clear();
+        {
+            let checker = Checker::new(&self.rail);
             let address = &self.qps[&qp.0].address;
-            requests
-                .iter()
-                .map(|request| self.check(request, address))
-                .collect()
-        };
+            checked.extend(
+                requests
+                    .iter()
+                    .map(|request| checker.check(request, address)),
+            );
+        }
         let last_posted = checked.iter().rposition(Result::is_ok);
+        let outcome = self.post_checked(qp, fi_addr, tag, requests, &checked, last_posted);
+        self.checked = checked;
+        outcome
+    }
+
+    fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
+        if self.ready.len() < max {
+            self.progress();
+        }
+        let taken = max.min(self.ready.len());
+        out.extend(self.ready.drain(..taken));
+        taken
+    }
+
+    fn retire(&mut self, qp: QpNum) {
+        let Some(pair) = self.qps.get_mut(&qp.0) else {
+            return;
+        };
+        pair.retired = true;
+        if pair.outstanding == 0 {
+            self.forget(qp);
+        }
+    }
+
+    fn serve(&mut self) -> bool {
+        self.rail.manual_progress() && self.progress()
+    }
+
+    fn serving(&self) -> bool {
+        self.rail.manual_progress() && self.rail.remotely_accessible.load(Ordering::Relaxed) > 0
+    }
+
+    fn limits(&self) -> FabricLimits {
+        self.rail.limits()
+    }
+}
+
+impl OfiFabric {
+    /// Posts `requests` on `qp` (to `fi_addr`, immediates tagged `tag`) as `checked` says:
+    /// a refused one completes at once, the others go to the provider, the one at
+    /// `last_posted` without FI_MORE.
+    fn post_checked(
+        &mut self,
+        qp: QpNum,
+        fi_addr: sys::fi_addr_t,
+        tag: u32,
+        requests: &[WorkRequest],
+        checked: &[Result<Target, WcStatus>],
+        last_posted: Option<usize>,
+    ) -> Result<(), PostError> {
+        let refuse = |posted, error| Err(PostError { posted, error });
         for (posted, (request, check)) in requests.iter().zip(checked).enumerate() {
-            let target = match check {
-                Ok(target) => target,
+            let target = match *check {
+                Ok(ref target) => target,
                 Err(status) => {
                     // Refused here: it completes at once and the provider never sees it.
                     self.ready
@@ -538,36 +606,5 @@ impl Fabric for OfiFabric {
             return refuse(posted, FabricError::QpInError { qp });
         }
         Ok(())
-    }
-
-    fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
-        if self.ready.len() < max {
-            self.progress();
-        }
-        let taken = max.min(self.ready.len());
-        out.extend(self.ready.drain(..taken));
-        taken
-    }
-
-    fn retire(&mut self, qp: QpNum) {
-        let Some(pair) = self.qps.get_mut(&qp.0) else {
-            return;
-        };
-        pair.retired = true;
-        if pair.outstanding == 0 {
-            self.forget(qp);
-        }
-    }
-
-    fn serve(&mut self) -> bool {
-        self.rail.manual_progress() && self.progress()
-    }
-
-    fn serving(&self) -> bool {
-        self.rail.manual_progress() && self.rail.remotely_accessible.load(Ordering::Relaxed) > 0
-    }
-
-    fn limits(&self) -> FabricLimits {
-        self.rail.limits()
     }
 }
