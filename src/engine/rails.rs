@@ -9,6 +9,7 @@ use std::net::IpAddr;
 use railyard_control::{
     ControlConfig, ControlPlane, ControlRail, ControlShared, HostMode, HostRail, RailFabric,
 };
+use railyard_dataplane::fabric::faulted::Faulted;
 use railyard_dataplane::fabric::host::HostFabric;
 use railyard_dataplane::fabric::ofi::{OfiConfig, OfiRail};
 use railyard_dataplane::fabric::soft::{FaultHandle, SoftBuffer, SoftConfig, SoftDevice};
@@ -39,7 +40,8 @@ pub(crate) struct PlannedRail {
 pub(crate) enum Rails {
     Host(Vec<HostRail>),
     Verbs(Vec<Arc<VerbsRail>>),
-    Ofi(Vec<Arc<OfiRail>>),
+    /// libfabric rails, each with the fault plan its poller's fabric honours.
+    Ofi(Vec<Arc<OfiRail>>, Vec<FaultHandle>),
 }
 
 /// Memory the engine allocated.
@@ -107,7 +109,7 @@ fn start_all<R: RailFabric + Clone, F: Fabric + 'static>(
     control: ControlConfig,
     shared: &Arc<ControlShared>,
     open: impl Fn(usize, &PlannedRail) -> Result<R, String>,
-    fabric: impl Fn(&R) -> Result<F, String>,
+    fabric: impl Fn(usize, &R) -> Result<F, String>,
     warnings: &mut Vec<String>,
 ) -> Result<StartedRails<R>, BuildError> {
     let mut rails = Vec::new();
@@ -118,7 +120,7 @@ fn start_all<R: RailFabric + Clone, F: Fabric + 'static>(
             rail: index,
             reason,
         })?;
-        let poller = spawn_poller(index, plan, idle, shared, || fabric(&rail), warnings)?;
+        let poller = spawn_poller(index, plan, idle, shared, || fabric(index, &rail), warnings)?;
         control_rails.push(ControlRail {
             fabric: rail.clone(),
             poller: poller.clone(),
@@ -154,7 +156,7 @@ impl Rails {
                     .map_err(|e| e.to_string())?;
                 Ok(HostRail { soft, tcp, mode })
             },
-            |rail: &HostRail| HostFabric::new(&rail.soft, &rail.tcp).map_err(|e| e.to_string()),
+            |_, rail: &HostRail| HostFabric::new(&rail.soft, &rail.tcp).map_err(|e| e.to_string()),
             warnings,
         )?;
         Ok(Started {
@@ -189,7 +191,7 @@ impl Rails {
                 };
                 VerbsRail::open(device, config).map_err(|e| e.to_string())
             },
-            |rail: &Arc<VerbsRail>| Ok(VerbsFabric::new(rail.clone())),
+            |_, rail: &Arc<VerbsRail>| Ok(VerbsFabric::new(rail.clone())),
             warnings,
         )?;
         Ok(Started {
@@ -211,6 +213,7 @@ impl Rails {
         shared: &Arc<ControlShared>,
         warnings: &mut Vec<String>,
     ) -> Result<Started, BuildError> {
+        let faults: Vec<FaultHandle> = planned.iter().map(|_| FaultHandle::default()).collect();
         let (rails, pollers, control) = start_all(
             planned,
             idle,
@@ -224,11 +227,14 @@ impl Rails {
                 };
                 OfiRail::open(format!("{name}-ofi{index}"), &config).map_err(|e| e.to_string())
             },
-            |rail: &Arc<OfiRail>| rail.fabric().map_err(|e| e.to_string()),
+            |index, rail: &Arc<OfiRail>| {
+                let fabric = rail.fabric().map_err(|e| e.to_string())?;
+                Ok(Faulted::new(fabric, faults[index].clone()))
+            },
             warnings,
         )?;
         Ok(Started {
-            rails: Self::Ofi(rails),
+            rails: Self::Ofi(rails, faults),
             pollers,
             control,
         })
@@ -238,7 +244,7 @@ impl Rails {
         match self {
             Self::Host(rails) => rails.len(),
             Self::Verbs(rails) => rails.len(),
-            Self::Ofi(rails) => rails.len(),
+            Self::Ofi(rails, _) => rails.len(),
         }
     }
 
@@ -251,15 +257,17 @@ impl Rails {
                 Some(HostMode::Auto) | None => "soft+tcp",
             },
             Self::Verbs(_) => "verbs",
-            Self::Ofi(_) => "ofi",
+            Self::Ofi(..) => "ofi",
         }
     }
 
-    /// Rail `index`'s fault plan (host rails: its soft and TCP queue pairs).
+    /// Rail `index`'s fault plan (host rails: its soft and TCP queue pairs; libfabric rails:
+    /// applied in front of the provider). Verbs rails have none.
     pub(crate) fn faults(&self, index: usize) -> Option<FaultHandle> {
         match self {
             Self::Host(rails) => rails.get(index).map(|rail| rail.soft.faults()),
-            Self::Verbs(_) | Self::Ofi(_) => None,
+            Self::Ofi(_, faults) => faults.get(index).cloned(),
+            Self::Verbs(_) => None,
         }
     }
 
@@ -268,7 +276,7 @@ impl Rails {
     pub(crate) fn served(&self, index: usize) -> Option<ServedStats> {
         match self {
             Self::Host(rails) => rails.get(index).map(|rail| rail.tcp.served()),
-            Self::Verbs(_) | Self::Ofi(_) => None,
+            Self::Verbs(_) | Self::Ofi(..) => None,
         }
     }
 
@@ -281,7 +289,7 @@ impl Rails {
             Self::Verbs(rails) => rails
                 .get(index)
                 .map_or(String::new(), |r| r.name().to_string()),
-            Self::Ofi(rails) => rails
+            Self::Ofi(rails, _) => rails
                 .get(index)
                 .map_or(String::new(), |r| r.name().to_string()),
         }
@@ -297,7 +305,7 @@ impl Rails {
                 .alloc(size, Access::ALL)
                 .map(Memory::Soft)
                 .map_err(|e| failed(e.to_string())),
-            Self::Verbs(_) | Self::Ofi(_) => HostMemory::new(size)
+            Self::Verbs(_) | Self::Ofi(..) => HostMemory::new(size)
                 .map(Memory::Host)
                 .map_err(|e| failed(e.to_string())),
         }
@@ -336,7 +344,7 @@ impl Rails {
                 )?);
                 Ok(registrations)
             }
-            (Self::Verbs(_) | Self::Ofi(_), Memory::Host(host)) => {
+            (Self::Verbs(_) | Self::Ofi(..), Memory::Host(host)) => {
                 // SAFETY: the engine keeps the mapping until these registrations go.
                 unsafe { self.register_user(host.addr(), len) }
             }
@@ -393,7 +401,7 @@ impl Rails {
                     rail.deregister(region.rkey);
                 },
             ),
-            Self::Ofi(rails) => register_all(
+            Self::Ofi(rails, _) => register_all(
                 rails,
                 0,
                 addr,
@@ -423,7 +431,7 @@ impl Rails {
                     rail.deregister(region.rkey);
                 }
             }
-            Self::Ofi(rails) => {
+            Self::Ofi(rails, _) => {
                 for (rail, region) in rails.iter().zip(registrations) {
                     let _ = rail.deregister(region);
                 }
@@ -441,7 +449,7 @@ impl Rails {
             Self::Host(rails) => rails.iter().all(|rail| rail.soft.quiesce_peers(deadline)),
             // Peers reach memory only through this engine's pollers (a manual-progress
             // provider) or its NIC, and fi_close of a registration fences the NIC.
-            Self::Verbs(_) | Self::Ofi(_) => true,
+            Self::Verbs(_) | Self::Ofi(..) => true,
         }
     }
 }

@@ -13,10 +13,14 @@
 //!
 //! Here: [`null::NullFabric`] (completes everything at once, for benchmarks),
 //! [`scripted::ScriptedFabric`] (completes chosen requests with chosen statuses, for tests) and
-//! [`soft`] (verbs semantics in software across processes, with a fault plan), and
-//! [`verbs`] (RDMA through rdma-sys; detection and the device-independent parts so far).
+//! [`soft`] (verbs semantics in software across processes, with a fault plan), [`tcp`],
+//! [`verbs`] (RDMA through rdma-sys) and [`ofi`] (libfabric). [`faults`] holds the fault
+//! plans the soft and TCP fabrics honour themselves; [`faulted::Faulted`] applies them at
+//! the boundary of any other fabric.
 
 mod delayed;
+pub mod faulted;
+pub mod faults;
 pub mod host;
 pub mod null;
 pub mod ofi;

@@ -11,11 +11,11 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
-use super::faults::{FaultPlan, FaultView, QpFaultState, Verdict};
 use super::nic::{self, Execution};
 use super::qp::SoftQp;
 use super::{SoftConfig, SoftDevice, SoftError};
 use crate::fabric::delayed::DelayedCompletions;
+use crate::fabric::faults::{FaultPlan, FaultView, QpFaultState, Verdict};
 use crate::fabric::{
     AsyncEvent, Fabric, FabricError, FabricLimits, PostError, QpNum, QpState, WcStatus,
     WorkCompletion, WorkRequest,

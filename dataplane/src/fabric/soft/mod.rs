@@ -33,7 +33,6 @@
 
 mod buffer;
 mod fabric;
-pub mod faults;
 mod fence;
 pub mod handshake;
 mod inbox;
@@ -47,9 +46,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+pub use crate::fabric::faults::{Fault, FaultHandle, FaultPlan, QpMatch};
 pub use buffer::{Backing, SoftBuffer};
 pub use fabric::SoftFabric;
-pub use faults::{Fault, FaultHandle, FaultPlan, QpMatch};
 pub use inbox::{INBOX_CAPACITY, InboxError, RecvCompletion, RecvQueue};
 pub use qp::{SoftAttachment, SoftQp};
 pub use regions::{CAPACITY as REGION_CAPACITY, RegionError, RemoteTableError};

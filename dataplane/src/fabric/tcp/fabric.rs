@@ -34,7 +34,7 @@ use super::wire::{
 };
 use super::{ServedCounters, TargetLink, TcpDevice, TcpQp};
 use crate::fabric::delayed::DelayedCompletions;
-use crate::fabric::soft::faults::{FaultView, QpFaultState, Verdict};
+use crate::fabric::faults::{FaultView, QpFaultState, Verdict};
 use crate::fabric::{
     Access, AsyncEvent, Fabric, FabricError, FabricLimits, Opcode, PostError, QpNum, WcStatus,
     WorkCompletion, WorkRequest,

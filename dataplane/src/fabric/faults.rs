@@ -1,4 +1,4 @@
-//! Fault plans: failures the soft fabric produces on purpose, the same way for the same seed.
+//! Fault plans: failures a fabric produces on purpose, the same way for the same seed.
 //!
 //! A [`FaultPlan`] is a seed and a list of [`Fault`]s. The fabric counts the work requests it
 //! executes on each queue pair; every rule is a function of that count, of which queue pair
@@ -75,7 +75,8 @@ pub enum Fault {
     },
     /// The peer stops answering (a stopped process): matching queue pairs execute nothing
     /// while the rule holds, and nothing fails because of it; removing the rule lets them go
-    /// on. Honoured by the soft fabric (on TCP, stop the target process instead).
+    /// on. Honoured by the soft fabric and by [`Faulted`](super::faulted::Faulted) (which
+    /// holds posts back as backpressure); on TCP, stop the target process instead.
     Stall {
         /// Which queue pairs.
         on: QpMatch,
@@ -253,6 +254,12 @@ impl QpFaultState {
             }
         }
         Verdict::Execute { delay }
+    }
+
+    /// Takes back the last `n` judgements: those requests were not executed after all (the
+    /// fabric behind could not take them) and are judged again when they come back.
+    pub(crate) fn unjudge(&mut self, n: u64) {
+        self.executed = self.executed.saturating_sub(n);
     }
 
     /// Whether a matching Stall rule holds now: nothing executes.
