@@ -1,5 +1,6 @@
 //! The four failure reproductions, each with seeds of its own, through the library and
-//! through `railyard chaos --json`; and a minute of `railyard chaos soak`.
+//! through `railyard chaos --json`; and a minute of `railyard chaos soak`. Each also on
+//! libfabric's `tcp;ofi_rxm` provider (`--fabric ofi`), with a shorter soak.
 
 mod common;
 
@@ -18,6 +19,7 @@ fn held(scenario: Scenario, seed: u64) -> serde_json::Value {
         scenario,
         seed,
         std::path::Path::new(env!("CARGO_BIN_EXE_railyard")),
+        &chaos::ChaosFabric::Soft,
     )
     .expect("the scenario runs");
     assert!(
@@ -191,4 +193,90 @@ fn a_minute_of_soak_loses_nothing_and_fails_fast() {
         counts["detection_ms_max"].as_u64() <= Some(2500),
         "{counts}"
     );
+}
+
+/// `railyard chaos SCENARIO --fabric ofi --ofi-provider "tcp;ofi_rxm" --json`, with `extra`
+/// options; its counts, once it held.
+fn held_on_libfabric(scenario: &str, extra: &[&str]) -> serde_json::Value {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+    let output = common::output_within(
+        Command::new(env!("CARGO_BIN_EXE_railyard"))
+            .args(["chaos", scenario, "--json"])
+            .args(["--fabric", "ofi", "--ofi-provider", "tcp;ofi_rxm"])
+            .args(extra),
+        std::time::Duration::from_secs(180),
+    );
+    let counts: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|_| panic!("one JSON object: {output:?}"));
+    assert!(output.status.success(), "{scenario}: {counts}");
+    assert_eq!(counts["passed"], true, "{scenario}: {counts}");
+    assert_eq!(counts["fabric"], "ofi", "{counts}");
+    counts
+}
+
+#[test]
+fn the_scenarios_hold_on_libfabric() {
+    let storm = held_on_libfabric("reconnect-storm", &["--seed", "17"]);
+    assert_eq!(storm["stale_posts"], 0);
+    assert_eq!(storm["reconnects"], 1, "{storm}");
+    assert_eq!(storm["failed"], 0, "{storm}");
+    assert_eq!(storm["bytes_verified"], true);
+    assert_eq!(storm["bad_slices_failed"], storm["bad_slices"]);
+
+    let race = held_on_libfabric("teardown-race", &["--seed", "5"]);
+    assert_eq!(race["lost"], 0);
+    assert_eq!(race["double_resolved"], 0);
+    assert_eq!(race["stale_posts"], 0);
+    assert_eq!(race["misplaced_slots"], 0);
+    assert!(race["retirements"].as_u64() >= Some(2000), "{race}");
+    assert!(race["queue_pair_failures"].as_u64() > Some(0), "{race}");
+    assert!(race["done"].as_u64() > Some(0), "{race}");
+
+    let churn = held_on_libfabric("handshake-churn", &["--seed", "9"]);
+    assert_eq!(churn["teardowns"], 0);
+    assert_eq!(churn["reconnects"], 0);
+    assert_eq!(churn["passive_qps"], 3);
+    assert_eq!(churn["twins_ran"], true, "{churn}");
+    assert_eq!(churn["twin_failed_requests"], 0);
+
+    let replica = held_on_libfabric("dead-replica", &["--seed", "2"]);
+    assert_eq!(replica["misdirected"], 0);
+    assert_eq!(replica["in_flight_late"], 0);
+    assert!(
+        (1..=2500).contains(&replica["stopped_peer_detection_ms"].as_u64().unwrap_or(0)),
+        "{replica}"
+    );
+}
+
+#[test]
+fn a_soak_on_libfabric_loses_nothing() {
+    let counts = held_on_libfabric("soak", &["--duration", "20", "--seed", "3"]);
+    assert_eq!(counts["lost"], 0);
+    assert_eq!(counts["mismatched_blocks"], 0);
+    assert!(counts["kills"].as_u64() >= Some(1), "{counts}");
+    assert!(counts["bytes_verified"].as_u64() > Some(0), "{counts}");
+}
+
+#[test]
+fn the_cli_refuses_a_fabric_it_cannot_run() {
+    for (options, expected) in [
+        (
+            &["--ofi-provider", "tcp;ofi_rxm"][..],
+            "--ofi-provider is for --fabric ofi",
+        ),
+        (
+            &["--fabric", "ofi", "--ofi-provider", "carrier-pigeon"][..],
+            "present:",
+        ),
+        (&["--fabric", "verbs"][..], "soft, ofi"),
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
+            .args(["chaos", "reconnect-storm"])
+            .args(options)
+            .output()
+            .expect("runs");
+        assert_eq!(output.status.code(), Some(2), "{options:?}: {output:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(expected), "{options:?}: {stderr}");
+    }
 }

@@ -37,7 +37,7 @@ fn two_nodes_connect_and_move_bytes() {
     );
     assert_eq!(view.key.peer, target.control.incarnation());
     let descriptor = view.descriptor().expect("descriptor fetched");
-    let remote = target.regions[region].buffer.region().addr;
+    let remote = target.regions[region].buffer.addr();
     let rkey = descriptor.rkey_for(remote, 4096, 0).expect("registered");
     let local = initiator.regions[source].regions[0];
     let mut submitter = Submitter::new(&[&*initiator.pollers[0]], 64).unwrap();
@@ -169,7 +169,7 @@ fn say_in_order(addr: SocketAddr, name: &str, incarnation: Incarnation, messages
 fn a_retire_qp_drops_the_passive_queue_pair_only_when_its_initiator_names_it() {
     let mut target = Node::start("decode-0", 1, any_port(), 1, Policy::default(), None).unwrap();
     let region = target.alloc(1 << 20).unwrap();
-    let remote = target.regions[region].buffer.region();
+    let remote = target.regions[region].regions[0];
 
     // The raw initiator: its own soft device and one queue pair, handshaken by hand.
     let device = SoftDevice::open("raw-peer", SoftConfig::default()).unwrap();

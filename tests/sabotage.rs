@@ -29,6 +29,7 @@ fn violations_without(
         scenario,
         5,
         std::path::Path::new(env!("CARGO_BIN_EXE_railyard")),
+        &chaos::ChaosFabric::Soft,
     )
     .expect("the scenario runs");
     (outcome.violations, outcome.counts)

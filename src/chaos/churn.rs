@@ -2,7 +2,8 @@
 //! peer processes on one host are two peers.
 //!
 //! The target is a `railyard serve` process. A raw peer (this module speaking the wire
-//! format with its own soft device) connects a queue pair to it, then repeats the very same
+//! format with its own rail of the scenario's fabric) connects a queue pair to it, then
+//! repeats the very same
 //! Hello and ConnectQp — same incarnation, same queue pair — on a new TCP connection each
 //! time, as a peer whose connections keep dropping would. Each answer must be the target's same queue pair.
 //! Meanwhile two initiator nodes on this host (two incarnations, two ports) connect to the
@@ -17,13 +18,14 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use railyard_control::wire::{FrameDecoder, Message, QpSide, WireKey};
 use railyard_control::{HostId, Incarnation, PeerLink, Policy, RailFabric};
+use railyard_dataplane::fabric::ofi::{OfiConfig, OfiRail};
 use railyard_dataplane::fabric::soft::{SoftConfig, SoftDevice};
 use railyard_dataplane::{RequestOutcome, Submitter};
 use serde::Serialize;
 
 use super::node::Node;
 use super::process::Target;
-use super::{BOUND, any_port, write_slice};
+use super::{BOUND, ChaosFabric, any_port, write_slice};
 
 /// What happened.
 #[derive(Debug, Serialize)]
@@ -154,23 +156,20 @@ pub fn handshake_once(
     }
 }
 
-/// Runs the scenario.
-///
-/// # Errors
-/// When the nodes cannot start or connect.
-pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
-    let options = ["--rails", "1", "--pool", "1MiB"];
-    let mut target = Target::start_with(binary, "decode-0", any_port(), 0, &options)?;
-    let target_base = target.pool_base;
-
-    // The raw peer: its own device and one queue pair, handshaken many times.
-    let device = SoftDevice::open("raw-peer", SoftConfig::default())?;
+/// Connects one queue pair of `rail` to `target` as incarnation `incarnation`, then repeats
+/// the very same handshake until there were `repeated`; returns the queue pair and how many
+/// answers differed from the first.
+fn repeat_handshakes<R: RailFabric>(
+    target: &Target,
+    rail: &R,
+    incarnation: Incarnation,
+    repeated: u64,
+) -> Result<(R::Connected, u64)> {
     let link = PeerLink {
         same_host: true,
         local_ip: target.addr.ip(),
     };
-    let (qp, side) = RailFabric::create_qp(&device, &link).map_err(anyhow::Error::msg)?;
-    let incarnation = Incarnation(device.incarnation());
+    let (qp, side) = rail.create_qp(&link).map_err(anyhow::Error::msg)?;
     let key = WireKey {
         initiator: incarnation,
         target: target.incarnation,
@@ -179,8 +178,7 @@ pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
     };
     let first = handshake_once(target.addr, "raw-peer", incarnation, key, &side)
         .context("the raw peer's first handshake")?;
-    let qp = RailFabric::connect_qp(&device, qp, &first).map_err(anyhow::Error::msg)?;
-    let repeated = 1000 + seed % 100;
+    let qp = rail.connect_qp(qp, &first).map_err(anyhow::Error::msg)?;
     let mut changed = 0;
     for _ in 1..repeated {
         let answer = handshake_once(target.addr, "raw-peer", incarnation, key, &side)?;
@@ -188,11 +186,46 @@ pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
             changed += 1;
         }
     }
+    Ok((qp, changed))
+}
+
+/// Runs the scenario.
+///
+/// # Errors
+/// When the nodes cannot start or connect.
+pub fn run(seed: u64, binary: &std::path::Path, fabric: &ChaosFabric) -> Result<ChurnReport> {
+    let options = ["--rails", "1", "--pool", "1MiB"];
+    let mut target = Target::start_with(binary, fabric, "decode-0", any_port(), 0, &options)?;
+    let target_base = target.pool_base;
+
+    // The raw peer: its own rail and one queue pair, handshaken many times.
+    let repeated = 1000 + seed % 100;
+    // Kept (and with it the queue pair) until the twins start.
+    let (raw_peer, changed): (Box<dyn std::any::Any>, u64) = match fabric {
+        ChaosFabric::Soft => {
+            let device = SoftDevice::open("raw-peer", SoftConfig::default())?;
+            let incarnation = Incarnation(device.incarnation());
+            let (qp, changed) = repeat_handshakes(&target, &device, incarnation, repeated)?;
+            (Box::new((device, qp)), changed)
+        }
+        ChaosFabric::Ofi { provider } => {
+            let config = OfiConfig {
+                provider: provider.clone(),
+                domain: None,
+            };
+            let rail = OfiRail::open("raw-peer", &config)?;
+            // Any value no other process of the scenario uses.
+            let incarnation = Incarnation(seed.rotate_left(32) ^ u64::from(std::process::id()));
+            let (qp, changed) = repeat_handshakes(&target, &rail, incarnation, repeated)?;
+            (Box::new((rail, qp)), changed)
+        }
+    };
 
     // Two initiator processes on this host: two incarnations, two ports.
     let mut initiators = Vec::new();
     for (n, name) in ["prefill-0", "prefill-1"].into_iter().enumerate() {
-        let mut node = Node::start(
+        let mut node = Node::start_on(
+            fabric,
             name,
             1,
             any_port(),
@@ -265,8 +298,8 @@ pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
         report.reconnects += stats.reconnects;
         report.warnings += stats.warnings_total();
     }
-    drop(qp);
-    let twins = twin_processes(binary, seed)?;
+    drop(raw_peer);
+    let twins = twin_processes(binary, seed, fabric)?;
     report.twins_ran = twins.len() == 2
         && twins
             .iter()
@@ -282,8 +315,12 @@ pub fn run(seed: u64, binary: &std::path::Path) -> Result<ChurnReport> {
 /// Seed 002 across processes: one `railyard serve` target and two `railyard bench`
 /// initiators started at once under the same name, each writing to it for two seconds.
 /// Returns the JSON report of each bench that ran.
-fn twin_processes(binary: &std::path::Path, seed: u64) -> Result<Vec<serde_json::Value>> {
-    let target = Target::start(binary, "decode-twins", any_port(), 0)?;
+fn twin_processes(
+    binary: &std::path::Path,
+    seed: u64,
+    fabric: &ChaosFabric,
+) -> Result<Vec<serde_json::Value>> {
+    let target = Target::start(binary, fabric, "decode-twins", any_port(), 0)?;
     let twins: Vec<_> = (0..2u64)
         .map(|twin| {
             std::process::Command::new(binary)
@@ -291,6 +328,7 @@ fn twin_processes(binary: &std::path::Path, seed: u64) -> Result<Vec<serde_json:
                 .args(["--name", "prefill-twin", "--duration", "2", "--json"])
                 .args(["--rails", "1", "--batch", "8"])
                 .args(["--seed", &(seed ^ twin).to_string()])
+                .args(fabric.process_options())
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::null())
                 .spawn()

@@ -47,6 +47,65 @@ pub fn digest_more(hash: u64, byte: u8) -> u64 {
     (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
 }
 
+/// Which fabric a scenario's nodes, engines and target processes run on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ChaosFabric {
+    /// The soft fabric (between processes of this host), with its own fault plans.
+    #[default]
+    Soft,
+    /// libfabric's `provider` on every rail, its fault plans applied in front of it.
+    Ofi {
+        /// The provider, e.g. `tcp;ofi_rxm`.
+        provider: String,
+    },
+}
+
+impl ChaosFabric {
+    /// The options that put `railyard serve` and `railyard bench` on this fabric.
+    pub fn process_options(&self) -> Vec<String> {
+        match self {
+            Self::Soft => Vec::new(),
+            Self::Ofi { provider } => vec![
+                "--fabric".into(),
+                "ofi".into(),
+                "--ofi-provider".into(),
+                provider.clone(),
+            ],
+        }
+    }
+
+    /// An engine builder on this fabric.
+    pub fn builder(&self, name: impl Into<String>) -> crate::engine::EngineBuilder {
+        let builder = crate::engine::Engine::builder(name);
+        match self {
+            Self::Soft => builder,
+            Self::Ofi { provider } => builder
+                .fabric(crate::engine::FabricChoice::Ofi)
+                .ofi(provider),
+        }
+    }
+
+    /// Whether a write completes while its target process is stopped: the soft fabric's do
+    /// (the initiator writes the target's memory itself), as RDMA NICs' (efa's) do; libfabric's
+    /// software providers need the target process to run, so a write in flight to a stopped
+    /// target can only resolve by its deadline (earlier, the provider may still read its
+    /// source).
+    pub fn writes_complete_at_stopped_targets(&self) -> bool {
+        match self {
+            Self::Soft => true,
+            Self::Ofi { provider } => provider == "efa",
+        }
+    }
+
+    /// Its name, as `--fabric` takes it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Soft => "soft",
+            Self::Ofi { .. } => "ofi",
+        }
+    }
+}
+
 /// Every wait in a scenario ends by this bound.
 pub const BOUND: Duration = Duration::from_secs(10);
 
@@ -97,12 +156,17 @@ pub struct Outcome {
     pub violations: Vec<String>,
 }
 
-/// Runs `scenario` with `seed`; `binary` is the `railyard` executable whose `serve` runs
-/// the target processes of the scenarios that need real ones (`dead-replica`).
+/// Runs `scenario` with `seed` on `fabric`; `binary` is the `railyard` executable whose
+/// `serve` runs the target processes.
 ///
 /// # Errors
 /// When the scenario could not run at all (a node did not start, a peer never connected).
-pub fn run(scenario: Scenario, seed: u64, binary: &std::path::Path) -> anyhow::Result<Outcome> {
+pub fn run(
+    scenario: Scenario,
+    seed: u64,
+    binary: &std::path::Path,
+    fabric: &ChaosFabric,
+) -> anyhow::Result<Outcome> {
     fn outcome<R: serde::Serialize>(
         report: &R,
         violations: Vec<String>,
@@ -114,19 +178,19 @@ pub fn run(scenario: Scenario, seed: u64, binary: &std::path::Path) -> anyhow::R
     }
     match scenario {
         Scenario::ReconnectStorm => {
-            let report = storm::run(seed, binary)?;
+            let report = storm::run(seed, binary, fabric)?;
             outcome(&report, report.violations())
         }
         Scenario::TeardownRace => {
-            let report = race::run(seed, binary)?;
+            let report = race::run(seed, binary, fabric)?;
             outcome(&report, report.violations())
         }
         Scenario::HandshakeChurn => {
-            let report = churn::run(seed, binary)?;
+            let report = churn::run(seed, binary, fabric)?;
             outcome(&report, report.violations())
         }
         Scenario::DeadReplica => {
-            let report = replica::run(seed, binary)?;
+            let report = replica::run(seed, binary, fabric)?;
             outcome(&report, report.violations())
         }
     }

@@ -1,8 +1,9 @@
-//! A process's worth of railyard for the scenarios: soft rails, their pollers, a control
-//! plane, and registered memory — the pieces the Engine API will own, wired by hand. Every
-//! poller's fabric is wrapped in an [`Observed`] fabric that checks, at the fabric boundary
-//! and independently of the poller, that no work request is posted on a queue pair newer
-//! than the epoch it was prepared for.
+//! A process's worth of railyard for the scenarios: rails (soft, or libfabric's), their
+//! pollers, a control plane, and registered memory — the pieces the Engine API owns, wired by
+//! hand. Every poller's fabric is wrapped in an [`Observed`] fabric that checks, at the
+//! fabric boundary and independently of the poller, that no work request is posted on a
+//! queue pair newer than the epoch it was prepared for. A libfabric rail's fabric is also
+//! wrapped in [`Faulted`], so that the scenarios' fault plans apply to it as to a soft one.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -14,12 +15,17 @@ use anyhow::{Context, Result};
 use railyard_control::{
     ControlConfig, ControlPlane, ControlRail, ControlShared, Incarnation, Policy, RegionDescriptor,
 };
+use railyard_dataplane::fabric::faulted::Faulted;
+use railyard_dataplane::fabric::ofi::{OfiConfig, OfiRail};
 use railyard_dataplane::fabric::soft::{FaultHandle, SoftBuffer, SoftConfig, SoftDevice};
 use railyard_dataplane::fabric::{
     Access, AsyncEvent, Fabric, FabricError, FabricLimits, MemoryRegion, PostError, QpNum,
     WcStatus, WorkCompletion, WorkRequest,
 };
 use railyard_dataplane::{EndpointId, Epoch, IdleStrategy, PollerConfig, PollerHandle};
+
+use super::ChaosFabric;
+use crate::engine::memory::HostMemory;
 
 /// What an [`Observed`] fabric saw.
 #[derive(Debug, Default)]
@@ -133,20 +139,95 @@ impl<F: Fabric> Fabric for Observed<F> {
     }
 }
 
+/// A node's memory: a soft buffer (registered on the first soft rail by allocation) or an
+/// anonymous mapping (registered on every libfabric rail).
+pub struct NodeBuffer(Memory);
+
+enum Memory {
+    Soft(SoftBuffer),
+    Host(HostMemory),
+}
+
+impl NodeBuffer {
+    /// Where it starts.
+    pub fn addr(&self) -> u64 {
+        match &self.0 {
+            Memory::Soft(buffer) => buffer.region().addr,
+            Memory::Host(memory) => memory.addr(),
+        }
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            Memory::Soft(buffer) => buffer.len(),
+            Memory::Host(memory) => memory.len(),
+        }
+    }
+
+    /// Whether it is empty (never: nodes allocate at least a byte).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Its bytes.
+    ///
+    /// # Safety
+    /// No transfer may write them while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` live bytes at `addr`, owned by `self`; the caller keeps writers away.
+        unsafe { std::slice::from_raw_parts(self.addr() as *const u8, self.len()) }
+    }
+
+    /// Its bytes, to fill.
+    ///
+    /// # Safety
+    /// No transfer may touch them while the slice lives.
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as for `as_slice`; `&mut self` and the caller exclude every other user.
+        unsafe { std::slice::from_raw_parts_mut(self.addr() as *mut u8, self.len()) }
+    }
+}
+
 /// A registered region of a node: one allocation, registered on every rail.
 pub struct NodeRegion {
-    /// The engine-allocated memory (registered on rail 0).
-    pub buffer: SoftBuffer,
+    /// The node-allocated memory.
+    pub buffer: NodeBuffer,
     /// Its registration on each rail.
     pub regions: Vec<MemoryRegion>,
+}
+
+/// One rail of a node.
+enum NodeRail {
+    Soft(SoftDevice),
+    Ofi(Arc<OfiRail>, FaultHandle),
+}
+
+/// Starts node `name`'s poller of rail `rail` on `fabric`; it parks when idle, so that
+/// scenarios run on two cores.
+fn spawn_poller<F: Fabric + 'static>(
+    name: &str,
+    rail: usize,
+    fabric: F,
+    shared: &Arc<ControlShared>,
+) -> Result<Arc<PollerHandle>> {
+    let config = PollerConfig {
+        idle: IdleStrategy::SpinThenPark {
+            spins: 256,
+            park: Duration::from_millis(1),
+        },
+        ..PollerConfig::new(format!("{name}-rail{rail}"))
+    };
+    let poller = PollerHandle::spawn(config, fabric, shared.reprepare_hook(rail as u16))
+        .context("starting a poller")?;
+    Ok(Arc::new(poller))
 }
 
 /// One process's worth of railyard: see the module docs.
 pub struct Node {
     /// Its segment name.
     pub name: String,
-    /// One soft device per rail.
-    pub devices: Vec<SoftDevice>,
+    rails: Vec<NodeRail>,
     /// One poller per rail.
     pub pollers: Vec<Arc<PollerHandle>>,
     /// What each rail's fabric saw.
@@ -172,38 +253,31 @@ impl Node {
         policy: Policy,
         incarnation: Option<Incarnation>,
     ) -> Result<Self> {
+        Self::start_on(
+            &ChaosFabric::Soft,
+            name,
+            rails,
+            listen,
+            seed,
+            policy,
+            incarnation,
+        )
+    }
+
+    /// [`Self::start`] on `fabric`.
+    ///
+    /// # Errors
+    /// As [`Self::start`]; on libfabric, when the provider cannot open a rail.
+    pub fn start_on(
+        fabric: &ChaosFabric,
+        name: &str,
+        rails: usize,
+        listen: SocketAddr,
+        seed: u64,
+        policy: Policy,
+        incarnation: Option<Incarnation>,
+    ) -> Result<Self> {
         let shared = ControlShared::new(rails);
-        let mut devices = Vec::new();
-        let mut pollers = Vec::new();
-        let mut observations = Vec::new();
-        let mut control_rails = Vec::new();
-        for rail in 0..rails {
-            let device = SoftDevice::open(format!("{name}-soft{rail}"), SoftConfig::default())
-                .context("opening a soft device")?;
-            let seen = Arc::new(Observations::default());
-            let config = PollerConfig {
-                idle: IdleStrategy::SpinThenPark {
-                    spins: 256,
-                    park: Duration::from_millis(1),
-                },
-                ..PollerConfig::new(format!("{name}-rail{rail}"))
-            };
-            let poller = Arc::new(
-                PollerHandle::spawn(
-                    config,
-                    Observed::new(device.fabric(), seen.clone()),
-                    shared.reprepare_hook(rail as u16),
-                )
-                .context("starting a poller")?,
-            );
-            control_rails.push(ControlRail {
-                fabric: device.clone(),
-                poller: poller.clone(),
-            });
-            devices.push(device);
-            pollers.push(poller);
-            observations.push(seen);
-        }
         let config = ControlConfig {
             listen,
             policy,
@@ -211,11 +285,58 @@ impl Node {
             incarnation,
             ..ControlConfig::new(name)
         };
-        let control = ControlPlane::start(config, control_rails, shared.clone())
-            .with_context(|| format!("starting the control plane of {name}"))?;
+        let mut node_rails = Vec::new();
+        let mut pollers = Vec::new();
+        let mut observations = Vec::new();
+        let control = match fabric {
+            ChaosFabric::Soft => {
+                let mut control_rails = Vec::new();
+                for rail in 0..rails {
+                    let device =
+                        SoftDevice::open(format!("{name}-soft{rail}"), SoftConfig::default())
+                            .context("opening a soft device")?;
+                    let seen = Arc::new(Observations::default());
+                    let observed = Observed::new(device.fabric(), seen.clone());
+                    let poller = spawn_poller(name, rail, observed, &shared)?;
+                    control_rails.push(ControlRail {
+                        fabric: device.clone(),
+                        poller: poller.clone(),
+                    });
+                    node_rails.push(NodeRail::Soft(device));
+                    pollers.push(poller);
+                    observations.push(seen);
+                }
+                ControlPlane::start(config, control_rails, shared.clone())
+            }
+            ChaosFabric::Ofi { provider } => {
+                let mut control_rails = Vec::new();
+                for rail in 0..rails {
+                    let ofi_config = OfiConfig {
+                        provider: provider.clone(),
+                        domain: None,
+                    };
+                    let ofi = OfiRail::open(format!("{name}-ofi{rail}"), &ofi_config)
+                        .with_context(|| format!("opening a libfabric rail on {provider:?}"))?;
+                    let faults = FaultHandle::default();
+                    let fabric = Faulted::new(ofi.fabric()?, faults.clone());
+                    let seen = Arc::new(Observations::default());
+                    let observed = Observed::new(fabric, seen.clone());
+                    let poller = spawn_poller(name, rail, observed, &shared)?;
+                    control_rails.push(ControlRail {
+                        fabric: ofi.clone(),
+                        poller: poller.clone(),
+                    });
+                    node_rails.push(NodeRail::Ofi(ofi, faults));
+                    pollers.push(poller);
+                    observations.push(seen);
+                }
+                ControlPlane::start(config, control_rails, shared.clone())
+            }
+        }
+        .with_context(|| format!("starting the control plane of {name}"))?;
         Ok(Self {
             name: name.to_string(),
-            devices,
+            rails: node_rails,
             pollers,
             observations,
             control,
@@ -234,20 +355,36 @@ impl Node {
     /// # Errors
     /// When memory cannot be allocated or registered.
     pub fn alloc(&mut self, len: usize) -> Result<usize> {
-        let buffer = self.devices[0].alloc(len, Access::ALL)?;
+        let buffer = match &self.rails[0] {
+            NodeRail::Soft(device) => Memory::Soft(device.alloc(len, Access::ALL)?),
+            NodeRail::Ofi(..) => Memory::Host(HostMemory::new(len)?),
+        };
+        let buffer = NodeBuffer(buffer);
         let regions = self.register_everywhere(&buffer)?;
         self.regions.push(NodeRegion { buffer, regions });
         self.publish();
         Ok(self.regions.len() - 1)
     }
 
-    fn register_everywhere(&self, buffer: &SoftBuffer) -> Result<Vec<MemoryRegion>> {
-        let mut regions = vec![buffer.region()];
-        for device in &self.devices[1..] {
-            // SAFETY:
-            // - The buffer outlives this registration: `reregister` and `Drop` of the node
-            //   deregister before the buffer can go.
-            let region = unsafe { device.register(buffer.as_ptr(), buffer.len(), Access::ALL) }?;
+    fn register_everywhere(&self, buffer: &NodeBuffer) -> Result<Vec<MemoryRegion>> {
+        let mut regions = Vec::new();
+        if let Memory::Soft(soft) = &buffer.0 {
+            regions.push(soft.region());
+        }
+        let (addr, len) = (buffer.addr(), buffer.len());
+        for rail in &self.rails[regions.len()..] {
+            // The memory outlives these registrations: `Drop` of the node deregisters before
+            // it can go.
+            let region = match rail {
+                NodeRail::Soft(device) => {
+                    // SAFETY: `len` bytes of the node's memory at `addr` (see above).
+                    unsafe { device.register(addr as *mut u8, len, Access::ALL) }?
+                }
+                NodeRail::Ofi(ofi, _) => {
+                    // SAFETY: as above.
+                    unsafe { ofi.register(addr, len as u64, Access::ALL) }?
+                }
+            };
             regions.push(region);
         }
         Ok(regions)
@@ -258,7 +395,7 @@ impl Node {
             self.regions
                 .iter()
                 .map(|region| RegionDescriptor {
-                    base: region.buffer.region().addr,
+                    base: region.buffer.addr(),
                     len: region.buffer.len() as u64,
                     rkeys: region.regions.iter().map(|r| r.rkey).collect(),
                     // Registered once, never again: one generation.
@@ -270,7 +407,10 @@ impl Node {
 
     /// The fault plan of rail `rail`.
     pub fn faults(&self, rail: usize) -> FaultHandle {
-        self.devices[rail].faults()
+        match &self.rails[rail] {
+            NodeRail::Soft(device) => device.faults(),
+            NodeRail::Ofi(_, faults) => faults.clone(),
+        }
     }
 
     /// Stale posts seen on all rails.
@@ -317,10 +457,19 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         self.stop();
-        // Registrations on rails other than the buffer's own go before the buffer does.
+        // Registrations go before the memory does (a soft buffer's own, on the first rail,
+        // goes with it).
         for region in &self.regions {
-            for (device, registered) in self.devices.iter().zip(&region.regions).skip(1) {
-                let _ = device.deregister(registered);
+            for (rail, registered) in self.rails.iter().zip(&region.regions) {
+                match (rail, &region.buffer.0) {
+                    (NodeRail::Soft(_), Memory::Soft(soft)) if soft.region() == *registered => {}
+                    (NodeRail::Soft(device), _) => {
+                        let _ = device.deregister(registered);
+                    }
+                    (NodeRail::Ofi(ofi, _), _) => {
+                        let _ = ofi.deregister(registered);
+                    }
+                }
             }
         }
     }

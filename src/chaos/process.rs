@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 use railyard_control::Incarnation;
 
-use super::BOUND;
+use super::{BOUND, ChaosFabric};
 
 /// How long a target may take to say where it listens: a newcomer under a name a dead
 /// process held in etcd first waits that name's lease out.
@@ -55,19 +55,21 @@ pub(crate) struct Target {
 }
 
 impl Target {
-    /// Starts `binary serve` named `name` on `listen` (one rail, an 8 MiB pool) and reads
-    /// where it listens.
+    /// Starts `binary serve` on `fabric`, named `name`, on `listen` (one rail, an 8 MiB
+    /// pool) and reads where it listens.
     ///
     /// # Errors
     /// When it does not start or say where it listens within 10 s.
     pub(crate) fn start(
         binary: &Path,
+        fabric: &ChaosFabric,
         name: &str,
         listen: SocketAddr,
         generation: u8,
     ) -> Result<Self> {
         Self::start_with(
             binary,
+            fabric,
             name,
             listen,
             generation,
@@ -81,6 +83,7 @@ impl Target {
     /// As [`Self::start`].
     pub(crate) fn start_with(
         binary: &Path,
+        fabric: &ChaosFabric,
         name: &str,
         listen: SocketAddr,
         generation: u8,
@@ -90,6 +93,7 @@ impl Target {
         command
             .args(["serve", "--until-stdin-closes", "--name", name])
             .args(options)
+            .args(fabric.process_options())
             .args(["--listen", &listen.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -27,7 +27,7 @@ use serde::Serialize;
 
 use super::node::Node;
 use super::process::Target;
-use super::{BOUND, RequestTally, any_port, write_slice};
+use super::{BOUND, ChaosFabric, RequestTally, any_port, write_slice};
 
 /// What happened.
 #[derive(Debug, Serialize)]
@@ -194,7 +194,7 @@ fn submit_loop(
 ///
 /// # Errors
 /// When the targets or the initiator cannot start or connect.
-pub fn run(seed: u64, binary: &Path) -> Result<RaceReport> {
+pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<RaceReport> {
     let policy = Policy {
         backoff_min: Duration::from_micros(100),
         backoff_max: Duration::from_millis(5),
@@ -206,10 +206,13 @@ pub fn run(seed: u64, binary: &Path) -> Result<RaceReport> {
     let (pool, rails) = ((SLOTS * SLICE_LEN as u64).to_string(), RAILS.to_string());
     let options = ["--rails", &rails, "--pool", &pool];
     let mut targets = (0..TARGETS)
-        .map(|n| Target::start_with(binary, &format!("decode-{n}"), any_port(), 0, &options))
+        .map(|n| {
+            let name = format!("decode-{n}");
+            Target::start_with(binary, fabric, &name, any_port(), 0, &options)
+        })
         .collect::<Result<Vec<_>>>()?;
     let target_bases: Vec<u64> = targets.iter().map(|target| target.pool_base).collect();
-    let mut initiator = Node::start("prefill-0", RAILS, any_port(), seed, policy, None)?;
+    let mut initiator = Node::start_on(fabric, "prefill-0", RAILS, any_port(), seed, policy, None)?;
     let source = initiator.alloc(TARGETS * SLOTS as usize * SLICE_LEN)?;
     // SAFETY: nothing transfers yet.
     let sent = unsafe { initiator.regions[source].buffer.as_mut_slice() };

@@ -35,7 +35,7 @@ use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutc
 use serde::Serialize;
 
 use super::process::Target;
-use super::{BOUND, any_port, fill_pattern, read_through_fresh_peer, region_bytes};
+use super::{BOUND, ChaosFabric, any_port, fill_pattern, read_through_fresh_peer, region_bytes};
 use crate::engine::{Engine, Op, Peer, RailChoice, Region, Transfer};
 
 /// What happened.
@@ -234,6 +234,43 @@ fn submit_loop(
     Ok(())
 }
 
+/// Until `end`, submits one write to `peer` (at `base`, from `source`) every
+/// [`PROBE_INTERVAL`] and logs the first failure of each to `log`, waiting for none longer
+/// than the interval: requests made after a peer stopped must fail fast whatever happens to
+/// those already in flight, which on fabrics whose target side needs the target's CPU (TCP,
+/// libfabric's software providers) resolve only once the flush grace ends.
+fn probe(
+    engine: &Engine,
+    peer: &Peer,
+    (base, source): (u64, Region),
+    log: &PeerLog,
+    end: Instant,
+) -> Result<()> {
+    let mut submitter = engine.submitter()?;
+    let write = Transfer {
+        op: Op::Write,
+        local: source,
+        local_offset: 0,
+        remote_addr: base,
+        len: BLOCK,
+    };
+    while Instant::now() < end {
+        let submitted = Instant::now();
+        if let Ok(batch) = submitter.submit(peer, &[write]) {
+            batch.wait(submitted + PROBE_INTERVAL);
+            if let Some(&Some(RequestOutcome::Failed(reason))) = batch.outcomes().first() {
+                let outcome = RequestOutcome::Failed(reason);
+                lock(&log.failures).push((submitted, Instant::now(), outcome));
+            }
+        }
+        std::thread::sleep(PROBE_INTERVAL.saturating_sub(submitted.elapsed()));
+    }
+    Ok(())
+}
+
+/// How often [`probe`] submits.
+const PROBE_INTERVAL: Duration = Duration::from_millis(50);
+
 /// Waits (at most a second) until `log`'s submitter has a batch in flight.
 fn wait_for_a_batch_in_flight(log: &PeerLog) {
     let end = Instant::now() + Duration::from_secs(1);
@@ -274,11 +311,12 @@ fn nonzero_bytes(engine: &Engine, newcomer: &Target, len: u64) -> Option<u64> {
 ///
 /// # Errors
 /// When the targets or the initiator cannot start or connect.
-pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
+pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaReport> {
     let mut targets: Vec<Target> = (0..PEERS)
-        .map(|n| Target::start(binary, &format!("decode-{n}"), any_port(), 0))
+        .map(|n| Target::start(binary, fabric, &format!("decode-{n}"), any_port(), 0))
         .collect::<Result<_>>()?;
-    let engine = Engine::builder("prefill-0")
+    let engine = fabric
+        .builder("prefill-0")
         .rails(RailChoice::Count(NonZeroUsize::MIN))
         .idle(IdleStrategy::gentle())
         .build()
@@ -326,7 +364,7 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
             let _ = targets[KILLED].child.wait();
             std::thread::sleep(WINDOW);
             let addr: SocketAddr = targets[KILLED].addr;
-            newcomers.push(Target::start(binary, "decode-3-newcomer", addr, 1)?);
+            newcomers.push(Target::start(binary, fabric, "decode-3-newcomer", addr, 1)?);
             predecessor_bases.push(targets[KILLED].pool_base);
             // The application reaches the newcomer while its handle of the dead process
             // still submits: the two must not be confused.
@@ -335,11 +373,17 @@ pub fn run(seed: u64, binary: &Path) -> Result<ReplicaReport> {
             // Phase 2: stopped, no reset: only liveness can tell.
             targets[STOPPED].signal(libc::SIGSTOP);
             let stopped_at = Instant::now();
-            std::thread::sleep(DETECTION_BOUND + Duration::from_millis(500));
+            probe(
+                &engine,
+                &peers[STOPPED],
+                (targets[STOPPED].pool_base, sources[STOPPED]),
+                &logs[STOPPED],
+                stopped_at + DETECTION_BOUND + Duration::from_millis(500),
+            )?;
             targets[STOPPED].signal(libc::SIGKILL);
             let _ = targets[STOPPED].child.wait();
             let addr = targets[STOPPED].addr;
-            newcomers.push(Target::start(binary, "decode-2", addr, 1)?);
+            newcomers.push(Target::start(binary, fabric, "decode-2", addr, 1)?);
             predecessor_bases.push(targets[STOPPED].pool_base);
             newcomer_peers.push(engine.open(&addr.to_string()).ok());
             std::thread::sleep(Duration::from_secs(1));

@@ -32,7 +32,7 @@ use railyard_dataplane::rng::SplitMix64;
 use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
 
 use super::process::Target;
-use super::{read_through_fresh_peer, region_bytes};
+use super::{ChaosFabric, read_through_fresh_peer, region_bytes};
 use crate::engine::{DirectoryChoice, Engine, Op, Peer, RailChoice, Region, Transfer};
 
 #[cfg(feature = "etcd")]
@@ -60,6 +60,9 @@ impl EtcdServer {
         match *self {}
     }
 }
+
+/// How often the stop prober writes to a stopped target.
+const PROBE_INTERVAL: Duration = Duration::from_millis(20);
 
 /// Lease time to live of the soak's processes in etcd, in seconds.
 const LEASE_TTL: u64 = 2;
@@ -101,6 +104,8 @@ pub struct SoakConfig {
     /// Run an etcd, publish every process in it, open targets by name, and restart etcd
     /// now and then (feature `etcd`).
     pub etcd: bool,
+    /// The fabric of the initiator and the targets.
+    pub fabric: ChaosFabric,
 }
 
 /// What happened.
@@ -129,6 +134,11 @@ pub struct SoakReport {
     pub misdirected_blocks: u64,
     /// Requests to a stopped target that failed by their deadline instead of fast.
     pub timeouts_while_stopped: u64,
+    /// Whether writes complete at a stopped target on this fabric
+    /// ([`ChaosFabric::writes_complete_at_stopped_targets`]); where they do not, requests in
+    /// flight when a target stops resolve by their deadline, and only requests made after it
+    /// must fail fast.
+    pub writes_complete_at_stopped_targets: bool,
     /// Targets killed, each replaced by a newcomer on its port.
     pub kills: u64,
     /// Of those newcomers, the ones under the dead target's name.
@@ -196,7 +206,7 @@ impl SoakReport {
                 self.misdirected_blocks
             ));
         }
-        if self.timeouts_while_stopped > 0 {
+        if self.timeouts_while_stopped > 0 && self.writes_complete_at_stopped_targets {
             broken.push(format!(
                 "{} request(s) to a stopped target waited for their deadline",
                 self.timeouts_while_stopped
@@ -410,7 +420,9 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
             directory.as_deref(),
         )?);
     }
-    let engine = Engine::builder(crate::engine::default_name("soak"))
+    let engine = config
+        .fabric
+        .builder(crate::engine::default_name("soak"))
         .rails(RailChoice::Count(NonZeroUsize::MIN))
         .idle(IdleStrategy::gentle())
         .directory(
@@ -444,6 +456,7 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
     let end = started + config.duration;
     let mut report = SoakReport {
         seed: config.seed,
+        writes_complete_at_stopped_targets: config.fabric.writes_complete_at_stopped_targets(),
         ..SoakReport::default()
     };
     std::thread::scope(|scope| -> Result<()> {
@@ -517,7 +530,14 @@ fn start_target(
     if let Some(directory) = directory {
         options.extend(["--directory", directory]);
     }
-    Target::start_with(&config.binary, name, listen, generation, &options)
+    Target::start_with(
+        &config.binary,
+        &config.fabric,
+        name,
+        listen,
+        generation,
+        &options,
+    )
 }
 
 fn write(slot: &RwLock<Slot>) -> std::sync::RwLockWriteGuard<'_, Slot> {
@@ -695,7 +715,10 @@ impl Prober {
     }
 
     /// Writes to `peer` every 20 ms until a write fails with `PeerUnavailable` (returns the
-    /// ms since `stopped`) or `until` passes (`None`).
+    /// ms since `stopped`) or `until` passes (`None`). It waits for no write longer than
+    /// that: one in flight at a stopped target may resolve only by its deadline (see
+    /// [`ChaosFabric::writes_complete_at_stopped_targets`]), while those made after the
+    /// stop was detected must fail at once.
     fn time_to_fail_fast(
         &mut self,
         peer: &Peer,
@@ -712,14 +735,14 @@ impl Prober {
         };
         while Instant::now() < until {
             if let Ok(batch) = self.submitter.submit(peer, &[write]) {
-                batch.wait(Instant::now() + DEFAULT_DEADLINE + SLACK);
+                batch.wait(Instant::now() + PROBE_INTERVAL);
                 let failed_fast = batch.outcomes()
                     == vec![Some(RequestOutcome::Failed(FailReason::PeerUnavailable))];
                 if failed_fast {
                     return Some(stopped.elapsed().as_millis() as u64);
                 }
             }
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(PROBE_INTERVAL);
         }
         None
     }

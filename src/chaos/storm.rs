@@ -30,7 +30,7 @@ use serde::Serialize;
 
 use super::node::Node;
 use super::process::{RemoteRegion, Target};
-use super::{BOUND, RequestTally, any_port, fill_pattern, write_slice};
+use super::{BOUND, ChaosFabric, RequestTally, any_port, fill_pattern, write_slice};
 
 /// What happened.
 #[derive(Debug, Serialize)]
@@ -124,18 +124,26 @@ const PER_REQUEST: u32 = 8;
 ///
 /// # Errors
 /// When the target or the initiator cannot start or connect.
-pub fn run(seed: u64, binary: &Path) -> Result<StormReport> {
+pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<StormReport> {
     let region_len = u64::from(SLICES) * SLICE_LEN as u64;
     let pool = region_len.to_string();
     let options = ["--rails", "1", "--pool", &pool];
-    let mut target = Target::start_with(binary, "decode-0", any_port(), 0, &options)?;
+    let mut target = Target::start_with(binary, fabric, "decode-0", any_port(), 0, &options)?;
     let region_a = RemoteRegion {
         id: target.pool_id,
         addr: target.pool_base,
     };
     let region_b = target.alloc(region_len)?;
     let region_c = target.alloc(region_len)?;
-    let mut initiator = Node::start("prefill-0", 1, any_port(), seed, Policy::default(), None)?;
+    let mut initiator = Node::start_on(
+        fabric,
+        "prefill-0",
+        1,
+        any_port(),
+        seed,
+        Policy::default(),
+        None,
+    )?;
     let source = initiator.alloc(SLICES as usize * SLICE_LEN)?;
     // SAFETY: nothing transfers yet.
     fill_pattern(

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::Args;
-use railyard::chaos::{self, Scenario};
+use railyard::chaos::{self, ChaosFabric, Scenario};
 
 #[derive(Debug, Args)]
 pub(crate) struct ChaosArgs {
@@ -29,12 +29,35 @@ pub(crate) struct ChaosArgs {
     /// Print the counts as one JSON object.
     #[arg(long)]
     json: bool,
+    /// The fabric of the scenario's initiators and target processes: soft (default), or ofi
+    /// (libfabric; fault plans are applied in front of the provider).
+    #[arg(long, default_value = "soft", value_name = "soft|ofi")]
+    fabric: String,
+    /// The libfabric provider of `--fabric ofi` (default: efa when this machine has it;
+    /// a software provider such as "tcp;ofi_rxm" only when named).
+    #[arg(long, value_name = "NAME")]
+    ofi_provider: Option<String>,
+}
+
+impl ChaosArgs {
+    /// The fabric asked for.
+    fn fabric(&self) -> anyhow::Result<ChaosFabric> {
+        match (self.fabric.as_str(), &self.ofi_provider) {
+            ("soft", None) => Ok(ChaosFabric::Soft),
+            ("soft", Some(_)) => bail!("--ofi-provider is for --fabric ofi"),
+            ("ofi", asked) => Ok(ChaosFabric::Ofi {
+                provider: railyard::engine::ofi_provider(asked.as_deref())?,
+            }),
+            (other, _) => bail!("{other:?} is not a fabric the scenarios run on (soft, ofi)"),
+        }
+    }
 }
 
 /// Exit status when the scenario ran but broke a promise.
 const VIOLATED: u8 = 1;
 
 pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
+    let fabric = args.fabric()?;
     if args.scenario == "soak" {
         let config = chaos::soak::SoakConfig {
             binary: std::env::current_exe().context("finding this binary")?,
@@ -42,13 +65,14 @@ pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
             seed: args.seed,
             targets: args.targets,
             etcd: args.etcd,
+            fabric: fabric.clone(),
         };
         let report = chaos::soak::run(&config).context("the soak could not run")?;
         let outcome = chaos::Outcome {
             violations: report.violations(),
             counts: serde_json::to_value(&report)?,
         };
-        return Ok(print(&outcome, "soak", args));
+        return Ok(print(&outcome, "soak", &fabric, args));
     }
     if args.etcd {
         bail!(
@@ -65,24 +89,34 @@ pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
         );
     };
     let binary = std::env::current_exe().context("finding this binary")?;
-    let outcome = chaos::run(scenario, args.seed, &binary)
+    let outcome = chaos::run(scenario, args.seed, &binary, &fabric)
         .with_context(|| format!("scenario {} could not run", scenario.name()))?;
-    Ok(print(&outcome, scenario.name(), args))
+    Ok(print(&outcome, scenario.name(), &fabric, args))
 }
 
-/// Prints `outcome` (as JSON with `--json`); the exit status says whether it held.
-fn print(outcome: &chaos::Outcome, name: &str, args: &ChaosArgs) -> ExitCode {
+/// Prints `outcome` of scenario `name` on `fabric` (as JSON with `--json`); the exit status
+/// says whether it held.
+fn print(outcome: &chaos::Outcome, name: &str, fabric: &ChaosFabric, args: &ChaosArgs) -> ExitCode {
     let passed = outcome.violations.is_empty();
     if args.json {
         let mut counts = outcome.counts.clone();
         if let Some(object) = counts.as_object_mut() {
             object.insert("scenario".into(), name.into());
+            object.insert("fabric".into(), fabric.name().into());
+            if let ChaosFabric::Ofi { provider } = fabric {
+                object.insert("ofi_provider".into(), provider.as_str().into());
+            }
             object.insert("passed".into(), passed.into());
             object.insert("violations".into(), outcome.violations.clone().into());
         }
         println!("{counts}");
     } else {
-        println!("{name} (seed {})", args.seed);
+        match fabric {
+            ChaosFabric::Soft => println!("{name} (seed {}, soft fabric)", args.seed),
+            ChaosFabric::Ofi { provider } => {
+                println!("{name} (seed {}, libfabric {provider})", args.seed);
+            }
+        }
         if let Some(object) = outcome.counts.as_object() {
             for (name, value) in object {
                 println!("  {name:<28} {value}");

@@ -131,6 +131,10 @@ impl HostMemory {
         self.pages.first() as u64
     }
 
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
     pub(crate) fn backing(&self) -> Backing {
         self.backing
     }

@@ -47,7 +47,7 @@
 
 mod directory;
 mod error;
-mod memory;
+pub(crate) mod memory;
 mod rails;
 mod session;
 mod transfer;
@@ -223,6 +223,7 @@ impl EngineBuilder {
     /// The libfabric provider of [`FabricChoice::Ofi`] rails, as `fi_info -l` names it (`efa`,
     /// `tcp;ofi_rxm`, `shm`). Default: `efa` when this machine has it; a software provider
     /// only when named here.
+    #[must_use]
     pub fn ofi(mut self, provider: impl Into<String>) -> Self {
         self.ofi = Some(provider.into());
         self
@@ -438,9 +439,13 @@ impl EngineBuilder {
     }
 }
 
-/// The libfabric provider to run: the one asked for if this machine has it; else `efa` if
-/// present.
-fn ofi_provider(asked: Option<&str>) -> Result<String, BuildError> {
+/// The libfabric provider `--fabric ofi` runs: the one asked for if this machine has it;
+/// else `efa` if present.
+///
+/// # Errors
+/// [`BuildError::FabricUnavailable`] naming the providers present, when the one asked for is
+/// not among them, or none was asked for and there is no `efa`.
+pub fn ofi_provider(asked: Option<&str>) -> Result<String, BuildError> {
     let present = railyard_dataplane::fabric::ofi::providers();
     let unavailable = |reason: String| BuildError::FabricUnavailable {
         fabric: "ofi",
@@ -1312,8 +1317,8 @@ impl Engine {
 
     /// The fault plan of rail `rail`, to make its queue pairs fail on purpose: for chaos
     /// drills and tests of what an application does when links fail. Host rails (soft and
-    /// TCP) only; `None` on verbs or for a rail that does not exist. An empty plan (the
-    /// default) costs one atomic load per post.
+    /// TCP) and libfabric rails; `None` on verbs or for a rail that does not exist. An empty
+    /// plan (the default) costs one atomic load per post.
     pub fn faults(&self, rail: usize) -> Option<FaultHandle> {
         self.inner.rails.faults(rail)
     }
