@@ -116,7 +116,13 @@ fn a_dead_replica_fails_fast_and_its_port_is_a_new_peer() {
     );
     assert!(counts["dead_peer_max_fail_ms"].as_u64() <= counts["deadline_ms"].as_u64());
     assert!(counts["in_flight_at_kill"].as_u64() > Some(0), "{counts}");
+    assert!(counts["in_flight_at_stop"].as_u64() > Some(0), "{counts}");
+    assert_eq!(counts["probes_late"], 0, "{counts}");
     assert_eq!(counts["same_layout"], true, "{counts}");
+    assert_eq!(
+        counts["misdirection_armed"], true,
+        "soft keys follow from the device: a misdirected write would land: {counts}"
+    );
     assert_eq!(counts["in_flight_late"], 0);
     assert!(
         (1..=2500).contains(&counts["stopped_peer_detection_ms"].as_u64().unwrap_or(0)),
@@ -241,7 +247,12 @@ fn the_scenarios_hold_on_libfabric() {
 
     let replica = held_on_libfabric("dead-replica", &["--seed", "2"]);
     assert_eq!(replica["misdirected"], 0);
+    assert!(replica["in_flight_at_stop"].as_u64() > Some(0), "{replica}");
     assert_eq!(replica["in_flight_late"], 0);
+    assert_eq!(replica["probes_late"], 0);
+    // libfabric keys are drawn per process: a write meant for a dead target is refused by
+    // its keys alone, so the misdirection check cannot arm here.
+    assert_eq!(replica["misdirection_armed"], false, "{replica}");
     assert!(
         (1..=2500).contains(&replica["stopped_peer_detection_ms"].as_u64().unwrap_or(0)),
         "{replica}"
@@ -254,6 +265,9 @@ fn a_soak_on_libfabric_loses_nothing() {
     assert_eq!(counts["lost"], 0);
     assert_eq!(counts["mismatched_blocks"], 0);
     assert!(counts["kills"].as_u64() >= Some(1), "{counts}");
+    assert!(counts["timed_stops"].as_u64() >= Some(1), "{counts}");
+    assert_eq!(counts["undetected_stops"], 0);
+    assert_eq!(counts["timeouts_after_detection"], 0);
     assert!(counts["bytes_verified"].as_u64() > Some(0), "{counts}");
 }
 
@@ -269,6 +283,16 @@ fn the_cli_refuses_a_fabric_it_cannot_run() {
             "present:",
         ),
         (&["--fabric", "verbs"][..], "soft, ofi"),
+        (
+            &[
+                "--fabric",
+                "ofi",
+                "--ofi-provider",
+                "carrier-pigeon",
+                "--etcd",
+            ][..],
+            "--etcd is for the soak",
+        ),
     ] {
         let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
             .args(["chaos", "reconnect-storm"])
@@ -279,4 +303,22 @@ fn the_cli_refuses_a_fabric_it_cannot_run() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains(expected), "{options:?}: {stderr}");
     }
+}
+
+#[test]
+fn a_misspelt_scenario_is_named_before_any_fabric_is_opened() {
+    let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args([
+            "chaos",
+            "reconect-storm",
+            "--fabric",
+            "ofi",
+            "--ofi-provider",
+            "carrier-pigeon",
+        ])
+        .output()
+        .expect("runs");
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("unknown scenario"), "{stderr}");
 }

@@ -27,7 +27,7 @@ fn two_nodes_connect_and_move_bytes() {
         Node::start("prefill-0", 1, any_port(), 2, Policy::default(), None).unwrap();
     let source = initiator.alloc(1 << 20).unwrap();
     // SAFETY: nothing transfers yet.
-    unsafe { initiator.regions[source].buffer.as_mut_slice() }.fill(0x42);
+    unsafe { initiator.bytes_mut(source) }.fill(0x42);
 
     let view = initiator.control.connect(target.addr(), 0, 0).unwrap();
     assert!(
@@ -37,9 +37,9 @@ fn two_nodes_connect_and_move_bytes() {
     );
     assert_eq!(view.key.peer, target.control.incarnation());
     let descriptor = view.descriptor().expect("descriptor fetched");
-    let remote = target.regions[region].buffer.addr();
+    let remote = target.regions()[region].buffer.addr();
     let rkey = descriptor.rkey_for(remote, 4096, 0).expect("registered");
-    let local = initiator.regions[source].regions[0];
+    let local = initiator.regions()[source].regions[0];
     let mut submitter = Submitter::new(&[&*initiator.pollers[0]], 64).unwrap();
     let specs: Vec<SliceSpec> = (0..16u32)
         .map(|i| SliceSpec {
@@ -67,7 +67,7 @@ fn two_nodes_connect_and_move_bytes() {
             .all(|o| *o == Some(RequestOutcome::Done))
     );
     // SAFETY: the transfers completed.
-    let landed = unsafe { target.regions[region].buffer.as_slice() };
+    let landed = unsafe { target.regions()[region].buffer.as_slice() };
     assert!(landed[..16 * 4096].iter().all(|&b| b == 0x42));
 
     // Asking again for the same peer and rails is the same endpoint.
@@ -169,7 +169,7 @@ fn say_in_order(addr: SocketAddr, name: &str, incarnation: Incarnation, messages
 fn a_retire_qp_drops_the_passive_queue_pair_only_when_its_initiator_names_it() {
     let mut target = Node::start("decode-0", 1, any_port(), 1, Policy::default(), None).unwrap();
     let region = target.alloc(1 << 20).unwrap();
-    let remote = target.regions[region].regions[0];
+    let remote = target.regions()[region].regions[0];
 
     // The raw initiator: its own soft device and one queue pair, handshaken by hand.
     let device = SoftDevice::open("raw-peer", SoftConfig::default()).unwrap();
@@ -258,12 +258,12 @@ fn a_retire_qp_drops_the_passive_queue_pair_only_when_its_initiator_names_it() {
     );
     assert_eq!(retired(), 1);
     // SAFETY: nothing transfers into the region now.
-    let bytes = unsafe { target.regions[region].buffer.as_mut_slice() };
+    let bytes = unsafe { target.bytes_mut(region) };
     bytes[..4096].fill(0);
     fabric.post(qp, &[write(3)]).unwrap();
     assert_eq!(completion(&mut fabric), WcStatus::RetryExcErr);
     // SAFETY: as above.
-    let landed = unsafe { target.regions[region].buffer.as_mut_slice() }[..4096]
+    let landed = unsafe { target.bytes_mut(region) }[..4096]
         .iter()
         .any(|&b| b != 0);
     assert!(!landed, "a write through a retired queue pair landed");

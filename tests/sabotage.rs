@@ -21,6 +21,14 @@ fn violations_without(
     protection: Protection,
     scenario: Scenario,
 ) -> (Vec<String>, serde_json::Value) {
+    violations_without_on(&chaos::ChaosFabric::Soft, protection, scenario)
+}
+
+fn violations_without_on(
+    fabric: &chaos::ChaosFabric,
+    protection: Protection,
+    scenario: Scenario,
+) -> (Vec<String>, serde_json::Value) {
     let _turn = ONE_SWITCH_AT_A_TIME
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
@@ -29,7 +37,7 @@ fn violations_without(
         scenario,
         5,
         std::path::Path::new(env!("CARGO_BIN_EXE_railyard")),
-        &chaos::ChaosFabric::Soft,
+        fabric,
     )
     .expect("the scenario runs");
     (outcome.violations, outcome.counts)
@@ -51,6 +59,31 @@ fn without_the_epoch_check_the_teardown_race_posts_stale_work() {
     assert!(counts["stale_posts"].as_u64() > Some(0), "{counts}");
     assert!(
         violations.iter().any(|v| v.starts_with("stale_posts")),
+        "{violations:?}"
+    );
+}
+
+/// The same detectors on libfabric (fault plans in front of `tcp;ofi_rxm`).
+#[test]
+fn on_libfabric_the_storm_and_the_churn_detectors_fail_too() {
+    let ofi = chaos::ChaosFabric::Ofi {
+        provider: "tcp;ofi_rxm".into(),
+    };
+    let (violations, counts) =
+        violations_without_on(&ofi, Protection::EpochCheck, Scenario::ReconnectStorm);
+    assert!(counts["stale_posts"].as_u64() > Some(0), "{counts}");
+    assert!(
+        violations.iter().any(|v| v.starts_with("stale_posts")),
+        "{violations:?}"
+    );
+    let (violations, counts) = violations_without_on(
+        &ofi,
+        Protection::IdempotentReplies,
+        Scenario::HandshakeChurn,
+    );
+    assert!(counts["teardowns"].as_u64() > Some(0), "{counts}");
+    assert!(
+        violations.iter().any(|v| v.starts_with("teardowns")),
         "{violations:?}"
     );
 }

@@ -235,7 +235,7 @@ pub fn run(seed: u64, binary: &std::path::Path, fabric: &ChaosFabric) -> Result<
         )?;
         let source = node.alloc(1 << 16)?;
         // SAFETY: nothing transfers yet.
-        unsafe { node.regions[source].buffer.as_mut_slice() }.fill(0xA0 + n as u8);
+        unsafe { node.bytes_mut(source) }.fill(0xA0 + n as u8);
         initiators.push((node, source));
     }
     let mut peers_distinct = true;
@@ -254,7 +254,7 @@ pub fn run(seed: u64, binary: &std::path::Path, fabric: &ChaosFabric) -> Result<
             .rkey_for(target_base + offset, 1 << 16, 0)
             .context("target region")?;
         let epoch = view.epoch().context("epoch")?;
-        let local = node.regions[*source].regions[0];
+        let local = node.regions()[*source].regions[0];
         let spec = write_slice(
             &view,
             epoch,

@@ -86,14 +86,22 @@ impl ChaosFabric {
     }
 
     /// Whether a write completes while its target process is stopped: the soft fabric's do
-    /// (the initiator writes the target's memory itself), as RDMA NICs' (efa's) do; libfabric's
-    /// software providers need the target process to run, so a write in flight to a stopped
-    /// target can only resolve by its deadline (earlier, the provider may still read its
-    /// source).
+    /// (the initiator writes the target's memory itself). A libfabric provider's do unless
+    /// its data progress is manual (`FI_PROGRESS_MANUAL`, read from the provider): then a
+    /// write lands only while the target process reads its completion queue, so one in
+    /// flight to a stopped target can only resolve by its deadline (earlier, the provider
+    /// may still read its source).
     pub fn writes_complete_at_stopped_targets(&self) -> bool {
         match self {
             Self::Soft => true,
-            Self::Ofi { provider } => provider == "efa",
+            Self::Ofi { provider } => {
+                let config = railyard_dataplane::fabric::ofi::OfiConfig {
+                    provider: provider.clone(),
+                    domain: None,
+                };
+                railyard_dataplane::fabric::ofi::OfiRail::open("progress-probe", &config)
+                    .is_ok_and(|rail| !rail.manual_progress())
+            }
         }
     }
 

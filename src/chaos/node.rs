@@ -183,7 +183,7 @@ impl NodeBuffer {
     ///
     /// # Safety
     /// No transfer may touch them while the slice lives.
-    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+    unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as for `as_slice`; `&mut self` and the caller exclude every other user.
         unsafe { std::slice::from_raw_parts_mut(self.addr() as *mut u8, self.len()) }
     }
@@ -236,8 +236,9 @@ pub struct Node {
     pub control: ControlPlane,
     /// Shared with the control plane and the pollers' hooks.
     pub shared: Arc<ControlShared>,
-    /// Its registered regions.
-    pub regions: Vec<NodeRegion>,
+    /// Its registered regions: private, so that nothing frees their memory while it is
+    /// registered ([`Node::regions`] reads them).
+    regions: Vec<NodeRegion>,
 }
 
 impl Node {
@@ -359,20 +360,60 @@ impl Node {
             NodeRail::Soft(device) => Memory::Soft(device.alloc(len, Access::ALL)?),
             NodeRail::Ofi(..) => Memory::Host(HostMemory::new(len)?),
         };
-        let buffer = NodeBuffer(buffer);
-        let regions = self.register_everywhere(&buffer)?;
-        self.regions.push(NodeRegion { buffer, regions });
+        let region = self.register_everywhere(NodeBuffer(buffer))?;
+        self.regions.push(region);
         self.publish();
         Ok(self.regions.len() - 1)
     }
 
-    fn register_everywhere(&self, buffer: &NodeBuffer) -> Result<Vec<MemoryRegion>> {
+    /// Its registered regions, in the order [`Self::alloc`] made them.
+    pub fn regions(&self) -> &[NodeRegion] {
+        &self.regions
+    }
+
+    /// The bytes of region `index`, to fill.
+    ///
+    /// # Safety
+    /// No transfer may touch them while the slice lives.
+    ///
+    /// # Panics
+    /// When there is no region `index`.
+    pub unsafe fn bytes_mut(&mut self, index: usize) -> &mut [u8] {
+        // SAFETY: the caller keeps transfers away.
+        unsafe { self.regions[index].buffer.as_mut_slice() }
+    }
+
+    /// Registers `buffer` on every rail (a soft buffer is registered on the first by its
+    /// allocation); on a failure, withdraws what it registered (and keeps the memory if that
+    /// fails too).
+    fn register_everywhere(&self, buffer: NodeBuffer) -> Result<NodeRegion> {
         let mut regions = Vec::new();
         if let Memory::Soft(soft) = &buffer.0 {
             regions.push(soft.region());
         }
+        let first = regions.len();
+        if let Err(error) = self.register_on_rails(&buffer, first, &mut regions) {
+            let mut withdrawn = true;
+            for (rail, region) in self.rails[first..].iter().zip(&regions[first..]) {
+                withdrawn &= deregister(rail, region);
+            }
+            if !withdrawn {
+                std::mem::forget(buffer);
+            }
+            return Err(error);
+        }
+        Ok(NodeRegion { buffer, regions })
+    }
+
+    /// Registers `buffer` on the rails from `first` on, into `regions`.
+    fn register_on_rails(
+        &self,
+        buffer: &NodeBuffer,
+        first: usize,
+        regions: &mut Vec<MemoryRegion>,
+    ) -> Result<()> {
         let (addr, len) = (buffer.addr(), buffer.len());
-        for rail in &self.rails[regions.len()..] {
+        for rail in &self.rails[first..] {
             // The memory outlives these registrations: `Drop` of the node deregisters before
             // it can go.
             let region = match rail {
@@ -387,7 +428,7 @@ impl Node {
             };
             regions.push(region);
         }
-        Ok(regions)
+        Ok(())
     }
 
     fn publish(&self) {
@@ -454,22 +495,33 @@ impl Node {
     }
 }
 
+/// Withdraws `region` from `rail`; a failure is logged (and the memory must then be kept).
+fn deregister(rail: &NodeRail, region: &MemoryRegion) -> bool {
+    let outcome = match rail {
+        NodeRail::Soft(device) => device.deregister(region).map_err(|e| e.to_string()),
+        NodeRail::Ofi(ofi, _) => ofi.deregister(region).map_err(|e| e.to_string()),
+    };
+    if let Err(reason) = &outcome {
+        tracing::warn!(target: "railyard::chaos", lkey = region.lkey, %reason, "cannot deregister a node's region; its memory is kept");
+    }
+    outcome.is_ok()
+}
+
 impl Drop for Node {
     fn drop(&mut self) {
         self.stop();
         // Registrations go before the memory does (a soft buffer's own, on the first rail,
-        // goes with it).
-        for region in &self.regions {
+        // goes with it); memory whose registration could not be withdrawn is never freed.
+        for region in std::mem::take(&mut self.regions) {
+            let mut withdrawn = true;
             for (rail, registered) in self.rails.iter().zip(&region.regions) {
-                match (rail, &region.buffer.0) {
-                    (NodeRail::Soft(_), Memory::Soft(soft)) if soft.region() == *registered => {}
-                    (NodeRail::Soft(device), _) => {
-                        let _ = device.deregister(registered);
-                    }
-                    (NodeRail::Ofi(ofi, _), _) => {
-                        let _ = ofi.deregister(registered);
-                    }
+                let own = matches!((rail, &region.buffer.0), (NodeRail::Soft(_), Memory::Soft(soft)) if soft.region() == *registered);
+                if !own {
+                    withdrawn &= deregister(rail, registered);
                 }
+            }
+            if !withdrawn {
+                std::mem::forget(region);
             }
         }
     }

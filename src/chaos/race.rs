@@ -215,7 +215,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<RaceReport>
     let mut initiator = Node::start_on(fabric, "prefill-0", RAILS, any_port(), seed, policy, None)?;
     let source = initiator.alloc(TARGETS * SLOTS as usize * SLICE_LEN)?;
     // SAFETY: nothing transfers yet.
-    let sent = unsafe { initiator.regions[source].buffer.as_mut_slice() };
+    let sent = unsafe { initiator.bytes_mut(source) };
     for (n, part) in sent.chunks_mut(SLOTS as usize * SLICE_LEN).enumerate() {
         super::fill_pattern(part, seed ^ (n as u64 + 1) << 40);
     }
@@ -264,7 +264,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<RaceReport>
                     &stop,
                     &target_bases,
                 );
-                let local = initiator.regions[source].regions[rail];
+                let local = initiator.regions()[source].regions[rail];
                 scope.spawn(move || submit_loop(rail, poller, views, local, bases, tally, stop))
             })
             .collect();
@@ -300,7 +300,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<RaceReport>
     // Every slot of every target: untouched, or exactly its part of the source (digests
     // computed in the target processes).
     // SAFETY: every transfer has resolved (or the bound passed; the report says which).
-    let sent = unsafe { initiator.regions[source].buffer.as_slice() };
+    let sent = unsafe { initiator.regions()[source].buffer.as_slice() };
     let untouched = super::digest(&[0; SLICE_LEN]);
     let (mut misplaced_slots, mut verified_slots) = (0, 0);
     for (n, target) in targets.iter_mut().enumerate() {

@@ -31,7 +31,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
+use railyard_dataplane::{Batch, DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
 use serde::Serialize;
 
 use super::process::Target;
@@ -71,10 +71,17 @@ pub struct ReplicaReport {
     pub predecessors_retired: bool,
     /// Whether the initiator could open both newcomers.
     pub newcomers_reached: bool,
-    /// Whether each newcomer's pool sits where its predecessor's did (same address and, on
-    /// the soft fabric, same keys): only then would a write still meant for the
-    /// predecessor land, and `misdirected` show it.
+    /// Whether each newcomer's pool sits where its predecessor's did.
     pub same_layout: bool,
+    /// Whether, besides, each newcomer's pool has its predecessor's keys (the soft fabric's
+    /// keys follow from the device; libfabric's are drawn per process): only then would a
+    /// write still meant for the predecessor land, and `misdirected` show it. Where keys
+    /// differ such a write is refused by the keys alone, and `misdirected` cannot be
+    /// non-zero.
+    pub misdirection_armed: bool,
+    /// Probe writes to the stopped target (made after the stop) that did not resolve by
+    /// their deadline plus [`IN_FLIGHT_SLACK`] (checked at the end of the run).
+    pub probes_late: u64,
     /// Non-zero bytes found in the newcomers' memory: meant for their predecessors.
     pub misdirected: u64,
     /// Whether the newcomers' memory could be read (through a fresh peer each).
@@ -110,6 +117,16 @@ impl ReplicaReport {
         }
         if self.in_flight_at_kill == 0 {
             broken.push("no batch was in flight at the kill: nothing was checked".into());
+        }
+        if self.in_flight_at_stop == 0 {
+            broken.push("no batch was in flight at the stop: nothing was checked".into());
+        }
+        if self.probes_late > 0 {
+            broken.push(format!(
+                "{} probe write(s) to the stopped target resolved past their deadline + \
+                 {IN_FLIGHT_SLACK:?}",
+                self.probes_late
+            ));
         }
         if !self.same_layout {
             broken.push(
@@ -152,9 +169,15 @@ const WINDOW: Duration = Duration::from_millis(500);
 /// How soon a stopped target's requests must fail fast.
 const DETECTION_BOUND: Duration = Duration::from_millis(2500);
 /// How late past its deadline a batch in flight at a failure may resolve: the poller's
-/// flush grace (`PollerConfig::flush_grace`), the most a fabric gets to hand back work of
-/// a queue pair taken out of service.
-pub const IN_FLIGHT_SLACK: Duration = Duration::from_secs(1);
+/// flush grace (`PollerConfig::flush_grace`, 1 s), the most a fabric gets to hand back work
+/// of a queue pair taken out of service, and scheduling on a small machine.
+pub const IN_FLIGHT_SLACK: Duration = Duration::from_secs(2);
+/// How long target 2 stays stopped: past a deadline and its slack, so that a batch in flight
+/// at the stop that cannot complete there (a software provider's write needs the target's
+/// CPU) resolves by the in-flight rule, not by the kill that follows.
+const STOP_HOLD: Duration = Duration::from_millis(
+    DEFAULT_DEADLINE.as_millis() as u64 + IN_FLIGHT_SLACK.as_millis() as u64 + 500,
+);
 
 /// One peer's submitter's log.
 #[derive(Default)]
@@ -235,17 +258,18 @@ fn submit_loop(
 }
 
 /// Until `end`, submits one write to `peer` (at `base`, from `source`) every
-/// [`PROBE_INTERVAL`] and logs the first failure of each to `log`, waiting for none longer
-/// than the interval: requests made after a peer stopped must fail fast whatever happens to
-/// those already in flight, which on fabrics whose target side needs the target's CPU (TCP,
-/// libfabric's software providers) resolve only once the flush grace ends.
+/// [`PROBE_INTERVAL`] and logs the failure of each that fails within the interval to `log`,
+/// waiting for none longer: requests made after a peer stopped must fail fast once the stop
+/// is detected, whatever happens to those already in flight (on fabrics whose target side
+/// needs the target's CPU — libfabric's software providers — those resolve by their
+/// deadline). Returns every probe batch with when it was submitted, for the in-flight rule.
 fn probe(
     engine: &Engine,
     peer: &Peer,
     (base, source): (u64, Region),
     log: &PeerLog,
     end: Instant,
-) -> Result<()> {
+) -> Result<Vec<(Instant, Batch)>> {
     let mut submitter = engine.submitter()?;
     let write = Transfer {
         op: Op::Write,
@@ -254,6 +278,7 @@ fn probe(
         remote_addr: base,
         len: BLOCK,
     };
+    let mut probes = Vec::new();
     while Instant::now() < end {
         let submitted = Instant::now();
         if let Ok(batch) = submitter.submit(peer, &[write]) {
@@ -262,10 +287,11 @@ fn probe(
                 let outcome = RequestOutcome::Failed(reason);
                 lock(&log.failures).push((submitted, Instant::now(), outcome));
             }
+            probes.push((submitted, batch));
         }
         std::thread::sleep(PROBE_INTERVAL.saturating_sub(submitted.elapsed()));
     }
-    Ok(())
+    Ok(probes)
 }
 
 /// How often [`probe`] submits.
@@ -345,6 +371,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
     let stop = AtomicBool::new(false);
     let mut newcomers = Vec::new();
     let mut newcomer_peers = Vec::new();
+    let mut probes = Vec::new();
     let mut predecessor_bases = Vec::new();
     let (killed_at, stopped_at) = std::thread::scope(|scope| -> Result<(Instant, Instant)> {
         let threads: Vec<_> = (0..PEERS)
@@ -371,15 +398,17 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
             newcomer_peers.push(engine.open(&addr.to_string()).ok());
             std::thread::sleep(Duration::from_millis(300));
             // Phase 2: stopped, no reset: only liveness can tell.
+            wait_for_a_batch_in_flight(&logs[STOPPED]);
             targets[STOPPED].signal(libc::SIGSTOP);
             let stopped_at = Instant::now();
-            probe(
+            probes = probe(
                 &engine,
                 &peers[STOPPED],
                 (targets[STOPPED].pool_base, sources[STOPPED]),
                 &logs[STOPPED],
                 stopped_at + DETECTION_BOUND + Duration::from_millis(500),
             )?;
+            std::thread::sleep((stopped_at + STOP_HOLD).saturating_duration_since(Instant::now()));
             targets[STOPPED].signal(libc::SIGKILL);
             let _ = targets[STOPPED].child.wait();
             let addr = targets[STOPPED].addr;
@@ -444,6 +473,35 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
         .min()
         .unwrap_or(0);
     let predecessors_retired = peers[KILLED].is_retired() && peers[STOPPED].is_retired();
+    let probes_late = probes
+        .iter()
+        .filter(|(submitted, batch)| {
+            !batch
+                .wait(*submitted + DEFAULT_DEADLINE + IN_FLIGHT_SLACK)
+                .is_complete()
+        })
+        .count() as u64;
+    let keys = |peer: &Peer| {
+        peer.descriptor()
+            .regions
+            .first()
+            .map(|region| region.rkeys.clone())
+    };
+    let same_keys = newcomer_peers.len() == 2
+        && newcomer_peers
+            .iter()
+            .zip([&peers[KILLED], &peers[STOPPED]])
+            .all(|(newcomer, predecessor)| {
+                newcomer
+                    .as_ref()
+                    .and_then(keys)
+                    .is_some_and(|new| keys(predecessor) == Some(new))
+            });
+    let same_layout = newcomers.len() == 2
+        && newcomers
+            .iter()
+            .zip(&predecessor_bases)
+            .all(|(newcomer, &base)| newcomer.pool_base == base);
     let mut misdirected = 0;
     let mut checked = true;
     for newcomer in &newcomers {
@@ -471,11 +529,9 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
         stopped_peer_detection_ms: detection,
         predecessors_retired,
         newcomers_reached: newcomer_peers.len() == 2 && newcomer_peers.iter().all(Option::is_some),
-        same_layout: newcomers.len() == 2
-            && newcomers
-                .iter()
-                .zip(&predecessor_bases)
-                .all(|(newcomer, &base)| newcomer.pool_base == base),
+        same_layout,
+        misdirection_armed: same_layout && same_keys,
+        probes_late,
         misdirected,
         newcomers_checked: checked,
         circuit_openings: engine.stats().control.circuit_openings,

@@ -132,12 +132,16 @@ pub struct SoakReport {
     /// Blocks found at the end in a target's memory that were meant for another target, or
     /// for an earlier process on its port (checked through a fresh peer, after the run).
     pub misdirected_blocks: u64,
-    /// Requests to a stopped target that failed by their deadline instead of fast.
+    /// Requests to a stopped target, made before the stop was detected, that failed by their
+    /// deadline instead of fast.
     pub timeouts_while_stopped: u64,
+    /// Requests to a stopped target made after the stop was detected that failed by their
+    /// deadline instead of fast (on every fabric a violation).
+    pub timeouts_after_detection: u64,
     /// Whether writes complete at a stopped target on this fabric
-    /// ([`ChaosFabric::writes_complete_at_stopped_targets`]); where they do not, requests in
-    /// flight when a target stops resolve by their deadline, and only requests made after it
-    /// must fail fast.
+    /// ([`ChaosFabric::writes_complete_at_stopped_targets`]). Where they do,
+    /// `timeouts_while_stopped` is a violation too; where they do not, a request in flight at
+    /// a stop can only resolve by its deadline (which `late` and `lost` bound).
     pub writes_complete_at_stopped_targets: bool,
     /// Targets killed, each replaced by a newcomer on its port.
     pub kills: u64,
@@ -204,6 +208,12 @@ impl SoakReport {
             broken.push(format!(
                 "{} block(s) landed in a process they were not meant for",
                 self.misdirected_blocks
+            ));
+        }
+        if self.timeouts_after_detection > 0 {
+            broken.push(format!(
+                "{} request(s) made after a stop was detected waited for their deadline",
+                self.timeouts_after_detection
             ));
         }
         if self.timeouts_while_stopped > 0 && self.writes_complete_at_stopped_targets {
@@ -285,6 +295,8 @@ struct Slot {
     peer: Option<Peer>,
     /// When it was stopped, until it is let go.
     stopped_at: Option<Instant>,
+    /// Its stop was detected (a probe write failed fast), until it is let go.
+    stop_detected: bool,
     /// When it was let go after a stop, until a request through the same peer is done.
     resumed_from: Option<Instant>,
 }
@@ -299,6 +311,7 @@ struct Tally {
     bytes_verified: AtomicU64,
     mismatched_blocks: AtomicU64,
     timeouts_while_stopped: AtomicU64,
+    timeouts_after_detection: AtomicU64,
     reopens: AtomicU64,
     reopened_after_stop: AtomicU64,
     /// ms from SIGCONT to the first request done, per stop.
@@ -443,6 +456,7 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
                 generation: target.generation,
                 peer: None,
                 stopped_at: None,
+                stop_detected: false,
                 resumed_from: None,
             })
         })
@@ -490,6 +504,7 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
     report.bytes_verified = tally.bytes_verified.load(Ordering::Relaxed);
     report.mismatched_blocks = tally.mismatched_blocks.load(Ordering::Relaxed);
     report.timeouts_while_stopped = tally.timeouts_while_stopped.load(Ordering::Relaxed);
+    report.timeouts_after_detection = tally.timeouts_after_detection.load(Ordering::Relaxed);
     (report.misdirected_blocks, report.unchecked_targets) = misdirected(&engine, &slots);
     report.reopened_after_stop = tally.reopened_after_stop.load(Ordering::Relaxed);
     report.resume_ms_max = tally
@@ -606,7 +621,10 @@ fn inject(
                 if let Some((peer, base)) = peer {
                     report.timed_stops += 1;
                     match prober.time_to_fail_fast(&peer, base, stopped, window) {
-                        Some(ms) => detections.push(ms),
+                        Some(ms) => {
+                            detections.push(ms);
+                            write(&slots[index]).stop_detected = true;
+                        }
                         None => report.undetected_stops += 1,
                     }
                 }
@@ -614,6 +632,7 @@ fn inject(
                 targets[index].signal(libc::SIGCONT);
                 let mut slot = write(&slots[index]);
                 slot.stopped_at = None;
+                slot.stop_detected = false;
                 slot.resumed_from = Some(Instant::now());
                 drop(slot);
                 report.stops += 1;
@@ -891,6 +910,10 @@ fn transfer(
         .get(index)
         .filter(|counts| counts.watched.load(Ordering::Relaxed));
     let stopped_at_submit = slot_stopped(&slots[index]);
+    let detected_at_submit = slots[index]
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .stop_detected;
     let submitted = Instant::now();
     let Ok(batch) = submitter.submit(peer, &[transfer]) else {
         return Some(false);
@@ -922,7 +945,11 @@ fn transfer(
                 .unwrap_or_else(PoisonError::into_inner)
                 .entry(reason.to_string())
                 .or_default() += 1;
-            if reason == FailReason::Timeout && (stopped_at_submit || slot_stopped(&slots[index])) {
+            if reason == FailReason::Timeout && detected_at_submit {
+                count(&tally.timeouts_after_detection);
+            } else if reason == FailReason::Timeout
+                && (stopped_at_submit || slot_stopped(&slots[index]))
+            {
                 count(&tally.timeouts_while_stopped);
             }
             if let Some(outage) = outage.filter(|_| reason == FailReason::PeerUnavailable) {

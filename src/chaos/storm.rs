@@ -146,10 +146,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<StormReport
     )?;
     let source = initiator.alloc(SLICES as usize * SLICE_LEN)?;
     // SAFETY: nothing transfers yet.
-    fill_pattern(
-        unsafe { initiator.regions[source].buffer.as_mut_slice() },
-        seed,
-    );
+    fill_pattern(unsafe { initiator.bytes_mut(source) }, seed);
 
     let view = initiator.control.connect(target.addr, 0, 0)?;
     if !view.wait_ready(Instant::now() + BOUND) {
@@ -160,7 +157,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<StormReport
     };
     let epoch = view.epoch().unwrap_or(railyard_dataplane::Epoch::FIRST);
     let failing = 8 + seed % 24;
-    let local = initiator.regions[source].regions[0];
+    let local = initiator.regions()[source].regions[0];
     // Slice i goes to region A for i < failing - 1, else to region B, at the same offset.
     let mut specs = Vec::new();
     for i in 0..SLICES {
@@ -204,7 +201,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<StormReport
         .count() as u64;
 
     // SAFETY: the source is only read by transfers.
-    let sent = unsafe { initiator.regions[source].buffer.as_slice() };
+    let sent = unsafe { initiator.regions()[source].buffer.as_slice() };
     let split = (failing - 1) * SLICE_LEN as u64;
     let bytes_verified = landed_as_sent(&mut target, region_a.id, 0, &sent[..split as usize])?
         && landed_as_sent(&mut target, region_b.id, split, &sent[split as usize..])?;
@@ -272,7 +269,7 @@ fn bad_descriptor_phase(
         bail!("the descriptor lacks regions A or C");
     };
     target.deregister(region_c.id)?;
-    let local = initiator.regions[source].regions[0];
+    let local = initiator.regions()[source].regions[0];
     let epoch = view.epoch().unwrap_or(railyard_dataplane::Epoch::FIRST);
     let specs: Vec<_> = (0..2 * BAD_SLICES)
         .map(|i| {

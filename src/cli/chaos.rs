@@ -57,10 +57,28 @@ impl ChaosArgs {
 const VIOLATED: u8 = 1;
 
 pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
+    // What was asked is checked before the fabric is opened.
+    let scenario = match Scenario::from_name(&args.scenario) {
+        _ if args.scenario == "soak" => None,
+        Some(_) if args.etcd => bail!(
+            "--etcd is for the soak; {} runs without a directory",
+            args.scenario
+        ),
+        Some(scenario) => Some(scenario),
+        None => {
+            let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
+            bail!(
+                "unknown scenario {:?}; the scenarios are {} and soak",
+                args.scenario,
+                names.join(", ")
+            );
+        }
+    };
     let fabric = args.fabric()?;
-    if args.scenario == "soak" {
+    let binary = std::env::current_exe().context("finding this binary")?;
+    let Some(scenario) = scenario else {
         let config = chaos::soak::SoakConfig {
-            binary: std::env::current_exe().context("finding this binary")?,
+            binary,
             duration: Duration::from_secs(args.duration),
             seed: args.seed,
             targets: args.targets,
@@ -73,22 +91,7 @@ pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
             counts: serde_json::to_value(&report)?,
         };
         return Ok(print(&outcome, "soak", &fabric, args));
-    }
-    if args.etcd {
-        bail!(
-            "--etcd is for the soak; {} runs without a directory",
-            args.scenario
-        );
-    }
-    let Some(scenario) = Scenario::from_name(&args.scenario) else {
-        let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
-        bail!(
-            "unknown scenario {:?}; the scenarios are {} and soak",
-            args.scenario,
-            names.join(", ")
-        );
     };
-    let binary = std::env::current_exe().context("finding this binary")?;
     let outcome = chaos::run(scenario, args.seed, &binary, &fabric)
         .with_context(|| format!("scenario {} could not run", scenario.name()))?;
     Ok(print(&outcome, scenario.name(), &fabric, args))

@@ -1,19 +1,23 @@
 //! A fault plan at the boundary of any fabric: [`Faulted`] wraps a fabric that has no fault
 //! plan of its own (libfabric's) and produces a [`FaultPlan`](super::faults::FaultPlan)'s
 //! failures in front of it, as the soft and TCP fabrics produce them inside: the same rules,
-//! counted per queue pair in the order requests are posted, so the same seed fails the same
-//! requests.
+//! counted per queue pair in the order requests are executed, so the same seed fails the
+//! same requests (a post the inner fabric refuses is judged again, with the same draws, when
+//! it comes back).
 //!
 //! A request a rule fails never reaches the inner fabric: it completes with the rule's
 //! status, and its queue pair is then in error as verbs' would be — every later request
 //! posted on it completes flushed without reaching the inner fabric either. `QpFatal` does
-//! the same and raises [`AsyncEvent::QpFatal`]. `Delay` holds the inner fabric's completions
-//! back (in order, per queue pair). `Stall` refuses posts as a full send queue does, so the
-//! poller keeps the slices and retries; nothing fails because of it. Requests already handed
-//! to the inner fabric complete as it completes them.
+//! the same and raises [`AsyncEvent::QpFatal`]. Completions made here come after the inner
+//! fabric's completions of the requests posted before them on the same queue pair, as a
+//! NIC's would. `Delay` holds the inner fabric's completions back, in order per queue pair.
+//! `Stall` keeps the requests posted meanwhile here, unexecuted, and hands them to the inner
+//! fabric when the rule goes; retiring the queue pair flushes them.
 //!
-//! The wrapper lives on the poller thread with the fabric it wraps; an empty plan costs one
-//! atomic load per post and nothing per completion.
+//! The wrapper lives on the poller thread with the fabric it wraps. With an empty plan a post
+//! costs an atomic load, a map lookup and a judgement per request, and a completion a map
+//! lookup (the count of the queue pair's requests in the inner fabric, which orders the
+//! completions made here).
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -26,12 +30,30 @@ use super::{
 };
 use crate::{EndpointId, Epoch};
 
-/// One queue pair's fault state.
+/// One queue pair's fault state, kept until it is retired and nothing of it is pending.
 #[derive(Debug)]
 struct FaultedQp {
     faults: QpFaultState,
     /// A rule failed one of its requests: it is in error, as a verbs queue pair would be.
     broken: bool,
+    retired: bool,
+    /// Requests handed to the inner fabric whose completions have not come back.
+    in_inner: usize,
+    /// Completions made here, waiting for the inner fabric's earlier ones.
+    behind: VecDeque<WorkCompletion>,
+    /// Requests accepted while a Stall rule held, not executed yet.
+    stalled: VecDeque<WorkRequest>,
+    /// Completions on their way out, delayed ones among them, in order.
+    held: DelayedCompletions,
+}
+
+impl FaultedQp {
+    fn settled(&self) -> bool {
+        self.in_inner == 0
+            && self.behind.is_empty()
+            && self.stalled.is_empty()
+            && self.held.is_empty()
+    }
 }
 
 /// A fabric with a fault plan in front of it: see the module docs.
@@ -42,15 +64,15 @@ pub struct Faulted<F> {
     qps: HashMap<QpNum, FaultedQp>,
     /// Queue pairs connected so far (the next one's ordinal).
     adopted: u32,
-    /// Completions made here (failed and flushed requests) and delayed ones now due.
+    /// Completions due now, in the order they go out.
     ready: VecDeque<WorkCompletion>,
     /// QP-fatal events raised here.
     events: VecDeque<AsyncEvent>,
     /// How long each delayed request's completion is held once the inner fabric reports it.
-    delays: HashMap<WrId, Duration>,
-    /// Completions held back, per queue pair, in the order the inner fabric reported them.
-    held: HashMap<QpNum, DelayedCompletions>,
-    /// Scratch for the inner fabric's completions while some are held.
+    delays: HashMap<WrId, (QpNum, Duration)>,
+    /// Queue pairs with requests held by a stall.
+    stalls: usize,
+    /// Scratch for the inner fabric's completions.
     polled: Vec<WorkCompletion>,
 }
 
@@ -65,38 +87,130 @@ impl<F: Fabric> Faulted<F> {
             ready: VecDeque::new(),
             events: VecDeque::new(),
             delays: HashMap::new(),
-            held: HashMap::new(),
+            stalls: 0,
             polled: Vec::new(),
         }
     }
 
-    /// The wrapped fabric.
-    pub fn inner(&self) -> &F {
-        &self.inner
+    /// Judges `requests` of `qp` in order and executes them: those before the first a rule
+    /// fails go to the inner fabric in one post; that one and the rest complete here. A
+    /// refusal of the inner fabric is returned as it came, with only the requests it took
+    /// counted as executed.
+    fn execute(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
+        let Some(state) = self.qps.get_mut(&qp) else {
+            return self.inner.post(qp, requests);
+        };
+        let before = state.faults.clone();
+        let mut failure = None;
+        let mut executed = 0;
+        for request in requests {
+            match state.faults.judge(&self.view.plan) {
+                Verdict::Execute { delay } => {
+                    if !delay.is_zero() {
+                        self.delays.insert(request.wr_id, (qp, delay));
+                    }
+                    executed += 1;
+                }
+                Verdict::Fail(status) => {
+                    failure = Some((status, false));
+                    break;
+                }
+                Verdict::Fatal => {
+                    failure = Some((WcStatus::WrFlushErr, true));
+                    break;
+                }
+            }
+        }
+        if executed > 0 {
+            let posted = self.inner.post(qp, &requests[..executed]);
+            let taken = posted
+                .as_ref()
+                .map_or_else(|refused| refused.posted, |()| executed);
+            state.in_inner += taken;
+            if let Err(refused) = posted {
+                // Not executed after all: judged again, with the same draws, when they come
+                // back.
+                state.faults = before;
+                for _ in 0..taken {
+                    state.faults.judge(&self.view.plan);
+                }
+                for request in &requests[taken..executed] {
+                    self.delays.remove(&request.wr_id);
+                }
+                return Err(refused);
+            }
+        }
+        if let Some((status, fatal)) = failure {
+            if fatal {
+                self.events.push_back(AsyncEvent::QpFatal { qp });
+            }
+            state.broken = true;
+            let (failed, behind) = requests[executed..].split_at(1);
+            state.behind.extend(
+                failed
+                    .iter()
+                    .map(|request| WorkCompletion::of(request, qp, status)),
+            );
+            state.behind.extend(
+                behind
+                    .iter()
+                    .map(|request| WorkCompletion::of(request, qp, WcStatus::WrFlushErr)),
+            );
+        }
+        Ok(())
     }
 
-    /// Completes `requests` here with `status` (they never reach the inner fabric).
-    fn complete_here(&mut self, qp: QpNum, requests: &[WorkRequest], status: WcStatus) {
-        self.ready.extend(
-            requests
-                .iter()
-                .map(|request| WorkCompletion::of(request, qp, status)),
-        );
-    }
-
-    /// Moves held completions that are due to `ready`, and forgets emptied holds of queue
-    /// pairs that are gone.
-    fn release_held(&mut self) {
-        if self.held.is_empty() {
+    /// Hands the requests held by stalls that are over to the inner fabric (what it refuses
+    /// stays held).
+    fn release_stalls(&mut self) {
+        if self.stalls == 0 {
             return;
         }
-        let now = Instant::now();
-        for held in self.held.values_mut() {
-            held.release(now, &mut self.ready);
+        self.view.refresh();
+        let waiting: Vec<QpNum> = self
+            .qps
+            .iter()
+            .filter(|(_, state)| {
+                !state.stalled.is_empty() && !state.faults.stalled(&self.view.plan)
+            })
+            .map(|(&qp, _)| qp)
+            .collect();
+        for qp in waiting {
+            let Some(requests) = self
+                .qps
+                .get_mut(&qp)
+                .map(|state| std::mem::take(&mut state.stalled))
+            else {
+                continue;
+            };
+            let requests = Vec::from(requests);
+            let taken = match self.execute(qp, &requests) {
+                Ok(()) => requests.len(),
+                Err(refused) => refused.posted,
+            };
+            if let Some(state) = self.qps.get_mut(&qp) {
+                state.stalled.extend(&requests[taken..]);
+                if state.stalled.is_empty() {
+                    self.stalls -= 1;
+                }
+            }
         }
-        let qps = &self.qps;
-        self.held
-            .retain(|qp, held| !held.is_empty() || qps.contains_key(qp));
+    }
+
+    /// Moves what may go out to `ready`: completions made here once the inner fabric has
+    /// none left ahead of them, and held ones that are due. Forgets settled retired queue
+    /// pairs.
+    fn release(&mut self, now: Instant) {
+        for state in self.qps.values_mut() {
+            if state.in_inner == 0 {
+                while let Some(completion) = state.behind.pop_front() {
+                    state.held.emit(completion, now, &mut self.ready);
+                }
+            }
+            state.held.release(now, &mut self.ready);
+        }
+        self.qps
+            .retain(|_, state| !(state.retired && state.settled()));
     }
 }
 
@@ -111,6 +225,11 @@ impl<F: Fabric> Fabric for Faulted<F> {
             FaultedQp {
                 faults,
                 broken: false,
+                retired: false,
+                in_inner: 0,
+                behind: VecDeque::new(),
+                stalled: VecDeque::new(),
+                held: DelayedCompletions::default(),
             },
         );
         Ok(qp)
@@ -118,101 +237,74 @@ impl<F: Fabric> Fabric for Faulted<F> {
 
     fn post(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
         self.view.refresh();
-        let Some(state) = self.qps.get_mut(&qp) else {
+        let Some(state) = self.qps.get_mut(&qp).filter(|state| !state.retired) else {
             // Not ours (never connected, or retired): the inner fabric says so.
             return self.inner.post(qp, requests);
         };
         if state.broken {
-            self.complete_here(qp, requests, WcStatus::WrFlushErr);
+            state.behind.extend(
+                requests
+                    .iter()
+                    .map(|request| WorkCompletion::of(request, qp, WcStatus::WrFlushErr)),
+            );
             return Ok(());
         }
-        if state.faults.stalled(&self.view.plan) {
-            return Err(PostError {
-                posted: 0,
-                error: FabricError::SendQueueFull { qp },
-            });
-        }
-        // Judge in order up to the first request a rule fails; the ones before it go to the
-        // inner fabric in one post.
-        let mut failure = None;
-        let mut judged = 0;
-        for request in requests {
-            judged += 1;
-            match state.faults.judge(&self.view.plan) {
-                Verdict::Execute { delay } => {
-                    if !delay.is_zero() {
-                        self.delays.insert(request.wr_id, delay);
-                    }
-                }
-                Verdict::Fail(status) => {
-                    failure = Some(Some(status));
-                    break;
-                }
-                Verdict::Fatal => {
-                    failure = Some(None);
-                    break;
-                }
+        if !state.stalled.is_empty() || state.faults.stalled(&self.view.plan) {
+            // Kept unexecuted, behind what a stall already holds, until the rule goes.
+            if state.stalled.is_empty() {
+                self.stalls += 1;
             }
-        }
-        let executed = judged - usize::from(failure.is_some());
-        if executed > 0 {
-            if let Err(refused) = self.inner.post(qp, &requests[..executed]) {
-                // Those the inner fabric did not take were not executed: they are judged
-                // again when the poller posts them again.
-                let untaken = judged - refused.posted;
-                if let Some(state) = self.qps.get_mut(&qp) {
-                    state.faults.unjudge(untaken as u64);
-                }
-                for request in &requests[refused.posted..executed] {
-                    self.delays.remove(&request.wr_id);
-                }
-                return Err(refused);
-            }
-        }
-        let Some(failure) = failure else {
+            state.stalled.extend(requests);
             return Ok(());
-        };
-        if let Some(state) = self.qps.get_mut(&qp) {
-            state.broken = true;
         }
-        let status = failure.unwrap_or_else(|| {
-            self.events.push_back(AsyncEvent::QpFatal { qp });
-            WcStatus::WrFlushErr
-        });
-        self.complete_here(qp, &requests[executed..=executed], status);
-        self.complete_here(qp, &requests[executed + 1..], WcStatus::WrFlushErr);
-        Ok(())
+        self.execute(qp, requests)
     }
 
     fn poll(&mut self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
-        self.release_held();
-        let start = out.len();
-        let here = max.min(self.ready.len());
-        out.extend(self.ready.drain(..here));
-        let room = max - here;
-        if room == 0 {
-            return here;
-        }
-        if self.delays.is_empty() && self.held.is_empty() {
-            return here + self.inner.poll(out, room);
-        }
+        self.release_stalls();
         let mut polled = std::mem::take(&mut self.polled);
         polled.clear();
-        self.inner.poll(&mut polled, room);
+        self.inner
+            .poll(&mut polled, max.saturating_sub(self.ready.len()));
         let now = Instant::now();
         for completion in polled.drain(..) {
-            let delay = self.delays.remove(&completion.wr_id).unwrap_or_default();
-            let held = self.held.entry(completion.qp).or_default();
-            held.emit(completion, now + delay, &mut self.ready);
+            let Some(state) = self.qps.get_mut(&completion.qp) else {
+                self.ready.push_back(completion);
+                continue;
+            };
+            state.in_inner = state.in_inner.saturating_sub(1);
+            let delay = if self.delays.is_empty() {
+                Duration::ZERO
+            } else {
+                self.delays
+                    .remove(&completion.wr_id)
+                    .map_or(Duration::ZERO, |(_, delay)| delay)
+            };
+            state.held.emit(completion, now + delay, &mut self.ready);
         }
         self.polled = polled;
-        let more = (max - (out.len() - start)).min(self.ready.len());
-        out.extend(self.ready.drain(..more));
-        out.len() - start
+        self.release(now);
+        let taken = max.min(self.ready.len());
+        out.extend(self.ready.drain(..taken));
+        taken
     }
 
     fn retire(&mut self, qp: QpNum) {
-        self.qps.remove(&qp);
+        if let Some(state) = self.qps.get_mut(&qp) {
+            state.retired = true;
+            if !state.stalled.is_empty() {
+                self.stalls -= 1;
+            }
+            // Never executed: flushed, after whatever the inner fabric still reports.
+            let flushed = state
+                .stalled
+                .drain(..)
+                .map(|request| WorkCompletion::of(&request, qp, WcStatus::WrFlushErr));
+            state.behind.extend(flushed);
+            if !self.delays.is_empty() {
+                self.delays.retain(|_, (delayed_qp, _)| *delayed_qp != qp);
+            }
+        }
         self.inner.retire(qp);
     }
 
@@ -285,6 +377,7 @@ mod tests {
             status: WcStatus::LocLenErr,
         });
         let (mut fabric, script, _, qp) = faulted(plan);
+        script.hold(true);
         fabric.post(qp, &requests(1..6)).expect("posted");
         fabric.post(qp, &requests(6..8)).expect("posted");
         let reached: Vec<u64> = script.posted().iter().map(|p| p.request.wr_id.0).collect();
@@ -293,11 +386,14 @@ mod tests {
             vec![1, 2],
             "only the requests before the failed one"
         );
-        let mut completions = drain(&mut fabric);
-        completions.sort_unstable_by_key(|&(id, _)| id);
+        assert!(
+            drain(&mut fabric).is_empty(),
+            "the failure waits for the requests posted before it"
+        );
+        script.release();
         use WcStatus::{LocLenErr, Success, WrFlushErr};
         assert_eq!(
-            completions,
+            drain(&mut fabric),
             vec![
                 (1, Success),
                 (2, Success),
@@ -365,24 +461,91 @@ mod tests {
         assert_eq!(drain(&mut fabric), vec![(1, WcStatus::Success)]);
         // Requests 2 and 3 are the second and third executed: the rule fails the third.
         fabric.post(qp, &requests(2..4)).expect("posted");
-        let mut completions = drain(&mut fabric);
-        completions.sort_unstable_by_key(|&(id, _)| id);
         assert_eq!(
-            completions,
+            drain(&mut fabric),
             vec![(2, WcStatus::Success), (3, WcStatus::RemAccessErr)]
         );
     }
 
     #[test]
-    fn a_stall_holds_posts_back_until_it_lifts() {
+    fn a_stall_keeps_requests_until_it_lifts_and_a_retire_flushes_them() {
         let (mut fabric, script, faults, qp) = faulted(FaultPlan::new(1));
         faults.add(Fault::Stall { on: QpMatch::Any });
-        let refused = fabric.post(qp, &requests(1..3)).expect_err("stalled");
-        assert!(matches!(refused.error, FabricError::SendQueueFull { .. }));
-        assert!(script.posted().is_empty());
+        fabric
+            .post(qp, &requests(1..3))
+            .expect("accepted, not executed");
+        fabric
+            .post(qp, &requests(3..4))
+            .expect("accepted, not executed");
+        assert!(drain(&mut fabric).is_empty());
+        assert!(
+            script.posted().is_empty(),
+            "nothing executes while it holds"
+        );
         faults.clear();
-        fabric.post(qp, &requests(1..3)).expect("the stall lifted");
-        assert_eq!(drain(&mut fabric).len(), 2);
+        let done = drain(&mut fabric);
+        assert_eq!(
+            done,
+            vec![
+                (1, WcStatus::Success),
+                (2, WcStatus::Success),
+                (3, WcStatus::Success)
+            ]
+        );
+        faults.add(Fault::Stall { on: QpMatch::Any });
+        fabric
+            .post(qp, &requests(4..6))
+            .expect("accepted, not executed");
+        fabric.retire(qp);
+        assert_eq!(
+            drain(&mut fabric),
+            vec![(4, WcStatus::WrFlushErr), (5, WcStatus::WrFlushErr)]
+        );
+        assert_eq!(script.posted().len(), 3, "the flushed ones never executed");
+    }
+
+    #[test]
+    fn a_refusal_keeps_the_random_draws_of_the_requests_it_refused() {
+        let plan = FaultPlan::new(11).with(Fault::Random {
+            on: QpMatch::Any,
+            per_million: 60_000,
+            status: WcStatus::RemAccessErr,
+        });
+        // The same 100 requests, once in posts that always fit and once through a send queue
+        // of 3 that refuses most of every post: the same ones fail.
+        let failed = |send_queue: usize| {
+            let (mut fabric, script, _, qp) = faulted(plan.clone());
+            script.set_limits(FabricLimits {
+                send_queue,
+                ..FabricLimits::UNLIMITED
+            });
+            script.hold(true);
+            let all = requests(1..101);
+            let mut next = 0;
+            let mut failed = Vec::new();
+            while next < all.len() {
+                let taken = match fabric.post(qp, &all[next..]) {
+                    Ok(()) => all.len() - next,
+                    Err(refused) => refused.posted,
+                };
+                next += taken;
+                script.release();
+                let done = drain(&mut fabric);
+                failed.extend(
+                    done.iter()
+                        .filter(|(_, s)| *s == WcStatus::RemAccessErr)
+                        .map(|&(id, _)| id),
+                );
+                if done.iter().any(|(_, s)| *s != WcStatus::Success) {
+                    break;
+                }
+            }
+            failed
+        };
+        let roomy = failed(usize::MAX);
+        assert_eq!(roomy.len(), 1, "the first failure breaks the queue pair");
+        assert!(roomy[0] > 6, "past a few refusals: {roomy:?}");
+        assert_eq!(failed(3), roomy);
     }
 
     #[test]

@@ -256,12 +256,6 @@ impl QpFaultState {
         Verdict::Execute { delay }
     }
 
-    /// Takes back the last `n` judgements: those requests were not executed after all (the
-    /// fabric behind could not take them) and are judged again when they come back.
-    pub(crate) fn unjudge(&mut self, n: u64) {
-        self.executed = self.executed.saturating_sub(n);
-    }
-
     /// Whether a matching Stall rule holds now: nothing executes.
     pub(crate) fn stalled(&self, plan: &FaultPlan) -> bool {
         plan.faults
