@@ -117,6 +117,10 @@ fn a_dead_replica_fails_fast_and_its_port_is_a_new_peer() {
     assert!(counts["dead_peer_max_fail_ms"].as_u64() <= counts["deadline_ms"].as_u64());
     assert!(counts["in_flight_at_kill"].as_u64() > Some(0), "{counts}");
     assert!(counts["in_flight_at_stop"].as_u64() > Some(0), "{counts}");
+    assert_eq!(
+        counts["stuck_at_stop"], 0,
+        "soft writes land in a stopped process: {counts}"
+    );
     assert_eq!(counts["probes_late"], 0, "{counts}");
     assert_eq!(counts["same_layout"], true, "{counts}");
     assert_eq!(
@@ -248,6 +252,10 @@ fn the_scenarios_hold_on_libfabric() {
     let replica = held_on_libfabric("dead-replica", &["--seed", "2"]);
     assert_eq!(replica["misdirected"], 0);
     assert!(replica["in_flight_at_stop"].as_u64() > Some(0), "{replica}");
+    assert!(
+        replica["stuck_at_stop"].as_u64() > Some(0),
+        "a write in flight at the stop waited for its deadline here: {replica}"
+    );
     assert_eq!(replica["in_flight_late"], 0);
     assert_eq!(replica["probes_late"], 0);
     // libfabric keys are drawn per process: a write meant for a dead target is refused by

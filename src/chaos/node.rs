@@ -510,6 +510,16 @@ fn deregister(rail: &NodeRail, region: &MemoryRegion) -> bool {
 impl Drop for Node {
     fn drop(&mut self) {
         self.stop();
+        // Work a poller gave up on (resolved past its flush grace) may still be in a
+        // provider's hands, reading or writing this memory: then none of it is freed.
+        if self
+            .pollers
+            .iter()
+            .any(|poller| poller.counters().unflushed > 0)
+        {
+            std::mem::forget(std::mem::take(&mut self.regions));
+            return;
+        }
         // Registrations go before the memory does (a soft buffer's own, on the first rail,
         // goes with it); memory whose registration could not be withdrawn is never freed.
         for region in std::mem::take(&mut self.regions) {

@@ -31,7 +31,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use railyard_dataplane::{Batch, DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
+use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
 use serde::Serialize;
 
 use super::process::Target;
@@ -43,6 +43,8 @@ use crate::engine::{Engine, Op, Peer, RailChoice, Region, Transfer};
 pub struct ReplicaReport {
     /// The seed.
     pub seed: u64,
+    /// The fabric (`soft` or `ofi`).
+    pub fabric: &'static str,
     /// Bytes per second to the three live peers after the kill over before it.
     pub live_throughput_ratio: f64,
     /// The lowest of the three live peers' own ratios.
@@ -61,6 +63,9 @@ pub struct ReplicaReport {
     pub in_flight_at_kill: u64,
     /// Batches in flight when target 2 was stopped.
     pub in_flight_at_stop: u64,
+    /// Of those, the ones that resolved a second or more after the stop: stuck at the
+    /// stopped target (none on the soft fabric, whose writes land in a stopped process).
+    pub stuck_at_stop: u64,
     /// Of those, the ones that resolved later than their deadline plus [`IN_FLIGHT_SLACK`].
     pub in_flight_late: u64,
     /// From SIGSTOP of target 2 to its first request failing fast, in ms (0: never).
@@ -127,6 +132,13 @@ impl ReplicaReport {
                  {IN_FLIGHT_SLACK:?}",
                 self.probes_late
             ));
+        }
+        if self.fabric == "soft" && !self.misdirection_armed {
+            broken.push(
+                "a newcomer's pool has other keys than its predecessor's: misdirection could not \
+                 show"
+                    .into(),
+            );
         }
         if !self.same_layout {
             broken.push(
@@ -257,19 +269,20 @@ fn submit_loop(
     Ok(())
 }
 
-/// Until `end`, submits one write to `peer` (at `base`, from `source`) every
-/// [`PROBE_INTERVAL`] and logs the failure of each that fails within the interval to `log`,
-/// waiting for none longer: requests made after a peer stopped must fail fast once the stop
-/// is detected, whatever happens to those already in flight (on fabrics whose target side
-/// needs the target's CPU — libfabric's software providers — those resolve by their
-/// deadline). Returns every probe batch with when it was submitted, for the in-flight rule.
+/// Until the first of them fails fast (or `end`), submits one write to `peer` (at `base`,
+/// from `source`) every [`PROBE_INTERVAL`], waiting for none longer, and logs the failure of
+/// each that fails within the interval to `log`: requests made after a peer stopped must
+/// fail fast once the stop is detected, whatever happens to those already in flight (on
+/// fabrics whose target side needs the target's CPU — libfabric's software providers —
+/// those resolve by their deadline). Then watches the probes until each has resolved or
+/// passed its deadline plus [`IN_FLIGHT_SLACK`]; returns how many resolved later than that.
 fn probe(
     engine: &Engine,
     peer: &Peer,
     (base, source): (u64, Region),
     log: &PeerLog,
     end: Instant,
-) -> Result<Vec<(Instant, Batch)>> {
+) -> Result<u64> {
     let mut submitter = engine.submitter()?;
     let write = Transfer {
         op: Op::Write,
@@ -279,19 +292,33 @@ fn probe(
         len: BLOCK,
     };
     let mut probes = Vec::new();
-    while Instant::now() < end {
+    let mut detected = false;
+    while !detected && Instant::now() < end {
         let submitted = Instant::now();
         if let Ok(batch) = submitter.submit(peer, &[write]) {
             batch.wait(submitted + PROBE_INTERVAL);
             if let Some(&Some(RequestOutcome::Failed(reason))) = batch.outcomes().first() {
                 let outcome = RequestOutcome::Failed(reason);
                 lock(&log.failures).push((submitted, Instant::now(), outcome));
+                detected = reason == FailReason::PeerUnavailable;
             }
             probes.push((submitted, batch));
         }
         std::thread::sleep(PROBE_INTERVAL.saturating_sub(submitted.elapsed()));
     }
-    Ok(probes)
+    let bound = |submitted: Instant| submitted + DEFAULT_DEADLINE + IN_FLIGHT_SLACK;
+    let mut late = 0;
+    while !probes.is_empty() {
+        let now = Instant::now();
+        probes.retain(|(submitted, batch)| {
+            let resolved = batch.wait(now).is_complete();
+            let overdue = now > bound(*submitted);
+            late += u64::from(overdue);
+            !resolved && !overdue
+        });
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(late)
 }
 
 /// How often [`probe`] submits.
@@ -371,7 +398,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
     let stop = AtomicBool::new(false);
     let mut newcomers = Vec::new();
     let mut newcomer_peers = Vec::new();
-    let mut probes = Vec::new();
+    let mut probes_late = 0;
     let mut predecessor_bases = Vec::new();
     let (killed_at, stopped_at) = std::thread::scope(|scope| -> Result<(Instant, Instant)> {
         let threads: Vec<_> = (0..PEERS)
@@ -401,7 +428,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
             wait_for_a_batch_in_flight(&logs[STOPPED]);
             targets[STOPPED].signal(libc::SIGSTOP);
             let stopped_at = Instant::now();
-            probes = probe(
+            probes_late = probe(
                 &engine,
                 &peers[STOPPED],
                 (targets[STOPPED].pool_base, sources[STOPPED]),
@@ -463,6 +490,12 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
     let restarted = count(FailReason::PeerRestarted);
     let (in_flight_killed, late_killed) = in_flight_at(&logs[KILLED], killed_at);
     let (in_flight_stopped, late_stopped) = in_flight_at(&logs[STOPPED], stopped_at);
+    let stuck_at_stop = lock(&logs[STOPPED].batches)
+        .iter()
+        .filter(|(submitted, resolved)| {
+            *submitted < stopped_at && *resolved >= stopped_at + Duration::from_secs(1)
+        })
+        .count() as u64;
     let detection = lock(&logs[STOPPED].failures)
         .iter()
         .filter(|(submitted, _, outcome)| {
@@ -473,14 +506,6 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
         .min()
         .unwrap_or(0);
     let predecessors_retired = peers[KILLED].is_retired() && peers[STOPPED].is_retired();
-    let probes_late = probes
-        .iter()
-        .filter(|(submitted, batch)| {
-            !batch
-                .wait(*submitted + DEFAULT_DEADLINE + IN_FLIGHT_SLACK)
-                .is_complete()
-        })
-        .count() as u64;
     let keys = |peer: &Peer| {
         peer.descriptor()
             .regions
@@ -512,6 +537,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
     }
     Ok(ReplicaReport {
         seed,
+        fabric: fabric.name(),
         live_throughput_ratio: after_total as f64 / before_total.max(1) as f64,
         min_live_peer_ratio: min_ratio,
         dead_peer_max_fail_ms: killed_failures
@@ -525,6 +551,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
         dead_peer_other_failures: killed_failures.len() as u64 - unavailable - restarted,
         in_flight_at_kill: in_flight_killed,
         in_flight_at_stop: in_flight_stopped,
+        stuck_at_stop,
         in_flight_late: late_killed + late_stopped,
         stopped_peer_detection_ms: detection,
         predecessors_retired,

@@ -618,6 +618,10 @@ fn inject(
                 targets[index].signal(libc::SIGSTOP);
                 let stopped = Instant::now();
                 let window = stopped + Duration::from_secs(3);
+                if peer.is_none() {
+                    // Its peer already fails fast (or there is none): the stop is known.
+                    write(&slots[index]).stop_detected = true;
+                }
                 if let Some((peer, base)) = peer {
                     report.timed_stops += 1;
                     match prober.time_to_fail_fast(&peer, base, stopped, window) {

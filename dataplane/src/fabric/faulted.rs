@@ -37,7 +37,8 @@ struct FaultedQp {
     /// A rule failed one of its requests: it is in error, as a verbs queue pair would be.
     broken: bool,
     retired: bool,
-    /// Requests handed to the inner fabric whose completions have not come back.
+    /// Signaled requests handed to the inner fabric whose completions have not come back
+    /// (the poller signals every request).
     in_inner: usize,
     /// Completions made here, waiting for the inner fabric's earlier ones.
     behind: VecDeque<WorkCompletion>,
@@ -48,11 +49,9 @@ struct FaultedQp {
 }
 
 impl FaultedQp {
+    /// Nothing of it is left here.
     fn settled(&self) -> bool {
-        self.in_inner == 0
-            && self.behind.is_empty()
-            && self.stalled.is_empty()
-            && self.held.is_empty()
+        self.behind.is_empty() && self.stalled.is_empty() && self.held.is_empty()
     }
 }
 
@@ -126,7 +125,7 @@ impl<F: Fabric> Faulted<F> {
             let taken = posted
                 .as_ref()
                 .map_or_else(|refused| refused.posted, |()| executed);
-            state.in_inner += taken;
+            state.in_inner += requests[..taken].iter().filter(|r| r.signaled).count();
             if let Err(refused) = posted {
                 // Not executed after all: judged again, with the same draws, when they come
                 // back.
@@ -184,25 +183,43 @@ impl<F: Fabric> Faulted<F> {
                 continue;
             };
             let requests = Vec::from(requests);
-            let taken = match self.execute(qp, &requests) {
-                Ok(()) => requests.len(),
-                Err(refused) => refused.posted,
+            let (taken, backpressure) = match self.execute(qp, &requests) {
+                Ok(()) => (requests.len(), false),
+                Err(PostError {
+                    posted,
+                    error: FabricError::SendQueueFull { .. },
+                }) => (posted, true),
+                Err(refused) => (refused.posted, false),
             };
-            if let Some(state) = self.qps.get_mut(&qp) {
+            let Some(state) = self.qps.get_mut(&qp) else {
+                continue;
+            };
+            if backpressure {
+                // Tried again at the next poll.
                 state.stalled.extend(&requests[taken..]);
-                if state.stalled.is_empty() {
-                    self.stalls -= 1;
-                }
+            } else if taken < requests.len() {
+                // The inner fabric will not take them: the queue pair is in error.
+                state.broken = true;
+                state.behind.extend(
+                    requests[taken..]
+                        .iter()
+                        .map(|request| WorkCompletion::of(request, qp, WcStatus::WrFlushErr)),
+                );
+            }
+            if state.stalled.is_empty() {
+                self.stalls -= 1;
             }
         }
     }
 
     /// Moves what may go out to `ready`: completions made here once the inner fabric has
-    /// none left ahead of them, and held ones that are due. Forgets settled retired queue
-    /// pairs.
+    /// none left ahead of them (or, once the queue pair is retired, at once: the inner
+    /// fabric may never report some), and held ones that are due. Forgets retired queue
+    /// pairs with nothing left here; the inner fabric's late completions for them go out as
+    /// they come.
     fn release(&mut self, now: Instant) {
         for state in self.qps.values_mut() {
-            if state.in_inner == 0 {
+            if state.in_inner == 0 || state.retired {
                 while let Some(completion) = state.behind.pop_front() {
                     state.held.emit(completion, now, &mut self.ready);
                 }
@@ -236,6 +253,9 @@ impl<F: Fabric> Fabric for Faulted<F> {
     }
 
     fn post(&mut self, qp: QpNum, requests: &[WorkRequest]) -> Result<(), PostError> {
+        if requests.is_empty() {
+            return Ok(());
+        }
         self.view.refresh();
         let Some(state) = self.qps.get_mut(&qp).filter(|state| !state.retired) else {
             // Not ours (never connected, or retired): the inner fabric says so.
@@ -403,6 +423,30 @@ mod tests {
                 (6, WrFlushErr),
                 (7, WrFlushErr)
             ]
+        );
+    }
+
+    #[test]
+    fn a_retire_releases_what_was_made_here_though_the_fabric_never_answers() {
+        let plan = FaultPlan::new(1).with(Fault::FailNth {
+            on: QpMatch::Any,
+            nth: 2,
+            status: WcStatus::RemAccessErr,
+        });
+        let (mut fabric, script, _, qp) = faulted(plan);
+        script.hold(true);
+        fabric.post(qp, &requests(1..4)).expect("posted");
+        assert!(
+            drain(&mut fabric).is_empty(),
+            "behind request 1, which never completes"
+        );
+        fabric.retire(qp);
+        assert_eq!(
+            drain(&mut fabric)
+                .into_iter()
+                .filter(|&(id, _)| id != 1)
+                .collect::<Vec<_>>(),
+            vec![(2, WcStatus::RemAccessErr), (3, WcStatus::WrFlushErr)]
         );
     }
 

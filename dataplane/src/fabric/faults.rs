@@ -76,7 +76,8 @@ pub enum Fault {
     /// The peer stops answering (a stopped process): matching queue pairs execute nothing
     /// while the rule holds, and nothing fails because of it; removing the rule lets them go
     /// on. Honoured by the soft fabric and by [`Faulted`](super::faulted::Faulted) (which
-    /// holds posts back as backpressure); on TCP, stop the target process instead.
+    /// keeps the requests posted meanwhile unexecuted); on TCP, stop the target process
+    /// instead.
     Stall {
         /// Which queue pairs.
         on: QpMatch,

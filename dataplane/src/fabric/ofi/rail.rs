@@ -627,21 +627,26 @@ impl OfiRail {
     /// # Errors
     /// [`OfiError::NotRegistered`] when it is not registered here.
     pub fn deregister(&self, region: &MemoryRegion) -> Result<(), OfiError> {
-        let registered = self
-            .registrations()
-            .remove(&region.lkey)
+        let mut registrations = self.registrations();
+        let registered = registrations
+            .get(&region.lkey)
             .ok_or(OfiError::NotRegistered { lkey: region.lkey })?;
+        // SAFETY: the registration was made by `register` and is closed once: it is
+        // forgotten below only once the close succeeded (a failed close leaves it live, and
+        // registered here).
+        let code = unsafe { sys::railyard_fi_close(&mut (*registered.mr).fid) };
+        check("fi_close(mr)", i64::from(code))?;
+        let access = registered.region.access;
+        registrations.remove(&region.lkey);
+        drop(registrations);
         self.local
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&region.lkey);
-        let access = registered.region.access;
         if access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_READ) {
             self.remotely_accessible.fetch_sub(1, Ordering::Relaxed);
         }
-        // SAFETY: the registration was made by `register` and is closed once, here.
-        let code = unsafe { sys::railyard_fi_close(&mut (*registered.mr).fid) };
-        check("fi_close(mr)", i64::from(code))
+        Ok(())
     }
 
     /// Whether peers address registered memory by virtual address (`FI_MR_VIRT_ADDR`);
