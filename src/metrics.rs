@@ -401,6 +401,12 @@ impl Collector for EngineMetrics {
             one(c.connections_closed),
         )?;
         family.counter(
+            "railyard_auth_failures",
+            "Control connections closed because the peer did not prove the cluster secret.",
+            None,
+            one(c.auth_failures),
+        )?;
+        family.counter(
             "railyard_accept_pauses",
             "Times the handshake listener stopped accepting (at a cap, or out of descriptors).",
             None,

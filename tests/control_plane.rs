@@ -140,6 +140,7 @@ fn say_in_order(addr: SocketAddr, name: &str, incarnation: Incarnation, messages
         incarnation,
         host: HostId::this_process(),
         listen: String::new(),
+        nonce: [0; railyard_control::wire::NONCE_LEN],
     }
     .encode();
     for message in messages {

@@ -125,6 +125,9 @@ struct Socket {
     partial_since: Option<Instant>,
     /// Since when queued output has waited without a byte taken.
     stalled_since: Option<Instant>,
+    /// The process has a cluster secret: frames stay as small as a Hello until an Auth has
+    /// come (without one, until the first frame).
+    proof_required: bool,
 }
 
 /// The control thread. See the module docs.
@@ -332,7 +335,10 @@ impl<F: RailFabric> Driver<F> {
         })();
         match started {
             Ok((stream, connecting, local_ip)) => {
-                self.sockets.insert(conn, Socket::new(stream, connecting));
+                self.sockets.insert(
+                    conn,
+                    Socket::new(stream, connecting, self.core.proof_required()),
+                );
                 self.core.dialed(conn, local_ip);
             }
             Err(error) => self.core.closed(conn, &error.to_string(), now),
@@ -407,7 +413,8 @@ impl<F: RailFabric> Driver<F> {
                     let _ = stream.set_nodelay(true);
                     keep_alive(&stream);
                     let conn = self.core.accepted(addr, local_ip, now);
-                    self.sockets.insert(conn, Socket::new(stream, false));
+                    self.sockets
+                        .insert(conn, Socket::new(stream, false, self.core.proof_required()));
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
                 Err(error) if out_of_descriptors(&error) => {
@@ -644,7 +651,7 @@ enum ReadOutcome {
 }
 
 impl Socket {
-    fn new(stream: TcpStream, connecting: bool) -> Self {
+    fn new(stream: TcpStream, connecting: bool, proof_required: bool) -> Self {
         // A connection's first frame is a Hello: nothing larger is buffered before it.
         let mut decoder = FrameDecoder::default();
         decoder.set_max_body(MAX_HELLO_BODY);
@@ -660,6 +667,7 @@ impl Socket {
             readable: true,
             partial_since: None,
             stalled_since: None,
+            proof_required,
         }
     }
 
@@ -745,7 +753,9 @@ impl Socket {
             loop {
                 match self.decoder.next_message() {
                     Ok(Some(message)) => {
-                        self.decoder.set_max_body(MAX_BODY);
+                        if !self.proof_required || matches!(message, Message::Auth { .. }) {
+                            self.decoder.set_max_body(MAX_BODY);
+                        }
                         messages.push(message);
                     }
                     Ok(None) => break,

@@ -4,8 +4,8 @@
 //! connection `c`, a connection closed, an application request, a poller event, the time —
 //! and answers with [`Action`]s for the I/O driver ([`crate::driver`]) to carry out: dial,
 //! send a frame, close, command a poller. It reads no clock, owns no socket
-//! and draws randomness only from its seeded generator, so every interleaving can be
-//! replayed in a unit test on virtual time. It calls the rails' fabrics ([`RailFabric`])
+//! and draws randomness only from its seeded generator (and each connection's Hello nonce
+//! from the kernel), so every interleaving can be replayed in a unit test on virtual time. It calls the rails' fabrics ([`RailFabric`])
 //! directly: creating, connecting, staging and revoking queue pairs are synchronous and
 //! non-blocking.
 //!
@@ -19,6 +19,12 @@
 //! [`Core::peer_changed`]. What a peer announces as its listener is only where to probe it:
 //! an initiator that has had no connection for [`Policy::passive_linger`] is dialed there,
 //! and its queue pairs here go unless the same incarnation answers.
+//!
+//! # Authentication
+//! With a cluster secret ([`crate::auth`]), a connection's peer is admitted — known by its
+//! incarnation, answered, sent anything but Hello, Auth and Bye — only once both sides have
+//! proven the secret over both Hellos; until then what this side would send waits on the
+//! connection, and anything else the peer sends closes it (`auth_failures`).
 //!
 //! # Handshakes
 //! Every ConnectQp carries a fresh handshake id and the target's incarnation. Its reply is
@@ -49,6 +55,7 @@ use railyard_dataplane::rng::SplitMix64;
 use railyard_dataplane::sabotage::{self, Protection};
 use railyard_dataplane::{Command, EndpointId, Epoch, Event};
 
+use crate::auth::{self, ClusterSecret, Role};
 use crate::descriptor::SegmentDescriptor;
 use crate::directory::{Directory, P2pDirectory};
 use crate::endpoint::{Endpoint, EndpointKey, Incarnation, Input, Output, Phase};
@@ -58,7 +65,7 @@ use crate::policy::Policy;
 use crate::rail::{PeerLink, RailFabric, Revocation};
 use crate::shared::{ControlShared, EndpointView, Notification, NotificationBody, bump};
 use crate::warn::{WarningKind, control_warning};
-use crate::wire::{Message, QpSide, WireKey};
+use crate::wire::{MAC_LEN, Message, NONCE_LEN, QpSide, WireKey};
 
 /// How long an accepted connection is safe from eviction before its Hello: time for the
 /// driver to read a Hello sent right after the connect.
@@ -140,6 +147,8 @@ pub(crate) struct Identity {
     pub(crate) local_addr: SocketAddr,
     /// This process's host.
     pub(crate) host: HostId,
+    /// The cluster secret peers must prove, if the cluster has one ([`crate::auth`]).
+    pub(crate) secret: Option<ClusterSecret>,
 }
 
 /// A peer incarnation as its Hello described it.
@@ -160,8 +169,16 @@ struct Conn {
     dialed: bool,
     /// The local address the connection uses, once known.
     local_ip: Option<IpAddr>,
-    /// The incarnation its Hello announced.
+    /// The incarnation its Hello announced, once it is admitted (with a cluster secret:
+    /// once both sides proved it).
     peer: Option<Incarnation>,
+    /// This side's Hello nonce on it.
+    nonce: [u8; NONCE_LEN],
+    /// The peer's Hello, while its proof of the cluster secret is awaited.
+    unproven: Option<Message>,
+    /// Messages to send once the peer is admitted (nothing but Hello, Auth and Bye goes
+    /// out before that).
+    held: Vec<Message>,
     /// Descriptors asked for on it (GetDescriptor) and not yet received; a Descriptor
     /// nobody asked for closes the connection.
     descriptors_asked: u32,
@@ -306,6 +323,11 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
+    /// Whether peers must prove the cluster secret before anything but Hello and Auth.
+    pub(crate) fn proof_required(&self) -> bool {
+        self.me.secret.is_some()
+    }
+
     /// The next thing the driver must do.
     pub(crate) fn next_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
@@ -325,6 +347,17 @@ impl<F: RailFabric> Core<F> {
     fn send(&mut self, conn: ConnId, message: Message) {
         #[cfg(feature = "sabotage")]
         let message = self.undo_mistaken_identity(message);
+        if let Some(state) = self.conns.get_mut(&conn) {
+            let handshake = matches!(
+                message,
+                Message::Hello { .. } | Message::Auth { .. } | Message::Bye
+            );
+            if state.peer.is_none() && !handshake {
+                // Nothing for a peer not admitted yet (with a secret: not proven yet).
+                state.held.push(message);
+                return;
+            }
+        }
         self.actions.push_back(Action::Send { conn, message });
     }
 
@@ -389,12 +422,17 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    fn hello(&self) -> Message {
+    /// This side's Hello on `conn` (its nonce is the connection's own).
+    fn hello(&self, conn: ConnId) -> Message {
         Message::Hello {
             name: self.me.name.clone(),
             incarnation: self.me.incarnation,
             host: self.me.host,
             listen: self.me.local_addr.to_string(),
+            nonce: self
+                .conns
+                .get(&conn)
+                .map_or([0; NONCE_LEN], |state| state.nonce),
         }
     }
 
@@ -446,6 +484,9 @@ impl<F: RailFabric> Core<F> {
                 dialed,
                 local_ip: None,
                 peer: None,
+                nonce: auth::nonce(),
+                unproven: None,
+                held: Vec::new(),
                 descriptors_asked: 0,
                 opened: now,
                 last_heard: now,
@@ -498,7 +539,7 @@ impl<F: RailFabric> Core<F> {
         let conn = self.new_conn(addr, true, now);
         self.dialed.insert(addr, conn);
         self.actions.push_back(Action::Dial { conn, addr });
-        self.send(conn, self.hello());
+        self.send(conn, self.hello(conn));
         self.ask_descriptor(conn);
         conn
     }
@@ -519,10 +560,18 @@ impl<F: RailFabric> Core<F> {
             .into_iter()
             .partition(|waiting| waiting.conn == conn);
         self.waiting = still_waiting;
+        let reason = if state.peer.is_none() && self.me.secret.is_some() {
+            format!(
+                "{reason}, before the cluster secret was proven both ways (has the peer the same \
+                 secret?)"
+            )
+        } else {
+            reason.to_string()
+        };
         for waiting in failed {
             let _ = waiting.reply.send(Err(ControlError::Unreachable {
                 addr: state.addr,
-                reason: reason.to_string(),
+                reason: reason.clone(),
             }));
         }
         let failing: Vec<(u16, EndpointId, Epoch)> = self
@@ -602,16 +651,23 @@ impl<F: RailFabric> Core<F> {
         let speaker = state.peer;
         let span = state.span.clone();
         let _entered = span.enter();
-        if speaker.is_none() && !matches!(message, Message::Hello { .. } | Message::Bye) {
+        let handshake = matches!(
+            message,
+            Message::Hello { .. } | Message::Auth { .. } | Message::Bye
+        );
+        if speaker.is_none() && !handshake {
+            if self.me.secret.is_some() {
+                return self.auth_failed(
+                    conn,
+                    "a message before the cluster secret was proven",
+                    now,
+                );
+            }
             return self.refuse(conn, "a message before Hello", now);
         }
         match message {
-            Message::Hello {
-                name,
-                incarnation,
-                host,
-                listen,
-            } => self.on_hello(conn, name, incarnation, host, &listen, now),
+            Message::Hello { .. } => self.on_hello(conn, message, now),
+            Message::Auth { mac } => self.on_auth(conn, &mac, now),
             Message::GetDescriptor => {
                 let descriptor = self.local_descriptor();
                 self.send(conn, Message::Descriptor(descriptor));
@@ -749,39 +805,128 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    fn on_hello(
-        &mut self,
-        conn: ConnId,
-        name: String,
-        incarnation: Incarnation,
-        host: HostId,
-        listen: &str,
-        now: Instant,
-    ) {
-        #[cfg(feature = "sabotage")]
-        let incarnation = self.mistake_identity(conn, incarnation);
-        let Some(state) = self.conns.get_mut(&conn) else {
+    /// A Hello on `conn`. Without a cluster secret its peer is admitted at once; with one,
+    /// the Hellos are exchanged first and the peer is admitted once both proofs are in
+    /// ([`Self::on_auth`]).
+    fn on_hello(&mut self, conn: ConnId, hello: Message, now: Instant) {
+        let Message::Hello { incarnation, .. } = hello else {
             return;
         };
-        match state.peer {
+        let Some(state) = self.conns.get(&conn) else {
+            return;
+        };
+        let said = match (state.peer, &state.unproven) {
+            (Some(peer), _) => Some(peer),
+            (None, Some(Message::Hello { incarnation, .. })) => Some(*incarnation),
+            (None, _) => None,
+        };
+        match said {
             Some(known) if known != incarnation => {
                 let reason = format!("a second Hello as {incarnation} after {known}");
                 return self.refuse(conn, &reason, now);
             }
             Some(_) => return,
-            None => state.peer = Some(incarnation),
+            None => {}
         }
+        let dialed = state.dialed;
+        if !dialed {
+            self.send(conn, self.hello(conn));
+        }
+        let Some(secret) = self.me.secret.clone() else {
+            return self.admit(conn, hello, now);
+        };
+        if let Some(state) = self.conns.get_mut(&conn) {
+            state.unproven = Some(hello.clone());
+        }
+        if dialed {
+            // The listener's Hello is in: the dialer proves first.
+            let proof = auth::prove(&secret, Role::Dialer, &self.hello(conn), &hello);
+            self.send(conn, Message::Auth { mac: proof });
+        }
+    }
+
+    /// A proof of the cluster secret on `conn`: checked against both Hellos; the listener
+    /// answers a good one with its own, and either side admits the peer once the other's
+    /// proof is good. Anything else closes the connection.
+    fn on_auth(&mut self, conn: ConnId, proof: &[u8; MAC_LEN], now: Instant) {
+        let Some(secret) = self.me.secret.clone() else {
+            return self.refuse(conn, "an Auth, but this process has no cluster secret", now);
+        };
+        let Some(state) = self.conns.get(&conn) else {
+            return;
+        };
+        let Some(theirs) = state.unproven.clone() else {
+            return self.auth_failed(conn, "an Auth before Hello, or a second one", now);
+        };
+        let mine = self.hello(conn);
+        let (role, dialer_hello, listener_hello) = if state.dialed {
+            (Role::Listener, &mine, &theirs)
+        } else {
+            (Role::Dialer, &theirs, &mine)
+        };
+        if !auth::verify(&secret, role, dialer_hello, listener_hello, proof) {
+            return self.auth_failed(conn, "a wrong proof of the cluster secret", now);
+        }
+        if !state.dialed {
+            let answer = auth::prove(&secret, Role::Listener, &theirs, &mine);
+            self.send(conn, Message::Auth { mac: answer });
+        }
+        if let Some(state) = self.conns.get_mut(&conn) {
+            state.unproven = None;
+        }
+        self.admit(conn, theirs, now);
+    }
+
+    /// Closes `conn`, whose peer did not prove the cluster secret: counted apart, and a
+    /// warning names the address.
+    fn auth_failed(&mut self, conn: ConnId, reason: &str, now: Instant) {
+        let Some(state) = self.conns.get(&conn) else {
+            return;
+        };
+        bump(&self.shared.counters.auth_failures);
+        state.span.in_scope(|| {
+            warning!(
+                self,
+                Auth,
+                addr = %state.addr,
+                reason,
+                "closing a control connection whose peer did not prove the cluster secret"
+            );
+        });
+        self.closed(conn, reason, now);
+    }
+
+    /// The peer of `conn`, whose Hello was `hello`, is who it said (and, with a cluster
+    /// secret, a member): it is known from now on, and what waited for it goes out.
+    fn admit(&mut self, conn: ConnId, hello: Message, now: Instant) {
+        let Message::Hello {
+            name,
+            incarnation,
+            host,
+            listen,
+            ..
+        } = hello
+        else {
+            return;
+        };
+        #[cfg(feature = "sabotage")]
+        let incarnation = self.mistake_identity(conn, incarnation);
+        let Some(state) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        state.peer = Some(incarnation);
         state.span.record("peer", name.as_str());
         state.span.record("incarnation", display(incarnation));
         tracing::info!(target: "railyard::control", listen, "peer said Hello");
         let (dialed, addr) = (state.dialed, state.addr);
-        if !dialed {
-            self.send(conn, self.hello());
+        let held = std::mem::take(&mut state.held);
+        for message in held {
+            self.send(conn, message);
         }
         let listen = if dialed {
             Some(addr)
         } else {
-            announced_listener(listen, addr)
+            announced_listener(&listen, addr)
         };
         self.peers
             .insert(incarnation, PeerInfo { name, host, listen });

@@ -169,6 +169,7 @@ impl Net {
                 incarnation,
                 local_addr: addr,
                 host: HostId::default(),
+                secret: None,
             },
             policy,
             incarnation.0,
@@ -405,6 +406,7 @@ fn hello_from(name: &str, incarnation: u64) -> Message {
         incarnation: Incarnation(incarnation),
         host: HostId::default(),
         listen: String::new(),
+        nonce: [0; crate::wire::NONCE_LEN],
     }
 }
 
@@ -1338,4 +1340,240 @@ fn a_lost_lease_does_not_fail_a_peer_that_still_answers() {
     net.stop(target);
     let took = until_circuit_opens(&mut net, &view, Duration::from_secs(3));
     assert!(took.is_some(), "liveness still applies");
+}
+
+// ---- the cluster secret -------------------------------------------------------------------
+
+fn secret(byte: u8) -> ClusterSecret {
+    ClusterSecret::new(vec![byte; 32]).expect("long enough")
+}
+
+impl Net {
+    /// Gives process `index` the cluster secret `secret`.
+    fn with_secret(&mut self, index: usize, secret: ClusterSecret) {
+        self.procs[index].core.me.secret = Some(secret);
+    }
+
+    /// Every message delivered until the network settles, as (to, message).
+    fn settle_recording(&mut self) -> Vec<(usize, Message)> {
+        let log = std::cell::RefCell::new(Vec::new());
+        self.settle_holding(|to, message| {
+            log.borrow_mut().push((to, message.clone()));
+            false
+        });
+        log.into_inner()
+    }
+}
+
+/// A target and an initiator with the given secrets; the initiator connects:
+/// (network, target, initiator, answer, what was delivered).
+fn pair_with_secrets(
+    target_secret: Option<ClusterSecret>,
+    initiator_secret: Option<ClusterSecret>,
+) -> (Net, usize, usize, Answer, Vec<(usize, Message)>) {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let initiator = net.spawn("prefill", addr(2, 7000), 20, 1);
+    if let Some(secret) = target_secret {
+        net.with_secret(target, secret);
+    }
+    if let Some(secret) = initiator_secret {
+        net.with_secret(initiator, secret);
+    }
+    let answer = net.connect(initiator, addr(1, 7000));
+    let delivered = net.settle_recording();
+    (net, target, initiator, answer, delivered)
+}
+
+#[test]
+fn members_with_the_same_secret_prove_it_both_ways_and_connect() {
+    let (net, target, initiator, answer, delivered) =
+        pair_with_secrets(Some(secret(1)), Some(secret(1)));
+    ready(&answer);
+    let auths: Vec<usize> = delivered
+        .iter()
+        .filter(|(_, message)| matches!(message, Message::Auth { .. }))
+        .map(|&(to, _)| to)
+        .collect();
+    assert_eq!(auths, vec![target, initiator], "the dialer proves first");
+    // Nothing but Hello and Auth reached either side before both proofs.
+    let first_other = delivered
+        .iter()
+        .position(|(_, m)| !matches!(m, Message::Hello { .. } | Message::Auth { .. }))
+        .expect("the handshake went on");
+    let last_auth = delivered
+        .iter()
+        .rposition(|(_, m)| matches!(m, Message::Auth { .. }))
+        .expect("proofs");
+    assert!(last_auth < first_other, "{delivered:?}");
+    assert_eq!(net.stats(target).auth_failures, 0);
+    assert_eq!(net.stats(target).passive_qps, 1);
+}
+
+#[test]
+fn a_peer_with_another_secret_or_none_gets_nothing_and_is_counted() {
+    for initiator_secret in [Some(secret(2)), None] {
+        let (net, target, initiator, answer, delivered) =
+            pair_with_secrets(Some(secret(1)), initiator_secret.clone());
+        assert!(
+            !matches!(answer.try_recv(), Ok(Ok(_))),
+            "no endpoint for {initiator_secret:?}"
+        );
+        let answered = delivered.iter().any(|(to, message)| {
+            *to == initiator
+                && matches!(
+                    message,
+                    Message::Descriptor(_) | Message::ConnectQpReply { .. }
+                )
+        });
+        assert!(
+            !answered,
+            "the target answered before a proof: {delivered:?}"
+        );
+        assert_eq!(net.stats(target).auth_failures, 1, "{initiator_secret:?}");
+        assert_eq!(net.stats(target).passive_qps, 0);
+        assert_eq!(net.stats(target).warnings[WarningKind::Auth.index()], 1);
+    }
+}
+
+#[test]
+fn a_listener_without_the_secret_is_not_taken_for_a_member() {
+    let (net, target, initiator, answer, delivered) = pair_with_secrets(None, Some(secret(1)));
+    assert!(!matches!(answer.try_recv(), Ok(Ok(_))));
+    // The initiator sent nothing but its Hello and its proof: no GetDescriptor, no ConnectQp.
+    let sent: Vec<&Message> = delivered
+        .iter()
+        .filter(|(to, _)| *to == target)
+        .map(|(_, message)| message)
+        .collect();
+    assert!(
+        sent.iter()
+            .all(|m| matches!(m, Message::Hello { .. } | Message::Auth { .. })),
+        "{sent:?}"
+    );
+    assert_eq!(net.stats(initiator).active_qps, 0);
+}
+
+#[test]
+fn a_recorded_handshake_replayed_on_another_connection_fails() {
+    let (mut net, target, initiator, answer, delivered) =
+        pair_with_secrets(Some(secret(1)), Some(secret(1)));
+    ready(&answer);
+    let recorded: Vec<Message> = delivered
+        .iter()
+        .filter(|(to, m)| {
+            *to == target && matches!(m, Message::Hello { .. } | Message::Auth { .. })
+        })
+        .map(|(_, m)| m.clone())
+        .collect();
+    assert_eq!(recorded.len(), 2, "the initiator's Hello and proof");
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    let conn = core.accepted(addr(9, 9999), addr(1, 7000).ip(), now);
+    for message in recorded {
+        core.received(conn, message, now);
+    }
+    net.pump();
+    assert_eq!(net.stats(target).auth_failures, 1);
+    assert_eq!(net.stats(initiator).auth_failures, 0);
+}
+
+#[test]
+fn messages_before_the_proof_are_refused_not_answered() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    net.with_secret(target, secret(1));
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    let conn = core.accepted(addr(9, 9999), addr(1, 7000).ip(), now);
+    core.received(conn, hello_from("raw", 99), now);
+    core.received(conn, Message::GetDescriptor, now);
+    let mut sent = Vec::new();
+    while let Some(action) = core.next_action() {
+        if let Action::Send { message, .. } = action {
+            sent.push(message);
+        }
+    }
+    assert!(
+        sent.iter().all(|m| matches!(m, Message::Hello { .. })),
+        "only the target's Hello went out: {sent:?}"
+    );
+    assert_eq!(net.stats(target).auth_failures, 1);
+}
+
+mod unproven_peers {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::wire::{MAC_LEN, WireKey};
+
+    /// One message a peer that does not hold the secret might send.
+    fn message() -> impl Strategy<Value = Message> {
+        let key = (any::<u64>(), any::<u64>()).prop_map(|(initiator, target)| WireKey {
+            initiator: Incarnation(initiator),
+            target: Incarnation(target),
+            initiator_rail: 0,
+            target_rail: 0,
+        });
+        prop_oneof![
+            (any::<u64>(), any::<[u8; NONCE_LEN]>()).prop_map(|(incarnation, nonce)| {
+                Message::Hello {
+                    name: "intruder".into(),
+                    incarnation: Incarnation(incarnation),
+                    host: HostId::default(),
+                    listen: String::new(),
+                    nonce,
+                }
+            }),
+            any::<[u8; MAC_LEN]>().prop_map(|mac| Message::Auth { mac }),
+            Just(Message::GetDescriptor),
+            (key.clone(), any::<u64>()).prop_map(|(key, epoch)| Message::ConnectQp {
+                key,
+                epoch,
+                handshake: 1,
+                side: qp_side(7),
+            }),
+            (key, any::<u32>()).prop_map(|(key, qp_num)| Message::RetireQp {
+                key,
+                epoch: 1,
+                qp_num,
+            }),
+            any::<u64>().prop_map(|target| Message::Notify {
+                target: Incarnation(target),
+                bytes: vec![1, 2, 3],
+            }),
+            any::<u64>().prop_map(|nonce| Message::Ping { nonce }),
+        ]
+    }
+
+    proptest! {
+        /// Whatever a peer without the secret sends, in whatever order, the target answers
+        /// with nothing but its own Hello and makes no queue pair.
+        #[test]
+        fn a_peer_without_the_secret_hears_nothing_but_hello(
+            said in prop::collection::vec(message(), 1..12)
+        ) {
+            let mut net = Net::new();
+            let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+            net.with_secret(target, secret(1));
+            let now = net.now;
+            let core = &mut net.procs[target].core;
+            let conn = core.accepted(addr(9, 9999), addr(1, 7000).ip(), now);
+            for message in said {
+                core.received(conn, message, now);
+            }
+            let mut sent = Vec::new();
+            while let Some(action) = core.next_action() {
+                if let Action::Send { message, .. } = action {
+                    sent.push(message);
+                }
+            }
+            prop_assert!(
+                sent.iter().all(|m| matches!(m, Message::Hello { .. })),
+                "{:?}", sent
+            );
+            prop_assert_eq!(net.stats(target).passive_qps, 0);
+            prop_assert_eq!(net.stats(target).notifications_received, 0);
+        }
+    }
 }

@@ -12,13 +12,17 @@
 //!   reaches it;
 //! - with feature `etcd`, the cluster directory on etcd (`etcd`).
 //!
+//! - cluster authentication ([`auth`]): a shared secret proven on every control connection.
+//!
 //! It talks to pollers only by sending commands over rings and reading their events; it
-//! never touches a queue pair a poller owns, and its state machines do not read the clock,
-//! open sockets or draw randomness of their own.
+//! never touches a queue pair a poller owns, and its state machines do not read the clock or
+//! open sockets; their randomness is seeded, except the nonces that authentication needs
+//! fresh from the kernel.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod auth;
 pub mod descriptor;
 pub mod directory;
 mod driver;
@@ -36,6 +40,7 @@ pub mod shared;
 pub mod warn;
 pub mod wire;
 
+pub use auth::{ClusterSecret, SecretError};
 pub use descriptor::{RailDescriptor, RegionDescriptor, SegmentDescriptor};
 pub use directory::{Directory, P2pDirectory};
 pub use endpoint::{Endpoint, EndpointKey, EndpointStats, Incarnation, Input, Output, Phase};

@@ -42,6 +42,7 @@ pub use crate::shared::{
     ControlShared, ControlStats, EndpointView, Notification, NotificationBody,
 };
 
+use crate::auth::ClusterSecret;
 use crate::descriptor::{RailDescriptor, SegmentDescriptor};
 use crate::driver::{Driver, DriverParts, Request};
 use crate::endpoint::Incarnation;
@@ -69,6 +70,9 @@ pub struct ControlConfig {
     pub seed: u64,
     /// The incarnation; `None` draws a random one.
     pub incarnation: Option<Incarnation>,
+    /// The cluster secret: peers must prove it before anything else is answered, and this
+    /// side proves it to them ([`crate::auth`]). `None`: peers are not authenticated.
+    pub secret: Option<ClusterSecret>,
 }
 
 impl ControlConfig {
@@ -81,6 +85,7 @@ impl ControlConfig {
             policy: Policy::default(),
             seed: 0,
             incarnation: None,
+            secret: None,
         }
     }
 }
@@ -188,6 +193,7 @@ impl ControlPlane {
             incarnation,
             local_addr,
             host: HostId::this_process(),
+            secret: config.secret.clone(),
         };
         let core = Core::new(
             me,

@@ -193,6 +193,9 @@ pub struct ControlStats {
     /// Connections closed for breaking a bound (output not read, a frame never finished)
     /// or the protocol (a message before Hello, a second identity).
     pub connections_closed: u64,
+    /// Control connections closed because their peer did not prove the cluster secret
+    /// (no proof, a wrong one, or a message before it).
+    pub auth_failures: u64,
     /// Times the listener stopped accepting at a cap (connections, handshakes) or because
     /// the process ran out of file descriptors.
     pub accept_pauses: u64,
@@ -287,6 +290,7 @@ pub(crate) struct Counters {
     pub(crate) notifications_discarded: AtomicU64,
     pub(crate) stray_replies: AtomicU64,
     pub(crate) connections_closed: AtomicU64,
+    pub(crate) auth_failures: AtomicU64,
     pub(crate) accept_pauses: AtomicU64,
     pub(crate) unreachable_peers: AtomicU64,
     pub(crate) last_detection_ms: AtomicU64,
@@ -604,6 +608,7 @@ impl ControlShared {
             notifications_discarded: get(&c.notifications_discarded),
             stray_replies: get(&c.stray_replies),
             connections_closed: get(&c.connections_closed),
+            auth_failures: get(&c.auth_failures),
             accept_pauses: get(&c.accept_pauses),
             unreachable_peers: get(&c.unreachable_peers),
             last_detection_ms: get(&c.last_detection_ms),

@@ -22,17 +22,20 @@ pub enum WarningKind {
     Directory,
     /// A connection was closed for breaking a bound or the protocol, or the listener paused.
     Connection,
+    /// A peer did not prove the cluster secret.
+    Auth,
 }
 
 impl WarningKind {
     /// Every kind, in the order of [`Self::index`].
-    pub const ALL: [WarningKind; 6] = [
+    pub const ALL: [WarningKind; 7] = [
         Self::Reconnect,
         Self::Retire,
         Self::Handshake,
         Self::Circuit,
         Self::Directory,
         Self::Connection,
+        Self::Auth,
     ];
 
     /// The value of the `kind` field (and of the `kind` label of the warnings metric).
@@ -44,6 +47,7 @@ impl WarningKind {
             Self::Circuit => "circuit",
             Self::Directory => "directory",
             Self::Connection => "connection",
+            Self::Auth => "auth",
         }
     }
 

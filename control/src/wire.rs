@@ -19,7 +19,7 @@ use crate::host::HostId;
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RYCP";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// Header bytes.
 pub const HEADER_LEN: usize = 12;
 /// Largest body accepted.
@@ -30,6 +30,10 @@ pub const MAX_STRING: usize = 4096;
 pub const MAX_NOTIFY: usize = MAX_BODY - 12;
 /// Longest fabric attachment.
 pub const MAX_ATTACHMENT: usize = 1024;
+/// Bytes of a Hello's nonce.
+pub const NONCE_LEN: usize = 32;
+/// Bytes of an Auth's MAC (HMAC-SHA256).
+pub const MAC_LEN: usize = 32;
 
 /// Which endpoint a ConnectQp is for: the dialer's incarnation, the listener incarnation the
 /// dialer means (a process that took over the address refuses what was meant for its
@@ -71,6 +75,18 @@ pub enum Message {
         /// address the connection comes from); empty when it does not listen. A new
         /// incarnation announcing an address means the one that listened there is gone.
         listen: String,
+        /// Fresh random bytes for this connection: with a cluster secret, each side's
+        /// [`Message::Auth`] covers both sides' Hellos, nonces included, so a recorded
+        /// handshake proves nothing on another connection.
+        nonce: [u8; NONCE_LEN],
+    },
+    /// Proof of the cluster secret (sent only when the process has one): HMAC-SHA256 under
+    /// the secret over the role of the sender and both sides' Hellos of this connection
+    /// ([`crate::auth`]). The dialer proves first; nothing but Hello, Auth and Bye is
+    /// accepted before both sides have.
+    Auth {
+        /// The MAC.
+        mac: [u8; MAC_LEN],
     },
     /// Asks for the listener's segment descriptor.
     GetDescriptor,
@@ -192,6 +208,7 @@ const BYE: u16 = 7;
 const RETIRE_QP: u16 = 8;
 const PING: u16 = 9;
 const PONG: u16 = 10;
+const AUTH: u16 = 11;
 
 /// Appends fields to a body.
 #[derive(Default)]
@@ -394,6 +411,7 @@ impl Message {
                 incarnation,
                 host,
                 listen,
+                nonce,
             } => {
                 body.string(name);
                 body.u64(incarnation.0);
@@ -402,7 +420,16 @@ impl Message {
                 }
                 body.u64(host.pid_namespace);
                 body.string(listen);
+                for &byte in nonce {
+                    body.u8(byte);
+                }
                 HELLO
+            }
+            Self::Auth { mac } => {
+                for &byte in mac {
+                    body.u8(byte);
+                }
+                AUTH
             }
             Self::GetDescriptor => GET_DESCRIPTOR,
             Self::Descriptor(descriptor) => {
@@ -487,6 +514,10 @@ impl Message {
                     pid_namespace: r.u64("pid namespace")?,
                 },
                 listen: r.string("listen address")?,
+                nonce: r.array("nonce")?,
+            },
+            AUTH => Self::Auth {
+                mac: r.array("auth mac")?,
             },
             GET_DESCRIPTOR => Self::GetDescriptor,
             DESCRIPTOR => Self::Descriptor(read_descriptor(&mut r)?),
@@ -587,7 +618,7 @@ impl Default for FrameDecoder {
 
 /// The largest body a Hello can have (a name and an address of [`MAX_STRING`] bytes and the
 /// fixed fields): what a connection's first frame may declare.
-pub const MAX_HELLO_BODY: usize = 2 * (4 + MAX_STRING) + 8 + 16 + 8;
+pub const MAX_HELLO_BODY: usize = 2 * (4 + MAX_STRING) + 8 + 16 + 8 + NONCE_LEN;
 
 /// The most bytes a [`FrameDecoder`] buffers: one header and the largest body.
 pub const FRAME_BOUND: usize = HEADER_LEN + MAX_BODY;
@@ -766,17 +797,22 @@ mod tests {
                 any::<u64>(),
                 any::<[u8; 16]>(),
                 any::<u64>(),
-                "[0-9.:]{0,21}"
+                "[0-9.:]{0,21}",
+                any::<[u8; NONCE_LEN]>(),
             )
-                .prop_map(|(name, i, boot_id, pid_namespace, listen)| Message::Hello {
-                    name,
-                    incarnation: Incarnation(i),
-                    host: HostId {
-                        boot_id,
-                        pid_namespace,
-                    },
-                    listen,
+                .prop_map(|(name, i, boot_id, pid_namespace, listen, nonce)| {
+                    Message::Hello {
+                        name,
+                        incarnation: Incarnation(i),
+                        host: HostId {
+                            boot_id,
+                            pid_namespace,
+                        },
+                        listen,
+                        nonce,
+                    }
                 }),
+            any::<[u8; MAC_LEN]>().prop_map(|mac| Message::Auth { mac }),
             Just(Message::GetDescriptor),
             descriptor().prop_map(Message::Descriptor),
             (key(), any::<u64>(), any::<u64>(), side()).prop_map(
@@ -880,6 +916,7 @@ mod tests {
             incarnation: Incarnation(1),
             host: HostId::default(),
             listen: "1".repeat(MAX_STRING),
+            nonce: [7; NONCE_LEN],
         }
         .encode();
         assert_eq!(

@@ -29,6 +29,7 @@ fn hello(incarnation: u64) -> Vec<u8> {
         incarnation: Incarnation(incarnation),
         host: HostId::this_process(),
         listen: String::new(),
+        nonce: [0; railyard_control::wire::NONCE_LEN],
     }
     .encode()
 }

@@ -39,6 +39,7 @@ fn a_speaker_gets_in_past_silent_connections_at_the_cap() {
         incarnation: Incarnation(7),
         host: HostId::this_process(),
         listen: String::new(),
+        nonce: [0; railyard_control::wire::NONCE_LEN],
     };
     speaker.write_all(&hello.encode()).expect("writes");
     let mut decoder = FrameDecoder::default();

@@ -348,7 +348,7 @@ fn first_failure(batch: &NativeBatch, session_id: &str, transfers: &[RawTransfer
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (name=None, *, listen="0.0.0.0:0", advertise_host=None, fabric="auto", directory="p2p", timeout_s=30.0, rails=None, busy_poll=true, ofi_provider=None))]
+    #[pyo3(signature = (name=None, *, listen="0.0.0.0:0", advertise_host=None, fabric="auto", directory="p2p", timeout_s=30.0, rails=None, busy_poll=true, ofi_provider=None, secret_file=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -361,6 +361,7 @@ impl Engine {
         rails: Option<usize>,
         busy_poll: bool,
         ofi_provider: Option<String>,
+        secret_file: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         // Unique within the process too: two engines of one process are two peers.
         let name = name.unwrap_or_else(|| {
@@ -406,6 +407,14 @@ impl Engine {
                 return Err(PyValueError::new_err("ofi_provider is for fabric=\"ofi\""));
             }
             builder = builder.ofi(provider);
+        }
+        // As the CLI: the argument, else RAILYARD_SECRET_FILE.
+        let secret_file =
+            secret_file.or_else(|| std::env::var_os("RAILYARD_SECRET_FILE").map(Into::into));
+        if let Some(path) = secret_file {
+            let secret = railyard::engine::ClusterSecret::from_file(&path)
+                .map_err(|error| PyValueError::new_err(error.to_string()))?;
+            builder = builder.secret(secret);
         }
         if let Some(host) = advertise_host {
             let ip: IpAddr = match host.parse() {

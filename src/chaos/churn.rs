@@ -127,6 +127,7 @@ pub fn handshake_once(
         incarnation,
         host: HostId::this_process(),
         listen: String::new(),
+        nonce: [0; railyard_control::wire::NONCE_LEN],
     }
     .encode();
     frames.extend(

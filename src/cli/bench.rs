@@ -86,6 +86,8 @@ pub(crate) struct BenchArgs {
     metrics: Option<SocketAddr>,
     #[command(flatten)]
     verbs: super::VerbsArgs,
+    #[command(flatten)]
+    secret: super::SecretArgs,
 }
 
 /// Largest block accepted.
@@ -172,6 +174,7 @@ fn start_target(args: &BenchArgs, rails: usize) -> anyhow::Result<(TargetChild, 
     if let Some(provider) = &args.verbs.ofi_provider {
         command.args(["--ofi-provider", provider]);
     }
+    command.args(args.secret.options());
     let mut child = TargetChild(command.spawn().context("starting the target process")?);
     let stdout = child.0.stdout.take().context("the target's stdout")?;
     let (lines, first) = mpsc::channel();
@@ -454,6 +457,7 @@ fn tcp_fabric_ceiling(args: &BenchArgs) -> anyhow::Result<Ceiling> {
     if let Some(rails) = args.rails {
         command.args(["--rails", &rails.to_string()]);
     }
+    command.args(args.secret.options());
     let output = command
         .stderr(Stdio::inherit())
         .output()
@@ -616,7 +620,10 @@ fn tcp_ceiling(
             Some(target) => {
                 let sink = railyard::dataplane::fabric::tcp::open_sink(target, CEILING_STALL)
                     .with_context(|| {
-                        format!("opening a raw stream to the target's TCP port {target}")
+                        format!(
+                            "opening a raw stream to the target's TCP port {target} (the target \
+                             must run `railyard serve --accept-sinks` for this ceiling)"
+                        )
                     })?;
                 (sink, None)
             }
@@ -666,7 +673,13 @@ fn tcp_ceiling(
             }
             Ok(moved)
         };
-        send_for(TCP_CEILING_WARM_UP)?;
+        send_for(TCP_CEILING_WARM_UP).with_context(|| match remote {
+            Some(target) => format!(
+                "the target's TCP port {target} closed the raw stream (a target takes one only \
+                 with `railyard serve --accept-sinks`)"
+            ),
+            None => "the ceiling's stream failed".into(),
+        })?;
         let mut best = 0.0f64;
         for _ in 0..TCP_CEILING_ROUNDS {
             let started = Instant::now();
@@ -861,8 +874,8 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         None if args.fabric == FabricChoice::Ofi => Some(tcp_fabric_ceiling(args)?),
         None => {
             let ceiling_engine = args
-                .verbs
-                .apply(Engine::builder(format!("{name}-ceiling")))
+                .secret
+                .apply(args.verbs.apply(Engine::builder(format!("{name}-ceiling"))))?
                 .fabric(args.fabric)
                 .rails(rails)
                 .idle(IdleStrategy::SpinThenPark {
@@ -885,8 +898,8 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
     };
     let engine = args
-        .verbs
-        .apply(Engine::builder(name))
+        .secret
+        .apply(args.verbs.apply(Engine::builder(name)))?
         .fabric(args.fabric)
         .rails(rails)
         .directory(args.directory.clone())

@@ -118,6 +118,41 @@ fn parse_directory(text: &str) -> Result<railyard::engine::DirectoryChoice, Stri
     }
 }
 
+/// The cluster secret of `serve` and `bench`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct SecretArgs {
+    /// A file holding the cluster's secret (at least 16 bytes; a trailing newline is not
+    /// part of it): peers must prove they hold the same before anything is answered, and
+    /// this process proves it to them. Without one, peers are not authenticated (a warning
+    /// says so).
+    #[arg(long, value_name = "PATH", env = "RAILYARD_SECRET_FILE")]
+    pub(crate) secret_file: Option<std::path::PathBuf>,
+}
+
+impl SecretArgs {
+    /// `builder` with the secret, if one was given.
+    ///
+    /// # Errors
+    /// The file cannot be read, or holds too short a secret.
+    pub(crate) fn apply(
+        &self,
+        builder: railyard::engine::EngineBuilder,
+    ) -> anyhow::Result<railyard::engine::EngineBuilder> {
+        let Some(path) = &self.secret_file else {
+            return Ok(builder);
+        };
+        Ok(builder.secret(railyard::engine::ClusterSecret::from_file(path)?))
+    }
+
+    /// The options that give a child process the same secret.
+    pub(crate) fn options(&self) -> Vec<std::ffi::OsString> {
+        self.secret_file
+            .iter()
+            .flat_map(|path| ["--secret-file".into(), path.clone().into_os_string()])
+            .collect()
+    }
+}
+
 /// Verbs and libfabric rail settings shared by `serve` and `bench` (ignored on the soft
 /// fabric).
 #[derive(Debug, clap::Args)]

@@ -43,7 +43,7 @@ pub(crate) struct ServeArgs {
     /// same memory) → `region NEWID 0xADDR LEN`; `deregister ID` → `deregistered ID`;
     /// `digest ID OFFSET LEN CHUNK` → `digest D...` (FNV-1a, one per CHUNK bytes); `stats` →
     /// `stats teardowns=N reconnects=N passive_qps=N idempotent_replies=N
-    /// warnings=N` (the control plane's counters); a command that cannot be done →
+    /// warnings=N auth_failures=N` (the control plane's counters); a command that cannot be done →
     /// `error: WHY`. The pool is the region the first line names.
     #[arg(long)]
     until_stdin_closes: bool,
@@ -53,6 +53,12 @@ pub(crate) struct ServeArgs {
     metrics: Option<SocketAddr>,
     #[command(flatten)]
     verbs: super::VerbsArgs,
+    #[command(flatten)]
+    secret: super::SecretArgs,
+    /// Read and discard a raw byte stream on the TCP data port: the ceiling `railyard bench`
+    /// measures against a target on another host. Bound to no handshake: for benchmarks only.
+    #[arg(long)]
+    accept_sinks: bool,
 }
 
 pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
@@ -66,9 +72,10 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
     let name = args.name.clone().unwrap_or_else(|| default_name("serve"));
     let engine = args
-        .verbs
-        .apply(Engine::builder(name))
+        .secret
+        .apply(args.verbs.apply(Engine::builder(name)))?
         .listen(args.listen)
+        .accept_tcp_sinks(args.accept_sinks)
         .fabric(args.fabric)
         .rails(rails)
         .directory(args.directory.clone())
@@ -282,12 +289,14 @@ fn command(engine: &Engine, regions: &mut HashMap<u64, Region>, line: &str) -> S
             Some("stats") => {
                 let control = engine.stats().control;
                 Ok(format!(
-                    "stats teardowns={} reconnects={} passive_qps={} idempotent_replies={} warnings={}",
+                    "stats teardowns={} reconnects={} passive_qps={} idempotent_replies={} \
+                     warnings={} auth_failures={}",
                     control.teardowns,
                     control.reconnects,
                     control.passive_qps,
                     control.idempotent_replies,
-                    control.warnings_total()
+                    control.warnings_total(),
+                    control.auth_failures
                 ))
             }
             _ => Err(format!("unknown command {line:?}")),

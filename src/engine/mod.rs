@@ -58,6 +58,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant};
 
+pub use railyard_control::{ClusterSecret, SecretError};
 use railyard_control::{
     ControlConfig, ControlPlane, ControlShared, ControlStats, EndpointView, HostMode, Incarnation,
     Notification, Policy, RegionDescriptor, SegmentDescriptor,
@@ -118,6 +119,8 @@ pub struct EngineBuilder {
     verbs: RailConfig,
     ofi: Option<String>,
     directory: DirectoryChoice,
+    secret: Option<ClusterSecret>,
+    accept_tcp_sinks: bool,
 }
 
 /// Where an engine finds its peers.
@@ -226,6 +229,26 @@ impl EngineBuilder {
     #[must_use]
     pub fn ofi(mut self, provider: impl Into<String>) -> Self {
         self.ofi = Some(provider.into());
+        self
+    }
+
+    /// The cluster secret (default: none, and a warning at start that peers are not
+    /// authenticated). With one, every control connection starts with a mutual proof of it
+    /// (HMAC-SHA256 over both sides' fresh nonces, incarnations and addresses), and nothing
+    /// — no descriptor, no queue pair, no notification — is answered before it succeeds.
+    /// Every process of the cluster needs the same secret.
+    #[must_use]
+    pub fn secret(mut self, secret: ClusterSecret) -> Self {
+        self.secret = Some(secret);
+        self
+    }
+
+    /// Whether the TCP data ports read and discard a raw byte stream (default: no), which
+    /// `railyard bench` uses as its ceiling against a target on another host. Such a stream
+    /// is bound to no handshake: leave it off outside benchmarks.
+    #[must_use]
+    pub fn accept_tcp_sinks(mut self, accept: bool) -> Self {
+        self.accept_tcp_sinks = accept;
         self
     }
 
@@ -373,8 +396,18 @@ impl EngineBuilder {
             listen: self.listen,
             advertise,
             policy: self.policy.clone(),
+            secret: self.secret.clone(),
             ..ControlConfig::new(self.name.clone())
         };
+        if self.secret.is_none() {
+            tracing::warn!(
+                target: "railyard::engine",
+                engine = %self.name,
+                "peers are not authenticated: whoever reaches the handshake port can read this \
+                 engine's descriptor and connect queue pairs to its memory (give every process \
+                 of the cluster the same secret: --secret-file or RAILYARD_SECRET_FILE)"
+            );
+        }
         let started = if let Some(provider) = ofi {
             Rails::start_ofi(
                 &self.name,
@@ -400,10 +433,15 @@ impl EngineBuilder {
                 FabricChoice::Tcp => HostMode::Tcp,
                 FabricChoice::Auto | FabricChoice::Verbs | FabricChoice::Ofi => HostMode::Auto,
             };
+            let tcp = railyard_dataplane::fabric::tcp::TcpConfig {
+                accept_sinks: self.accept_tcp_sinks,
+                ..Default::default()
+            };
             Rails::start_host(
                 &self.name,
                 &planned,
                 (mode, self.listen.ip()),
+                &tcp,
                 self.idle,
                 control_config,
                 &shared,
@@ -784,6 +822,8 @@ impl Engine {
             verbs: RailConfig::default(),
             ofi: None,
             directory: DirectoryChoice::P2p,
+            secret: None,
+            accept_tcp_sinks: false,
         }
     }
 

@@ -134,11 +134,13 @@ fn start_all<R: RailFabric + Clone, F: Fabric + 'static>(
 
 impl Rails {
     /// Starts the planned rails as host rails: the soft fabric and TCP on one poller each,
-    /// TCP data ports on `bind`, initiating per `mode`.
+    /// TCP data ports on `bind` (set up as `tcp` says), initiating per `mode`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start_host(
         name: &str,
         planned: &[PlannedRail],
         (mode, bind): (HostMode, IpAddr),
+        tcp: &TcpConfig,
         idle: IdleStrategy,
         control: ControlConfig,
         shared: &Arc<ControlShared>,
@@ -152,8 +154,7 @@ impl Rails {
             |index, _| {
                 let soft = SoftDevice::open(format!("{name}-soft{index}"), SoftConfig::default())
                     .map_err(|e| e.to_string())?;
-                let tcp = TcpDevice::open(&soft, bind, TcpConfig::default())
-                    .map_err(|e| e.to_string())?;
+                let tcp = TcpDevice::open(&soft, bind, tcp.clone()).map_err(|e| e.to_string())?;
                 Ok(HostRail { soft, tcp, mode })
             },
             |_, rail: &HostRail| HostFabric::new(&rail.soft, &rail.tcp).map_err(|e| e.to_string()),

@@ -6,6 +6,7 @@ a 1-D NumPy array of ``uint64``/``int64`` is accepted too (read with its ``tolis
 the stable ABI this wheel is built for has no buffer protocol before Python 3.11).
 """
 
+import os
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol
@@ -94,9 +95,14 @@ class Engine:
             machines and tests.
         ofi_provider: The libfabric provider of ``fabric="ofi"``, as ``fi_info -l`` names
             it (``"efa"``, ``"tcp;ofi_rxm"``); default ``"efa"`` when present.
+        secret_file: A file holding the cluster's secret (at least 16 bytes; default:
+            ``$RAILYARD_SECRET_FILE``). Peers must prove they hold the same before this
+            engine answers anything, and it proves it to them; without one, peers are not
+            authenticated (a warning says so).
 
     Raises:
-        ValueError: An argument is malformed (unknown fabric, bad ``listen``).
+        ValueError: An argument is malformed (unknown fabric, bad ``listen``, a secret
+            file that cannot be read or is too short).
         RuntimeError: The engine could not start (port in use, fabric unavailable).
     """
 
@@ -112,6 +118,7 @@ class Engine:
         rails: int | None = None,
         busy_poll: bool = True,
         ofi_provider: str | None = None,
+        secret_file: str | os.PathLike[str] | None = None,
     ) -> None: ...
     @property
     def session_id(self) -> str:

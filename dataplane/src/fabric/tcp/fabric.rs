@@ -1100,7 +1100,8 @@ impl Served {
     }
 
     /// Reads the hello; once whole, becomes what it asks for (a target queue pair only if
-    /// its token is pending on this device).
+    /// its token is pending on this device; a sink only if the device accepts them) or is
+    /// closed, having allocated nothing.
     fn read_hello(&mut self, device: &TcpDevice, sink: &mut Vec<u8>) -> io::Result<usize> {
         let fd = self.fd();
         let Role::Hello { bytes, got, .. } = &mut self.role else {
@@ -1114,7 +1115,7 @@ impl Served {
             return Ok(read);
         }
         match Hello::decode(bytes) {
-            Ok(Hello::Sink) => {
+            Ok(Hello::Sink) if device.config().accept_sinks => {
                 if sink.is_empty() {
                     // Written once, so that no page faults in while a stream is timed.
                     *sink = vec![1; SINK_BUFFER];
@@ -1125,7 +1126,7 @@ impl Served {
                 Some(link) => self.role = Role::Target(Box::new(link)),
                 None => self.closed = true,
             },
-            Err(_) => self.closed = true,
+            Ok(Hello::Sink) | Err(_) => self.closed = true,
         }
         Ok(read)
     }

@@ -106,6 +106,10 @@ pub struct TcpConfig {
     pub socket_buffer: Option<usize>,
     /// Work requests a queue pair queues before `post` refuses more.
     pub send_queue_depth: usize,
+    /// Whether a raw byte stream (a sink hello: the bench's ceiling across hosts) is read
+    /// and discarded. Off by default: it is not bound to any handshake, and serving it costs
+    /// a 64 MiB buffer.
+    pub accept_sinks: bool,
 }
 
 impl Default for TcpConfig {
@@ -115,6 +119,7 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(2),
             socket_buffer: None,
             send_queue_depth: 16 * 1024,
+            accept_sinks: false,
         }
     }
 }

@@ -1,0 +1,220 @@
+//! Cluster authentication: a secret every member holds, proven on each control connection.
+//!
+//! With a [`ClusterSecret`], each side of a control connection puts fresh random bytes in its
+//! Hello, and then proves the secret with [`Message::Auth`]: HMAC-SHA256 under the secret over
+//! a domain label, the sender's role (dialer or listener) and both Hellos of this connection
+//! as encoded — names, incarnations, hosts, announced listeners and nonces. The dialer proves
+//! first; the listener answers with its own proof only once the dialer's checked out. A proof
+//! is bound to one connection's nonces, so a recorded handshake replayed on another
+//! connection fails, and each side's proof differs by role, so one cannot be reflected back.
+//! Proofs are compared in constant time. Until both proofs are in, the core answers nothing
+//! but Hello, Auth and Bye, and sends nothing else.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::wire::{MAC_LEN, Message, NONCE_LEN};
+
+/// What a proof is computed over first: the protocol and its version.
+const DOMAIN: &[u8] = b"railyard control-plane auth v1";
+
+/// The secret shared by a cluster's members. Its `Debug` shows its length, never its bytes.
+#[derive(Clone)]
+pub struct ClusterSecret(Arc<[u8]>);
+
+/// Why a secret cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// The secret file cannot be read.
+    #[error("cannot read the cluster secret from {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Too few bytes to be a secret.
+    #[error(
+        "a cluster secret of {len} bytes is too short: at least {} are needed (e.g. `head -c 32 /dev/urandom | base64 > FILE`)",
+        ClusterSecret::MIN_LEN
+    )]
+    TooShort {
+        /// Its length.
+        len: usize,
+    },
+}
+
+impl ClusterSecret {
+    /// The fewest bytes a secret may have.
+    pub const MIN_LEN: usize = 16;
+
+    /// A secret of these bytes.
+    ///
+    /// # Errors
+    /// [`SecretError::TooShort`] under [`Self::MIN_LEN`] bytes.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Self, SecretError> {
+        let bytes: Vec<u8> = bytes.into();
+        if bytes.len() < Self::MIN_LEN {
+            return Err(SecretError::TooShort { len: bytes.len() });
+        }
+        Ok(Self(bytes.into()))
+    }
+
+    /// The secret in the file at `path`: its bytes, without trailing whitespace (the newline
+    /// an editor or `echo` adds).
+    ///
+    /// # Errors
+    /// [`SecretError::Read`] when it cannot be read; [`SecretError::TooShort`].
+    pub fn from_file(path: &Path) -> Result<Self, SecretError> {
+        let mut bytes = std::fs::read(path).map_err(|source| SecretError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        while bytes.last().is_some_and(u8::is_ascii_whitespace) {
+            bytes.pop();
+        }
+        Self::new(bytes)
+    }
+
+    fn keyed(&self) -> Hmac<Sha256> {
+        // HMAC takes keys of any length.
+        Hmac::<Sha256>::new_from_slice(&self.0).unwrap_or_else(|_| unreachable!())
+    }
+}
+
+impl fmt::Debug for ClusterSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ClusterSecret({} bytes)", self.0.len())
+    }
+}
+
+/// Which side of a control connection a proof comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    Dialer,
+    Listener,
+}
+
+/// The MAC over `role` and the connection's Hellos under `secret`.
+fn keyed_transcript(
+    secret: &ClusterSecret,
+    role: Role,
+    dialer_hello: &Message,
+    listener_hello: &Message,
+) -> Hmac<Sha256> {
+    let mut mac = secret.keyed();
+    mac.update(DOMAIN);
+    mac.update(&[match role {
+        Role::Dialer => 0,
+        Role::Listener => 1,
+    }]);
+    for hello in [dialer_hello, listener_hello] {
+        let frame = hello.encode();
+        mac.update(&(frame.len() as u64).to_le_bytes());
+        mac.update(&frame);
+    }
+    mac
+}
+
+/// The proof `role` sends on a connection whose Hellos were these.
+pub(crate) fn prove(
+    secret: &ClusterSecret,
+    role: Role,
+    dialer_hello: &Message,
+    listener_hello: &Message,
+) -> [u8; MAC_LEN] {
+    keyed_transcript(secret, role, dialer_hello, listener_hello)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Whether `proof` is `role`'s proof on a connection whose Hellos were these (in constant
+/// time).
+pub(crate) fn verify(
+    secret: &ClusterSecret,
+    role: Role,
+    dialer_hello: &Message,
+    listener_hello: &Message,
+    proof: &[u8; MAC_LEN],
+) -> bool {
+    keyed_transcript(secret, role, dialer_hello, listener_hello)
+        .verify_slice(proof)
+        .is_ok()
+}
+
+/// Fresh random bytes for a Hello, from the kernel.
+pub(crate) fn nonce() -> [u8; NONCE_LEN] {
+    let mut bytes = [0u8; NONCE_LEN];
+    for chunk in bytes.chunks_mut(8) {
+        chunk.copy_from_slice(&crate::random::random_u64().to_le_bytes());
+    }
+    bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::Incarnation;
+    use crate::host::HostId;
+
+    fn hello(incarnation: u64, nonce: u8) -> Message {
+        Message::Hello {
+            name: "peer".into(),
+            incarnation: Incarnation(incarnation),
+            host: HostId::default(),
+            listen: "127.0.0.1:1".into(),
+            nonce: [nonce; NONCE_LEN],
+        }
+    }
+
+    #[test]
+    fn a_proof_holds_for_its_role_secret_and_hellos_only() {
+        let secret = ClusterSecret::new(*b"0123456789abcdef").expect("long enough");
+        let (dialer, listener) = (hello(1, 1), hello(2, 2));
+        let proof = prove(&secret, Role::Dialer, &dialer, &listener);
+        assert!(verify(&secret, Role::Dialer, &dialer, &listener, &proof));
+        assert!(!verify(&secret, Role::Listener, &dialer, &listener, &proof));
+        let other = ClusterSecret::new(*b"0123456789abcdeX").expect("long enough");
+        assert!(!verify(&other, Role::Dialer, &dialer, &listener, &proof));
+        // Another connection: another nonce.
+        assert!(!verify(
+            &secret,
+            Role::Dialer,
+            &dialer,
+            &hello(2, 3),
+            &proof
+        ));
+        assert!(!verify(
+            &secret,
+            Role::Dialer,
+            &hello(3, 1),
+            &listener,
+            &proof
+        ));
+    }
+
+    #[test]
+    fn short_secrets_are_refused_and_files_lose_their_newline() {
+        assert!(matches!(
+            ClusterSecret::new(*b"short"),
+            Err(SecretError::TooShort { len: 5 })
+        ));
+        let dir = std::env::temp_dir().join(format!("railyard-secret-{}", std::process::id()));
+        std::fs::write(&dir, b"0123456789abcdef\n").expect("writes");
+        let read = ClusterSecret::from_file(&dir).expect("reads");
+        std::fs::remove_file(&dir).expect("removes");
+        let direct = ClusterSecret::new(*b"0123456789abcdef").expect("long enough");
+        let (d, l) = (hello(1, 1), hello(2, 2));
+        assert_eq!(
+            prove(&read, Role::Dialer, &d, &l),
+            prove(&direct, Role::Dialer, &d, &l)
+        );
+        assert_eq!(format!("{read:?}"), "ClusterSecret(16 bytes)");
+        assert!(ClusterSecret::from_file(Path::new("/nonexistent/secret")).is_err());
+    }
+}

@@ -1,0 +1,320 @@
+//! Authenticated peers: engines that share a cluster secret move bytes on every fabric; an
+//! engine with another secret or none gets no descriptor, no queue pair and no byte of the
+//! target's memory; and raw clients that skip the handshake, replay a recorded one, present a
+//! made-up data-connection token or ask for a raw sink are closed without the target
+//! answering or allocating, its counters and resident memory say so.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use common::{BOUND, Serve, bytes_of, done};
+use railyard::control::wire::{FrameDecoder, Message, NONCE_LEN};
+use railyard::control::{HostId, Incarnation};
+use railyard::dataplane::IdleStrategy;
+use railyard::engine::{ClusterSecret, Engine, FabricChoice, Op, RailChoice, Transfer};
+
+/// A secret file of this test process with `byte` repeated, and a trailing newline.
+fn secret_file(name: &str, byte: u8) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("railyard-auth-{}-{name}", std::process::id()));
+    let mut text = vec![byte; 32];
+    text.push(b'\n');
+    std::fs::write(&path, text).expect("writes the secret");
+    path
+}
+
+fn secret(byte: u8) -> ClusterSecret {
+    ClusterSecret::new(vec![byte; 32]).expect("long enough")
+}
+
+/// A one-rail engine on `fabric` with `secret`, parking when idle.
+fn engine(name: &str, fabric: FabricChoice, secret: Option<ClusterSecret>) -> Engine {
+    let mut builder = Engine::builder(name)
+        .fabric(fabric)
+        .rails(RailChoice::Count(NonZeroUsize::MIN))
+        .idle(IdleStrategy::gentle());
+    if fabric == FabricChoice::Ofi {
+        builder = builder.ofi("tcp;ofi_rxm");
+    }
+    if let Some(secret) = secret {
+        builder = builder.secret(secret);
+    }
+    builder.build().expect("the engine starts")
+}
+
+#[test]
+fn members_move_bytes_on_every_fabric_and_outsiders_get_nothing() {
+    for fabric in [FabricChoice::Soft, FabricChoice::Tcp, FabricChoice::Ofi] {
+        let target = engine("decode", fabric, Some(secret(1)));
+        let pool = target.alloc(1 << 20, None).expect("a pool");
+        bytes_of(pool).fill(0);
+        let member = engine("prefill", fabric, Some(secret(1)));
+        let source = member.alloc(64 << 10, None).expect("a source");
+        bytes_of(source).fill(0x5a);
+        let peer = member
+            .open(&target.addr().to_string())
+            .unwrap_or_else(|error| panic!("{fabric:?}: a member connects: {error}"));
+        let write = Transfer {
+            op: Op::Write,
+            local: source,
+            local_offset: 0,
+            remote_addr: pool.addr,
+            len: 64 << 10,
+        };
+        let batch = member
+            .submitter()
+            .expect("a submitter")
+            .submit(&peer, &[write])
+            .expect("submitted");
+        batch.wait(Instant::now() + BOUND);
+        assert!(done(&batch), "{fabric:?}: the member's write lands");
+        assert!(bytes_of(pool)[..64 << 10].iter().all(|&b| b == 0x5a));
+
+        for outsider_secret in [Some(secret(2)), None] {
+            let outsider = engine("intruder", fabric, outsider_secret.clone());
+            let error = outsider
+                .open(&target.addr().to_string())
+                .expect_err("an outsider does not connect");
+            assert!(
+                outsider_secret.is_none() || error.to_string().contains("cluster secret"),
+                "{fabric:?}: the error says why: {error}"
+            );
+        }
+        let stats = target.stats().control;
+        assert_eq!(stats.auth_failures, 2, "{fabric:?}: {stats:?}");
+        assert_eq!(
+            stats.passive_qps, 1,
+            "{fabric:?}: only the member's queue pair"
+        );
+        assert!(
+            bytes_of(pool)[64 << 10..].iter().all(|&b| b == 0),
+            "{fabric:?}: nothing else was written"
+        );
+    }
+}
+
+/// Every message in `bytes` (as much as decodes).
+fn messages(bytes: &[u8]) -> Vec<Message> {
+    let mut decoder = FrameDecoder::default();
+    let mut out = Vec::new();
+    for chunk in bytes.chunks(4096) {
+        if decoder.push(chunk).is_err() {
+            break;
+        }
+        while let Ok(Some(message)) = decoder.next_message() {
+            out.push(message);
+        }
+    }
+    out
+}
+
+/// Sends `bytes` on a fresh connection to `addr` and reads what comes back until the other
+/// side closes (within the bound): what it said.
+fn say_and_listen(addr: &str, bytes: &[u8]) -> Vec<u8> {
+    let mut stream = TcpStream::connect(addr).expect("connects");
+    stream.set_read_timeout(Some(BOUND)).expect("a timeout");
+    let _ = stream.write_all(bytes);
+    let mut heard = Vec::new();
+    let started = Instant::now();
+    let mut buffer = [0u8; 4096];
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) => return heard,
+            Ok(n) => heard.extend_from_slice(&buffer[..n]),
+            Err(_) => return heard,
+        }
+        assert!(started.elapsed() < BOUND, "the target never closed");
+    }
+}
+
+fn hello(incarnation: u64) -> Message {
+    Message::Hello {
+        name: "intruder".into(),
+        incarnation: Incarnation(incarnation),
+        host: HostId::this_process(),
+        listen: String::new(),
+        nonce: [9; NONCE_LEN],
+    }
+}
+
+/// Forwards one connection from a port of its own to `target`, keeping what the client sent.
+struct RecordingProxy {
+    addr: SocketAddr,
+    sent: Arc<Mutex<Vec<u8>>>,
+}
+
+impl RecordingProxy {
+    fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("binds");
+        let addr = listener.local_addr().expect("an address");
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let record = sent.clone();
+        std::thread::spawn(move || {
+            let Ok((client, _)) = listener.accept() else {
+                return;
+            };
+            let Ok(server) = TcpStream::connect(target) else {
+                return;
+            };
+            let (mut from_client, mut to_server) = (client.try_clone().expect("clones"), server);
+            let (mut from_server, mut to_client) = (to_server.try_clone().expect("clones"), client);
+            std::thread::spawn(move || std::io::copy(&mut from_server, &mut to_client));
+            let mut buffer = [0u8; 4096];
+            while let Ok(n) = from_client.read(&mut buffer) {
+                if n == 0 || to_server.write_all(&buffer[..n]).is_err() {
+                    break;
+                }
+                record
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .extend_from_slice(&buffer[..n]);
+            }
+        });
+        Self { addr, sent }
+    }
+
+    fn sent(&self) -> Vec<u8> {
+        self.sent
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// The target's resident memory, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the target runs");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kib| kib.parse().ok())
+        .expect("a VmRSS line")
+}
+
+/// The value of `key` in the target's `stats` line.
+fn stat(serve: &mut Serve, key: &str) -> u64 {
+    let line = serve.command("stats");
+    line.split_whitespace()
+        .find_map(|word| word.strip_prefix(key)?.strip_prefix('='))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+}
+
+/// A TCP fabric data-connection hello: magic, kind (1: a queue pair's token, 2: a raw
+/// sink), token.
+fn data_hello(kind: u64, token: u64) -> Vec<u8> {
+    let mut bytes = b"RYTCPv01".to_vec();
+    bytes.extend_from_slice(&kind.to_le_bytes());
+    bytes.extend_from_slice(&token.to_le_bytes());
+    bytes
+}
+
+#[test]
+fn raw_clients_that_skip_replay_or_forge_are_closed_unanswered() {
+    let secret_path = secret_file("raw", 7);
+    let path = secret_path.to_str().expect("a UTF-8 path");
+    let mut serve = Serve::start_with("8MiB", &["--rails", "1", "--secret-file", path]);
+    let target: SocketAddr = serve.addr.parse().expect("an address");
+
+    // A member, through a proxy that records what it says; and the target's data port.
+    let member = engine("prefill", FabricChoice::Auto, Some(secret(7)));
+    let proxy = RecordingProxy::start(target);
+    let peer = member
+        .open(&proxy.addr.to_string())
+        .expect("a member connects through the proxy");
+    let data_port = peer.descriptor().rails[0].tcp_port;
+    assert_ne!(data_port, 0, "the target takes TCP queue pairs");
+    let recorded = proxy.sent();
+    assert!(
+        messages(&recorded)
+            .iter()
+            .any(|m| matches!(m, Message::Auth { .. })),
+        "the recording holds the member's proof"
+    );
+    let failures_before = stat(&mut serve, "auth_failures");
+    let pid = serve.child.id();
+    let rss_before = rss_kib(pid);
+
+    // Straight to the descriptor; a Hello and then the descriptor; a replayed handshake.
+    let skipped = say_and_listen(&serve.addr, &Message::GetDescriptor.encode());
+    let mut asked = hello(0xbad).encode();
+    asked.extend(Message::GetDescriptor.encode());
+    let unproven = say_and_listen(&serve.addr, &asked);
+    let replayed = say_and_listen(&serve.addr, &recorded);
+    for (what, heard) in [
+        ("no handshake", skipped),
+        ("no proof", unproven),
+        ("a replay", replayed),
+    ] {
+        let heard = messages(&heard);
+        assert!(
+            heard.iter().all(|m| matches!(m, Message::Hello { .. })),
+            "{what}: the target said only its Hello: {heard:?}"
+        );
+    }
+    assert_eq!(stat(&mut serve, "auth_failures"), failures_before + 3);
+
+    // The data port: a made-up token, and a raw sink, are closed at their hello.
+    let data = format!("127.0.0.1:{data_port}");
+    for (what, hello) in [
+        ("a made-up token", data_hello(1, 0x5eed_5eed_5eed_5eed)),
+        ("a sink", data_hello(2, 0)),
+    ] {
+        let mut stream = TcpStream::connect(&data).expect("connects");
+        stream.set_read_timeout(Some(BOUND)).expect("a timeout");
+        stream.write_all(&hello).expect("writes the hello");
+        // A request header and 64 KiB of payload that must land nowhere.
+        let _ = stream.write_all(&vec![0xee; 32 + (64 << 10)]);
+        let started = Instant::now();
+        let mut buffer = [0u8; 64];
+        let read = stream.read(&mut buffer);
+        assert!(
+            matches!(read, Ok(0) | Err(_)),
+            "{what}: closed without an answer: {read:?}"
+        );
+        assert!(started.elapsed() < BOUND);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let grown = rss_kib(pid).saturating_sub(rss_before);
+    assert!(grown < 8 << 10, "the target grew by {grown} KiB");
+    let digest = serve.command(&format!(
+        "digest {} 0 {} {}",
+        serve.pool_id,
+        1 << 20,
+        1 << 20
+    ));
+    let zeros = format!(
+        "digest {:016x}",
+        railyard::chaos::digest(&vec![0u8; 1 << 20])
+    );
+    assert_eq!(digest, zeros, "nothing was written into the pool");
+    drop(peer);
+    let _ = std::fs::remove_file(secret_path);
+}
+
+#[test]
+fn the_cli_names_a_bad_secret_file() {
+    let short = std::env::temp_dir().join(format!("railyard-auth-{}-short", std::process::id()));
+    std::fs::write(&short, b"too short\n").expect("writes");
+    for (file, expected) in [
+        (short.clone(), "too short"),
+        (PathBuf::from("/nonexistent/railyard-secret"), "cannot read"),
+    ] {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_railyard"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--pool", "1MiB"])
+            .arg("--secret-file")
+            .arg(&file)
+            .output()
+            .expect("runs");
+        assert_eq!(output.status.code(), Some(2), "{output:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(expected), "{stderr}");
+    }
+    let _ = std::fs::remove_file(short);
+}
