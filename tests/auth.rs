@@ -1,19 +1,19 @@
 //! Authenticated peers: engines that share a cluster secret move bytes on every fabric; an
 //! engine with another secret or none gets no descriptor, no queue pair and no byte of the
 //! target's memory; and raw clients that skip the handshake, replay a recorded one, present a
-//! made-up data-connection token or ask for a raw sink are closed without the target
-//! answering or allocating, its counters and resident memory say so.
+//! made-up data-connection token, ask for a raw sink, or say Hello and nothing more are closed
+//! without the target answering or allocating, and its counters and resident memory say so.
 
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use common::{BOUND, Serve, bytes_of, done};
+use common::{BOUND, Serve, bytes_of, done, rss_kib};
+use railyard::control::auth::{self, Role, Transcript};
 use railyard::control::wire::{FrameDecoder, Message, NONCE_LEN};
 use railyard::control::{HostId, Incarnation};
 use railyard::dataplane::IdleStrategy;
@@ -142,59 +142,60 @@ fn hello(incarnation: u64) -> Message {
     }
 }
 
-/// Forwards one connection from a port of its own to `target`, keeping what the client sent.
-struct RecordingProxy {
-    addr: SocketAddr,
-    sent: Arc<Mutex<Vec<u8>>>,
-}
-
-impl RecordingProxy {
-    fn start(target: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("binds");
-        let addr = listener.local_addr().expect("an address");
-        let sent = Arc::new(Mutex::new(Vec::new()));
-        let record = sent.clone();
-        std::thread::spawn(move || {
-            let Ok((client, _)) = listener.accept() else {
-                return;
-            };
-            let Ok(server) = TcpStream::connect(target) else {
-                return;
-            };
-            let (mut from_client, mut to_server) = (client.try_clone().expect("clones"), server);
-            let (mut from_server, mut to_client) = (to_server.try_clone().expect("clones"), client);
-            std::thread::spawn(move || std::io::copy(&mut from_server, &mut to_client));
-            let mut buffer = [0u8; 4096];
-            while let Ok(n) = from_client.read(&mut buffer) {
-                if n == 0 || to_server.write_all(&buffer[..n]).is_err() {
-                    break;
-                }
-                record
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .extend_from_slice(&buffer[..n]);
+/// Reads frames from `stream` until one that `pick` takes (within the bound).
+fn read_until<T>(stream: &mut TcpStream, pick: impl Fn(Message) -> Option<T>) -> T {
+    let mut decoder = FrameDecoder::default();
+    let mut buffer = [0u8; 4096];
+    let started = Instant::now();
+    loop {
+        while let Some(message) = decoder.next_message().expect("well-formed frames") {
+            if let Some(picked) = pick(message) {
+                return picked;
             }
-        });
-        Self { addr, sent }
-    }
-
-    fn sent(&self) -> Vec<u8> {
-        self.sent
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        }
+        assert!(started.elapsed() < BOUND, "the awaited frame never came");
+        let n = stream.read(&mut buffer).expect("reads");
+        assert!(n > 0, "closed before the awaited frame");
+        decoder.push(&buffer[..n]).expect("room");
     }
 }
 
-/// The target's resident memory, in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the target runs");
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kib| kib.parse().ok())
-        .expect("a VmRSS line")
+/// A client that holds the secret does the handshake by hand at `target` and asks for the
+/// descriptor: returns what it sent (Hello, Auth, GetDescriptor) and the descriptor.
+fn handshake_by_hand(
+    target: SocketAddr,
+    secret: &ClusterSecret,
+) -> (Vec<u8>, railyard::control::SegmentDescriptor) {
+    let mut stream = TcpStream::connect(target).expect("connects");
+    stream.set_read_timeout(Some(BOUND)).expect("a timeout");
+    let nonce: [u8; NONCE_LEN] = std::array::from_fn(|i| (i as u8).wrapping_mul(37) ^ 0x5c);
+    let mine = Message::Hello {
+        name: "by-hand".into(),
+        incarnation: Incarnation(0x0b1_4a2d),
+        host: HostId::this_process(),
+        listen: String::new(),
+        nonce,
+    };
+    let mut said = mine.encode();
+    stream.write_all(&said).expect("writes");
+    let theirs = read_until(&mut stream, |m| {
+        matches!(m, Message::Hello { .. }).then_some(m)
+    });
+    let transcript = Transcript {
+        dialer_hello: &mine,
+        listener_hello: &theirs,
+        dialed: target,
+    };
+    let mac = auth::prove(secret, Role::Dialer, &transcript);
+    let mut rest = Message::Auth { mac }.encode();
+    rest.extend(Message::GetDescriptor.encode());
+    stream.write_all(&rest).expect("writes");
+    said.extend(rest);
+    let descriptor = read_until(&mut stream, |m| match m {
+        Message::Descriptor(descriptor) => Some(descriptor),
+        _ => None,
+    });
+    (said, descriptor)
 }
 
 /// The value of `key` in the target's `stats` line.
@@ -222,21 +223,11 @@ fn raw_clients_that_skip_replay_or_forge_are_closed_unanswered() {
     let mut serve = Serve::start_with("8MiB", &["--rails", "1", "--secret-file", path]);
     let target: SocketAddr = serve.addr.parse().expect("an address");
 
-    // A member, through a proxy that records what it says; and the target's data port.
-    let member = engine("prefill", FabricChoice::Auto, Some(secret(7)));
-    let proxy = RecordingProxy::start(target);
-    let peer = member
-        .open(&proxy.addr.to_string())
-        .expect("a member connects through the proxy");
-    let data_port = peer.descriptor().rails[0].tcp_port;
+    // A client with the secret gets the descriptor (and the data port); what it said is
+    // recorded.
+    let (recorded, descriptor) = handshake_by_hand(target, &secret(7));
+    let data_port = descriptor.rails[0].tcp_port;
     assert_ne!(data_port, 0, "the target takes TCP queue pairs");
-    let recorded = proxy.sent();
-    assert!(
-        messages(&recorded)
-            .iter()
-            .any(|m| matches!(m, Message::Auth { .. })),
-        "the recording holds the member's proof"
-    );
     let failures_before = stat(&mut serve, "auth_failures");
     let pid = serve.child.id();
     let rss_before = rss_kib(pid);
@@ -247,10 +238,13 @@ fn raw_clients_that_skip_replay_or_forge_are_closed_unanswered() {
     asked.extend(Message::GetDescriptor.encode());
     let unproven = say_and_listen(&serve.addr, &asked);
     let replayed = say_and_listen(&serve.addr, &recorded);
+    // A Hello, and then silence: closed at the connect timeout.
+    let silent = say_and_listen(&serve.addr, &hello(0x5117).encode());
     for (what, heard) in [
         ("no handshake", skipped),
         ("no proof", unproven),
         ("a replay", replayed),
+        ("silence", silent),
     ] {
         let heard = messages(&heard);
         assert!(
@@ -258,7 +252,7 @@ fn raw_clients_that_skip_replay_or_forge_are_closed_unanswered() {
             "{what}: the target said only its Hello: {heard:?}"
         );
     }
-    assert_eq!(stat(&mut serve, "auth_failures"), failures_before + 3);
+    assert_eq!(stat(&mut serve, "auth_failures"), failures_before + 4);
 
     // The data port: a made-up token, and a raw sink, are closed at their hello.
     let data = format!("127.0.0.1:{data_port}");
@@ -294,7 +288,6 @@ fn raw_clients_that_skip_replay_or_forge_are_closed_unanswered() {
         railyard::chaos::digest(&vec![0u8; 1 << 20])
     );
     assert_eq!(digest, zeros, "nothing was written into the pool");
-    drop(peer);
     let _ = std::fs::remove_file(secret_path);
 }
 

@@ -11,7 +11,7 @@ use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{BOUND, Serve, bytes_of, done};
+use common::{BOUND, Serve, bytes_of, done, rss_kib};
 use railyard::control::wire::{HEADER_LEN, MAGIC, MAX_BODY, Message, VERSION};
 use railyard::control::{HostId, Incarnation};
 use railyard::dataplane::IdleStrategy;
@@ -24,17 +24,6 @@ impl Drop for StopOnDrop<'_> {
     fn drop(&mut self) {
         self.0.store(true, Ordering::Relaxed);
     }
-}
-
-/// The target's resident memory, in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the target runs");
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kib| kib.parse().ok())
-        .expect("a VmRSS line")
 }
 
 /// Lets this process (and the target it starts) hold `wanted` descriptors, or as many as

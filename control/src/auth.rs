@@ -2,15 +2,25 @@
 //!
 //! With a [`ClusterSecret`], each side of a control connection puts fresh random bytes in its
 //! Hello, and then proves the secret with [`Message::Auth`]: HMAC-SHA256 under the secret over
-//! a domain label, the sender's role (dialer or listener) and both Hellos of this connection
-//! as encoded — names, incarnations, hosts, announced listeners and nonces. The dialer proves
-//! first; the listener answers with its own proof only once the dialer's checked out. A proof
-//! is bound to one connection's nonces, so a recorded handshake replayed on another
-//! connection fails, and each side's proof differs by role, so one cannot be reflected back.
-//! Proofs are compared in constant time. Until both proofs are in, the core answers nothing
-//! but Hello, Auth and Bye, and sends nothing else.
+//! a domain label, the sender's role (dialer or listener), the address the dialer dialed, and
+//! both Hellos of this connection as encoded — names, incarnations, hosts, announced
+//! listeners and nonces. The dialer proves first; the listener checks the proof against the
+//! addresses it is reached at (its handshake address and the connection's local address) and
+//! answers with its own only once the dialer's checked out.
+//!
+//! A proof is bound to one connection's nonces, so a recorded handshake replayed on another
+//! connection fails; to the address dialed, so a member that dials an impostor signs nothing
+//! the impostor can present to another member (or back to it); and to the role, so a proof
+//! cannot be reflected. Proofs are compared in constant time. Until both are in, the core
+//! answers nothing but Hello, Auth and Bye, and sends nothing else.
+//!
+//! What it does not do: frames after the handshake are neither encrypted nor MAC'd, so an
+//! attacker on the path between two members can read them (descriptors, data-port tokens) and
+//! inject its own. Run the control network where that cannot happen, or under IPsec or
+//! WireGuard.
 
 use std::fmt;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -65,15 +75,29 @@ impl ClusterSecret {
     }
 
     /// The secret in the file at `path`: its bytes, without trailing whitespace (the newline
-    /// an editor or `echo` adds).
+    /// an editor or `echo` adds). It should be random (a proof on the wire allows guessing a
+    /// weak one offline) and readable by its owner only: a warning says so when others may
+    /// read it.
     ///
     /// # Errors
     /// [`SecretError::Read`] when it cannot be read; [`SecretError::TooShort`].
     pub fn from_file(path: &Path) -> Result<Self, SecretError> {
-        let mut bytes = std::fs::read(path).map_err(|source| SecretError::Read {
+        let read_error = |source| SecretError::Read {
             path: path.display().to_string(),
             source,
-        })?;
+        };
+        let mut bytes = std::fs::read(path).map_err(read_error)?;
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(path).map_err(read_error)?.permissions(),
+        );
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                target: "railyard::control",
+                path = %path.display(),
+                mode = format_args!("{:o}", mode & 0o777),
+                "the cluster secret's file may be read by others than its owner (chmod 600 it)"
+            );
+        }
         while bytes.last().is_some_and(u8::is_ascii_whitespace) {
             bytes.pop();
         }
@@ -94,17 +118,30 @@ impl fmt::Debug for ClusterSecret {
 
 /// Which side of a control connection a proof comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Role {
+pub enum Role {
+    /// The side that dialed.
     Dialer,
+    /// The side that accepted.
     Listener,
 }
 
-/// The MAC over `role` and the connection's Hellos under `secret`.
+/// What a proof covers: the connection's two Hellos, as sent, and the address the dialer
+/// dialed.
+#[derive(Clone, Copy, Debug)]
+pub struct Transcript<'a> {
+    /// The dialer's Hello.
+    pub dialer_hello: &'a Message,
+    /// The listener's Hello.
+    pub listener_hello: &'a Message,
+    /// The listener's address, as the dialer dialed it.
+    pub dialed: SocketAddr,
+}
+
+/// The MAC over `role` and `transcript` under `secret`.
 fn keyed_transcript(
     secret: &ClusterSecret,
     role: Role,
-    dialer_hello: &Message,
-    listener_hello: &Message,
+    transcript: &Transcript<'_>,
 ) -> Hmac<Sha256> {
     let mut mac = secret.keyed();
     mac.update(DOMAIN);
@@ -112,7 +149,10 @@ fn keyed_transcript(
         Role::Dialer => 0,
         Role::Listener => 1,
     }]);
-    for hello in [dialer_hello, listener_hello] {
+    let dialed = transcript.dialed.to_string();
+    mac.update(&(dialed.len() as u64).to_le_bytes());
+    mac.update(dialed.as_bytes());
+    for hello in [transcript.dialer_hello, transcript.listener_hello] {
         let frame = hello.encode();
         mac.update(&(frame.len() as u64).to_le_bytes());
         mac.update(&frame);
@@ -120,29 +160,23 @@ fn keyed_transcript(
     mac
 }
 
-/// The proof `role` sends on a connection whose Hellos were these.
-pub(crate) fn prove(
-    secret: &ClusterSecret,
-    role: Role,
-    dialer_hello: &Message,
-    listener_hello: &Message,
-) -> [u8; MAC_LEN] {
-    keyed_transcript(secret, role, dialer_hello, listener_hello)
+/// The proof `role` sends on a connection whose handshake was `transcript` (what a member's
+/// [`Message::Auth`] carries).
+pub fn prove(secret: &ClusterSecret, role: Role, transcript: &Transcript<'_>) -> [u8; MAC_LEN] {
+    keyed_transcript(secret, role, transcript)
         .finalize()
         .into_bytes()
         .into()
 }
 
-/// Whether `proof` is `role`'s proof on a connection whose Hellos were these (in constant
-/// time).
-pub(crate) fn verify(
+/// Whether `proof` is `role`'s proof over `transcript` (compared in constant time).
+pub fn verify(
     secret: &ClusterSecret,
     role: Role,
-    dialer_hello: &Message,
-    listener_hello: &Message,
+    transcript: &Transcript<'_>,
     proof: &[u8; MAC_LEN],
 ) -> bool {
-    keyed_transcript(secret, role, dialer_hello, listener_hello)
+    keyed_transcript(secret, role, transcript)
         .verify_slice(proof)
         .is_ok()
 }
@@ -172,30 +206,35 @@ mod tests {
         }
     }
 
+    fn dialed(port: u16) -> SocketAddr {
+        SocketAddr::from(([10, 0, 0, 1], port))
+    }
+
     #[test]
-    fn a_proof_holds_for_its_role_secret_and_hellos_only() {
+    fn a_proof_holds_for_its_role_secret_hellos_and_address_only() {
         let secret = ClusterSecret::new(*b"0123456789abcdef").expect("long enough");
-        let (dialer, listener) = (hello(1, 1), hello(2, 2));
-        let proof = prove(&secret, Role::Dialer, &dialer, &listener);
-        assert!(verify(&secret, Role::Dialer, &dialer, &listener, &proof));
-        assert!(!verify(&secret, Role::Listener, &dialer, &listener, &proof));
+        let (dialer, listener, again) = (hello(1, 1), hello(2, 2), hello(2, 3));
+        let transcript = Transcript {
+            dialer_hello: &dialer,
+            listener_hello: &listener,
+            dialed: dialed(7000),
+        };
+        let proof = prove(&secret, Role::Dialer, &transcript);
+        assert!(verify(&secret, Role::Dialer, &transcript, &proof));
+        assert!(!verify(&secret, Role::Listener, &transcript, &proof));
         let other = ClusterSecret::new(*b"0123456789abcdeX").expect("long enough");
-        assert!(!verify(&other, Role::Dialer, &dialer, &listener, &proof));
-        // Another connection: another nonce.
-        assert!(!verify(
-            &secret,
-            Role::Dialer,
-            &dialer,
-            &hello(2, 3),
-            &proof
-        ));
-        assert!(!verify(
-            &secret,
-            Role::Dialer,
-            &hello(3, 1),
-            &listener,
-            &proof
-        ));
+        assert!(!verify(&other, Role::Dialer, &transcript, &proof));
+        // Another connection: another nonce; another address dialed.
+        let replayed = Transcript {
+            listener_hello: &again,
+            ..transcript
+        };
+        assert!(!verify(&secret, Role::Dialer, &replayed, &proof));
+        let elsewhere = Transcript {
+            dialed: dialed(7001),
+            ..transcript
+        };
+        assert!(!verify(&secret, Role::Dialer, &elsewhere, &proof));
     }
 
     #[test]
@@ -204,15 +243,20 @@ mod tests {
             ClusterSecret::new(*b"short"),
             Err(SecretError::TooShort { len: 5 })
         ));
-        let dir = std::env::temp_dir().join(format!("railyard-secret-{}", std::process::id()));
-        std::fs::write(&dir, b"0123456789abcdef\n").expect("writes");
-        let read = ClusterSecret::from_file(&dir).expect("reads");
-        std::fs::remove_file(&dir).expect("removes");
+        let path = std::env::temp_dir().join(format!("railyard-secret-{}", std::process::id()));
+        std::fs::write(&path, b"0123456789abcdef\n").expect("writes");
+        let read = ClusterSecret::from_file(&path).expect("reads");
+        std::fs::remove_file(&path).expect("removes");
         let direct = ClusterSecret::new(*b"0123456789abcdef").expect("long enough");
         let (d, l) = (hello(1, 1), hello(2, 2));
+        let transcript = Transcript {
+            dialer_hello: &d,
+            listener_hello: &l,
+            dialed: dialed(1),
+        };
         assert_eq!(
-            prove(&read, Role::Dialer, &d, &l),
-            prove(&direct, Role::Dialer, &d, &l)
+            prove(&read, Role::Dialer, &transcript),
+            prove(&direct, Role::Dialer, &transcript)
         );
         assert_eq!(format!("{read:?}"), "ClusterSecret(16 bytes)");
         assert!(ClusterSecret::from_file(Path::new("/nonexistent/secret")).is_err());

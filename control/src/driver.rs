@@ -37,7 +37,7 @@ use crate::policy::Policy;
 use crate::rail::{RailFabric, Revocation};
 use crate::shared::{ControlShared, EndpointView, bump, bump_by};
 use crate::warn::{WarningKind, control_warning};
-use crate::wire::{FrameDecoder, MAX_BODY, MAX_HELLO_BODY, Message};
+use crate::wire::{FrameDecoder, MAX_BODY, MAX_HELLO_BODY, Message, WireError};
 
 /// What the application asks of the control thread.
 pub(crate) enum Request {
@@ -125,9 +125,10 @@ struct Socket {
     partial_since: Option<Instant>,
     /// Since when queued output has waited without a byte taken.
     stalled_since: Option<Instant>,
-    /// The process has a cluster secret: frames stay as small as a Hello until an Auth has
-    /// come (without one, until the first frame).
-    proof_required: bool,
+    /// The process has a cluster secret and the peer has not proven it yet: frames stay as
+    /// small as a Hello, and decoding pauses after an Auth until the core has checked it
+    /// (without a secret, frames may grow after the first).
+    awaiting_proof: bool,
 }
 
 /// The control thread. See the module docs.
@@ -454,6 +455,11 @@ impl<F: RailFabric> Driver<F> {
             for message in messages {
                 self.core.received(conn, message, now);
             }
+            if self.core.admitted(conn) {
+                if let Some(socket) = self.sockets.get_mut(&conn) {
+                    socket.proven();
+                }
+            }
             match outcome {
                 ReadOutcome::Open => {}
                 ReadOutcome::Closed(reason) => self.core.closed(conn, &reason, now),
@@ -667,7 +673,31 @@ impl Socket {
             readable: true,
             partial_since: None,
             stalled_since: None,
-            proof_required,
+            awaiting_proof: proof_required,
+        }
+    }
+
+    /// Decodes whole messages into `messages`; with a proof awaited, stops after an Auth
+    /// (true) so that the core checks it before anything larger is buffered.
+    fn decode(&mut self, messages: &mut Vec<Message>) -> Result<bool, WireError> {
+        while let Some(message) = self.decoder.next_message()? {
+            let auth = matches!(message, Message::Auth { .. });
+            if !self.awaiting_proof {
+                self.decoder.set_max_body(MAX_BODY);
+            }
+            messages.push(message);
+            if self.awaiting_proof && auth {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// The core admitted the peer: frames may be as large as any.
+    fn proven(&mut self) {
+        if self.awaiting_proof {
+            self.awaiting_proof = false;
+            self.decoder.set_max_body(MAX_BODY);
         }
     }
 
@@ -723,6 +753,17 @@ impl Socket {
                 }
             }
         }
+        let malformed =
+            |error: WireError| ReadOutcome::Refused(format!("malformed frame: {error}"));
+        // Frames left buffered when decoding paused at an Auth.
+        match self.decode(&mut messages) {
+            Ok(true) => {
+                self.readable = true;
+                return (messages, ReadOutcome::Open, false);
+            }
+            Ok(false) => {}
+            Err(error) => return (messages, malformed(error), false),
+        }
         self.readable = false;
         let mut buffer = [0u8; 16 * 1024];
         let mut budget = READ_BUDGET;
@@ -750,23 +791,15 @@ impl Socket {
                 // Unreachable: `want` is at most the decoder's room.
                 return (messages, ReadOutcome::Refused(error.to_string()), true);
             }
-            loop {
-                match self.decoder.next_message() {
-                    Ok(Some(message)) => {
-                        if !self.proof_required || matches!(message, Message::Auth { .. }) {
-                            self.decoder.set_max_body(MAX_BODY);
-                        }
-                        messages.push(message);
-                    }
-                    Ok(None) => break,
-                    Err(error) => {
-                        return (
-                            messages,
-                            ReadOutcome::Refused(format!("malformed frame: {error}")),
-                            true,
-                        );
-                    }
+            match self.decode(&mut messages) {
+                Ok(false) => {}
+                Ok(true) => {
+                    // More may be buffered or waiting: read again once the core has checked
+                    // the proof.
+                    self.readable = true;
+                    break;
                 }
+                Err(error) => return (messages, malformed(error), true),
             }
         }
         if !messages.is_empty() || !self.decoder.is_partial() {

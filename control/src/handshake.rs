@@ -55,7 +55,7 @@ use railyard_dataplane::rng::SplitMix64;
 use railyard_dataplane::sabotage::{self, Protection};
 use railyard_dataplane::{Command, EndpointId, Epoch, Event};
 
-use crate::auth::{self, ClusterSecret, Role};
+use crate::auth::{self, ClusterSecret, Role, Transcript};
 use crate::descriptor::SegmentDescriptor;
 use crate::directory::{Directory, P2pDirectory};
 use crate::endpoint::{Endpoint, EndpointKey, Incarnation, Input, Output, Phase};
@@ -70,6 +70,10 @@ use crate::wire::{MAC_LEN, Message, NONCE_LEN, QpSide, WireKey};
 /// How long an accepted connection is safe from eviction before its Hello: time for the
 /// driver to read a Hello sent right after the connect.
 pub(crate) const EVICTABLE_AFTER: Duration = Duration::from_millis(100);
+
+/// Messages that may wait on a connection for its peer to prove the cluster secret; more are
+/// dropped (the connection closes at its handshake deadline unless the proof comes first).
+const MAX_HELD: usize = 1024;
 
 /// Counts and emits a warning of kind `$kind` for `$core` (see [`control_warning`]).
 macro_rules! warning {
@@ -323,6 +327,13 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
+    /// Whether `conn`'s peer is admitted (said Hello, and proved the secret if there is one).
+    pub(crate) fn admitted(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(&conn)
+            .is_some_and(|state| state.peer.is_some())
+    }
+
     /// Whether peers must prove the cluster secret before anything but Hello and Auth.
     pub(crate) fn proof_required(&self) -> bool {
         self.me.secret.is_some()
@@ -347,14 +358,20 @@ impl<F: RailFabric> Core<F> {
     fn send(&mut self, conn: ConnId, message: Message) {
         #[cfg(feature = "sabotage")]
         let message = self.undo_mistaken_identity(message);
+        let proof_required = self.me.secret.is_some();
         if let Some(state) = self.conns.get_mut(&conn) {
             let handshake = matches!(
                 message,
                 Message::Hello { .. } | Message::Auth { .. } | Message::Bye
             );
-            if state.peer.is_none() && !handshake {
-                // Nothing for a peer not admitted yet (with a secret: not proven yet).
-                state.held.push(message);
+            if proof_required && state.peer.is_none() && !handshake {
+                // Nothing for a peer that has not proven the secret yet.
+                if state.held.len() < MAX_HELD {
+                    state.held.push(message);
+                } else if matches!(message, Message::Notify { .. }) {
+                    // The connection closes at its handshake deadline anyway.
+                    bump(&self.shared.counters.notifications_dropped);
+                }
                 return;
             }
         }
@@ -449,7 +466,7 @@ impl<F: RailFabric> Core<F> {
         let mut oldest_silent: Option<Instant> = None;
         for conn in self.conns.values().filter(|conn| !conn.dialed) {
             accepted += 1;
-            if conn.peer.is_none() {
+            if conn.peer.is_none() && conn.unproven.is_none() {
                 silent += 1;
                 oldest_silent = Some(oldest_silent.map_or(conn.opened, |t| t.min(conn.opened)));
             }
@@ -504,9 +521,9 @@ impl<F: RailFabric> Core<F> {
             state.local_ip = Some(local_ip);
         }
         let silent = || {
-            self.conns
-                .iter()
-                .filter(|(_, state)| !state.dialed && state.peer.is_none())
+            self.conns.iter().filter(|(_, state)| {
+                !state.dialed && state.peer.is_none() && state.unproven.is_none()
+            })
         };
         if silent().count() > self.policy.max_handshakes {
             if let Some(oldest) = silent()
@@ -560,7 +577,7 @@ impl<F: RailFabric> Core<F> {
             .into_iter()
             .partition(|waiting| waiting.conn == conn);
         self.waiting = still_waiting;
-        let reason = if state.peer.is_none() && self.me.secret.is_some() {
+        let reason = if state.peer.is_none() && state.unproven.is_some() {
             format!(
                 "{reason}, before the cluster secret was proven both ways (has the peer the same \
                  secret?)"
@@ -698,6 +715,31 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
+    /// With a cluster secret, closes connections whose peer has not proven it within
+    /// [`Policy::connect_timeout`] of their opening (`auth_failures`): a peer that says Hello
+    /// and nothing more, or that keeps repeating it, holds a connection no longer than that.
+    fn expire_unproven(&mut self, now: Instant) {
+        if self.me.secret.is_none() {
+            return;
+        }
+        let late: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, conn)| {
+                conn.peer.is_none()
+                    && now.duration_since(conn.opened) >= self.policy.connect_timeout
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for conn in late {
+            self.auth_failed(
+                conn,
+                "no proof of the cluster secret within the connect timeout",
+                now,
+            );
+        }
+    }
+
     /// Pings quiet connections; a peer that has said nothing for
     /// [`Policy::liveness_timeout`] is unreachable: its connection closes and, if this side
     /// dialed it, the endpoints to it at that address open their circuits at once.
@@ -828,7 +870,11 @@ impl<F: RailFabric> Core<F> {
             Some(_) => return,
             None => {}
         }
-        let dialed = state.dialed;
+        let (dialed, addr) = (state.dialed, state.addr);
+        if incarnation == self.me.incarnation && self.me.secret.is_some() {
+            // This process's own Hello, reflected: nobody else says it.
+            return self.auth_failed(conn, "a Hello with this process's own incarnation", now);
+        }
         if !dialed {
             self.send(conn, self.hello(conn));
         }
@@ -839,10 +885,32 @@ impl<F: RailFabric> Core<F> {
             state.unproven = Some(hello.clone());
         }
         if dialed {
-            // The listener's Hello is in: the dialer proves first.
-            let proof = auth::prove(&secret, Role::Dialer, &self.hello(conn), &hello);
+            // The listener's Hello is in: the dialer proves first, for the address it dialed.
+            let mine = self.hello(conn);
+            let transcript = Transcript {
+                dialer_hello: &mine,
+                listener_hello: &hello,
+                dialed: addr,
+            };
+            let proof = auth::prove(&secret, Role::Dialer, &transcript);
             self.send(conn, Message::Auth { mac: proof });
         }
+    }
+
+    /// The addresses a dialer may have dialed to reach this side on accepted connection
+    /// `state`: the connection's own local address at the listener's port, and the handshake
+    /// address this process announces.
+    fn reached_at(&self, state: &Conn) -> Vec<SocketAddr> {
+        let port = self.me.local_addr.port();
+        let mut addresses: Vec<SocketAddr> = state
+            .local_ip
+            .map(|ip| SocketAddr::new(ip, port))
+            .into_iter()
+            .collect();
+        if !addresses.contains(&self.me.local_addr) {
+            addresses.push(self.me.local_addr);
+        }
+        addresses
     }
 
     /// A proof of the cluster secret on `conn`: checked against both Hellos; the listener
@@ -859,16 +927,28 @@ impl<F: RailFabric> Core<F> {
             return self.auth_failed(conn, "an Auth before Hello, or a second one", now);
         };
         let mine = self.hello(conn);
-        let (role, dialer_hello, listener_hello) = if state.dialed {
-            (Role::Listener, &mine, &theirs)
+        let proven = if state.dialed {
+            let transcript = Transcript {
+                dialer_hello: &mine,
+                listener_hello: &theirs,
+                dialed: state.addr,
+            };
+            auth::verify(&secret, Role::Listener, &transcript, proof).then_some(transcript)
         } else {
-            (Role::Dialer, &theirs, &mine)
+            self.reached_at(state).into_iter().find_map(|dialed| {
+                let transcript = Transcript {
+                    dialer_hello: &theirs,
+                    listener_hello: &mine,
+                    dialed,
+                };
+                auth::verify(&secret, Role::Dialer, &transcript, proof).then_some(transcript)
+            })
         };
-        if !auth::verify(&secret, role, dialer_hello, listener_hello, proof) {
+        let Some(transcript) = proven else {
             return self.auth_failed(conn, "a wrong proof of the cluster secret", now);
-        }
+        };
         if !state.dialed {
-            let answer = auth::prove(&secret, Role::Listener, &theirs, &mine);
+            let answer = auth::prove(&secret, Role::Listener, &transcript);
             self.send(conn, Message::Auth { mac: answer });
         }
         if let Some(state) = self.conns.get_mut(&conn) {
@@ -1804,6 +1884,7 @@ impl<F: RailFabric> Core<F> {
     /// Timers: endpoint deadlines, connects waiting too long, accepted connections silent
     /// past the connect timeout; then the immediates that arrived on passive queue pairs.
     pub(crate) fn tick(&mut self, now: Instant) {
+        self.expire_unproven(now);
         let due: Vec<(u16, EndpointId)> = self
             .active
             .iter()

@@ -1354,6 +1354,25 @@ impl Net {
         self.procs[index].core.me.secret = Some(secret);
     }
 
+    /// Opens a raw connection to process `index` from 10.0.0.9:9999, says `messages` on it
+    /// and returns what the process sent in answer.
+    fn raw_peer_says(&mut self, index: usize, messages: Vec<Message>) -> Vec<Message> {
+        let now = self.now;
+        let listen_ip = self.procs[index].addr.ip();
+        let core = &mut self.procs[index].core;
+        let conn = core.accepted(addr(9, 9999), listen_ip, now);
+        for message in messages {
+            core.received(conn, message, now);
+        }
+        let mut sent = Vec::new();
+        while let Some(action) = core.next_action() {
+            if let Action::Send { message, .. } = action {
+                sent.push(message);
+            }
+        }
+        sent
+    }
+
     /// Every message delivered until the network settles, as (to, message).
     fn settle_recording(&mut self) -> Vec<(usize, Message)> {
         let log = std::cell::RefCell::new(Vec::new());
@@ -1467,12 +1486,7 @@ fn a_recorded_handshake_replayed_on_another_connection_fails() {
         .map(|(_, m)| m.clone())
         .collect();
     assert_eq!(recorded.len(), 2, "the initiator's Hello and proof");
-    let now = net.now;
-    let core = &mut net.procs[target].core;
-    let conn = core.accepted(addr(9, 9999), addr(1, 7000).ip(), now);
-    for message in recorded {
-        core.received(conn, message, now);
-    }
+    net.raw_peer_says(target, recorded);
     net.pump();
     assert_eq!(net.stats(target).auth_failures, 1);
     assert_eq!(net.stats(initiator).auth_failures, 0);
@@ -1483,22 +1497,113 @@ fn messages_before_the_proof_are_refused_not_answered() {
     let mut net = Net::new();
     let target = net.spawn(NAME, addr(1, 7000), 11, 1);
     net.with_secret(target, secret(1));
-    let now = net.now;
-    let core = &mut net.procs[target].core;
-    let conn = core.accepted(addr(9, 9999), addr(1, 7000).ip(), now);
-    core.received(conn, hello_from("raw", 99), now);
-    core.received(conn, Message::GetDescriptor, now);
-    let mut sent = Vec::new();
-    while let Some(action) = core.next_action() {
-        if let Action::Send { message, .. } = action {
-            sent.push(message);
-        }
-    }
+    let sent = net.raw_peer_says(target, vec![hello_from("raw", 99), Message::GetDescriptor]);
     assert!(
         sent.iter().all(|m| matches!(m, Message::Hello { .. })),
         "only the target's Hello went out: {sent:?}"
     );
     assert_eq!(net.stats(target).auth_failures, 1);
+}
+
+/// What `core` wants done now: the connections it dials, and the messages it sends.
+fn actions_of(core: &mut Core<FakeFabric>) -> (Vec<ConnId>, Vec<(ConnId, Message)>) {
+    let (mut dials, mut sends) = (Vec::new(), Vec::new());
+    while let Some(action) = core.next_action() {
+        match action {
+            Action::Dial { conn, .. } => dials.push(conn),
+            Action::Send { conn, message } => sends.push((conn, message)),
+            _ => {}
+        }
+    }
+    (dials, sends)
+}
+
+#[test]
+fn a_proof_signed_for_an_impostor_opens_no_member_not_even_the_signer() {
+    // Member L (20) dials an impostor at 10.0.0.5:5000; the impostor relays between L and
+    // member M (11), and back to L itself.
+    let mut net = Net::new();
+    let member_m = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let member_l = net.spawn("prefill", addr(2, 7000), 20, 1);
+    net.with_secret(member_m, secret(1));
+    net.with_secret(member_l, secret(1));
+    let now = net.now;
+    let (reply, _answer) = mpsc::channel();
+    net.procs[member_l]
+        .core
+        .connect(addr(5, 5000), 0, 0, reply, now);
+    let (dials, sends) = actions_of(&mut net.procs[member_l].core);
+    let to_impostor = dials[0];
+    let l_hello = sends[0].1.clone();
+    assert!(matches!(l_hello, Message::Hello { .. }));
+
+    for victim in [member_m, member_l] {
+        // The impostor says L's Hello to the victim, and gets the victim's Hello back.
+        let victim_ip = net.procs[victim].addr.ip();
+        let core = &mut net.procs[victim].core;
+        let relayed = core.accepted(addr(5, 5001), victim_ip, now);
+        core.received(relayed, l_hello.clone(), now);
+        let victim_hello = actions_of(core)
+            .1
+            .into_iter()
+            .map(|(_, m)| m)
+            .find(|m| matches!(m, Message::Hello { .. }));
+        let Some(victim_hello) = victim_hello else {
+            // The victim refused L's own Hello at once (it is L).
+            assert_eq!(victim, member_l);
+            assert_eq!(net.stats(member_l).auth_failures, 1);
+            continue;
+        };
+        // ... and hands it to L as its own: L signs a proof for the impostor's address.
+        let l_core = &mut net.procs[member_l].core;
+        l_core.dialed(to_impostor, addr(2, 7000).ip());
+        l_core.received(to_impostor, victim_hello, now);
+        let proof = actions_of(l_core)
+            .1
+            .into_iter()
+            .find_map(|(_, m)| match m {
+                Message::Auth { mac } => Some(mac),
+                _ => None,
+            })
+            .expect("L proves itself to whoever it dialed");
+        let core = &mut net.procs[victim].core;
+        core.received(relayed, Message::Auth { mac: proof }, now);
+        let answered = actions_of(core).1;
+        assert!(answered.is_empty(), "the victim answered: {answered:?}");
+        assert_eq!(net.stats(victim).auth_failures, 1, "the relay failed");
+        assert_eq!(net.stats(victim).passive_qps, 0);
+    }
+}
+
+#[test]
+fn a_peer_that_says_hello_and_nothing_more_is_closed_at_the_connect_timeout() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    net.with_secret(target, secret(1));
+    net.raw_peer_says(target, vec![hello_from("raw", 99)]);
+    net.advance(Duration::from_millis(100));
+    assert_eq!(net.stats(target).auth_failures, 0, "it may still prove it");
+    net.advance(policy().connect_timeout);
+    assert_eq!(net.stats(target).auth_failures, 1);
+    assert!(net.procs[target].core.conns.is_empty(), "closed");
+}
+
+#[test]
+fn without_a_secret_the_descriptor_is_asked_for_with_the_hello() {
+    let mut net = Net::new();
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let now = net.now;
+    let (reply, _answer) = mpsc::channel();
+    net.procs[prefill]
+        .core
+        .connect(addr(1, 7000), 0, 0, reply, now);
+    let (_, sends) = actions_of(&mut net.procs[prefill].core);
+    assert!(
+        sends
+            .iter()
+            .any(|(_, m)| matches!(m, Message::GetDescriptor)),
+        "pipelined, no round trip more than before: {sends:?}"
+    );
 }
 
 mod unproven_peers {
@@ -1556,18 +1661,7 @@ mod unproven_peers {
             let mut net = Net::new();
             let target = net.spawn(NAME, addr(1, 7000), 11, 1);
             net.with_secret(target, secret(1));
-            let now = net.now;
-            let core = &mut net.procs[target].core;
-            let conn = core.accepted(addr(9, 9999), addr(1, 7000).ip(), now);
-            for message in said {
-                core.received(conn, message, now);
-            }
-            let mut sent = Vec::new();
-            while let Some(action) = core.next_action() {
-                if let Action::Send { message, .. } = action {
-                    sent.push(message);
-                }
-            }
+            let sent = net.raw_peer_says(target, said);
             prop_assert!(
                 sent.iter().all(|m| matches!(m, Message::Hello { .. })),
                 "{:?}", sent

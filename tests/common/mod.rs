@@ -156,6 +156,17 @@ impl Drop for Serve {
     }
 }
 
+/// The resident memory of process `pid`, in KiB.
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the process runs");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kib| kib.parse().ok())
+        .expect("a VmRSS line")
+}
+
 pub fn bytes_of(region: Region) -> &'static mut [u8] {
     // SAFETY: the tests touch a region only while no transfer of it is in flight, and the
     // engine (which frees it) outlives every use.
