@@ -311,3 +311,88 @@ fn the_cli_names_a_bad_secret_file() {
     }
     let _ = std::fs::remove_file(short);
 }
+
+/// One request's outcome: done, or why not.
+fn outcome(member: &Engine, peer: &railyard::engine::Peer, transfer: Transfer) -> String {
+    let batch = member
+        .submitter()
+        .expect("a submitter")
+        .submit(peer, &[transfer])
+        .expect("submitted");
+    batch.wait(Instant::now() + BOUND);
+    format!("{:?}", batch.outcomes()[0])
+}
+
+#[test]
+fn regions_give_peers_only_the_access_they_were_registered_with() {
+    use railyard::engine::PeerAccess;
+    for fabric in [FabricChoice::Soft, FabricChoice::Tcp, FabricChoice::Ofi] {
+        let target = engine("decode", fabric, Some(secret(3)));
+        let region = |access| {
+            let region = target
+                .alloc_with_access(64 << 10, None, access)
+                .expect("a region");
+            bytes_of(region).fill(0x11);
+            region
+        };
+        let (writable, readable, private) = (
+            region(PeerAccess::ReadWrite),
+            region(PeerAccess::Read),
+            region(PeerAccess::None),
+        );
+        let member = engine("prefill", fabric, Some(secret(3)));
+        let local = member
+            .alloc_with_access(64 << 10, None, PeerAccess::None)
+            .expect("a buffer");
+        bytes_of(local).fill(0x77);
+        let peer = member
+            .open(&target.addr().to_string())
+            .unwrap_or_else(|error| panic!("{fabric:?}: {error}"));
+        let transfer = |op, remote: railyard::engine::Region| Transfer {
+            op,
+            local,
+            local_offset: 0,
+            remote_addr: remote.addr,
+            len: 4096,
+        };
+        let done = "Some(Done)".to_string();
+        let refused = "Some(Failed(RemoteAccess))".to_string();
+        assert_eq!(
+            outcome(&member, &peer, transfer(Op::Write, writable)),
+            done,
+            "{fabric:?}"
+        );
+        assert_eq!(
+            outcome(&member, &peer, transfer(Op::Write, readable)),
+            refused,
+            "{fabric:?}"
+        );
+        assert_eq!(
+            outcome(&member, &peer, transfer(Op::Read, readable)),
+            done,
+            "{fabric:?}"
+        );
+        assert_eq!(
+            outcome(&member, &peer, transfer(Op::Read, private)),
+            refused,
+            "{fabric:?}"
+        );
+        assert_eq!(
+            outcome(&member, &peer, transfer(Op::Write, private)),
+            refused,
+            "{fabric:?}"
+        );
+        assert!(bytes_of(writable)[..4096].iter().all(|&b| b == 0x77));
+        assert!(
+            bytes_of(readable)
+                .iter()
+                .chain(bytes_of(private).iter())
+                .all(|&b| b == 0x11),
+            "{fabric:?}: nothing landed where peers may not write"
+        );
+        assert!(
+            bytes_of(local)[..4096].iter().all(|&b| b == 0x11),
+            "the READ landed"
+        );
+    }
+}

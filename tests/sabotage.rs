@@ -65,7 +65,7 @@ fn without_the_epoch_check_the_teardown_race_posts_stale_work() {
 
 /// The same detectors on libfabric (fault plans in front of `tcp;ofi_rxm`).
 #[test]
-fn on_libfabric_the_storm_and_the_churn_detectors_fail_too() {
+fn on_libfabric_the_storm_churn_and_replica_detectors_fail_too() {
     let ofi = chaos::ChaosFabric::Ofi {
         provider: "tcp;ofi_rxm".into(),
     };
@@ -84,6 +84,15 @@ fn on_libfabric_the_storm_and_the_churn_detectors_fail_too() {
     assert!(counts["teardowns"].as_u64() > Some(0), "{counts}");
     assert!(
         violations.iter().any(|v| v.starts_with("teardowns")),
+        "{violations:?}"
+    );
+    // Keys differ between a dead target and its newcomer here, but the refreshed descriptor
+    // carries the newcomer's: taken for its predecessor, it receives what was meant for it.
+    let (violations, counts) =
+        violations_without_on(&ofi, Protection::IncarnationCheck, Scenario::DeadReplica);
+    assert!(counts["misdirected"].as_u64() > Some(0), "{counts}");
+    assert!(
+        violations.iter().any(|v| v.starts_with("misdirected")),
         "{violations:?}"
     );
 }

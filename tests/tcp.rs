@@ -221,7 +221,8 @@ fn two_hosts_joined_by_veth_use_tcp_under_auto_and_move_every_byte_intact() {
                 "serve", "--listen", &listen, "--pool", "64MiB", "--rails", "1",
             ],
         )
-        .args(["--until-stdin-closes"])
+        // bench's ceiling across hosts is a raw stream into the target's TCP port.
+        .args(["--until-stdin-closes", "--accept-sinks"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()

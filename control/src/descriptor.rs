@@ -2,6 +2,7 @@
 //! slices for it (DESIGN.md §6).
 
 use crate::endpoint::Incarnation;
+use railyard_dataplane::fabric::Access;
 
 /// Fabric kinds a rail can be.
 pub mod fabric {
@@ -40,6 +41,9 @@ pub struct RegionDescriptor {
     pub rkeys: Vec<u32>,
     /// Bumped each time the owner re-registers it (new keys).
     pub generation: u64,
+    /// What peers may do to it (its remote flags; fabrics that check requests before posting
+    /// them refuse the rest there).
+    pub access: Access,
 }
 
 impl RegionDescriptor {
@@ -102,12 +106,14 @@ mod tests {
                     len: 0x1000,
                     rkeys: vec![11, 12],
                     generation: 1,
+                    access: Access::ALL,
                 },
                 RegionDescriptor {
                     base: 0x2000,
                     len: 0x1000,
                     rkeys: vec![21, 22],
                     generation: 1,
+                    access: Access::ALL,
                 },
             ],
         };

@@ -92,6 +92,7 @@ mod tests {
                 len: 64,
                 rkeys: vec![7],
                 generation,
+                access: railyard_dataplane::fabric::Access::ALL,
             }],
         }
     }

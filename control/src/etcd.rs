@@ -850,6 +850,7 @@ mod tests {
                 len: 0x2000,
                 rkeys: vec![7],
                 generation: 1,
+                access: railyard_dataplane::fabric::Access::ALL,
             }],
         };
         let bytes = encode_record(9, &descriptor);

@@ -583,7 +583,7 @@ impl RailFabric for Arc<OfiRail> {
                 descriptor.incarnation.0,
                 descriptor.regions.iter().filter_map(|region| {
                     let rkey = *region.rkeys.get(index)?;
-                    Some((rkey, region.base, region.len))
+                    Some((rkey, region.base, region.len, region.access))
                 }),
             );
         }

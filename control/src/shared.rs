@@ -686,6 +686,7 @@ mod tests {
                 len: 0x1000,
                 rkeys: vec![rkey],
                 generation: u64::from(rkey),
+                access: railyard_dataplane::fabric::Access::ALL,
             }],
         })
     }

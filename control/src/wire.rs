@@ -10,7 +10,7 @@
 //! [`WireError`] naming what is wrong — never a panic and never an allocation larger than
 //! the body bound ([`FrameDecoder`] refuses an oversized length from the header alone).
 
-use railyard_dataplane::fabric::QpInfo;
+use railyard_dataplane::fabric::{Access, QpInfo};
 
 use crate::descriptor::{RailDescriptor, RegionDescriptor, SegmentDescriptor};
 use crate::endpoint::Incarnation;
@@ -347,6 +347,7 @@ fn write_descriptor(w: &mut Writer, d: &SegmentDescriptor) {
         w.u64(region.base);
         w.u64(region.len);
         w.u64(region.generation);
+        w.u8(region.access.bits() as u8);
         w.u32(region.rkeys.len() as u32);
         for rkey in &region.rkeys {
             w.u32(*rkey);
@@ -368,12 +369,20 @@ fn read_descriptor(r: &mut Reader<'_>) -> Result<SegmentDescriptor, WireError> {
             address: r.bytes(MAX_ATTACHMENT, "rail address")?,
         });
     }
-    let region_count = r.count(28, "region count")?;
+    let region_count = r.count(29, "region count")?;
     let mut regions = Vec::with_capacity(region_count);
     for _ in 0..region_count {
         let base = r.u64("region base")?;
         let len = r.u64("region length")?;
         let generation = r.u64("region generation")?;
+        let bits = u32::from(r.u8("region access")?);
+        let access = Access::from_bits_truncate(bits);
+        if access.bits() != bits {
+            return Err(WireError::Invalid {
+                field: "region access",
+                reason: format!("unknown flags {bits:#x}"),
+            });
+        }
         let rkey_count = r.count(4, "rkey count")?;
         let mut rkeys = Vec::with_capacity(rkey_count);
         for _ in 0..rkey_count {
@@ -390,6 +399,7 @@ fn read_descriptor(r: &mut Reader<'_>) -> Result<SegmentDescriptor, WireError> {
             len,
             rkeys,
             generation,
+            access,
         });
     }
     Ok(SegmentDescriptor {
@@ -767,6 +777,7 @@ mod tests {
             prop::collection::vec(any::<u32>(), 0..4),
         )
             .prop_map(|(base, len, generation, rkeys)| RegionDescriptor {
+                access: Access::from_bits_truncate(generation as u32),
                 base,
                 len,
                 rkeys,

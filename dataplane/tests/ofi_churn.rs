@@ -106,7 +106,7 @@ fn a_thousand_incarnations_while_writes_are_in_flight_lose_and_corrupt_nothing()
         initiator.learn_remote_regions(
             target.address(),
             epoch,
-            [(region.rkey, region.addr, region.len)],
+            [(region.rkey, region.addr, region.len, region.access)],
         );
         placement
             .lock()

@@ -154,9 +154,10 @@ fn connect(
     initiator.learn_remote_regions(
         target.address(),
         1,
-        regions
-            .iter()
-            .map(|buffer| (buffer.region.rkey, buffer.region.addr, buffer.region.len)),
+        regions.iter().map(|buffer| {
+            let region = buffer.region;
+            (region.rkey, region.addr, region.len, region.access)
+        }),
     );
     initiator.stage(
         EndpointId(0),
@@ -519,7 +520,12 @@ fn two_targets_on_one_host_and_nic_are_two_entries_both_usable() {
     a.learn_remote_regions(
         c.address(),
         2,
-        [(pool_c.region.rkey, pool_c.region.addr, pool_c.region.len)],
+        [(
+            pool_c.region.rkey,
+            pool_c.region.addr,
+            pool_c.region.len,
+            pool_c.region.access,
+        )],
     );
     a.stage(
         EndpointId(1),

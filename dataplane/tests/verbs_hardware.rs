@@ -7,7 +7,9 @@
 use std::time::{Duration, Instant};
 
 use railyard_dataplane::fabric::verbs::{RailConfig, VerbsFabric, VerbsRail};
-use railyard_dataplane::fabric::{Fabric, Opcode, WcStatus, WorkCompletion, WorkRequest, WrId};
+use railyard_dataplane::fabric::{
+    Access, Fabric, Opcode, WcStatus, WorkCompletion, WorkRequest, WrId,
+};
 use railyard_dataplane::{EndpointId, Epoch};
 
 #[test]
@@ -47,9 +49,10 @@ fn loopback_write_read_and_selective_signaling_on_a_device() {
     }
     // SAFETY: both buffers outlive the registrations (deregistered at the end).
     let (lkey, source_rkey) =
-        unsafe { rail.register(source.as_mut_ptr(), source.len()) }.expect("reg");
+        unsafe { rail.register(source.as_mut_ptr(), source.len(), Access::ALL) }.expect("reg");
     // SAFETY: as above.
-    let (_, rkey) = unsafe { rail.register(target.as_mut_ptr(), target.len()) }.expect("reg");
+    let (_, rkey) =
+        unsafe { rail.register(target.as_mut_ptr(), target.len(), Access::ALL) }.expect("reg");
     let (a, info_a) = rail.create_qp(0x111).expect("qp");
     let (b, info_b) = rail.create_target_qp(0x222).expect("qp");
     let a = rail.connect(a, &info_b).expect("a connects");

@@ -22,7 +22,8 @@ use railyard::control::wire::MAX_NOTIFY;
 use railyard::dataplane::FailReason;
 use railyard::dataplane::{Batch as NativeBatch, IdleStrategy, RequestOutcome};
 use railyard::engine::{
-    DirectoryChoice, Engine as NativeEngine, FabricChoice, MemoryError, Op, Peer, RailChoice,
+    DirectoryChoice, Engine as NativeEngine, FabricChoice, MemoryError, Op, Peer, PeerAccess,
+    RailChoice,
     RawTransfer, Region, SubmitterPool, TransferError as TransferError_, default_name,
 };
 
@@ -345,6 +346,18 @@ fn first_failure(batch: &NativeBatch, session_id: &str, transfers: &[RawTransfer
     }
 }
 
+/// `peer_access` as the Python API spells it.
+fn parse_peer_access(text: &str) -> PyResult<PeerAccess> {
+    match text {
+        "read_write" => Ok(PeerAccess::ReadWrite),
+        "read" => Ok(PeerAccess::Read),
+        "none" => Ok(PeerAccess::None),
+        other => Err(PyValueError::new_err(format!(
+            "peer_access must be \"read_write\", \"read\" or \"none\", not {other:?}"
+        ))),
+    }
+}
+
 #[pymethods]
 impl Engine {
     #[new]
@@ -476,7 +489,11 @@ impl Engine {
     }
 
     /// Allocates `nbytes` of registered engine memory (huge pages when it can): its address.
-    fn alloc(&self, py: Python<'_>, nbytes: i128) -> PyResult<u64> {
+    /// `peer_access` says what peers may do to it: "read_write" (the default), "read" or
+    /// "none".
+    #[pyo3(signature = (nbytes, *, peer_access="read_write"))]
+    fn alloc(&self, py: Python<'_>, nbytes: i128, peer_access: &str) -> PyResult<u64> {
+        let peer_access = parse_peer_access(peer_access)?;
         let len = u64::try_from(nbytes)
             .ok()
             .filter(|&len| len > 0)
@@ -485,7 +502,7 @@ impl Engine {
             })?;
         let open = self.open()?;
         let region = py
-            .detach(|| open.engine.alloc(len, None))
+            .detach(|| open.engine.alloc_with_access(len, None, peer_access))
             .map_err(memory_error)?;
         open.allocated
             .lock()
@@ -512,12 +529,17 @@ impl Engine {
     /// Registers memory the caller owns, by address and length (lists or single ints).
     /// The same range twice is a no-op; a range overlapping another registered one is
     /// refused (ValueError). The memory must stay valid until it is deregistered.
+    /// `peer_access` says what peers may do to it: "read_write" (the default), "read" or
+    /// "none".
+    #[pyo3(signature = (addrs, lengths, *, peer_access="read_write"))]
     fn register(
         &self,
         py: Python<'_>,
         addrs: &Bound<'_, PyAny>,
         lengths: &Bound<'_, PyAny>,
+        peer_access: &str,
     ) -> PyResult<()> {
+        let peer_access = parse_peer_access(peer_access)?;
         let addrs = ints(addrs, "addrs")?;
         let lengths = ints(lengths, "lengths")?;
         if addrs.len() != lengths.len() {
@@ -537,11 +559,18 @@ impl Engine {
                 let existed = open
                     .engine
                     .region_at(addr, len as u64)
-                    .is_some_and(|region| region.addr == addr && region.len == len as u64);
+                    .is_some_and(|region| {
+                        region.addr == addr
+                            && region.len == len as u64
+                            && region.peer_access == peer_access
+                    });
                 // SAFETY: the Python caller's contract (documented): the range is its
                 // memory and stays mapped until it deregisters it. `register` refuses a
                 // range that is not a read-write mapping of this process.
-                let region = unsafe { open.engine.register(addr as *mut u8, len) }?;
+                let region = unsafe {
+                    open.engine
+                        .register_with_access(addr as *mut u8, len, peer_access)
+                }?;
                 if !existed {
                     added.push(region);
                 }

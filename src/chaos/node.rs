@@ -441,6 +441,7 @@ impl Node {
                     rkeys: region.regions.iter().map(|r| r.rkey).collect(),
                     // Registered once, never again: one generation.
                     generation: 1,
+                    access: Access::ALL,
                 })
                 .collect(),
         );

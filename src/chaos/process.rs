@@ -4,8 +4,8 @@
 //!
 //! They run without address-space randomisation, so a newcomer on a dead target's port maps
 //! its pool exactly where its predecessor's was (identical processes do that without ASLR,
-//! and allocators that reuse address ranges do it with it) and, on the soft fabric, under
-//! the same keys: a write still aimed at the predecessor would land and be counted.
+//! and allocators that reuse address ranges do it with it): a write still aimed at the
+//! predecessor, under keys from a refreshed descriptor, would land and be counted.
 
 use std::io::{BufRead, BufReader, Write as _};
 use std::net::SocketAddr;

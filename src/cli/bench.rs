@@ -16,7 +16,8 @@ use railyard::dataplane::fabric::tcp::REQUESTS_PER_SEND;
 use railyard::dataplane::rng::SplitMix64;
 use railyard::dataplane::{IdleStrategy, RequestOutcome};
 use railyard::engine::{
-    DirectoryChoice, Engine, FabricChoice, Op, Peer, RailChoice, Region, Transfer, default_name,
+    DirectoryChoice, Engine, FabricChoice, Op, Peer, PeerAccess, RailChoice, Region, Transfer,
+    default_name,
 };
 use railyard::metrics::MetricsServer;
 
@@ -514,7 +515,7 @@ fn measure_ceiling(
     } else {
         Some(
             engine
-                .alloc(slots * args.block_size, None)
+                .alloc_with_access(slots * args.block_size, None, PeerAccess::None)
                 .context("allocating the ceiling's pool")?,
         )
     };
@@ -885,7 +886,7 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
                 .build()
                 .context("starting the ceiling's engine")?;
             let source = ceiling_engine
-                .alloc(request_bytes, None)
+                .alloc_with_access(request_bytes, None, PeerAccess::None)
                 .context("allocating the ceiling's source")?;
             Some(measure_ceiling(
                 args,
@@ -919,8 +920,9 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     };
     // Each thread: its request's blocks, then a check area as large.
     let per_thread = request_bytes * 2;
+    // Only this engine's transfers touch its buffers: peers get no access to them.
     let local = engine
-        .alloc(per_thread * args.threads, None)
+        .alloc_with_access(per_thread * args.threads, None, PeerAccess::None)
         .context("allocating the local buffers")?;
     let (_child, target) = match &args.target {
         Some(target) => (None, target.clone()),

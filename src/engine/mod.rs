@@ -527,6 +527,36 @@ pub struct Region {
     pub backing: Option<Backing>,
     /// The NUMA node it is bound to, if any.
     pub numa: Option<u32>,
+    /// What peers may do to it.
+    pub peer_access: PeerAccess,
+}
+
+/// What peers may do to a region (this process may always read it, and write it with
+/// READs). Register with the least a region needs: a prefill engine's source buffers, which
+/// it only writes out of, need [`PeerAccess::None`]; a decode engine's KV cache, which
+/// prefill writes into, [`PeerAccess::ReadWrite`] (what [`Engine::alloc`] and
+/// [`Engine::register`] give).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PeerAccess {
+    /// Peers may neither read nor write it: memory only this process's transfers use.
+    None,
+    /// Peers may READ from it.
+    Read,
+    /// Peers may READ from it and WRITE into it.
+    #[default]
+    ReadWrite,
+}
+
+impl PeerAccess {
+    /// The registration flags.
+    fn access(self) -> railyard_dataplane::fabric::Access {
+        use railyard_dataplane::fabric::Access;
+        match self {
+            Self::None => Access::LOCAL_WRITE,
+            Self::Read => Access::LOCAL_WRITE | Access::REMOTE_READ,
+            Self::ReadWrite => Access::ALL,
+        }
+    }
 }
 
 impl Region {
@@ -860,11 +890,25 @@ impl Engine {
 
     /// Allocates `len` bytes registered on every rail (the rails in parallel): huge pages where it can (then
     /// transparent huge pages, then normal pages: [`Region::backing`] says which), bound to
-    /// NUMA node `numa` (default: the first rail's), prefaulted.
+    /// NUMA node `numa` (default: the first rail's), prefaulted. Peers may read and write it
+    /// ([`PeerAccess::ReadWrite`]); [`Self::alloc_with_access`] gives less.
     ///
     /// # Errors
     /// [`MemoryError`] naming what failed.
     pub fn alloc(&self, len: u64, numa: Option<u32>) -> Result<Region, MemoryError> {
+        self.alloc_with_access(len, numa, PeerAccess::ReadWrite)
+    }
+
+    /// [`Self::alloc`], with what peers may do to the region.
+    ///
+    /// # Errors
+    /// As [`Self::alloc`].
+    pub fn alloc_with_access(
+        &self,
+        len: u64,
+        numa: Option<u32>,
+        peer_access: PeerAccess,
+    ) -> Result<Region, MemoryError> {
         if len == 0 {
             return Err(MemoryError::BadRange { addr: 0, len });
         }
@@ -875,7 +919,7 @@ impl Engine {
                 reason: format!("more than this host's {total} bytes of memory"),
             });
         }
-        let mut memory = self.inner.rails.allocate(len)?;
+        let mut memory = self.inner.rails.allocate(len, peer_access.access())?;
         let node = numa.or_else(|| self.inner.rail_numa.first().copied());
         let mut bound = None;
         if let (Some(node), Some(topology)) = (node, self.inner.topology.as_ref()) {
@@ -894,13 +938,17 @@ impl Engine {
             }
         }
         memory.prefault();
-        let registrations = self.inner.rails.register_memory(&memory, len, false)?;
+        let registrations =
+            self.inner
+                .rails
+                .register_memory(&memory, len, false, peer_access.access())?;
         let region = Region {
             id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
             addr: memory.addr(),
             len,
             backing: Some(memory.backing()),
             numa: bound,
+            peer_access,
         };
         self.insert(RegionEntry {
             region,
@@ -928,6 +976,24 @@ impl Engine {
     /// [`MemoryError::Overlaps`] for a range overlapping another region;
     /// [`MemoryError::Register`] when a rail refuses.
     pub unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Region, MemoryError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.register_with_access(ptr, len, PeerAccess::ReadWrite) }
+    }
+
+    /// [`Self::register`], with what peers may do to the region. Registering the range of a
+    /// region registered already with other access is refused as an overlap.
+    ///
+    /// # Safety
+    /// As [`Self::register`].
+    ///
+    /// # Errors
+    /// As [`Self::register`].
+    pub unsafe fn register_with_access(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        peer_access: PeerAccess,
+    ) -> Result<Region, MemoryError> {
         let addr = ptr as u64;
         let len = len as u64;
         if ptr.is_null() || len == 0 || addr.checked_add(len).is_none() {
@@ -947,7 +1013,7 @@ impl Engine {
         let overlapping =
             self.find_region(|region| region.addr < addr + len && addr < region.addr + region.len);
         if let Some(existing) = overlapping {
-            if existing.addr == addr && existing.len == len {
+            if existing.addr == addr && existing.len == len && existing.peer_access == peer_access {
                 return Ok(existing);
             }
             return Err(MemoryError::Overlaps {
@@ -959,13 +1025,18 @@ impl Engine {
             });
         }
         // SAFETY: the caller's contract is the rails'.
-        let registrations = unsafe { self.inner.rails.register_user(addr, len) }?;
+        let registrations = unsafe {
+            self.inner
+                .rails
+                .register_user(addr, len, peer_access.access())
+        }?;
         let region = Region {
             id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
             addr,
             len,
             backing: None,
             numa: None,
+            peer_access,
         };
         self.insert(RegionEntry {
             region,
@@ -1029,16 +1100,20 @@ impl Engine {
             .find(|entry| entry.region.id == region.id)
             .ok_or(MemoryError::UnknownRegion { id: region.id })?;
         let fresh = match &entry.memory {
-            Some(memory) => self
-                .inner
-                .rails
-                .register_memory(memory, entry.region.len, true)?,
+            Some(memory) => self.inner.rails.register_memory(
+                memory,
+                entry.region.len,
+                true,
+                entry.region.peer_access.access(),
+            )?,
             // SAFETY: the application's promise for this memory (see `register`) holds until
             // it deregisters the region, which now owns these registrations.
             None => unsafe {
-                self.inner
-                    .rails
-                    .register_user(entry.region.addr, entry.region.len)
+                self.inner.rails.register_user(
+                    entry.region.addr,
+                    entry.region.len,
+                    entry.region.peer_access.access(),
+                )
             }?,
         };
         let withdrawn = std::mem::replace(&mut entry.registrations, fresh);
@@ -1080,6 +1155,7 @@ impl Engine {
                     len: entry.region.len,
                     rkeys: entry.registrations.iter().map(|r| r.rkey).collect(),
                     generation: entry.region.id,
+                    access: entry.region.peer_access.access(),
                 })
                 .collect(),
         );

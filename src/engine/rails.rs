@@ -296,14 +296,15 @@ impl Rails {
         }
     }
 
-    /// Allocates `len` bytes of the kind this fabric registers best.
-    pub(crate) fn allocate(&self, len: u64) -> Result<Memory, MemoryError> {
+    /// Allocates `len` bytes of the kind this fabric registers best (a soft buffer comes
+    /// registered on the first rail with `access`).
+    pub(crate) fn allocate(&self, len: u64, access: Access) -> Result<Memory, MemoryError> {
         let failed = |reason: String| MemoryError::Alloc { len, reason };
         let size = usize::try_from(len).map_err(|_| failed("too large for this host".into()))?;
         match self {
             Self::Host(rails) => rails[0]
                 .soft
-                .alloc(size, Access::ALL)
+                .alloc(size, access)
                 .map(Memory::Soft)
                 .map_err(|e| failed(e.to_string())),
             Self::Verbs(_) | Self::Ofi(..) => HostMemory::new(size)
@@ -312,14 +313,15 @@ impl Rails {
         }
     }
 
-    /// Registers allocated memory on every rail (in parallel). A soft buffer comes registered
-    /// on the first rail; `fresh_keys` registers it there again (new keys, for
-    /// [`Engine::reregister`](super::Engine::reregister)) instead of reusing that one.
+    /// Registers allocated memory on every rail (in parallel) with `access`. A soft buffer
+    /// comes registered on the first rail; `fresh_keys` registers it there again (new keys,
+    /// for [`Engine::reregister`](super::Engine::reregister)) instead of reusing that one.
     pub(crate) fn register_memory(
         &self,
         memory: &Memory,
         len: u64,
         fresh_keys: bool,
+        access: Access,
     ) -> Result<Vec<MemoryRegion>, MemoryError> {
         match (self, memory) {
             (Self::Host(rails), Memory::Soft(buffer)) => {
@@ -336,7 +338,7 @@ impl Rails {
                     |rail| {
                         // SAFETY: the engine keeps the buffer until these registrations are
                         // withdrawn (`deregister` runs before the memory drops).
-                        unsafe { rail.soft.register_buffer(buffer, Access::ALL) }
+                        unsafe { rail.soft.register_buffer(buffer, access) }
                             .map_err(|e| e.to_string())
                     },
                     |rail, region| {
@@ -347,7 +349,7 @@ impl Rails {
             }
             (Self::Verbs(_) | Self::Ofi(..), Memory::Host(host)) => {
                 // SAFETY: the engine keeps the mapping until these registrations go.
-                unsafe { self.register_user(host.addr(), len) }
+                unsafe { self.register_user(host.addr(), len, access) }
             }
             _ => Err(MemoryError::Alloc {
                 len,
@@ -356,7 +358,7 @@ impl Rails {
         }
     }
 
-    /// Registers `len` bytes at `addr` on every rail (in parallel).
+    /// Registers `len` bytes at `addr` on every rail (in parallel) with `access`.
     ///
     /// # Safety
     /// The memory stays mapped until [`Self::deregister`] has withdrawn the registrations.
@@ -364,6 +366,7 @@ impl Rails {
         &self,
         addr: u64,
         len: u64,
+        access: Access,
     ) -> Result<Vec<MemoryRegion>, MemoryError> {
         let size = len as usize;
         match self {
@@ -374,7 +377,7 @@ impl Rails {
                 len,
                 |rail| {
                     // SAFETY: forwarded from the caller.
-                    unsafe { rail.soft.register(addr as *const u8, size, Access::ALL) }
+                    unsafe { rail.soft.register(addr as *const u8, size, access) }
                         .map_err(|e| e.to_string())
                 },
                 |rail, region| {
@@ -388,14 +391,14 @@ impl Rails {
                 len,
                 |rail| {
                     // SAFETY: forwarded from the caller.
-                    let (lkey, rkey) = unsafe { rail.register(addr as *mut u8, size) }
+                    let (lkey, rkey) = unsafe { rail.register(addr as *mut u8, size, access) }
                         .map_err(|e| e.to_string())?;
                     Ok(MemoryRegion {
                         addr,
                         len,
                         lkey,
                         rkey,
-                        access: Access::ALL,
+                        access,
                     })
                 },
                 |rail, region| {
@@ -409,7 +412,7 @@ impl Rails {
                 len,
                 |rail| {
                     // SAFETY: forwarded from the caller.
-                    unsafe { rail.register(addr, len, Access::ALL) }.map_err(|e| e.to_string())
+                    unsafe { rail.register(addr, len, access) }.map_err(|e| e.to_string())
                 },
                 |rail, region| {
                     let _ = rail.deregister(region);

@@ -135,10 +135,18 @@ class Engine:
         """The fabric in use: ``"soft"``, ``"tcp"``, ``"soft+tcp"``, ``"verbs"`` or ``"ofi"``."""
         ...
 
-    def alloc(self, nbytes: int) -> int:
+    def alloc(
+        self,
+        nbytes: int,
+        *,
+        peer_access: Literal["read_write", "read", "none"] = "read_write",
+    ) -> int:
         """Allocate ``nbytes`` of engine memory, already registered; returns its address.
 
         Backed by huge pages when the system has them. Release it with :meth:`free`.
+        ``peer_access`` says what peers may do to it: a decode engine's KV cache needs
+        ``"read_write"``; a prefill engine's source buffers, which it only writes out of,
+        ``"none"``.
         """
         ...
 
@@ -146,12 +154,20 @@ class Engine:
         """Free memory returned by :meth:`alloc`. Unknown address: ``ValueError``."""
         ...
 
-    def register(self, addrs: int | _Addrs, lengths: int | _Addrs) -> None:
-        """Register host memory ranges so that peers can read and write them.
+    def register(
+        self,
+        addrs: int | _Addrs,
+        lengths: int | _Addrs,
+        *,
+        peer_access: Literal["read_write", "read", "none"] = "read_write",
+    ) -> None:
+        """Register host memory ranges for transfers; ``peer_access`` says what peers may
+        do to them (read and write by default).
 
-        Registering the same ``(addr, length)`` again is a no-op; a range that overlaps
-        a registered, different range is refused with ``ValueError``, and so is memory
-        that looks like device (GPU) memory: only host memory is supported.
+        Registering the same ``(addr, length)`` again (with the same ``peer_access``) is a
+        no-op; a range that overlaps a registered, different range is refused with
+        ``ValueError``, and so is memory that looks like device (GPU) memory: only host
+        memory is supported.
         """
         ...
 

@@ -386,11 +386,19 @@ impl<'a> Checker<'a> {
             None => return Err(WcStatus::RemAccessErr),
             Some(regions) if len == 0 => regions
                 .iter()
-                .next()
-                .map(|(&rkey, &(base, _))| (rkey, if virt_addr { base } else { 0 }))
+                .find(|(_, (_, _, access))| access.contains(Access::REMOTE_WRITE))
+                .map(|(&rkey, &(base, _, _))| (rkey, if virt_addr { base } else { 0 }))
                 .ok_or(WcStatus::RemAccessErr)?,
             Some(regions) => {
-                let &(base, size) = regions.get(&request.rkey).ok_or(WcStatus::RemAccessErr)?;
+                let &(base, size, access) =
+                    regions.get(&request.rkey).ok_or(WcStatus::RemAccessErr)?;
+                let needed = match request.opcode {
+                    Opcode::Read => Access::REMOTE_READ,
+                    Opcode::Write | Opcode::WriteWithImm => Access::REMOTE_WRITE,
+                };
+                if !access.contains(needed) {
+                    return Err(WcStatus::RemAccessErr);
+                }
                 let offset = request
                     .remote_addr
                     .checked_sub(base)

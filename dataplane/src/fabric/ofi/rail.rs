@@ -119,7 +119,8 @@ pub struct OfiPeer {
 /// them (the peer's incarnation: a newer one at the same address replaces them).
 pub(crate) struct AnnouncedRegions {
     owner: u64,
-    pub(crate) regions: HashMap<u32, (u64, u64)>,
+    /// By rkey: first byte, length, and what peers may do.
+    pub(crate) regions: HashMap<u32, (u64, u64, Access)>,
 }
 
 /// A registration as the poller checks requests against it.
@@ -657,9 +658,10 @@ impl OfiRail {
     }
 
     /// The regions the peer at `address` registered on its rail, as (rkey, first byte,
-    /// length): replaces what was known of that peer. A request to that peer naming a key it
-    /// did not announce, or a range outside the region, fails with REM_ACCESS_ERR before it
-    /// is posted: the target never sees it. (With `tcp;ofi_rxm` 1.17 a request the target
+    /// length, what peers may do): replaces what was known of that peer. A request to that
+    /// peer naming a key it did not announce, a range outside the region, or an operation the
+    /// region does not allow, fails with REM_ACCESS_ERR before it is posted: the target never
+    /// sees it. (With `tcp;ofi_rxm` 1.17 a request the target
     /// refuses closes the connection between the two endpoints for good.) Without
     /// `FI_MR_VIRT_ADDR` requests to a peer that announced nothing fail the same way, as
     /// their offsets cannot be known. `owner` names who announced them (its incarnation).
@@ -667,11 +669,11 @@ impl OfiRail {
         &self,
         address: &[u8],
         owner: u64,
-        regions: impl IntoIterator<Item = (u32, u64, u64)>,
+        regions: impl IntoIterator<Item = (u32, u64, u64, Access)>,
     ) {
         let regions = regions
             .into_iter()
-            .map(|(rkey, base, len)| (rkey, (base, len)))
+            .map(|(rkey, base, len, access)| (rkey, (base, len, access)))
             .collect();
         self.remote_regions
             .write()

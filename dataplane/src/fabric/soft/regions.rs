@@ -15,8 +15,12 @@
 //! 0, or 0 for other memory: a peer may map such a region and copy into it directly.
 //!
 //! Keys are `generation << INDEX_BITS | index`: the index finds the entry at once, and the
-//! generation (never 0, bumped at each registration of that entry) makes a key stale as soon
-//! as it is deregistered, even after the entry is reused.
+//! generation (never 0, new at each registration of that entry) makes a key stale as soon as
+//! it is deregistered, even after the entry is reused. Generations are an entry's
+//! registration count passed through a permutation of their 20 bits keyed at random per
+//! table ([`Shuffle`]): no two registrations of an entry share one until it has been
+//! registered 2^20 times, and nobody who has not seen a key can guess it (one in a million
+//! per try), as nobody can tell the next from the last.
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -136,7 +140,33 @@ fn lookup(map: &Mapping, capacity: usize, key: u32) -> Option<Registration> {
 #[derive(Debug)]
 struct Slots {
     free: Vec<u16>,
-    generations: Vec<u32>,
+    /// Registrations of each entry so far.
+    registered: Vec<u32>,
+    shuffle: Shuffle,
+}
+
+/// A permutation of generation numbers (20 bits): a four-round Feistel network over two
+/// 10-bit halves with random round keys.
+#[derive(Debug)]
+struct Shuffle([u64; 4]);
+
+impl Shuffle {
+    const HALF_BITS: u32 = (32 - INDEX_BITS) / 2;
+    const HALF_MASK: u32 = (1 << Self::HALF_BITS) - 1;
+
+    fn random() -> Self {
+        Self(std::array::from_fn(|_| super::random_u64()))
+    }
+
+    /// The image of `count` (below [`GENERATION_LIMIT`]).
+    fn permute(&self, count: u32) -> u32 {
+        let (mut left, mut right) = (count >> Self::HALF_BITS, count & Self::HALF_MASK);
+        for &key in &self.0 {
+            let mixed = crate::rng::SplitMix64::new(u64::from(right) ^ key).next_u64();
+            (left, right) = (right, left ^ (mixed as u32 & Self::HALF_MASK));
+        }
+        left << Self::HALF_BITS | right
+    }
 }
 
 /// The owner's side: registers and deregisters. Shared by the threads of one process.
@@ -171,7 +201,8 @@ impl RegionTable {
             incarnation,
             slots: Mutex::new(Slots {
                 free: (0..CAPACITY as u16).rev().collect(),
-                generations: vec![0; CAPACITY],
+                registered: vec![0; CAPACITY],
+                shuffle: Shuffle::random(),
             }),
         })
     }
@@ -221,12 +252,17 @@ impl RegionTable {
         }
         let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
         let index = slots.free.pop().ok_or(RegionError::TableFull)?;
-        let generation = &mut slots.generations[usize::from(index)];
-        *generation = (*generation + 1) % GENERATION_LIMIT;
-        if *generation == 0 {
-            *generation = 1;
-        }
-        let key = *generation << INDEX_BITS | u32::from(index);
+        let slots = &mut *slots;
+        let generation = loop {
+            let count = &mut slots.registered[usize::from(index)];
+            *count = (*count + 1) % GENERATION_LIMIT;
+            let generation = slots.shuffle.permute(*count);
+            // 0 would make key 0 (a free entry) for index 0.
+            if generation != 0 {
+                break generation;
+            }
+        };
+        let key = generation << INDEX_BITS | u32::from(index);
         self.write_entry(
             usize::from(index),
             u64::from(key) | u64::from(access.bits()) << 32,
@@ -329,6 +365,22 @@ mod tests {
 
     fn table() -> RegionTable {
         RegionTable::new(std::process::id(), 7).expect("memfd")
+    }
+
+    #[test]
+    fn generations_never_repeat_before_a_full_cycle_and_differ_between_tables() {
+        let shuffle = Shuffle::random();
+        let mut seen = vec![false; GENERATION_LIMIT as usize];
+        for count in 0..GENERATION_LIMIT {
+            let generation = shuffle.permute(count);
+            assert!(generation < GENERATION_LIMIT);
+            assert!(!seen[generation as usize], "{count} repeats {generation}");
+            seen[generation as usize] = true;
+        }
+        let (a, b) = (Shuffle::random(), Shuffle::random());
+        let first: Vec<u32> = (1..9).map(|count| a.permute(count)).collect();
+        let other: Vec<u32> = (1..9).map(|count| b.permute(count)).collect();
+        assert_ne!(first, other, "keys are not a function of the entry alone");
     }
 
     #[test]

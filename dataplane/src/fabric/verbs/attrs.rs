@@ -86,6 +86,31 @@ pub struct RemoteQp {
     pub psn: u32,
 }
 
+/// verbs' access flags for a registration with `access`.
+pub fn access_flags(access: crate::fabric::Access) -> u32 {
+    use crate::fabric::Access;
+    let mut flags = 0;
+    for (ours, theirs) in [
+        (
+            Access::LOCAL_WRITE,
+            ibv_access_flags::IBV_ACCESS_LOCAL_WRITE,
+        ),
+        (
+            Access::REMOTE_WRITE,
+            ibv_access_flags::IBV_ACCESS_REMOTE_WRITE,
+        ),
+        (
+            Access::REMOTE_READ,
+            ibv_access_flags::IBV_ACCESS_REMOTE_READ,
+        ),
+    ] {
+        if access.contains(ours) {
+            flags |= theirs.0;
+        }
+    }
+    flags
+}
+
 /// What remote peers may do through the queue pair.
 pub fn remote_access() -> u32 {
     (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE

@@ -7,15 +7,15 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::attrs::{QpConfig, RemoteQp, remote_access};
+use super::attrs::{QpConfig, RemoteQp, access_flags};
 use super::ffi::{
     CompletionQueue, Context, MemoryRegion, PortInfo, PreparedQp, ProtectionDomain, QueuePair,
     VerbsError,
 };
 use super::gid::{choose_gid, read_gid_table};
 use super::mtu::PathMtu;
-use crate::fabric::QpInfo;
 use crate::fabric::staging::Staging;
+use crate::fabric::{Access, QpInfo};
 use crate::{EndpointId, Epoch};
 
 /// How a rail is set up.
@@ -146,17 +146,22 @@ impl VerbsRail {
         self.context.name()
     }
 
-    /// Registers `len` bytes at `addr` for local and remote read and write; returns
-    /// (lkey, rkey).
+    /// Registers `len` bytes at `addr` with `access`; returns (lkey, rkey).
     ///
     /// # Safety
     /// The memory must stay mapped until [`Self::deregister`] (the NIC reads and writes it).
     ///
     /// # Errors
     /// When the device refuses.
-    pub unsafe fn register(&self, addr: *mut u8, len: usize) -> Result<(u32, u32), VerbsError> {
+    pub unsafe fn register(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<(u32, u32), VerbsError> {
+        let flags = access_flags(access);
         // SAFETY: forwarded from the caller.
-        let region = unsafe { MemoryRegion::register(&self.pd, addr, len, remote_access()) }?;
+        let region = unsafe { MemoryRegion::register(&self.pd, addr, len, flags) }?;
         let keys = (region.lkey(), region.rkey());
         self.regions
             .lock()
