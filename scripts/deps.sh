@@ -6,7 +6,7 @@
 set -euo pipefail
 
 packages=(pkg-config libibverbs-dev librdmacm-dev libhwloc-dev libudev-dev libclang-dev clang iproute2
-  libfabric-dev libfabric-bin "$@")
+  libfabric-dev libfabric-bin openssl "$@")
 
 missing=()
 for pkg in "${packages[@]}"; do

@@ -14,7 +14,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::{BOUND, Serve, bytes_of, done, read_back};
-use railyard::chaos::etcd_server::EtcdServer;
+use railyard::chaos::etcd_server::{EtcdServer, EtcdTls};
 use railyard::control::WarningKind;
 use railyard::dataplane::IdleStrategy;
 use railyard::engine::{BuildError, DirectoryChoice, Engine, Op, Peer, PeerError, Transfer};
@@ -383,4 +383,141 @@ fn half_a_minute_of_soak_with_etcd_restarts_loses_nothing() {
     assert_eq!(counts["lost"], 0, "{counts}");
     assert_eq!(counts["misdirected_blocks"], 0, "{counts}");
     assert!(counts["bytes_verified"].as_u64() > Some(0), "{counts}");
+}
+
+/// A CA and a certificate for 127.0.0.1 signed by it, made with `openssl` in `dir`:
+/// (CA certificate, server certificate and key).
+fn certificates(dir: &std::path::Path) -> (std::path::PathBuf, EtcdTls) {
+    std::fs::create_dir_all(dir).expect("a directory");
+    let run = |args: &[&str]| {
+        let output = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl runs (install openssl; `make deps` does)");
+        assert!(output.status.success(), "openssl {args:?}: {output:?}");
+    };
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").expect("writes");
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=railyard-test-ca",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+    ]);
+    (
+        dir.join("ca.pem"),
+        EtcdTls {
+            cert: dir.join("server.pem"),
+            key: dir.join("server.key"),
+        },
+    )
+}
+
+/// Turns etcd's authentication on with user `root` and `password`, as an operator would.
+fn enable_authentication(etcd: &Etcd, ca: &std::path::Path, password: &str) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async {
+        let pem = std::fs::read(ca).expect("the CA");
+        let options = etcd_client::ConnectOptions::new().with_tls(
+            etcd_client::TlsOptions::new().ca_certificate(etcd_client::Certificate::from_pem(pem)),
+        );
+        let mut client = etcd_client::Client::connect([etcd.endpoint()], Some(options))
+            .await
+            .expect("connects over TLS");
+        client
+            .user_add("root", password, None)
+            .await
+            .expect("adds root");
+        client
+            .user_grant_role("root", "root")
+            .await
+            .expect("grants root");
+        client.auth_enable().await.expect("enables authentication");
+    });
+}
+
+#[test]
+fn a_directory_over_tls_with_credentials_serves_members_and_refuses_the_rest() {
+    let _turn = one_at_a_time();
+    let dir = std::env::temp_dir().join(format!("railyard-etcd-tls-{}", std::process::id()));
+    let (ca, tls) = certificates(&dir);
+    let etcd = EtcdServer::start_with(TTL, Some(tls)).expect("etcd runs over TLS");
+    enable_authentication(&etcd, &ca, "s3cret-root");
+    let credentials = dir.join("credentials");
+    std::fs::write(&credentials, "root:s3cret-root\n").expect("writes");
+    let secured = format!(
+        "{}&ca={}&credentials={}",
+        etcd.url(),
+        ca.display(),
+        credentials.display()
+    );
+    let build = |name: &str, url: String| {
+        Engine::builder(name)
+            .directory(DirectoryChoice::Etcd(url))
+            .idle(IdleStrategy::gentle())
+            .build()
+    };
+    let target = build("decode-tls", secured.clone()).expect("publishes over TLS");
+    let pool = target.alloc(1 << 20, None).expect("a pool");
+    let initiator = build("prefill-tls", secured).expect("joins over TLS");
+    let peer = initiator.open("decode-tls").expect("found by name");
+    assert_eq!(peer.descriptor().regions[0].base, pool.addr);
+    assert!(round_trip(&initiator, &peer, 0x3c));
+
+    // No credentials; no CA; plain text to a TLS port: each refused, saying why.
+    let no_credentials = format!("{}&ca={}", etcd.url(), ca.display());
+    let plain = etcd.url().replacen("etcd+tls://", "etcd://", 1);
+    for (what, url) in [("no credentials", no_credentials), ("plain text", plain)] {
+        let error = build("intruder", url)
+            .err()
+            .unwrap_or_else(|| panic!("{what}: joined"));
+        assert!(matches!(error, BuildError::Directory(_)), "{what}: {error}");
+    }
+    let Err(error) = build("intruder", etcd.url()) else {
+        panic!("no CA: joined");
+    };
+    assert!(error.to_string().contains("ca=FILE"), "{error}");
+    drop((peer, initiator, target));
+    let _ = std::fs::remove_dir_all(dir);
 }

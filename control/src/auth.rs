@@ -149,7 +149,13 @@ fn keyed_transcript(
         Role::Dialer => 0,
         Role::Listener => 1,
     }]);
-    let dialed = transcript.dialed.to_string();
+    // The same address however it is spelled: an IPv4 address seen through an IPv6 socket
+    // (`::ffff:a.b.c.d`), or with a scope only one host knows, is the plain one.
+    let dialed = SocketAddr::new(
+        transcript.dialed.ip().to_canonical(),
+        transcript.dialed.port(),
+    )
+    .to_string();
     mac.update(&(dialed.len() as u64).to_le_bytes());
     mac.update(dialed.as_bytes());
     for hello in [transcript.dialer_hello, transcript.listener_hello] {
@@ -235,6 +241,12 @@ mod tests {
             ..transcript
         };
         assert!(!verify(&secret, Role::Dialer, &elsewhere, &proof));
+        // The listener sees the address through an IPv6 socket: the same one.
+        let mapped = Transcript {
+            dialed: "[::ffff:10.0.0.1]:7000".parse().expect("an address"),
+            ..transcript
+        };
+        assert!(verify(&secret, Role::Dialer, &mapped, &proof));
     }
 
     #[test]

@@ -37,8 +37,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, LeaseKeeper,
-    PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue,
+    LeaseKeeper, PutOptions, TlsOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use tokio::sync::mpsc;
 
@@ -58,6 +58,25 @@ pub struct EtcdConfig {
     pub lease_ttl: Duration,
     /// Longest one etcd call (or the first connection) may take.
     pub timeout: Duration,
+    /// TLS to the members (`etcd+tls://`): the PEM of the CA that signed their certificates.
+    pub tls_ca: Option<Vec<u8>>,
+    /// The user and password etcd's authentication asks for (`credentials=FILE`).
+    pub credentials: Option<EtcdCredentials>,
+}
+
+/// An etcd user and its password. `Debug` never shows the password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdCredentials {
+    /// The user.
+    pub user: String,
+    /// Its password.
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EtcdCredentials({}, <password>)", self.user)
+    }
 }
 
 impl EtcdConfig {
@@ -66,24 +85,57 @@ impl EtcdConfig {
     /// Default lease time to live.
     pub const DEFAULT_TTL: Duration = Duration::from_secs(3);
 
-    /// From `etcd://HOST:PORT[,HOST:PORT...][?ttl=SECONDS&prefix=PREFIX]`; the prefix
-    /// defaults to [`Self::DEFAULT_PREFIX`], the lease to [`Self::DEFAULT_TTL`].
+    /// From `etcd[+tls]://HOST:PORT[,HOST:PORT...][?ttl=SECONDS&prefix=PREFIX&ca=FILE&
+    /// credentials=FILE]`; the prefix defaults to [`Self::DEFAULT_PREFIX`], the lease to
+    /// [`Self::DEFAULT_TTL`]. `etcd+tls://` talks TLS to the members, checking their
+    /// certificates against the CA in `ca` (PEM; required). `credentials` names a file that
+    /// holds `USER:PASSWORD` (a trailing newline is not part of it), for an etcd with
+    /// authentication enabled. Both files are read here.
     ///
     /// # Errors
-    /// [`EtcdError::BadUrl`] naming what is wrong.
+    /// [`EtcdError::BadUrl`] naming what is wrong, including a file that cannot be read.
     pub fn from_url(url: &str) -> Result<Self, EtcdError> {
         let bad = |why: &str| EtcdError::BadUrl {
             url: url.to_string(),
             why: why.to_string(),
         };
-        let rest = url
-            .strip_prefix("etcd://")
-            .ok_or_else(|| bad("it does not start with etcd://"))?;
+        let (tls, rest) = match (url.strip_prefix("etcd://"), url.strip_prefix("etcd+tls://")) {
+            (Some(rest), _) => (false, rest),
+            (_, Some(rest)) => (true, rest),
+            _ => return Err(bad("it does not start with etcd:// or etcd+tls://")),
+        };
         let (members, query) = rest.split_once('?').unwrap_or((rest, ""));
         let mut prefix = Self::DEFAULT_PREFIX.to_string();
         let mut lease_ttl = Self::DEFAULT_TTL;
+        let mut tls_ca = None;
+        let mut credentials = None;
+        let read = |what: &str, path: &str| {
+            std::fs::read(path)
+                .map_err(|error| bad(&format!("cannot read the {what} {path}: {error}")))
+        };
         for pair in query.split('&').filter(|pair| !pair.is_empty()) {
             match pair.split_once('=') {
+                Some(("ca", _)) if !tls => {
+                    return Err(bad("ca= is for etcd+tls://"));
+                }
+                Some(("ca", path)) => tls_ca = Some(read("CA file", path)?),
+                Some(("credentials", path)) => {
+                    let text = String::from_utf8(read("credentials file", path)?)
+                        .map_err(|_| bad(&format!("the credentials file {path} is not text")))?;
+                    let (user, password) = text
+                        .trim_end()
+                        .split_once(':')
+                        .filter(|(user, _)| !user.is_empty())
+                        .ok_or_else(|| {
+                            bad(&format!(
+                                "the credentials file {path} does not hold USER:PASSWORD"
+                            ))
+                        })?;
+                    credentials = Some(EtcdCredentials {
+                        user: user.to_string(),
+                        password: password.to_string(),
+                    });
+                }
                 Some(("ttl", seconds)) => {
                     lease_ttl = seconds
                         .parse::<u64>()
@@ -96,7 +148,11 @@ impl EtcdConfig {
                 Some(("prefix", value)) => {
                     return Err(bad(&format!("prefix={value} does not start with /")));
                 }
-                _ => return Err(bad(&format!("unknown parameter {pair:?} (ttl, prefix)"))),
+                _ => {
+                    return Err(bad(&format!(
+                        "unknown parameter {pair:?} (ttl, prefix, ca, credentials)"
+                    )));
+                }
             }
         }
         let endpoints: Vec<String> = members.split(',').map(str::to_string).collect();
@@ -108,11 +164,18 @@ impl EtcdConfig {
                 return Err(bad(&format!("{endpoint:?} is not HOST:PORT")));
             }
         }
+        if tls && tls_ca.is_none() {
+            return Err(bad(
+                "etcd+tls:// needs ca=FILE, the CA that signed the members' certificates",
+            ));
+        }
         Ok(Self {
             endpoints,
             prefix,
             lease_ttl,
             timeout: Duration::from_secs(3),
+            tls_ca,
+            credentials,
         })
     }
 
@@ -507,9 +570,15 @@ impl Session {
         started: &mut Option<std::sync::mpsc::Sender<Result<(), EtcdError>>>,
         down_since: &mut Option<Instant>,
     ) -> Result<Ended, Ended> {
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(self.config.timeout)
             .with_keep_alive(Duration::from_secs(1), self.config.timeout);
+        if let Some(ca) = &self.config.tls_ca {
+            options = options.with_tls(TlsOptions::new().ca_certificate(Certificate::from_pem(ca)));
+        }
+        if let Some(credentials) = &self.config.credentials {
+            options = options.with_user(&credentials.user, &credentials.password);
+        }
         let mut client = self
             .bounded(Client::connect(&self.config.endpoints, Some(options)))
             .await?;
@@ -814,6 +883,25 @@ mod tests {
         assert_eq!(config.prefix, "/railyard/");
         assert_eq!(config.lease_ttl, EtcdConfig::DEFAULT_TTL);
         assert_eq!(config.key("decode-0"), "/railyard/decode-0");
+        let creds =
+            std::env::temp_dir().join(format!("railyard-etcd-creds-{}", std::process::id()));
+        std::fs::write(&creds, "fleet:s3cret\n").unwrap();
+        let url = format!("etcd+tls://h:1?ca={0}&credentials={0}", creds.display());
+        let secured = EtcdConfig::from_url(&url).unwrap();
+        assert_eq!(secured.tls_ca.as_deref(), Some(&b"fleet:s3cret\n"[..]));
+        let credentials = secured.credentials.clone().unwrap();
+        assert_eq!(
+            (credentials.user.as_str(), credentials.password.as_str()),
+            ("fleet", "s3cret")
+        );
+        assert!(
+            !format!("{secured:?}").contains("s3cret"),
+            "the password stays out of logs"
+        );
+        std::fs::write(&creds, "no-colon\n").unwrap();
+        let error = EtcdConfig::from_url(&url).unwrap_err().to_string();
+        assert!(error.contains("USER:PASSWORD"), "{error}");
+        std::fs::remove_file(&creds).unwrap();
         let tuned = EtcdConfig::from_url("etcd://h:1?ttl=2&prefix=/fleet-a/").unwrap();
         assert_eq!(
             (tuned.lease_ttl, tuned.prefix.as_str()),
@@ -827,6 +915,16 @@ mod tests {
             ("etcd://h:1?ttl=0", "ttl=0"),
             ("etcd://h:1?prefix=x", "does not start with /"),
             ("etcd://h:1?color=red", "unknown parameter"),
+            ("etcd://h:1?ca=/etc/hostname", "ca= is for etcd+tls://"),
+            ("etcd+tls://h:1", "needs ca=FILE"),
+            (
+                "etcd+tls://h:1?ca=/nonexistent/ca.pem",
+                "cannot read the CA file",
+            ),
+            (
+                "etcd://h:1?credentials=/nonexistent/creds",
+                "cannot read the credentials",
+            ),
         ] {
             let error = EtcdConfig::from_url(url).unwrap_err().to_string();
             assert!(error.contains(why), "{url}: {error}");

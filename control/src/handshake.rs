@@ -71,8 +71,8 @@ use crate::wire::{MAC_LEN, Message, NONCE_LEN, QpSide, WireKey};
 /// driver to read a Hello sent right after the connect.
 pub(crate) const EVICTABLE_AFTER: Duration = Duration::from_millis(100);
 
-/// Messages that may wait on a connection for its peer to prove the cluster secret; more are
-/// dropped (the connection closes at its handshake deadline unless the proof comes first).
+/// Messages that may wait on a connection for its peer to prove the cluster secret; one more
+/// closes it at the next tick.
 const MAX_HELD: usize = 1024;
 
 /// Counts and emits a warning of kind `$kind` for `$core` (see [`control_warning`]).
@@ -366,10 +366,10 @@ impl<F: RailFabric> Core<F> {
             );
             if proof_required && state.peer.is_none() && !handshake {
                 // Nothing for a peer that has not proven the secret yet.
-                if state.held.len() < MAX_HELD {
+                // One past the bound marks the connection, which closes at the next tick.
+                if state.held.len() <= MAX_HELD {
                     state.held.push(message);
                 } else if matches!(message, Message::Notify { .. }) {
-                    // The connection closes at its handshake deadline anyway.
                     bump(&self.shared.counters.notifications_dropped);
                 }
                 return;
@@ -466,7 +466,7 @@ impl<F: RailFabric> Core<F> {
         let mut oldest_silent: Option<Instant> = None;
         for conn in self.conns.values().filter(|conn| !conn.dialed) {
             accepted += 1;
-            if conn.peer.is_none() && conn.unproven.is_none() {
+            if conn.peer.is_none() {
                 silent += 1;
                 oldest_silent = Some(oldest_silent.map_or(conn.opened, |t| t.min(conn.opened)));
             }
@@ -521,13 +521,14 @@ impl<F: RailFabric> Core<F> {
             state.local_ip = Some(local_ip);
         }
         let silent = || {
-            self.conns.iter().filter(|(_, state)| {
-                !state.dialed && state.peer.is_none() && state.unproven.is_none()
-            })
+            self.conns
+                .iter()
+                .filter(|(_, state)| !state.dialed && state.peer.is_none())
         };
         if silent().count() > self.policy.max_handshakes {
+            // Those that said nothing go before those whose proof is under way.
             if let Some(oldest) = silent()
-                .min_by_key(|(id, state)| (state.opened, **id))
+                .min_by_key(|(id, state)| (state.unproven.is_some(), state.opened, **id))
                 .map(|(&id, _)| id)
             {
                 let reason = format!(
@@ -715,28 +716,38 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    /// With a cluster secret, closes connections whose peer has not proven it within
-    /// [`Policy::connect_timeout`] of their opening (`auth_failures`): a peer that says Hello
-    /// and nothing more, or that keeps repeating it, holds a connection no longer than that.
+    /// With a cluster secret, closes connections whose peer said Hello but has not proven
+    /// the secret within [`Policy::connect_timeout`] of their opening (`auth_failures`): a
+    /// peer that says Hello and nothing more holds a connection no longer than that. (Those
+    /// that said nothing at all, a dead host among them, time out as before.) Also closes
+    /// connections on which more messages waited for the proof than [`MAX_HELD`].
     fn expire_unproven(&mut self, now: Instant) {
         if self.me.secret.is_none() {
             return;
         }
-        let late: Vec<ConnId> = self
+        let late: Vec<(ConnId, bool)> = self
             .conns
             .iter()
             .filter(|(_, conn)| {
-                conn.peer.is_none()
-                    && now.duration_since(conn.opened) >= self.policy.connect_timeout
+                conn.held.len() > MAX_HELD
+                    || (conn.unproven.is_some()
+                        && now.duration_since(conn.opened) >= self.policy.connect_timeout)
             })
-            .map(|(&id, _)| id)
+            .map(|(&id, conn)| (id, conn.held.len() > MAX_HELD))
             .collect();
-        for conn in late {
-            self.auth_failed(
-                conn,
-                "no proof of the cluster secret within the connect timeout",
-                now,
-            );
+        for (conn, overflowed) in late {
+            if overflowed {
+                let reason = format!(
+                    "more than {MAX_HELD} messages waited for the peer to prove the cluster secret"
+                );
+                self.refuse(conn, &reason, now);
+            } else {
+                self.auth_failed(
+                    conn,
+                    "no proof of the cluster secret within the connect timeout",
+                    now,
+                );
+            }
         }
     }
 
@@ -871,9 +882,11 @@ impl<F: RailFabric> Core<F> {
             None => {}
         }
         let (dialed, addr) = (state.dialed, state.addr);
-        if incarnation == self.me.incarnation && self.me.secret.is_some() {
-            // This process's own Hello, reflected: nobody else says it.
-            return self.auth_failed(conn, "a Hello with this process's own incarnation", now);
+        let reflected = matches!(&hello, Message::Hello { nonce, .. }
+            if self.conns.iter().any(|(&other, state)| other != conn && state.nonce == *nonce));
+        if reflected && self.me.secret.is_some() {
+            // A Hello this process sent on another connection, handed back to it.
+            return self.auth_failed(conn, "this process's own Hello, reflected", now);
         }
         if !dialed {
             self.send(conn, self.hello(conn));

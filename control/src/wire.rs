@@ -19,7 +19,7 @@ use crate::host::HostId;
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RYCP";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 /// Header bytes.
 pub const HEADER_LEN: usize = 12;
 /// Largest body accepted.

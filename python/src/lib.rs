@@ -23,8 +23,7 @@ use railyard::dataplane::FailReason;
 use railyard::dataplane::{Batch as NativeBatch, IdleStrategy, RequestOutcome};
 use railyard::engine::{
     DirectoryChoice, Engine as NativeEngine, FabricChoice, MemoryError, Op, Peer, PeerAccess,
-    RailChoice,
-    RawTransfer, Region, SubmitterPool, TransferError as TransferError_, default_name,
+    RailChoice, RawTransfer, Region, SubmitterPool, TransferError as TransferError_, default_name,
 };
 
 create_exception!(
@@ -402,7 +401,9 @@ impl Engine {
         };
         let directory = match directory {
             "p2p" | "P2PHANDSHAKE" => DirectoryChoice::P2p,
-            url if url.starts_with("etcd://") => DirectoryChoice::Etcd(url.to_string()),
+            url if url.starts_with("etcd://") || url.starts_with("etcd+tls://") => {
+                DirectoryChoice::Etcd(url.to_string())
+            }
             other => {
                 return Err(PyValueError::new_err(format!(
                     "directory must be \"p2p\" or \"etcd://host:port\", not {other:?}"

@@ -20,8 +20,20 @@ pub struct EtcdServer {
     dir: PathBuf,
     client_port: u16,
     peer_port: u16,
+    /// Where it answers its health check (its client port, unless that speaks TLS).
+    health_port: u16,
     /// The lease time to live its clients are told to use, in seconds.
     ttl: u64,
+    tls: Option<EtcdTls>,
+}
+
+/// The certificate and key an etcd serves its clients with (PEM files).
+#[derive(Clone, Debug)]
+pub struct EtcdTls {
+    /// The server's certificate.
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
 }
 
 fn free_port() -> Result<u16> {
@@ -34,14 +46,30 @@ impl EtcdServer {
     /// # Errors
     /// When `etcd` is not installed or not healthy within [`BOUND`].
     pub fn start(ttl_seconds: u64) -> Result<Self> {
+        Self::start_with(ttl_seconds, None)
+    }
+
+    /// [`Self::start`], serving clients over TLS with `tls` when given (its health check
+    /// then on a plain port of its own).
+    ///
+    /// # Errors
+    /// As [`Self::start`].
+    pub fn start_with(ttl_seconds: u64, tls: Option<EtcdTls>) -> Result<Self> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let client_port = free_port()?;
         let mut server = Self {
             child: None,
             dir: std::env::temp_dir().join(format!("railyard-etcd-{}-{n}", std::process::id())),
-            client_port: free_port()?,
+            client_port,
             peer_port: free_port()?,
+            health_port: if tls.is_some() {
+                free_port()?
+            } else {
+                client_port
+            },
             ttl: ttl_seconds,
+            tls,
         };
         server.run()?;
         Ok(server)
@@ -56,9 +84,19 @@ impl EtcdServer {
         if self.child.is_some() {
             return Ok(());
         }
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let mut command = Command::new("etcd");
+        if let Some(tls) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(&tls.cert)
+                .arg("--key-file")
+                .arg(&tls.key)
+                .arg("--listen-metrics-urls")
+                .arg(format!("http://127.0.0.1:{}", self.health_port));
+        }
         command
             .args(["--name", "railyard", "--data-dir"])
             .arg(&self.dir)
@@ -87,7 +125,7 @@ impl EtcdServer {
 
     /// Whether it answers its health check.
     pub fn healthy(&self) -> bool {
-        let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.client_port)) else {
+        let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.health_port)) else {
             return false;
         };
         let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
@@ -106,9 +144,21 @@ impl EtcdServer {
         }
     }
 
-    /// The directory URL its clients use (`--directory`).
+    /// The directory URL its clients use (`--directory`; over TLS, `ca=` is the caller's to
+    /// add).
     pub fn url(&self) -> String {
-        format!("etcd://127.0.0.1:{}?ttl={}", self.client_port, self.ttl)
+        let scheme = if self.tls.is_some() {
+            "etcd+tls"
+        } else {
+            "etcd"
+        };
+        format!("{scheme}://127.0.0.1:{}?ttl={}", self.client_port, self.ttl)
+    }
+
+    /// Its client endpoint, as `etcd-client` takes it.
+    pub fn endpoint(&self) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 }
 

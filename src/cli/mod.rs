@@ -106,14 +106,16 @@ fn parse_fabric(text: &str) -> Result<railyard::engine::FabricChoice, String> {
     }
 }
 
-/// `--directory p2p|etcd://HOST:PORT[,HOST:PORT...]`.
+/// `--directory p2p|etcd[+tls]://HOST:PORT[,HOST:PORT...][?…]`.
 fn parse_directory(text: &str) -> Result<railyard::engine::DirectoryChoice, String> {
     use railyard::engine::DirectoryChoice;
     match text {
         "p2p" => Ok(DirectoryChoice::P2p),
-        url if url.starts_with("etcd://") => Ok(DirectoryChoice::Etcd(url.to_string())),
+        url if url.starts_with("etcd://") || url.starts_with("etcd+tls://") => {
+            Ok(DirectoryChoice::Etcd(url.to_string()))
+        }
         other => Err(format!(
-            "{other:?} is not a directory (p2p, or etcd://HOST:PORT[,HOST:PORT...])"
+            "{other:?} is not a directory (p2p, or etcd[+tls]://HOST:PORT[,HOST:PORT...])"
         )),
     }
 }

@@ -128,7 +128,9 @@ pub struct EngineBuilder {
 pub enum DirectoryChoice {
     /// By address only: each peer's own handshake listener describes it (the default).
     P2p,
-    /// An etcd cluster (`etcd://HOST:PORT[,HOST:PORT...]`): this engine publishes itself
+    /// An etcd cluster (`etcd://HOST:PORT[,HOST:PORT...]`, or `etcd+tls://…?ca=FILE`, with
+    /// `credentials=FILE` for an etcd that authenticates; see
+    /// `railyard_control::etcd::EtcdConfig::from_url`): this engine publishes itself
     /// under its name with a lease, peers are opened by name, and a peer that restarts or
     /// dies is seen through etcd's watch (needs the cargo feature `etcd`).
     Etcd(String),
@@ -1150,6 +1152,7 @@ impl Engine {
         self.inner.shared.set_regions(
             regions
                 .iter()
+                .filter(|entry| entry.region.peer_access != PeerAccess::None)
                 .map(|entry| RegionDescriptor {
                     base: entry.region.addr,
                     len: entry.region.len,

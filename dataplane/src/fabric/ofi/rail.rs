@@ -14,7 +14,6 @@ use railyard_ofi_sys as sys;
 use super::fabric::OfiFabric;
 use crate::fabric::staging::Staging;
 use crate::fabric::{Access, FabricLimits, MemoryRegion};
-use crate::rng::SplitMix64;
 use crate::{EndpointId, Epoch};
 
 /// The libfabric API version railyard is written against (Debian 12 ships 1.17).
@@ -179,7 +178,6 @@ pub struct OfiRail {
     /// FI_MR_VIRT_ADDR turns virtual addresses into offsets from the region's start.
     pub(crate) remote_regions: RwLock<HashMap<Vec<u8>, AnnouncedRegions>>,
     next_lkey: AtomicU32,
-    next_key: Mutex<SplitMix64>,
     pub(crate) staged: Staging<OfiPeer>,
     /// Immediates that arrived, by the tag of the connection they came on; only tags opened
     /// with [`Self::open_immediates`] are kept.
@@ -347,7 +345,6 @@ impl OfiRail {
             remotely_accessible: AtomicU32::new(0),
             remote_regions: RwLock::new(HashMap::new()),
             next_lkey: AtomicU32::new(1),
-            next_key: Mutex::new(SplitMix64::new(seed())),
             staged: Staging::default(),
             immediates: Mutex::new(HashMap::new()),
             fabric_taken: AtomicBool::new(false),
@@ -551,8 +548,8 @@ impl OfiRail {
             let requested_key = if self.mr_mode.prov_key {
                 0
             } else {
-                let mut keys = self.next_key.lock().unwrap_or_else(PoisonError::into_inner);
-                u64::from(keys.next_u64() as u32)
+                // Drawn from the kernel for each registration: no key says anything of another.
+                u64::from(crate::fabric::soft::random_u64() as u32)
             };
             // SAFETY: the caller keeps the range mapped while registered; `mr` is closed on
             // every error path below and otherwise kept until `deregister`.
@@ -776,13 +773,6 @@ impl OfiRail {
 
 /// A seed for the keys railyard picks: unpredictable enough that keys are not sequential
 /// across processes.
-fn seed() -> u64 {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |t| t.as_nanos() as u64);
-    now ^ (u64::from(std::process::id()) << 32)
-}
-
 impl Drop for OfiRail {
     fn drop(&mut self) {
         // SAFETY: each object is closed once, children before their parents (registrations

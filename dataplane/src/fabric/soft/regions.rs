@@ -15,12 +15,11 @@
 //! 0, or 0 for other memory: a peer may map such a region and copy into it directly.
 //!
 //! Keys are `generation << INDEX_BITS | index`: the index finds the entry at once, and the
-//! generation (never 0, new at each registration of that entry) makes a key stale as soon as
-//! it is deregistered, even after the entry is reused. Generations are an entry's
-//! registration count passed through a permutation of their 20 bits keyed at random per
-//! table ([`Shuffle`]): no two registrations of an entry share one until it has been
-//! registered 2^20 times, and nobody who has not seen a key can guess it (one in a million
-//! per try), as nobody can tell the next from the last.
+//! generation makes a key stale as soon as it is deregistered, even after the entry is
+//! reused. Generations are drawn from the kernel at each registration (20 random bits, never
+//! 0 and never the entry's previous one), so no key says anything of another: a guess is
+//! right one time in a million. The price: a key two or more registrations old comes back
+//! with the same odds (as verbs' 8-bit key variant repeats every 256 registrations).
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -140,33 +139,8 @@ fn lookup(map: &Mapping, capacity: usize, key: u32) -> Option<Registration> {
 #[derive(Debug)]
 struct Slots {
     free: Vec<u16>,
-    /// Registrations of each entry so far.
-    registered: Vec<u32>,
-    shuffle: Shuffle,
-}
-
-/// A permutation of generation numbers (20 bits): a four-round Feistel network over two
-/// 10-bit halves with random round keys.
-#[derive(Debug)]
-struct Shuffle([u64; 4]);
-
-impl Shuffle {
-    const HALF_BITS: u32 = (32 - INDEX_BITS) / 2;
-    const HALF_MASK: u32 = (1 << Self::HALF_BITS) - 1;
-
-    fn random() -> Self {
-        Self(std::array::from_fn(|_| super::random_u64()))
-    }
-
-    /// The image of `count` (below [`GENERATION_LIMIT`]).
-    fn permute(&self, count: u32) -> u32 {
-        let (mut left, mut right) = (count >> Self::HALF_BITS, count & Self::HALF_MASK);
-        for &key in &self.0 {
-            let mixed = crate::rng::SplitMix64::new(u64::from(right) ^ key).next_u64();
-            (left, right) = (right, left ^ (mixed as u32 & Self::HALF_MASK));
-        }
-        left << Self::HALF_BITS | right
-    }
+    /// Each entry's latest generation (0: never registered).
+    generations: Vec<u32>,
 }
 
 /// The owner's side: registers and deregisters. Shared by the threads of one process.
@@ -201,8 +175,7 @@ impl RegionTable {
             incarnation,
             slots: Mutex::new(Slots {
                 free: (0..CAPACITY as u16).rev().collect(),
-                registered: vec![0; CAPACITY],
-                shuffle: Shuffle::random(),
+                generations: vec![0; CAPACITY],
             }),
         })
     }
@@ -252,16 +225,16 @@ impl RegionTable {
         }
         let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
         let index = slots.free.pop().ok_or(RegionError::TableFull)?;
-        let slots = &mut *slots;
+        let previous = &mut slots.generations[usize::from(index)];
         let generation = loop {
-            let count = &mut slots.registered[usize::from(index)];
-            *count = (*count + 1) % GENERATION_LIMIT;
-            let generation = slots.shuffle.permute(*count);
-            // 0 would make key 0 (a free entry) for index 0.
-            if generation != 0 {
-                break generation;
+            let drawn = super::random_u64() as u32 % GENERATION_LIMIT;
+            // 0 would make key 0 (a free entry) for index 0; the previous one, a live key
+            // again for its holders.
+            if drawn != 0 && drawn != *previous {
+                break drawn;
             }
         };
+        *previous = generation;
         let key = generation << INDEX_BITS | u32::from(index);
         self.write_entry(
             usize::from(index),
@@ -368,19 +341,29 @@ mod tests {
     }
 
     #[test]
-    fn generations_never_repeat_before_a_full_cycle_and_differ_between_tables() {
-        let shuffle = Shuffle::random();
-        let mut seen = vec![false; GENERATION_LIMIT as usize];
-        for count in 0..GENERATION_LIMIT {
-            let generation = shuffle.permute(count);
-            assert!(generation < GENERATION_LIMIT);
-            assert!(!seen[generation as usize], "{count} repeats {generation}");
-            seen[generation as usize] = true;
+    fn keys_are_drawn_afresh_for_every_registration() {
+        let table = table();
+        let mut generations = Vec::new();
+        for _ in 0..64 {
+            let key = table.register(0x1000, 64, Access::ALL, None).expect("room");
+            generations.push(key >> INDEX_BITS);
+            table.deregister(key).expect("registered");
         }
-        let (a, b) = (Shuffle::random(), Shuffle::random());
-        let first: Vec<u32> = (1..9).map(|count| a.permute(count)).collect();
-        let other: Vec<u32> = (1..9).map(|count| b.permute(count)).collect();
-        assert_ne!(first, other, "keys are not a function of the entry alone");
+        for pair in generations.windows(2) {
+            assert_ne!(pair[0], pair[1], "a re-registration gets a new key");
+        }
+        assert!(generations.iter().all(|&g| g != 0 && g < GENERATION_LIMIT));
+        // Not a counter, nor a function of the entry: 64 draws of 20 bits in a row
+        // (chance of this by luck: below one in a million).
+        let ascending = generations.windows(2).all(|pair| pair[1] == pair[0] + 1);
+        assert!(!ascending, "{generations:?}");
+        let other = table.register(0x2000, 64, Access::ALL, None).expect("room");
+        let again = table.register(0x3000, 64, Access::ALL, None).expect("room");
+        assert_ne!(
+            other >> INDEX_BITS,
+            again >> INDEX_BITS,
+            "entries' keys are unrelated"
+        );
     }
 
     #[test]
