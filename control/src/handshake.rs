@@ -526,8 +526,10 @@ impl<F: RailFabric> Core<F> {
                 .filter(|(_, state)| !state.dialed && state.peer.is_none())
         };
         if silent().count() > self.policy.max_handshakes {
-            // Those that said nothing go before those whose proof is under way.
+            // Never one younger than the eviction grace (the new one among them); of the
+            // others, those that said nothing go before those whose proof is under way.
             if let Some(oldest) = silent()
+                .filter(|(_, state)| now.duration_since(state.opened) >= EVICTABLE_AFTER)
                 .min_by_key(|(id, state)| (state.unproven.is_some(), state.opened, **id))
                 .map(|(&id, _)| id)
             {
@@ -709,6 +711,9 @@ impl<F: RailFabric> Core<F> {
                 qp_num,
             } => self.on_retire_qp(conn, key, qp_num),
             Message::Notify { target, bytes } => self.on_notify(conn, target, bytes),
+            Message::Bye if speaker.is_none() && self.me.secret.is_some() => {
+                self.auth_failed(conn, "goodbye before the cluster secret was proven", now);
+            }
             Message::Bye => self.closed(conn, "the peer said goodbye", now),
             Message::Ping { nonce } => self.send(conn, Message::Pong { nonce }),
             // Heard: that is all a Pong is for.

@@ -1606,6 +1606,36 @@ fn without_a_secret_the_descriptor_is_asked_for_with_the_hello() {
     );
 }
 
+#[test]
+fn a_flood_of_hellos_without_proofs_does_not_keep_a_member_out() {
+    let mut net = Net::new();
+    let capped = Policy {
+        max_handshakes: 4,
+        ..policy()
+    };
+    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, capped);
+    let member = net.spawn("prefill", addr(2, 7000), 20, 1);
+    net.with_secret(target, secret(1));
+    net.with_secret(member, secret(1));
+    for n in 0..8 {
+        net.raw_peer_says(target, vec![hello_from("flood", 100 + n)]);
+    }
+    net.advance(Duration::from_millis(200));
+    let answer = net.connect(member, addr(1, 7000));
+    net.settle();
+    ready(&answer);
+    let unproven = net.procs[target]
+        .core
+        .conns
+        .values()
+        .filter(|conn| conn.peer.is_none())
+        .count();
+    assert_eq!(
+        unproven, 7,
+        "the oldest of the flood made room for the member"
+    );
+}
+
 mod unproven_peers {
     use proptest::prelude::*;
 

@@ -353,3 +353,40 @@ def test_libfabric_engines_write_to_each_other():
         assert (dst == src).all()
     with pytest.raises(RuntimeError, match="no-such"):
         railyard.Engine("py-ofi-c", fabric="ofi", ofi_provider="no-such")
+
+
+def test_a_cluster_secret_lets_members_in_and_keeps_others_out(tmp_path):
+    """secret_file=: members write to each other; an engine without it gets no peer, and
+    memory registered with peer_access="read" refuses a write."""
+    secret = tmp_path / "secret"
+    secret.write_text("a-cluster-secret-of-32-bytes-ok!\n")
+    secret.chmod(0o600)
+    common = {"listen": "127.0.0.1:0", "fabric": FABRIC, "busy_poll": False, "rails": 1}
+    with railyard.Engine("py-member-a", secret_file=secret, **common) as a, railyard.Engine(
+        "py-member-b", secret_file=str(secret), **common
+    ) as b, railyard.Engine("py-outsider", **common) as outsider:
+        src = np.full(1 << 16, 7, dtype=np.uint8)
+        dst = np.zeros(1 << 16, dtype=np.uint8)
+        shelf = np.zeros(1 << 16, dtype=np.uint8)
+        a.register(src.ctypes.data, src.nbytes, peer_access="none")
+        b.register(dst.ctypes.data, dst.nbytes)
+        b.register(shelf.ctypes.data, shelf.nbytes, peer_access="read")
+        a.write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [src.nbytes], timeout_s=10)
+        assert (dst == 7).all()
+        with pytest.raises(TransferError):
+            a.write(b.session_id, [src.ctypes.data], [shelf.ctypes.data], [4096], timeout_s=10)
+        assert (shelf == 0).all()
+        outsider_src = np.full(4096, 9, dtype=np.uint8)
+        outsider.register(outsider_src.ctypes.data, outsider_src.nbytes)
+        with pytest.raises(TransferError):
+            outsider.write(
+                b.session_id, [outsider_src.ctypes.data], [dst.ctypes.data], [4096], timeout_s=5
+            )
+        assert (dst == 7).all()
+    with pytest.raises(ValueError, match="too short"):
+        short = tmp_path / "short"
+        short.write_text("short\n")
+        railyard.Engine("py-short", secret_file=short, **common)
+    with pytest.raises(ValueError, match="peer_access"):
+        with railyard.Engine("py-bad-access", **common) as e:
+            e.alloc(4096, peer_access="everything")

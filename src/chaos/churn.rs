@@ -325,6 +325,7 @@ fn twin_processes(
     let twins: Vec<_> = (0..2u64)
         .map(|twin| {
             std::process::Command::new(binary)
+                .env_remove("RAILYARD_SECRET_FILE")
                 .args(["bench", "--target", &target.addr.to_string()])
                 .args(["--name", "prefill-twin", "--duration", "2", "--json"])
                 .args(["--rails", "1", "--batch", "8"])

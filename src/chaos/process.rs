@@ -90,7 +90,9 @@ impl Target {
         options: &[&str],
     ) -> Result<Self> {
         let mut command = Command::new(binary);
+        // The scenarios' nodes have no cluster secret: neither may their targets.
         command
+            .env_remove("RAILYARD_SECRET_FILE")
             .args(["serve", "--until-stdin-closes", "--name", name])
             .args(options)
             .args(fabric.process_options())

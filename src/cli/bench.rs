@@ -622,8 +622,9 @@ fn tcp_ceiling(
                 let sink = railyard::dataplane::fabric::tcp::open_sink(target, CEILING_STALL)
                     .with_context(|| {
                         format!(
-                            "opening a raw stream to the target's TCP port {target} (the target \
-                             must run `railyard serve --accept-sinks` for this ceiling)"
+                            "opening a raw stream to the target's TCP port {target} (a target with a \
+                             cluster secret takes one only with `railyard serve \
+                             --accept-sinks`)"
                         )
                     })?;
                 (sink, None)
@@ -676,8 +677,8 @@ fn tcp_ceiling(
         };
         send_for(TCP_CEILING_WARM_UP).with_context(|| match remote {
             Some(target) => format!(
-                "the target's TCP port {target} closed the raw stream (a target takes one only \
-                 with `railyard serve --accept-sinks`)"
+                "the target's TCP port {target} closed the raw stream (a target with a cluster \
+                 secret takes one only with `railyard serve --accept-sinks`)"
             ),
             None => "the ceiling's stream failed".into(),
         })?;

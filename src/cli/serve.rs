@@ -55,8 +55,9 @@ pub(crate) struct ServeArgs {
     verbs: super::VerbsArgs,
     #[command(flatten)]
     secret: super::SecretArgs,
-    /// Read and discard a raw byte stream on the TCP data port: the ceiling `railyard bench`
-    /// measures against a target on another host. Bound to no handshake: for benchmarks only.
+    /// With --secret-file, still read and discard a raw byte stream on the TCP data port: the
+    /// ceiling `railyard bench` measures against a target on another host (without a secret
+    /// it is read anyway). Bound to no handshake: for benchmarks only.
     #[arg(long)]
     accept_sinks: bool,
 }
@@ -75,7 +76,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         .secret
         .apply(args.verbs.apply(Engine::builder(name)))?
         .listen(args.listen)
-        .accept_tcp_sinks(args.accept_sinks)
+        .accept_tcp_sinks(args.accept_sinks || args.secret.secret_file.is_none())
         .fabric(args.fabric)
         .rails(rails)
         .directory(args.directory.clone())

@@ -18,17 +18,33 @@ pub(crate) struct Directory {
     etcd: Mutex<Option<EtcdDirectory>>,
     #[cfg(not(feature = "etcd"))]
     etcd: Mutex<Option<std::convert::Infallible>>,
+    /// Publish no regions (with a cluster secret: peers get them from the authenticated
+    /// handshake, not from whoever can read the directory).
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    withhold_regions: bool,
+}
+
+/// `descriptor` as the directory publishes it: without its regions (their addresses and
+/// keys) when `withhold_regions`.
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+fn published(mut descriptor: SegmentDescriptor, withhold_regions: bool) -> SegmentDescriptor {
+    if withhold_regions {
+        descriptor.regions.clear();
+    }
+    descriptor
 }
 
 /// Starts what `choice` asks for, publishing `control`'s descriptor.
 pub(crate) fn start(
     choice: &DirectoryChoice,
     control: &ControlPlane,
+    withhold_regions: bool,
 ) -> Result<Directory, BuildError> {
     let url = match choice {
         DirectoryChoice::P2p => {
             return Ok(Directory {
                 etcd: Mutex::new(None),
+                withhold_regions,
             });
         }
         DirectoryChoice::Etcd(url) => url,
@@ -43,10 +59,12 @@ pub(crate) fn start(
     #[cfg(feature = "etcd")]
     {
         let config = EtcdConfig::from_url(url).map_err(|e| BuildError::Directory(e.to_string()))?;
-        let etcd = EtcdDirectory::start(config, control.descriptor(), control.peer_events())
+        let own = published(control.descriptor(), withhold_regions);
+        let etcd = EtcdDirectory::start(config, own, control.peer_events())
             .map_err(|e| BuildError::Directory(e.to_string()))?;
         Ok(Directory {
             etcd: Mutex::new(Some(etcd)),
+            withhold_regions,
         })
     }
     #[cfg(not(feature = "etcd"))]
@@ -78,7 +96,7 @@ impl Directory {
             .unwrap_or_else(PoisonError::into_inner)
             .as_ref()
         {
-            etcd.publish(descriptor());
+            etcd.publish(published(descriptor(), self.withhold_regions));
         }
         #[cfg(not(feature = "etcd"))]
         let _ = descriptor;

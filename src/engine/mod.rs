@@ -120,7 +120,7 @@ pub struct EngineBuilder {
     ofi: Option<String>,
     directory: DirectoryChoice,
     secret: Option<ClusterSecret>,
-    accept_tcp_sinks: bool,
+    accept_tcp_sinks: Option<bool>,
 }
 
 /// Where an engine finds its peers.
@@ -245,12 +245,13 @@ impl EngineBuilder {
         self
     }
 
-    /// Whether the TCP data ports read and discard a raw byte stream (default: no), which
-    /// `railyard bench` uses as its ceiling against a target on another host. Such a stream
-    /// is bound to no handshake: leave it off outside benchmarks.
+    /// Whether the TCP data ports read and discard a raw byte stream, which `railyard bench`
+    /// uses as its ceiling against a target on another host (default: only without a cluster
+    /// secret, as before there was one). Such a stream is bound to no handshake and costs a
+    /// 64 MiB buffer: with a secret, leave it off outside benchmarks.
     #[must_use]
     pub fn accept_tcp_sinks(mut self, accept: bool) -> Self {
-        self.accept_tcp_sinks = accept;
+        self.accept_tcp_sinks = Some(accept);
         self
     }
 
@@ -436,7 +437,7 @@ impl EngineBuilder {
                 FabricChoice::Auto | FabricChoice::Verbs | FabricChoice::Ofi => HostMode::Auto,
             };
             let tcp = railyard_dataplane::fabric::tcp::TcpConfig {
-                accept_sinks: self.accept_tcp_sinks,
+                accept_sinks: self.accept_tcp_sinks.unwrap_or(self.secret.is_none()),
                 ..Default::default()
             };
             Rails::start_host(
@@ -451,7 +452,7 @@ impl EngineBuilder {
             )?
         };
         let rail_numa = planned.iter().map(|rail| rail.numa).collect();
-        let directory = directory::start(&self.directory, &started.control)?;
+        let directory = directory::start(&self.directory, &started.control, self.secret.is_some())?;
         Ok(Engine {
             inner: Arc::new(Inner {
                 directory,
@@ -855,7 +856,7 @@ impl Engine {
             ofi: None,
             directory: DirectoryChoice::P2p,
             secret: None,
-            accept_tcp_sinks: false,
+            accept_tcp_sinks: None,
         }
     }
 
@@ -1320,7 +1321,9 @@ impl Engine {
     }
 
     /// What the segment named `name` last published in the directory (its incarnation,
-    /// address, rails and regions), without connecting to it.
+    /// address, rails and regions), without connecting to it. A segment with a cluster secret
+    /// publishes no regions: peers get them through the authenticated handshake, not from
+    /// whoever can read the directory.
     ///
     /// # Errors
     /// [`PeerError::UnknownName`] when there is no directory or no such live segment.

@@ -61,7 +61,9 @@ impl Serve {
     /// Runs `command` with `serve` and `options` appended: the binary, or a shell that
     /// execs it.
     fn spawn(mut command: Command, options: &[&str]) -> Self {
+        // A cluster secret in the environment is the test's to give, not the caller's.
         let mut child = command
+            .env_remove("RAILYARD_SECRET_FILE")
             .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
             .args(options)
             .stdin(Stdio::piped())
