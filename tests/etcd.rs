@@ -504,8 +504,28 @@ fn a_directory_over_tls_with_credentials_serves_members_and_refuses_the_rest() {
     };
     let target = build("decode-tls", secured.clone()).expect("publishes over TLS");
     let pool = target.alloc(1 << 20, None).expect("a pool");
+    // An engine without a cluster secret, whose record does list its regions: once its
+    // pool shows there, the secret-holding target's later record has landed too.
+    let open_target = Engine::builder("decode-open")
+        .directory(DirectoryChoice::Etcd(secured.clone()))
+        .idle(IdleStrategy::gentle())
+        .build()
+        .expect("publishes over TLS");
+    open_target.alloc(1 << 16, None).expect("a pool");
     let initiator = build("prefill-tls", secured).expect("joins over TLS");
-    // The directory holds where to find it, not its regions and keys (the handshake does).
+    let published = Instant::now() + BOUND;
+    while initiator
+        .lookup("decode-open")
+        .map_or(true, |record| record.regions.is_empty())
+    {
+        assert!(
+            Instant::now() < published,
+            "the open target's pool was never published"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The directory holds where to find the target, not its regions and keys: the
+    // authenticated handshake hands those out.
     let record = initiator.lookup("decode-tls").expect("published");
     assert!(record.regions.is_empty(), "{record:?}");
     let peer = initiator.open("decode-tls").expect("found by name");
@@ -525,6 +545,6 @@ fn a_directory_over_tls_with_credentials_serves_members_and_refuses_the_rest() {
         panic!("no CA: joined");
     };
     assert!(error.to_string().contains("ca=FILE"), "{error}");
-    drop((peer, initiator, target));
+    drop((peer, initiator, target, open_target));
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -463,17 +463,29 @@ impl<F: RailFabric> Core<F> {
     pub(crate) fn may_accept(&self, now: Instant) -> bool {
         let mut accepted = 0;
         let mut silent = 0;
-        let mut oldest_silent: Option<Instant> = None;
+        let mut evictable = false;
         for conn in self.conns.values().filter(|conn| !conn.dialed) {
             accepted += 1;
             if conn.peer.is_none() {
                 silent += 1;
-                oldest_silent = Some(oldest_silent.map_or(conn.opened, |t| t.min(conn.opened)));
+                evictable |= self.evictable(conn, now);
             }
         }
-        let room_for_one_more = silent < self.policy.max_handshakes
-            || oldest_silent.is_some_and(|opened| now.duration_since(opened) >= EVICTABLE_AFTER);
+        let room_for_one_more = silent < self.policy.max_handshakes || evictable;
         accepted < self.policy.max_connections && room_for_one_more
+    }
+
+    /// Whether the not-yet-admitted connection `conn` may make room for a newer one: one
+    /// that said nothing after [`EVICTABLE_AFTER`]; one whose proof of the cluster secret is
+    /// under way only after half the connect timeout, so that a member a long round trip
+    /// away is not pushed out by a flood of Hellos.
+    fn evictable(&self, conn: &Conn, now: Instant) -> bool {
+        let grace = if conn.unproven.is_some() {
+            self.policy.connect_timeout / 2
+        } else {
+            EVICTABLE_AFTER
+        };
+        now.duration_since(conn.opened) >= grace
     }
 
     fn new_conn(&mut self, addr: SocketAddr, dialed: bool, now: Instant) -> ConnId {
@@ -526,10 +538,10 @@ impl<F: RailFabric> Core<F> {
                 .filter(|(_, state)| !state.dialed && state.peer.is_none())
         };
         if silent().count() > self.policy.max_handshakes {
-            // Never one younger than the eviction grace (the new one among them); of the
-            // others, those that said nothing go before those whose proof is under way.
+            // Only one past its eviction grace (never the new one); those that said nothing
+            // go before those whose proof is under way.
             if let Some(oldest) = silent()
-                .filter(|(_, state)| now.duration_since(state.opened) >= EVICTABLE_AFTER)
+                .filter(|(_, state)| self.evictable(state, now))
                 .min_by_key(|(id, state)| (state.unproven.is_some(), state.opened, **id))
                 .map(|(&id, _)| id)
             {
@@ -652,7 +664,15 @@ impl<F: RailFabric> Core<F> {
 
     /// Sends Bye on every connection (the driver flushes them before stopping).
     pub(crate) fn say_goodbye(&mut self) {
-        let conns: Vec<ConnId> = self.conns.keys().copied().collect();
+        // With a secret, a Bye before the proof reads as a stranger's: those connections
+        // just close.
+        let proof_required = self.me.secret.is_some();
+        let conns: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, state)| !proof_required || state.peer.is_some())
+            .map(|(&conn, _)| conn)
+            .collect();
         for conn in conns {
             self.send(conn, Message::Bye);
         }

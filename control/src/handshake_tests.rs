@@ -824,8 +824,10 @@ fn silent_connections_are_evicted_oldest_first_and_time_out() {
         .map(|_| core.accepted(addr(3, 5000), addr(1, 7000).ip(), now))
         .collect();
     while core.next_action().is_some() {}
-    // One more: the oldest silent one goes, the newcomer stays.
-    let newcomer = core.accepted(addr(3, 5001), addr(1, 7000).ip(), now);
+    // One more, once they are past the eviction grace: the oldest silent one goes, the
+    // newcomer stays.
+    let later = now + EVICTABLE_AFTER;
+    let newcomer = core.accepted(addr(3, 5001), addr(1, 7000).ip(), later);
     let closed: Vec<ConnId> = std::iter::from_fn(|| core.next_action())
         .filter_map(|action| match action {
             Action::Close { conn } => Some(conn),
@@ -833,7 +835,7 @@ fn silent_connections_are_evicted_oldest_first_and_time_out() {
         })
         .collect();
     assert_eq!(closed, vec![silent[0]]);
-    core.received(newcomer, hello_from("x", 5), now);
+    core.received(newcomer, hello_from("x", 5), later);
     assert_eq!(net.stats(target).connections_closed, 1);
     net.advance(policy().connect_timeout + Duration::from_millis(1));
     let closed = std::iter::from_fn(|| net.procs[target].core.next_action())
@@ -1620,7 +1622,7 @@ fn a_flood_of_hellos_without_proofs_does_not_keep_a_member_out() {
     for n in 0..8 {
         net.raw_peer_says(target, vec![hello_from("flood", 100 + n)]);
     }
-    net.advance(Duration::from_millis(200));
+    net.advance(policy().connect_timeout / 2);
     let answer = net.connect(member, addr(1, 7000));
     net.settle();
     ready(&answer);
