@@ -5,7 +5,8 @@
 //! and answers with [`Action`]s for the I/O driver ([`crate::driver`]) to carry out: dial,
 //! send a frame, close, command a poller. It reads no clock, owns no socket
 //! and draws randomness only from its seeded generator (and each connection's Hello nonce
-//! from the kernel), so every interleaving can be replayed in a unit test on virtual time. It calls the rails' fabrics ([`RailFabric`])
+//! from the kernel), so every interleaving can be replayed in a unit test on virtual time.
+//! It calls the rails' fabrics ([`RailFabric`])
 //! directly: creating, connecting, staging and revoking queue pairs are synchronous and
 //! non-blocking.
 //!
