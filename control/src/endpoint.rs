@@ -563,6 +563,120 @@ mod tests {
         at
     }
 
+    /// Feeds `input` to `e` at `now` and asserts it was taken for stale: nothing changes,
+    /// nothing is asked, and it is counted.
+    fn assert_stale(e: &mut Endpoint, input: Input, now: Instant) {
+        let (phase, epoch, before) = (e.phase(), e.epoch(), e.stats());
+        e.handle(input, now);
+        assert_eq!(e.phase(), phase, "{input:?}");
+        assert_eq!(e.epoch(), epoch, "{input:?}");
+        assert_eq!(outputs(e), [], "{input:?}");
+        let after = e.stats();
+        assert_eq!(after.stale_inputs, before.stale_inputs + 1, "{input:?}");
+        assert_eq!(
+            (after.flaps, after.reconnects),
+            (before.flaps, before.reconnects),
+            "{input:?}"
+        );
+    }
+
+    #[test]
+    fn inputs_for_an_older_epoch_change_nothing_in_any_phase() {
+        let t0 = Instant::now();
+        let mut e = endpoint(3);
+        e.handle(Input::ConnectWanted, t0);
+        let old = connect(&mut e, t0);
+        // A work-request error moves it to a new queue pair, still connecting.
+        e.handle(
+            Input::QpError {
+                epoch: old,
+                status: WcStatus::LocLenErr,
+            },
+            t0 + ms(1),
+        );
+        let new = old.next();
+        assert_eq!(
+            outputs(&mut e),
+            [Output::RefreshDescriptor, Output::CreateQp { epoch: new }]
+        );
+        let transport = WcStatus::RetryExcErr;
+        for input in [
+            Input::HandshakeDone { epoch: old },
+            Input::HandshakeFailed { epoch: old },
+            Input::QpError {
+                epoch: old,
+                status: transport,
+            },
+            Input::QpFatal { epoch: old },
+            Input::Confirmed { epoch: old },
+        ] {
+            assert_stale(&mut e, input, t0 + ms(2));
+        }
+        assert_eq!(e.phase(), Phase::Connecting);
+        e.handle(Input::HandshakeDone { epoch: new }, t0 + ms(3));
+        assert_eq!(outputs(&mut e), [Output::ConnectQp { epoch: new }]);
+        assert_eq!(e.phase(), Phase::Ready);
+        // Ready at the new epoch: the old one's events are stale as well.
+        for input in [
+            Input::HandshakeDone { epoch: old },
+            Input::HandshakeFailed { epoch: old },
+            Input::QpError {
+                epoch: old,
+                status: transport,
+            },
+            Input::QpError {
+                epoch: old,
+                status: WcStatus::LocLenErr,
+            },
+            Input::QpFatal { epoch: old },
+            Input::Confirmed { epoch: old },
+        ] {
+            assert_stale(&mut e, input, t0 + ms(4));
+        }
+        // And so are a newer epoch's, which nothing asked for.
+        assert_stale(&mut e, Input::QpFatal { epoch: new.next() }, t0 + ms(5));
+        assert_eq!((e.phase(), e.epoch()), (Phase::Ready, Some(new)));
+    }
+
+    #[test]
+    fn an_endpoint_reusing_an_id_continues_its_epochs() {
+        let t0 = Instant::now();
+        let mut e = endpoint(4);
+        let continued = Epoch::new(7);
+        e.start_at(continued);
+        e.handle(Input::ConnectWanted, t0);
+        assert_eq!(outputs(&mut e), [Output::CreateQp { epoch: continued }]);
+        // A slice or event of the id's previous occupant is older: stale.
+        assert_stale(
+            &mut e,
+            Input::HandshakeDone {
+                epoch: Epoch::FIRST,
+            },
+            t0,
+        );
+        e.handle(Input::HandshakeDone { epoch: continued }, t0);
+        assert_eq!(outputs(&mut e), [Output::ConnectQp { epoch: continued }]);
+        assert!(Epoch::FIRST.is_older_than(continued));
+        // Once a queue pair was asked for, start_at changes nothing.
+        e.start_at(Epoch::new(100));
+        e.handle(
+            Input::QpError {
+                epoch: continued,
+                status: WcStatus::LocLenErr,
+            },
+            t0 + ms(1),
+        );
+        assert_eq!(
+            outputs(&mut e),
+            [
+                Output::RefreshDescriptor,
+                Output::CreateQp {
+                    epoch: continued.next()
+                }
+            ]
+        );
+    }
+
     #[test]
     fn a_work_request_error_reconnects_at_once_without_a_flap() {
         let t0 = Instant::now();
