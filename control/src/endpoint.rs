@@ -580,6 +580,24 @@ mod tests {
         );
     }
 
+    /// Every input that names an epoch, for `epoch`.
+    fn inputs_for(epoch: Epoch) -> [Input; 6] {
+        [
+            Input::HandshakeDone { epoch },
+            Input::HandshakeFailed { epoch },
+            Input::QpError {
+                epoch,
+                status: WcStatus::RetryExcErr,
+            },
+            Input::QpError {
+                epoch,
+                status: WcStatus::LocLenErr,
+            },
+            Input::QpFatal { epoch },
+            Input::Confirmed { epoch },
+        ]
+    }
+
     #[test]
     fn inputs_for_an_older_epoch_change_nothing_in_any_phase() {
         let t0 = Instant::now();
@@ -599,17 +617,7 @@ mod tests {
             outputs(&mut e),
             [Output::RefreshDescriptor, Output::CreateQp { epoch: new }]
         );
-        let transport = WcStatus::RetryExcErr;
-        for input in [
-            Input::HandshakeDone { epoch: old },
-            Input::HandshakeFailed { epoch: old },
-            Input::QpError {
-                epoch: old,
-                status: transport,
-            },
-            Input::QpFatal { epoch: old },
-            Input::Confirmed { epoch: old },
-        ] {
+        for input in inputs_for(old) {
             assert_stale(&mut e, input, t0 + ms(2));
         }
         assert_eq!(e.phase(), Phase::Connecting);
@@ -617,20 +625,7 @@ mod tests {
         assert_eq!(outputs(&mut e), [Output::ConnectQp { epoch: new }]);
         assert_eq!(e.phase(), Phase::Ready);
         // Ready at the new epoch: the old one's events are stale as well.
-        for input in [
-            Input::HandshakeDone { epoch: old },
-            Input::HandshakeFailed { epoch: old },
-            Input::QpError {
-                epoch: old,
-                status: transport,
-            },
-            Input::QpError {
-                epoch: old,
-                status: WcStatus::LocLenErr,
-            },
-            Input::QpFatal { epoch: old },
-            Input::Confirmed { epoch: old },
-        ] {
+        for input in inputs_for(old) {
             assert_stale(&mut e, input, t0 + ms(4));
         }
         // And so are a newer epoch's, which nothing asked for.

@@ -203,14 +203,15 @@ enum NodeRail {
     Ofi(Arc<OfiRail>, FaultHandle),
 }
 
-/// Starts node `name`'s poller of rail `rail` on `fabric`; it parks when idle, so that
+/// Starts node `name`'s poller of rail `rail` on `fabric`, seen through an [`Observed`]
+/// wrapper (what it saw is returned beside the poller); it parks when idle, so that
 /// scenarios run on two cores.
 fn spawn_poller<F: Fabric + 'static>(
     name: &str,
     rail: usize,
     fabric: F,
     shared: &Arc<ControlShared>,
-) -> Result<Arc<PollerHandle>> {
+) -> Result<(Arc<PollerHandle>, Arc<Observations>)> {
     let config = PollerConfig {
         idle: IdleStrategy::SpinThenPark {
             spins: 256,
@@ -218,9 +219,11 @@ fn spawn_poller<F: Fabric + 'static>(
         },
         ..PollerConfig::new(format!("{name}-rail{rail}"))
     };
-    let poller = PollerHandle::spawn(config, fabric, shared.reprepare_hook(rail as u16))
+    let seen = Arc::new(Observations::default());
+    let observed = Observed::new(fabric, seen.clone());
+    let poller = PollerHandle::spawn(config, observed, shared.reprepare_hook(rail as u16))
         .context("starting a poller")?;
-    Ok(Arc::new(poller))
+    Ok((Arc::new(poller), seen))
 }
 
 /// One process's worth of railyard: see the module docs.
@@ -296,9 +299,7 @@ impl Node {
                     let device =
                         SoftDevice::open(format!("{name}-soft{rail}"), SoftConfig::default())
                             .context("opening a soft device")?;
-                    let seen = Arc::new(Observations::default());
-                    let observed = Observed::new(device.fabric(), seen.clone());
-                    let poller = spawn_poller(name, rail, observed, &shared)?;
+                    let (poller, seen) = spawn_poller(name, rail, device.fabric(), &shared)?;
                     control_rails.push(ControlRail {
                         fabric: device.clone(),
                         poller: poller.clone(),
@@ -320,9 +321,7 @@ impl Node {
                         .with_context(|| format!("opening a libfabric rail on {provider:?}"))?;
                     let faults = FaultHandle::default();
                     let fabric = Faulted::new(ofi.fabric()?, faults.clone());
-                    let seen = Arc::new(Observations::default());
-                    let observed = Observed::new(fabric, seen.clone());
-                    let poller = spawn_poller(name, rail, observed, &shared)?;
+                    let (poller, seen) = spawn_poller(name, rail, fabric, &shared)?;
                     control_rails.push(ControlRail {
                         fabric: ofi.clone(),
                         poller: poller.clone(),

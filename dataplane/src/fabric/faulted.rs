@@ -17,9 +17,9 @@
 //! The wrapper lives on the poller thread with the fabric it wraps. With an empty plan a post
 //! costs an atomic load, a map lookup and a judgement per request, and a completion a map
 //! lookup (the count of the queue pair's requests in the inner fabric, which orders the
-//! completions made here).
+//! completions made here); a poll looks only at queue pairs with something waiting here.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::delayed::DelayedCompletions;
@@ -71,6 +71,9 @@ pub struct Faulted<F> {
     delays: HashMap<WrId, (QpNum, Duration)>,
     /// Queue pairs with requests held by a stall.
     stalls: usize,
+    /// Queue pairs with completions made or held here, or retired and not yet forgotten:
+    /// the only ones a poll looks at besides the inner fabric's completions.
+    waiting: HashSet<QpNum>,
     /// Scratch for the inner fabric's completions.
     polled: Vec<WorkCompletion>,
 }
@@ -87,6 +90,7 @@ impl<F: Fabric> Faulted<F> {
             events: VecDeque::new(),
             delays: HashMap::new(),
             stalls: 0,
+            waiting: HashSet::new(),
             polled: Vec::new(),
         }
     }
@@ -144,6 +148,7 @@ impl<F: Fabric> Faulted<F> {
                 self.events.push_back(AsyncEvent::QpFatal { qp });
             }
             state.broken = true;
+            self.waiting.insert(qp);
             let (failed, behind) = requests[executed..].split_at(1);
             state.behind.extend(
                 failed
@@ -200,6 +205,7 @@ impl<F: Fabric> Faulted<F> {
             } else if taken < requests.len() {
                 // The inner fabric will not take them: the queue pair is in error.
                 state.broken = true;
+                self.waiting.insert(qp);
                 state.behind.extend(
                     requests[taken..]
                         .iter()
@@ -218,16 +224,23 @@ impl<F: Fabric> Faulted<F> {
     /// pairs with nothing left here; the inner fabric's late completions for them go out as
     /// they come.
     fn release(&mut self, now: Instant) {
-        for state in self.qps.values_mut() {
+        let (qps, ready) = (&mut self.qps, &mut self.ready);
+        self.waiting.retain(|qp| {
+            let Some(state) = qps.get_mut(qp) else {
+                return false;
+            };
             if state.in_inner == 0 || state.retired {
                 while let Some(completion) = state.behind.pop_front() {
-                    state.held.emit(completion, now, &mut self.ready);
+                    state.held.emit(completion, now, ready);
                 }
             }
-            state.held.release(now, &mut self.ready);
-        }
-        self.qps
-            .retain(|_, state| !(state.retired && state.settled()));
+            state.held.release(now, ready);
+            if state.retired && state.settled() {
+                qps.remove(qp);
+                return false;
+            }
+            !state.behind.is_empty() || !state.held.is_empty() || state.retired
+        });
     }
 }
 
@@ -262,6 +275,7 @@ impl<F: Fabric> Fabric for Faulted<F> {
             return self.inner.post(qp, requests);
         };
         if state.broken {
+            self.waiting.insert(qp);
             state.behind.extend(
                 requests
                     .iter()
@@ -300,7 +314,11 @@ impl<F: Fabric> Fabric for Faulted<F> {
                     .remove(&completion.wr_id)
                     .map_or(Duration::ZERO, |(_, delay)| delay)
             };
+            let qp = completion.qp;
             state.held.emit(completion, now + delay, &mut self.ready);
+            if !state.held.is_empty() {
+                self.waiting.insert(qp);
+            }
         }
         self.polled = polled;
         self.release(now);
@@ -312,6 +330,7 @@ impl<F: Fabric> Fabric for Faulted<F> {
     fn retire(&mut self, qp: QpNum) {
         if let Some(state) = self.qps.get_mut(&qp) {
             state.retired = true;
+            self.waiting.insert(qp);
             if !state.stalled.is_empty() {
                 self.stalls -= 1;
             }
