@@ -9,6 +9,11 @@
 //! for an epoch the control plane has announced always finds that epoch's command applied:
 //! the control plane sends the command first and publishes the epoch to submitters after.
 //!
+//! The decisions the loop carries out are small pure modules with their own tests: `rule`
+//! (the epoch rule, the backlog's bound, the retry rule), `credits` (an endpoint's credits
+//! on its queue pair), `deadline` (sweeps and overdue work) and `inflight` (posted work
+//! requests by slot and generation).
+//!
 //! # Credits
 //! A queue pair carries at most its send queue's depth of posted work requests and the rail
 //! at most what its completion queue holds ([`FabricLimits`], flushes a retire will produce
@@ -68,6 +73,16 @@ use crate::ring::{self, Consumer, Producer};
 use crate::sabotage::Protection;
 use crate::slice::{FLAG_ADMITTED, FLAG_TIMED_OUT, FLAG_WR_ERROR_SEEN, Slice};
 use crate::{EndpointId, Epoch};
+
+mod credits;
+mod deadline;
+mod inflight;
+mod rule;
+
+use credits::Credits;
+use deadline::{Overdue, SweepClock};
+use inflight::Inflight;
+use rule::{FailedRequest, LinkState, Retry, Route, epoch_rule};
 
 /// What a poller does when a round found no work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -593,7 +608,7 @@ impl PollerHandle {
             completions: Vec::new(),
             pending_events: BTreeMap::new(),
             overdue: Vec::new(),
-            last_sweep: Instant::now(),
+            sweep: SweepClock::new(Instant::now()),
             stopping: false,
             config: config.clone(),
         };
@@ -769,46 +784,6 @@ impl std::fmt::Debug for PollerHandle {
     }
 }
 
-/// What the epoch rule needs to know of an endpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum LinkState {
-    /// A queue pair at the endpoint's epoch carries traffic.
-    Up,
-    /// No queue pair: waiting for a newer epoch.
-    Down,
-    /// Its circuit is open: fail fast.
-    CircuitOpen,
-    /// Retired, for this reason.
-    Retired(FailReason),
-}
-
-/// What the epoch rule does with a slice.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Route {
-    /// Post it on the endpoint's queue pair.
-    Post,
-    /// Hold it in the endpoint's backlog until a newer epoch arrives.
-    Wait,
-    /// It is older than the endpoint: re-prepare it (or fail it) first.
-    Reprepare,
-    /// Fail it.
-    Fail(FailReason),
-}
-
-/// The epoch rule, as a pure function so that the poller and the loom model of the
-/// control/poller hand-off share it: never post a slice on a queue pair newer than the
-/// epoch it was prepared for; hold one that is ahead of the endpoint.
-pub(crate) fn epoch_rule(slice: Epoch, endpoint: Epoch, link: LinkState) -> Route {
-    match link {
-        LinkState::Retired(reason) => Route::Fail(reason),
-        LinkState::CircuitOpen => Route::Fail(FailReason::PeerUnavailable),
-        LinkState::Down => Route::Wait,
-        LinkState::Up if slice.is_newer_than(endpoint) => Route::Wait,
-        LinkState::Up if slice.is_older_than(endpoint) => Route::Reprepare,
-        LinkState::Up => Route::Post,
-    }
-}
-
 /// Where an endpoint's queue pair stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Link {
@@ -828,15 +803,12 @@ struct Endpoint {
     fresh_in_backlog: usize,
     /// Work requests in flight on any of its queue pairs (old ones' flushes included).
     in_flight: usize,
-    /// Work requests in flight on its current queue pair: at most the send queue's depth.
-    posted: usize,
+    /// Its credits on its current queue pair.
+    credits: Credits,
     /// Slices for the current queue pair waiting for credits, in order.
     waiting: VecDeque<Slice>,
     /// Listed in `Poller::starved` (set when it is put there, cleared when taken off).
     listed: bool,
-    /// The fabric refused a post for a full send queue: nothing more is posted until one of
-    /// the queue pair's requests completes.
-    send_queue_full: bool,
     /// Fail everything at once with `PeerUnavailable`.
     circuit_open: bool,
     /// A success was reported for the current epoch ([`Event::Confirmed`]).
@@ -846,67 +818,6 @@ struct Endpoint {
     /// The newest queue pair a work-request error took down: the slices flushed behind that
     /// error are innocent, and are retried without being charged to their budgets.
     failed_by_work_request: Option<QpNum>,
-}
-
-/// One posted work request's slot.
-#[derive(Debug)]
-struct InflightSlot {
-    generation: u32,
-    busy: bool,
-    /// `None` only once resolved without its completion (the fabric missed its flush
-    /// grace): the slot still waits for the completion.
-    slice: Option<Slice>,
-    endpoint: EndpointId,
-    /// The queue pair it was posted on.
-    qp: QpNum,
-}
-
-/// Posted work requests by slot; work-request ids carry slot and generation.
-#[derive(Debug, Default)]
-struct Inflight {
-    slots: Vec<InflightSlot>,
-    free: Vec<u32>,
-    busy: usize,
-}
-
-impl Inflight {
-    fn insert(&mut self, slice: Slice, qp: QpNum) -> WrId {
-        let endpoint = slice.endpoint;
-        let index = match self.free.pop() {
-            Some(index) => index,
-            None => {
-                self.slots.push(InflightSlot {
-                    generation: 0,
-                    busy: false,
-                    slice: None,
-                    endpoint,
-                    qp,
-                });
-                (self.slots.len() - 1) as u32
-            }
-        };
-        let slot = &mut self.slots[index as usize];
-        slot.generation = slot.generation.wrapping_add(1);
-        slot.busy = true;
-        slot.slice = Some(slice);
-        slot.endpoint = endpoint;
-        slot.qp = qp;
-        self.busy += 1;
-        WrId::new(index, slot.generation)
-    }
-
-    /// Frees the slot of `wr_id`: its endpoint, the queue pair it was posted on and its
-    /// slice. `None` when the id names a slot that moved on.
-    fn take(&mut self, wr_id: WrId) -> Option<(EndpointId, QpNum, Option<Slice>)> {
-        let slot = self.slots.get_mut(wr_id.slot() as usize)?;
-        if !slot.busy || slot.generation != wr_id.generation() {
-            return None;
-        }
-        slot.busy = false;
-        self.free.push(wr_id.slot());
-        self.busy -= 1;
-        Some((slot.endpoint, slot.qp, slot.slice.take()))
-    }
 }
 
 /// The fabric is the first field: when a panic unwinds the poller, the fabric (and with it
@@ -922,7 +833,7 @@ struct Poller<F: Fabric> {
     endpoints: Vec<Option<Endpoint>>,
     /// Slices taken from rings or handed back for a retry, not yet routed.
     ready: VecDeque<Slice>,
-    inflight: Inflight,
+    inflight: Inflight<Slice>,
     /// How much the fabric holds at once: the credits.
     limits: FabricLimits,
     /// This round's work requests, per queue pair: one post call (doorbell) each.
@@ -936,7 +847,7 @@ struct Poller<F: Fabric> {
     pending_events: BTreeMap<EndpointId, Event>,
     /// Scratch for the deadline sweep: queue pairs holding overdue work.
     overdue: Vec<(EndpointId, QpNum)>,
-    last_sweep: Instant,
+    sweep: SweepClock,
     /// Set by a shutdown command: failures now resolve as `Shutdown`.
     stopping: bool,
     config: PollerConfig,
@@ -947,18 +858,6 @@ struct Poller<F: Fabric> {
 fn endpoint_mut(endpoints: &mut [Option<Endpoint>], id: EndpointId) -> Option<&mut Endpoint> {
     endpoints.get_mut(id.0 as usize).and_then(Option::as_mut)
 }
-
-/// Whether `endpoint` may post one more work request: its queue pair's send queue and the
-/// rail's completion queue (`busy`: requests in flight on the rail, flushes to come
-/// included) have room, and the fabric did not say the send queue is full.
-fn has_credit(endpoint: &Endpoint, busy: usize, limits: FabricLimits) -> bool {
-    !endpoint.send_queue_full
-        && endpoint.posted < limits.send_queue
-        && busy < limits.completion_queue
-}
-
-/// How often deadlines of backlogged and in-flight slices are checked.
-const SWEEP_INTERVAL: Duration = Duration::from_millis(1);
 
 impl<F: Fabric> Poller<F> {
     fn run(mut self) {
@@ -989,7 +888,7 @@ impl<F: Fabric> Poller<F> {
                 idle_rounds = 0;
                 let counters = &self.shared.counters;
                 counters.busy_rounds.add(1);
-                counters.in_flight.set(self.inflight.busy as u64);
+                counters.in_flight.set(self.inflight.busy() as u64);
             } else {
                 idle_rounds = idle_rounds.saturating_add(1);
                 self.shared.counters.idle_rounds.add(1);
@@ -1011,7 +910,7 @@ impl<F: Fabric> Poller<F> {
             IdleStrategy::SpinThenPark { spins, park } => {
                 if idle_rounds < spins {
                     std::hint::spin_loop();
-                } else if self.inflight.busy > 0 || self.fabric.serving() {
+                } else if self.inflight.busy() > 0 || self.fabric.serving() {
                     thread::yield_now();
                 } else {
                     self.shared.parked.store(true, Ordering::Relaxed);
@@ -1146,10 +1045,9 @@ impl<F: Fabric> Poller<F> {
             backlog: VecDeque::new(),
             fresh_in_backlog: 0,
             in_flight,
-            posted: 0,
+            credits: Credits::default(),
             waiting: VecDeque::new(),
             listed: false,
-            send_queue_full: false,
             circuit_open: false,
             confirmed: false,
             retired_reason: FailReason::EndpointRetired,
@@ -1174,8 +1072,7 @@ impl<F: Fabric> Poller<F> {
         endpoint.epoch = epoch;
         endpoint.link = link;
         endpoint.confirmed = false;
-        endpoint.posted = 0;
-        endpoint.send_queue_full = false;
+        endpoint.credits.reset();
         // The backlog goes through the epoch rule again, ahead of newer work (and the
         // slices that waited for the old queue pair's credits ahead of it).
         let backlog = std::mem::take(&mut endpoint.backlog);
@@ -1207,7 +1104,7 @@ impl<F: Fabric> Poller<F> {
         }
         endpoint.link = Link::Retired;
         endpoint.retired_reason = reason;
-        endpoint.posted = 0;
+        endpoint.credits.reset();
         let mut backlog = std::mem::take(&mut endpoint.backlog);
         endpoint.fresh_in_backlog = 0;
         backlog.append(&mut endpoint.waiting);
@@ -1291,7 +1188,10 @@ impl<F: Fabric> Poller<F> {
                 endpoint.listed = false;
                 continue;
             }
-            if !has_credit(endpoint, self.inflight.busy, self.limits) {
+            if !endpoint
+                .credits
+                .available(self.inflight.busy(), self.limits)
+            {
                 // Still listed: it waits for its completions (or the rail's).
                 self.starved.push(id);
                 continue;
@@ -1336,7 +1236,9 @@ impl<F: Fabric> Poller<F> {
             (Route::Fail(reason), _) => self.fail(slice, reason),
             (Route::Post, Some(qp))
                 if endpoint.waiting.is_empty()
-                    && has_credit(endpoint, self.inflight.busy, self.limits) =>
+                    && endpoint
+                        .credits
+                        .available(self.inflight.busy(), self.limits) =>
             {
                 self.post(qp, slice);
             }
@@ -1352,15 +1254,15 @@ impl<F: Fabric> Poller<F> {
                 }
             }
             (Route::Wait | Route::Post, _) => {
-                // New work is refused past the limit; work the endpoint had admitted (it
-                // waited for credits when the queue pair went) is not, nor counted.
-                if slice.flags & FLAG_ADMITTED == 0 {
-                    if endpoint.fresh_in_backlog >= self.config.backlog_limit {
-                        return self.fail(slice, FailReason::BacklogFull);
+                let admitted_before = slice.flags & FLAG_ADMITTED != 0;
+                let limit = self.config.backlog_limit;
+                match rule::backlog_admission(admitted_before, endpoint.fresh_in_backlog, limit) {
+                    Ok(counted) => {
+                        endpoint.fresh_in_backlog += usize::from(counted);
+                        endpoint.backlog.push_back(slice);
                     }
-                    endpoint.fresh_in_backlog += 1;
+                    Err(reason) => self.fail(slice, reason),
                 }
-                endpoint.backlog.push_back(slice);
             }
             (Route::Reprepare, _) => {
                 let current = endpoint.epoch;
@@ -1403,11 +1305,12 @@ impl<F: Fabric> Poller<F> {
             signaled: true,
             epoch: slice.epoch,
         };
-        if let Some(endpoint) = endpoint_mut(&mut self.endpoints, slice.endpoint) {
+        let id = slice.endpoint;
+        if let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) {
             endpoint.in_flight += 1;
-            endpoint.posted += 1;
+            endpoint.credits.take();
         }
-        let wr_id = self.inflight.insert(slice, qp);
+        let wr_id = self.inflight.insert(slice, id, qp);
         let request = WorkRequest { wr_id, ..request };
         match self.posts.iter_mut().find(|(listed, _)| *listed == qp) {
             Some((_, list)) => list.push(request),
@@ -1460,7 +1363,7 @@ impl<F: Fabric> Poller<F> {
             let endpoint = endpoint_mut(&mut self.endpoints, id);
             if let Some(endpoint) = endpoint {
                 if endpoint.link == Link::Up(qp) {
-                    endpoint.posted = endpoint.posted.saturating_sub(1);
+                    endpoint.credits.refused();
                 }
             }
             let Some(slice) = slice else { continue };
@@ -1470,9 +1373,7 @@ impl<F: Fabric> Poller<F> {
             }
             match endpoint_mut(&mut self.endpoints, id) {
                 Some(endpoint) if endpoint.link == Link::Up(qp) => {
-                    // Full with nothing of it in flight would never be cleared by a
-                    // completion: then it is simply tried again next round.
-                    endpoint.send_queue_full = endpoint.posted > 0;
+                    endpoint.credits.send_queue_is_full();
                     let mut slice = slice;
                     slice.flags |= FLAG_ADMITTED;
                     endpoint.waiting.push_front(slice);
@@ -1499,7 +1400,7 @@ impl<F: Fabric> Poller<F> {
     }
 
     fn poll_completions(&mut self) -> bool {
-        if self.inflight.busy == 0 {
+        if self.inflight.busy() == 0 {
             return false;
         }
         let mut completions = std::mem::take(&mut self.completions);
@@ -1522,9 +1423,7 @@ impl<F: Fabric> Poller<F> {
         self.note_landed(id);
         if let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) {
             if endpoint.link == Link::Up(posted_on) {
-                // A credit of its queue pair is back (and room in its send queue).
-                endpoint.posted = endpoint.posted.saturating_sub(1);
-                endpoint.send_queue_full = false;
+                endpoint.credits.completed();
             }
         }
         let status = completion.status;
@@ -1544,13 +1443,7 @@ impl<F: Fabric> Poller<F> {
             return slice.resolve(Ok(()));
         };
         if slice.flags & FLAG_TIMED_OUT != 0 {
-            // Its own error says more than the deadline; a flush is the deadline's doing.
-            let reason = if status.is_work_request_error() {
-                reason
-            } else {
-                FailReason::Timeout
-            };
-            return self.fail(slice, reason);
+            return self.fail(slice, rule::timed_out_reason(status, reason));
         }
         if self.stopping {
             return self.fail(slice, FailReason::Shutdown);
@@ -1567,26 +1460,24 @@ impl<F: Fabric> Poller<F> {
                 status == WcStatus::WrFlushErr && e.failed_by_work_request == Some(completion.qp)
             }
         };
-        let retry = if status.is_work_request_error() {
-            let first = slice.flags & FLAG_WR_ERROR_SEEN == 0;
+        let retry = rule::retry_rule(FailedRequest {
+            status,
+            erred_before: slice.flags & FLAG_WR_ERROR_SEEN != 0,
+            with_immediate: slice.opcode == Opcode::WriteWithImm,
+            innocent,
+            retries: slice.retries,
+            budget: self.config.retry_budget,
+        });
+        if status.is_work_request_error() {
             slice.flags |= FLAG_WR_ERROR_SEEN;
-            first
-        } else if slice.opcode == Opcode::WriteWithImm {
-            // Flushed or cut off after it was posted: the target may have delivered its
-            // immediate already, and an immediate is delivered at most once.
-            false
-        } else if innocent {
-            true
-        } else if slice.retries < self.config.retry_budget {
-            slice.retries += 1;
-            true
-        } else {
-            false
-        };
-        if retry {
-            self.ready.push_back(slice);
-        } else {
-            self.fail(slice, reason);
+        }
+        match retry {
+            Retry::Charged => {
+                slice.retries += 1;
+                self.ready.push_back(slice);
+            }
+            Retry::Free => self.ready.push_back(slice),
+            Retry::No => self.fail(slice, reason),
         }
     }
 
@@ -1632,8 +1523,7 @@ impl<F: Fabric> Poller<F> {
             return None;
         }
         endpoint.link = Link::Down;
-        endpoint.posted = 0;
-        endpoint.send_queue_full = false;
+        endpoint.credits.reset();
         let epoch = endpoint.epoch;
         self.fabric.retire(qp);
         // What waited for its credits waits for the next queue pair instead.
@@ -1674,21 +1564,13 @@ impl<F: Fabric> Poller<F> {
     /// slices out of service, so that the flush hands them back (see the module docs).
     fn sweep_deadlines(&mut self) {
         let now = Instant::now();
-        if now.duration_since(self.last_sweep) < SWEEP_INTERVAL {
+        if !self.sweep.due(now) {
             return;
         }
-        self.last_sweep = now;
         let mut expired = Vec::new();
         for endpoint in self.endpoints.iter_mut().flatten() {
             for queue in [&mut endpoint.backlog, &mut endpoint.waiting] {
-                let mut index = 0;
-                while index < queue.len() {
-                    if now >= queue[index].deadline() {
-                        expired.extend(queue.remove(index));
-                    } else {
-                        index += 1;
-                    }
-                }
+                deadline::take_expired(queue, now, Slice::deadline, &mut expired);
             }
             endpoint.fresh_in_backlog = endpoint
                 .backlog
@@ -1702,19 +1584,18 @@ impl<F: Fabric> Poller<F> {
         // Posted work cannot be recalled, only flushed: mark it and retire its queue pair.
         let mut overdue = std::mem::take(&mut self.overdue);
         let mut unflushed = Vec::new();
-        for slot in self.inflight.slots.iter_mut().filter(|slot| slot.busy) {
+        for slot in self.inflight.posted_mut() {
             let Some(slice) = slot.slice.as_mut() else {
                 continue;
             };
-            let deadline = slice.deadline();
-            if now < deadline {
-                continue;
-            }
-            if slice.flags & FLAG_TIMED_OUT == 0 {
-                slice.flags |= FLAG_TIMED_OUT;
-                overdue.push((slot.endpoint, slot.qp));
-            } else if now >= deadline + self.config.flush_grace {
-                unflushed.extend(slot.slice.take());
+            let marked = slice.flags & FLAG_TIMED_OUT != 0;
+            match deadline::overdue(slice.deadline(), marked, now, self.config.flush_grace) {
+                Overdue::No => {}
+                Overdue::TakeOutOfService => {
+                    slice.flags |= FLAG_TIMED_OUT;
+                    overdue.push((slot.endpoint, slot.qp));
+                }
+                Overdue::Unflushed => unflushed.extend(slot.slice.take()),
             }
         }
         for (id, qp) in overdue.drain(..) {
@@ -1754,7 +1635,7 @@ impl<F: Fabric> Poller<F> {
             self.fail(slice, FailReason::Shutdown);
         }
         let grace_end = Instant::now() + self.config.flush_grace;
-        while self.inflight.busy > 0 && Instant::now() < grace_end {
+        while self.inflight.busy() > 0 && Instant::now() < grace_end {
             self.shared.rounds.begin();
             let moved = self.poll_completions();
             self.shared.rounds.end();
@@ -1764,8 +1645,7 @@ impl<F: Fabric> Poller<F> {
         }
         let unflushed: Vec<Slice> = self
             .inflight
-            .slots
-            .iter_mut()
+            .posted_mut()
             .filter_map(|slot| slot.slice.take())
             .collect();
         for slice in unflushed {
@@ -1802,7 +1682,7 @@ mod loom_models {
 
     use loom::thread;
 
-    use super::{LinkState, Route, epoch_rule};
+    use super::rule::{LinkState, Route, epoch_rule};
     use crate::Epoch;
     use crate::ring::{self, Producer};
     use crate::sync::{Arc, AtomicUsize, Ordering};
