@@ -255,6 +255,11 @@ impl BatchState {
     /// In debug builds, when `request` has no unresolved slice left: a slice resolved twice.
     pub(crate) fn resolve_slice(&self, request: u32, outcome: Result<(), RequestFailure>) -> bool {
         let state = &self.requests[request as usize];
+        // Acquire: pairs with the resolvers' AcqRel decrements.
+        if state.remaining.load(Ordering::Acquire) == 0 {
+            // Resolved twice: a request already reported keeps its outcome.
+            return self.resolved_twice(request);
+        }
         if let Err(failure) = outcome {
             // Relaxed: ordered before the AcqRel decrement below, which publishes it.
             let won = state
@@ -273,12 +278,10 @@ impl BatchState {
         // AcqRel: the last resolver must see every other resolver's failure write.
         let before = state.remaining.fetch_sub(1, Ordering::AcqRel);
         if before == 0 {
-            // A slice resolved twice: undo the wrap, count it, and never release the
-            // batch's state a second time.
+            // Resolved twice, racing the last resolution: undo the wrap, and never release
+            // the batch's state a second time.
             state.remaining.fetch_add(1, Ordering::AcqRel);
-            self.double_resolved.fetch_add(1, Ordering::Relaxed);
-            debug_assert!(false, "a slice of request {request} was resolved twice");
-            return false;
+            return self.resolved_twice(request);
         }
         if before != 1 {
             return false;
@@ -300,6 +303,13 @@ impl BatchState {
             self.completed.notify_all();
         }
         last
+    }
+
+    /// Counts a slice of `request` resolved a second time (a bug; asserted in debug builds).
+    fn resolved_twice(&self, request: u32) -> bool {
+        self.double_resolved.fetch_add(1, Ordering::Relaxed);
+        debug_assert!(false, "a slice of request {request} was resolved twice");
+        false
     }
 
     pub(crate) fn status(&self) -> BatchStatus {
@@ -417,7 +427,8 @@ impl std::fmt::Debug for Batch {
     }
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(test)]
+#[cfg(not(loom))]
 mod tests {
     use super::*;
     use std::thread;
@@ -504,5 +515,96 @@ mod tests {
             assert_eq!(FailReason::from_code(*reason as u8), Some(*reason));
         }
         assert_eq!(FailReason::from_code(0), None);
+    }
+
+    #[test]
+    fn requests_are_counted_done_or_failed_by_their_own_outcome() {
+        let (state, batch) = batch(&[1, 1, 1, 2]);
+        assert!(!state.resolve_slice(0, Ok(())));
+        assert!(!state.resolve_slice(1, failed(FailReason::Flushed)));
+        assert!(!state.resolve_slice(2, Ok(())));
+        assert_eq!(
+            batch.poll(),
+            BatchStatus {
+                total: 4,
+                done: 2,
+                failed: 1
+            }
+        );
+        assert!(!state.resolve_slice(3, Ok(())), "one slice of it left");
+        assert!(!batch.poll().is_complete());
+        assert!(
+            state.resolve_slice(3, Ok(())),
+            "the last slice of the batch"
+        );
+        assert_eq!(batch.poll().done, 3);
+        assert!(batch.poll().is_complete());
+        assert_eq!(batch.double_resolved(), 0);
+        assert_eq!(
+            format!("{batch:?}"),
+            "Batch { status: BatchStatus { total: 4, done: 3, failed: 1 } }"
+        );
+    }
+
+    #[test]
+    fn a_waiter_is_woken_when_the_last_slice_resolves() {
+        let (state, batch) = batch(&[1, 1]);
+        let resolver = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(20));
+            state.resolve_slice(0, Ok(()));
+            thread::sleep(Duration::from_millis(20));
+            state.resolve_slice(1, Ok(()));
+        });
+        // Woken by the resolution, not by the deadline a minute away.
+        let status = batch.wait(Instant::now() + Duration::from_secs(60));
+        assert!(status.is_complete());
+        resolver.join().unwrap();
+    }
+
+    #[test]
+    fn a_slice_resolved_twice_is_counted_and_changes_no_outcome() {
+        let (state, batch) = batch(&[1]);
+        assert!(state.resolve_slice(0, Ok(())));
+        let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            state.resolve_slice(0, failed(FailReason::Timeout))
+        }));
+        // Debug builds assert; release builds go on.
+        assert!(again.is_err() || matches!(again, Ok(false)));
+        assert_eq!(batch.double_resolved(), 1);
+        assert_eq!(batch.outcome(0), Some(RequestOutcome::Done));
+        assert_eq!(batch.poll().done, 1);
+    }
+
+    #[test]
+    fn reasons_name_themselves_in_snake_case() {
+        for reason in FailReason::ALL {
+            let mut snake = String::new();
+            for (i, c) in format!("{reason:?}").chars().enumerate() {
+                if c.is_ascii_uppercase() && i > 0 {
+                    snake.push('_');
+                }
+                snake.push(c.to_ascii_lowercase());
+            }
+            assert_eq!(reason.as_str(), snake);
+        }
+    }
+
+    #[test]
+    fn error_statuses_map_to_their_reasons() {
+        let expected = [
+            (WcStatus::Success, None),
+            (WcStatus::LocLenErr, Some(FailReason::LocalLength)),
+            (WcStatus::LocProtErr, Some(FailReason::LocalProtection)),
+            (WcStatus::RemAccessErr, Some(FailReason::RemoteAccess)),
+            (
+                WcStatus::RemInvReqErr,
+                Some(FailReason::RemoteInvalidRequest),
+            ),
+            (WcStatus::RetryExcErr, Some(FailReason::RetryExceeded)),
+            (WcStatus::WrFlushErr, Some(FailReason::Flushed)),
+        ];
+        for (status, reason) in expected {
+            assert_eq!(FailReason::from_status(status), reason, "{status:?}");
+        }
     }
 }
