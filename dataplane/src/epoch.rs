@@ -72,4 +72,10 @@ mod tests {
         assert!(!first.is_older_than(first) && !first.is_newer_than(first));
         assert_eq!(second.get(), 2);
     }
+
+    #[test]
+    fn logs_show_the_number() {
+        assert_eq!(format!("{:?}", Epoch::new(3)), "e3");
+        assert_eq!(Epoch::new(3).to_string(), "epoch 3");
+    }
 }

@@ -473,7 +473,8 @@ impl<T> fmt::Debug for Consumer<T> {
     }
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(test)]
+#[cfg(not(loom))]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize as StdAtomic;
@@ -496,6 +497,98 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn slots_keep_a_cache_line_pair_clear_on_each_side() {
+        fn check<T>(capacity: usize) {
+            let (tx, _rx) = channel::<T>(capacity);
+            let shared = &tx.shared;
+            let start = shared.cells.as_ptr() as usize;
+            let end = start + std::mem::size_of_val(&*shared.cells);
+            let first = std::ptr::from_ref(shared.slot(0)) as usize;
+            let last = std::ptr::from_ref(shared.slot(tx.capacity() - 1)) as usize;
+            let name = std::any::type_name::<T>();
+            assert!(
+                first - start >= 128,
+                "{name}: {} bytes before",
+                first - start
+            );
+            let after = end - last - std::mem::size_of::<T>();
+            assert!(after >= 128, "{name}: {after} bytes after");
+            assert!(
+                first - start < 128 + std::mem::size_of::<T>(),
+                "{name}: no more"
+            );
+        }
+        check::<u64>(8);
+        check::<[u8; 48]>(4);
+        check::<u8>(2);
+        check::<[u64; 32]>(1);
+    }
+
+    #[test]
+    fn each_end_sees_the_other_go_and_says_what_it_holds() {
+        let (mut tx, mut rx) = channel::<u32>(2);
+        assert_eq!(format!("{tx:?}"), "Producer { capacity: 2 }");
+        assert_eq!(format!("{rx:?}"), "Consumer { capacity: 2 }");
+        assert!(rx.is_empty());
+        tx.push(1).unwrap();
+        assert!(!rx.is_empty());
+        assert!(!tx.is_abandoned() && !rx.is_abandoned());
+        drop(tx);
+        assert!(rx.is_abandoned());
+        assert!(!rx.is_empty(), "what was pushed is still there");
+        assert_eq!(rx.pop(), Some(1));
+        assert!(rx.is_empty());
+        let (tx, rx) = channel::<u32>(2);
+        drop(rx);
+        assert!(tx.is_abandoned());
+    }
+
+    #[test]
+    fn pop_into_tells_the_target_exactly_how_many_values_come() {
+        /// Records the values and, before each, how many the iterator says are left.
+        #[derive(Default)]
+        struct Recorder {
+            hints: Vec<(usize, Option<usize>)>,
+            values: Vec<u32>,
+        }
+        impl Extend<u32> for Recorder {
+            fn extend<I: IntoIterator<Item = u32>>(&mut self, values: I) {
+                let mut values = values.into_iter();
+                loop {
+                    self.hints.push(values.size_hint());
+                    let Some(value) = values.next() else { break };
+                    self.values.push(value);
+                }
+            }
+        }
+        let (mut tx, mut rx) = channel(4);
+        for i in 0..3 {
+            tx.push(i).unwrap();
+        }
+        let mut recorder = Recorder::default();
+        assert_eq!(rx.pop_into(&mut recorder, 8), 3);
+        assert_eq!(recorder.values, [0, 1, 2]);
+        assert_eq!(
+            recorder.hints,
+            [(3, Some(3)), (2, Some(2)), (1, Some(1)), (0, Some(0))]
+        );
+    }
+
+    #[test]
+    fn a_ring_of_zero_sized_values_counts_them() {
+        let (mut tx, mut rx) = channel::<()>(2);
+        tx.push(()).unwrap();
+        tx.push(()).unwrap();
+        assert_eq!(tx.push(()), Err(PushError::Full(())));
+        assert_eq!(PushError::Full(()).to_string(), "ring is full");
+        assert_eq!(rx.pop(), Some(()));
+        tx.push(()).unwrap();
+        assert_eq!(rx.pop(), Some(()));
+        assert_eq!(rx.pop(), Some(()));
+        assert_eq!(rx.pop(), None);
     }
 
     #[test]
