@@ -1005,4 +1005,90 @@ mod tests {
             "the first two left the window"
         );
     }
+
+    #[test]
+    fn names_in_logs_and_metric_labels() {
+        assert_eq!(Incarnation(0xabc).to_string(), "0000000000000abc");
+        assert_eq!(KEY.to_string(), "rail 0 → 0000000000000abc/rail 1");
+        let labels: Vec<_> = Phase::ALL.iter().map(|phase| phase.as_str()).collect();
+        assert_eq!(
+            labels,
+            [
+                "idle",
+                "connecting",
+                "ready",
+                "backoff",
+                "circuit_open",
+                "retired"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_timer_called_before_it_is_due_changes_nothing() {
+        let t0 = Instant::now();
+        let early = |e: &mut Endpoint| {
+            let due = e.next_timeout().expect("a timer");
+            let (phase, epoch) = (e.phase(), e.epoch());
+            e.handle_timeout(due - Duration::from_nanos(1));
+            assert_eq!((e.phase(), e.epoch()), (phase, epoch), "{phase:?}");
+            assert_eq!(outputs(e), [], "{phase:?}");
+        };
+        let mut e = endpoint(5);
+        e.handle(Input::ConnectWanted, t0);
+        let _ = outputs(&mut e);
+        assert_eq!(e.phase(), Phase::Connecting);
+        early(&mut e);
+        let epoch = e.epoch().expect("an epoch");
+        e.handle(Input::HandshakeFailed { epoch }, t0);
+        assert_eq!(e.phase(), Phase::Backoff);
+        early(&mut e);
+        e.handle(Input::PeerUnreachable, t0);
+        let _ = outputs(&mut e);
+        assert_eq!(e.phase(), Phase::CircuitOpen);
+        early(&mut e);
+        // Due: each acts.
+        run_timer(&mut e);
+        assert_eq!(e.phase(), Phase::Connecting);
+        run_timer(&mut e);
+        assert_eq!(e.phase(), Phase::CircuitOpen, "a failed probation reopens");
+    }
+
+    #[test]
+    fn a_queue_pair_the_poller_could_not_adopt_is_a_failure_of_its_epoch() {
+        let t0 = Instant::now();
+        let mut e = endpoint(6);
+        e.handle(Input::ConnectWanted, t0);
+        let epoch = connect(&mut e, t0);
+        e.handle(Input::HandshakeFailed { epoch }, t0 + ms(1));
+        assert_eq!(e.phase(), Phase::Backoff);
+        assert_eq!(e.stats().flaps, 1);
+        assert_eq!(e.stats().stale_inputs, 0);
+    }
+
+    #[test]
+    fn a_failure_exactly_flap_after_ready_is_not_a_flap() {
+        let t0 = Instant::now();
+        let after = Policy::default().flap_after_ready;
+        let failures = |epoch| {
+            [
+                Input::QpError {
+                    epoch,
+                    status: WcStatus::RetryExcErr,
+                },
+                Input::QpFatal { epoch },
+            ]
+        };
+        for (index, input) in failures(Epoch::FIRST).into_iter().enumerate() {
+            for (lived, flap) in [(after - Duration::from_nanos(1), 1), (after, 0)] {
+                let mut e = endpoint(7 + index as u64);
+                e.handle(Input::ConnectWanted, t0);
+                let epoch = connect(&mut e, t0);
+                assert_eq!(epoch, Epoch::FIRST);
+                e.handle(input, t0 + lived);
+                assert_eq!(e.phase(), Phase::Backoff, "{input:?}");
+                assert_eq!(e.stats().flaps, flap, "{input:?} after {lived:?}");
+            }
+        }
+    }
 }

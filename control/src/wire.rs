@@ -921,6 +921,44 @@ mod tests {
     }
 
     #[test]
+    fn the_largest_notification_fills_the_largest_body_and_a_byte_more_is_refused() {
+        let largest = Message::Notify {
+            target: Incarnation(1),
+            bytes: vec![5; MAX_NOTIFY],
+        };
+        let frame = largest.encode();
+        assert_eq!(frame.len(), HEADER_LEN + MAX_BODY);
+        assert_eq!(FrameDecoder::decode_frame(&frame), Ok(largest));
+        let over = Message::Notify {
+            target: Incarnation(1),
+            bytes: vec![5; MAX_NOTIFY + 1],
+        }
+        .encode();
+        let header: [u8; HEADER_LEN] = over[..HEADER_LEN].try_into().unwrap();
+        assert_eq!(
+            decode_header(&header),
+            Err(WireError::TooLong {
+                len: MAX_BODY as u32 + 1
+            })
+        );
+    }
+
+    #[test]
+    fn bytes_after_a_message_are_refused() {
+        for message in [Message::Bye, Message::GetDescriptor] {
+            let mut frame = message.encode();
+            frame.push(0);
+            let len = (frame.len() - HEADER_LEN) as u32;
+            frame[8..12].copy_from_slice(&len.to_le_bytes());
+            assert_eq!(
+                FrameDecoder::decode_frame(&frame),
+                Err(WireError::Trailing { extra: 1 }),
+                "{message:?}"
+            );
+        }
+    }
+
+    #[test]
     fn a_bounded_decoder_refuses_a_larger_frame_from_its_header() {
         let hello = Message::Hello {
             name: "n".repeat(MAX_STRING),
@@ -975,6 +1013,50 @@ mod tests {
         assert_eq!(decoder.next_message(), Ok(Some(Message::Bye)));
         assert!(!decoder.is_partial());
         assert_eq!(decoder.room(), FRAME_BOUND);
+    }
+
+    #[test]
+    fn the_decoder_takes_exactly_one_frame_bound_and_keeps_only_undecoded_bytes() {
+        let mut decoder = FrameDecoder::default();
+        assert_eq!(decoder.room(), HEADER_LEN + MAX_BODY);
+        decoder.push(&vec![0u8; HEADER_LEN + MAX_BODY - 1]).unwrap();
+        decoder.push(&[0]).unwrap();
+        assert_eq!(decoder.room(), 0, "exactly the room is taken");
+
+        // A stream read in pieces that never end on a frame boundary: each push compacts,
+        // so the buffer holds what is not decoded yet and no more.
+        let frame = Message::Ping { nonce: 7 }.encode();
+        let stream: Vec<u8> = std::iter::repeat_n(frame.as_slice(), 200)
+            .flatten()
+            .copied()
+            .collect();
+        let mut decoder = FrameDecoder::default();
+        let mut decoded = 0;
+        for piece in stream.chunks(frame.len() + 5) {
+            decoder.push(piece).unwrap();
+            while let Some(message) = decoder.next_message().unwrap() {
+                assert_eq!(message, Message::Ping { nonce: 7 });
+                decoded += 1;
+            }
+            let undecoded = decoder.buffered();
+            assert!(undecoded < frame.len());
+            assert_eq!(decoder.room(), FRAME_BOUND - undecoded);
+            assert!(decoder.buffer.len() < 2 * frame.len() + 5, "compacted");
+        }
+        assert_eq!(decoded, 200);
+        assert!(!decoder.is_partial());
+    }
+
+    #[test]
+    fn an_emptied_decoder_keeps_its_working_capacity_and_gives_back_the_rest() {
+        let mut decoder = FrameDecoder::default();
+        let large = Message::Notify {
+            target: Incarnation(1),
+            bytes: vec![1; 4 * FrameDecoder::KEPT_CAPACITY],
+        };
+        decoder.push(&large.encode()).unwrap();
+        assert_eq!(decoder.next_message(), Ok(Some(large)));
+        assert_eq!(decoder.buffer.capacity(), 64 * 1024);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 mod common;
 
 use common::{DOWN, GpuSpec, Node, Spec, ib, nic, roce};
-use railyard_topology::{HostTopology, PlanOptions, RailKind};
+use railyard_topology::{HostTopology, NicSelection, Plan, PlanOptions, RailKind};
 
 fn load(spec: &Spec) -> HostTopology {
     HostTopology::from_xml_str(&spec.to_xml()).expect("generated XML is valid")
@@ -197,4 +197,86 @@ fn gpu_distance_classes_follow_the_pci_tree() {
         ["mlx5_0", "mlx5_1"],
         "all SYS: a tie"
     );
+}
+
+#[test]
+fn removing_a_nic_keeps_the_automatic_choice_of_the_others() {
+    let spec = Spec {
+        nodes: vec![node(4)],
+        nics: vec![
+            nic("mlx5_0", 0, 0, vec![ib(200)]),
+            nic("mlx5_1", 0, 1, vec![ib(200)]),
+            nic("mlx5_2", 0, 2, vec![ib(200)]),
+        ],
+        ..Default::default()
+    };
+    let options = PlanOptions {
+        nics: Some(NicSelection::parse("-mlx5_1").unwrap()),
+        ..PlanOptions::default()
+    };
+    let plan = load(&spec).plan(&options).unwrap();
+    let names: Vec<&str> = plan.rails.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["mlx5_0", "mlx5_2"]);
+    assert_eq!(plan.skipped.len(), 1);
+    assert_eq!(plan.skipped[0].reason, "excluded by --nics");
+}
+
+#[test]
+fn a_port_at_half_the_fastest_rate_is_not_a_management_port() {
+    let spec = Spec {
+        nodes: vec![node(4)],
+        nics: vec![
+            nic("mlx5_0", 0, 0, vec![roce(200)]),
+            nic("mlx5_1", 0, 1, vec![roce(100)]),
+            nic("mlx5_2", 0, 2, vec![roce(99)]),
+        ],
+        ..Default::default()
+    };
+    let plan = load(&spec).plan(&PlanOptions::default()).unwrap();
+    let names: Vec<&str> = plan.rails.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["mlx5_0", "mlx5_1"]);
+    let reasons: Vec<(&str, &str)> = plan
+        .skipped
+        .iter()
+        .map(|s| (s.name.as_str(), s.reason.as_str()))
+        .collect();
+    assert_eq!(reasons, [("mlx5_2", "99 Gb/s, below the 200 Gb/s fabric")]);
+}
+
+#[test]
+fn with_every_core_reserved_pollers_still_spread_over_cores() {
+    let spec = Spec {
+        nodes: vec![node(2)],
+        nics: vec![
+            nic("mlx5_0", 0, 0, vec![ib(200)]),
+            nic("mlx5_1", 0, 1, vec![ib(200)]),
+        ],
+        ..Default::default()
+    };
+    let options = PlanOptions {
+        reserve_cores_per_node: 2,
+        ..PlanOptions::default()
+    };
+    let plan = load(&spec).plan(&options).unwrap();
+    let pus: Vec<u32> = plan.rails.iter().map(|r| r.poller_pu).collect();
+    assert_eq!(pus, [0, 2], "one core each, both reserved");
+    assert!(!plan.warnings.iter().any(|w| w.contains("shares the core")));
+}
+
+#[test]
+fn a_full_node_sends_its_poller_to_the_nearest_node_by_the_firmwares_distances() {
+    let spec = Spec {
+        nodes: vec![node(1), node(2), node(2)],
+        nics: vec![nic("mlx5_0", 0, 0, vec![ib(200)])],
+        ..Default::default()
+    };
+    let mut machine = load(&spec).machine().clone();
+    // Node 2 is nearer to node 0 than node 1 is, whatever their numbers say.
+    machine.numa_distances = Some(vec![vec![10, 30, 12], vec![30, 10, 30], vec![12, 30, 10]]);
+    let plan = Plan::build(&machine, &PlanOptions::default()).unwrap();
+    // Node 0: PUs 0-1 (reserved), node 1: PUs 2-5 (core 2 reserved), node 2: PUs 6-9.
+    assert_eq!(plan.rails[0].poller_pu, 8);
+    machine.numa_distances = None;
+    let by_number = Plan::build(&machine, &PlanOptions::default()).unwrap();
+    assert_eq!(by_number.rails[0].poller_pu, 4, "without them: node 1");
 }
