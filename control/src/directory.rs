@@ -23,8 +23,9 @@ pub trait Directory: Send {
     /// is recorded.
     fn invalidate(&mut self, peer: Incarnation);
 
-    /// Drops what is cached of `peer`, which is gone.
-    fn forget(&mut self, peer: Incarnation);
+    /// Drops what is cached of `peer`, which is gone, and returns it (stale or not: the
+    /// fabrics forget what they learnt from it either way).
+    fn forget(&mut self, peer: Incarnation) -> Option<Arc<SegmentDescriptor>>;
 }
 
 #[derive(Debug)]
@@ -72,8 +73,8 @@ impl Directory for P2pDirectory {
         }
     }
 
-    fn forget(&mut self, peer: Incarnation) {
-        self.cache.remove(&peer);
+    fn forget(&mut self, peer: Incarnation) -> Option<Arc<SegmentDescriptor>> {
+        self.cache.remove(&peer).map(|cached| cached.descriptor)
     }
 }
 
@@ -120,8 +121,14 @@ mod tests {
         directory.invalidate(Incarnation(1));
         assert!(directory.lookup(Incarnation(1)).is_none());
         assert!(directory.lookup(Incarnation(2)).is_some());
-        directory.forget(Incarnation(2));
+        assert_eq!(
+            directory.forget(Incarnation(1)).map(|d| d.incarnation),
+            Some(Incarnation(1)),
+            "a stale descriptor is handed back too"
+        );
+        assert!(directory.forget(Incarnation(2)).is_some());
         assert!(directory.lookup(Incarnation(2)).is_none());
+        assert!(directory.forget(Incarnation(2)).is_none());
         assert!(directory.lookup(Incarnation(3)).is_none());
     }
 }

@@ -1127,12 +1127,13 @@ impl<F: RailFabric> Core<F> {
 
     /// Forgets `peer`'s descriptor, and what the rails' fabrics learnt from it.
     fn forget_descriptor(&mut self, peer: Incarnation) {
-        if let Some(descriptor) = self.descriptors.lookup(peer) {
+        // Stale or not: a peer that crashed had its descriptor invalidated by the reconnect
+        // attempts before its restart was seen.
+        if let Some(descriptor) = self.descriptors.forget(peer) {
             for fabric in &self.fabrics {
                 fabric.forget_descriptor(&descriptor);
             }
         }
-        self.descriptors.forget(peer);
     }
 
     fn on_descriptor(&mut self, conn: ConnId, descriptor: SegmentDescriptor, now: Instant) {

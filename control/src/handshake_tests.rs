@@ -1703,3 +1703,771 @@ mod unproven_peers {
         }
     }
 }
+
+// ---- connections, goodbyes, connects and endpoint ids ------------------------------------
+
+/// Everything `core` wants done now.
+fn drain_actions<F: RailFabric>(core: &mut Core<F>) -> Vec<Action> {
+    std::iter::from_fn(|| core.next_action()).collect()
+}
+
+/// The connections `actions` close.
+fn closes(actions: &[Action]) -> Vec<ConnId> {
+    actions
+        .iter()
+        .filter_map(|action| match action {
+            Action::Close { conn } => Some(*conn),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The connections `actions` say goodbye on, in order.
+fn byes(actions: &[Action]) -> Vec<ConnId> {
+    actions
+        .iter()
+        .filter_map(|action| match action {
+            Action::Send {
+                conn,
+                message: Message::Bye,
+            } => Some(*conn),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The addresses `actions` dial.
+fn dials(actions: &[Action]) -> Vec<SocketAddr> {
+    actions
+        .iter()
+        .filter_map(|action| match action {
+            Action::Dial { addr, .. } => Some(*addr),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Process `index`'s end of its connection to process `other`.
+fn conn_between(net: &Net, index: usize, other: usize) -> ConnId {
+    net.links
+        .iter()
+        .find(|((proc, _), (peer, _))| *proc == index && *peer == other)
+        .map(|(&(_, conn), _)| conn)
+        .expect("a connection between them")
+}
+
+/// A ConnectQp from incarnation `initiator` for a queue pair on rail 0 of incarnation 11.
+fn connect_qp_from(initiator: u64) -> Message {
+    Message::ConnectQp {
+        key: WireKey {
+            initiator: Incarnation(initiator),
+            target: Incarnation(11),
+            initiator_rail: 0,
+            target_rail: 0,
+        },
+        epoch: 1,
+        handshake: 1,
+        side: qp_side(1),
+    }
+}
+
+/// [`policy`] with at most `cap` accepted connections before their Hello.
+fn handshake_cap(cap: usize) -> Policy {
+    Policy {
+        max_handshakes: cap,
+        ..policy()
+    }
+}
+
+#[test]
+fn a_peer_is_admitted_at_its_hello_or_with_a_secret_once_both_proofs_are_in() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    let conn = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    assert!(!core.admitted(conn), "not before its Hello");
+    core.received(conn, hello_from("x", 5), now);
+    assert!(core.admitted(conn), "no secret: at its Hello");
+    core.received(conn, Message::Bye, now);
+    assert!(!core.admitted(conn), "gone with its connection");
+
+    let (mut net, target, initiator, answer, _) =
+        pair_with_secrets(Some(secret(1)), Some(secret(1)));
+    ready(&answer);
+    let (to_initiator, to_target) = (
+        conn_between(&net, target, initiator),
+        conn_between(&net, initiator, target),
+    );
+    assert!(net.procs[target].core.admitted(to_initiator));
+    assert!(net.procs[initiator].core.admitted(to_target));
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    let raw = core.accepted(addr(9, 9999), addr(1, 7000).ip(), now);
+    core.received(raw, hello_from("raw", 99), now);
+    assert!(!core.admitted(raw), "said Hello, proved nothing");
+}
+
+#[test]
+fn peers_must_prove_the_secret_exactly_when_the_cluster_has_one() {
+    let mut net = Net::new();
+    let open = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let closed = net.spawn(NAME, addr(1, 7001), 12, 1);
+    net.with_secret(closed, secret(1));
+    assert!(!net.procs[open].core.proof_required());
+    assert!(net.procs[closed].core.proof_required());
+}
+
+#[test]
+fn the_listener_pauses_at_the_handshake_cap_until_a_silent_connection_may_be_evicted() {
+    let mut net = Net::new();
+    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, handshake_cap(4));
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    for port in 5000..5004 {
+        assert!(core.may_accept(now), "room below the cap");
+        core.accepted(addr(3, port), addr(1, 7000).ip(), now);
+    }
+    assert!(
+        !core.may_accept(now),
+        "4 silent, none past its eviction grace"
+    );
+    assert!(
+        core.may_accept(now + EVICTABLE_AFTER),
+        "the oldest may now make room"
+    );
+}
+
+#[test]
+fn a_silent_connection_is_evicted_only_past_the_handshake_cap() {
+    let mut net = Net::new();
+    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, handshake_cap(4));
+    let now = net.now;
+    let later = now + EVICTABLE_AFTER;
+    let core = &mut net.procs[target].core;
+    let oldest = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    core.accepted(addr(3, 5001), addr(1, 7000).ip(), now);
+    core.accepted(addr(3, 5002), addr(1, 7000).ip(), now);
+    // The fourth fills the cap: no one goes.
+    core.accepted(addr(3, 5003), addr(1, 7000).ip(), later);
+    assert_eq!(closes(&drain_actions(core)), vec![]);
+    // The fifth is one past it: the oldest goes.
+    core.accepted(addr(3, 5004), addr(1, 7000).ip(), later);
+    assert_eq!(closes(&drain_actions(core)), vec![oldest]);
+    assert_eq!(net.stats(target).connections_closed, 1);
+}
+
+#[test]
+fn peers_that_said_hello_are_never_evicted_for_silent_newcomers() {
+    let mut net = Net::new();
+    let target = net.spawn_with(NAME, addr(1, 7000), 11, 1, handshake_cap(2));
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    for n in 0..3 {
+        let conn = core.accepted(addr(3, 5000 + n), addr(1, 7000).ip(), now);
+        core.received(conn, hello_from("member", 100 + u64::from(n)), now);
+    }
+    core.accepted(addr(3, 6000), addr(1, 7000).ip(), now + EVICTABLE_AFTER);
+    let actions = drain_actions(core);
+    assert_eq!(closes(&actions), vec![], "{actions:?}");
+    assert_eq!(net.stats(target).connections_closed, 0);
+}
+
+#[test]
+fn a_refused_dial_fails_only_the_connects_waiting_on_it_and_blames_no_secret() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let live = net.connect(prefill, addr(1, 7000));
+    let nobody = net.connect(prefill, addr(1, 7999));
+    net.pump(); // no one listens at :7999: refused at once
+    match nobody.try_recv() {
+        Ok(Err(ControlError::Unreachable { addr: at, reason })) => {
+            assert_eq!(at, addr(1, 7999));
+            assert_eq!(reason, "refused", "no secret is involved");
+        }
+        other => panic!("not failed at once: {other:?}"),
+    }
+    assert!(
+        matches!(live.try_recv(), Err(mpsc::TryRecvError::Empty)),
+        "the other connect still waits"
+    );
+    net.settle();
+    ready(&live);
+}
+
+#[test]
+fn a_peer_that_leaves_is_forgotten_while_others_stay_connected() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    let leaving = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    let staying = core.accepted(addr(3, 5001), addr(1, 7000).ip(), now);
+    core.received(leaving, hello_from("leaving", 5), now);
+    core.received(staying, hello_from("staying", 6), now);
+    core.received(leaving, Message::Bye, now);
+    let known: Vec<Incarnation> = core.peers.keys().copied().collect();
+    assert_eq!(known, vec![Incarnation(6)]);
+}
+
+#[test]
+fn forgetting_a_passer_by_does_not_hide_the_restart_of_a_dialed_peer() {
+    let (mut net, target, prefill, view) = connected_pair();
+    // Someone connects to the initiator, says Hello and leaves: it is forgotten.
+    let now = net.now;
+    let core = &mut net.procs[prefill].core;
+    let passer_by = core.accepted(addr(3, 5000), addr(2, 7000).ip(), now);
+    core.received(passer_by, hello_from("passer-by", 30), now);
+    core.received(passer_by, Message::Bye, now);
+    net.settle();
+    // The target restarts at its address: still a restart.
+    net.crash(target);
+    net.settle();
+    net.spawn(NAME, addr(1, 7000), 13, 1);
+    let again = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    assert_eq!(view.phase(), Phase::Retired);
+    assert_eq!(net.stats(prefill).peer_restarts, 1);
+    assert_eq!(ready(&again).key.peer, Incarnation(13));
+}
+
+#[test]
+fn without_a_secret_goodbye_goes_to_every_connection_even_before_hello() {
+    let (mut net, target, prefill, _) = connected_pair();
+    let member = conn_between(&net, target, prefill);
+    let now = net.now;
+    let core = &mut net.procs[target].core;
+    let silent = core.accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    drain_actions(core);
+    core.say_goodbye();
+    let mut said = byes(&drain_actions(core));
+    said.sort();
+    assert_eq!(said, vec![member, silent]);
+}
+
+#[test]
+fn with_a_secret_goodbye_goes_only_to_members_that_proved_it() {
+    let (mut net, target, initiator, answer, _) =
+        pair_with_secrets(Some(secret(1)), Some(secret(1)));
+    ready(&answer);
+    let member = conn_between(&net, target, initiator);
+    net.raw_peer_says(target, vec![hello_from("raw", 99)]);
+    let core = &mut net.procs[target].core;
+    core.say_goodbye();
+    assert_eq!(byes(&drain_actions(core)), vec![member]);
+}
+
+#[test]
+fn a_members_goodbye_closes_its_connection_without_counting_an_auth_failure() {
+    let (mut net, target, initiator, answer, _) =
+        pair_with_secrets(Some(secret(1)), Some(secret(1)));
+    ready(&answer);
+    net.procs[initiator].core.say_goodbye();
+    net.settle();
+    assert!(net.procs[target].core.conns.is_empty(), "closed");
+    assert_eq!(net.stats(target).auth_failures, 0);
+    assert_eq!(net.stats(target).warnings[WarningKind::Auth.index()], 0);
+}
+
+#[test]
+fn a_goodbye_before_the_proof_counts_as_an_auth_failure() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    net.with_secret(target, secret(1));
+    net.raw_peer_says(target, vec![hello_from("raw", 99), Message::Bye]);
+    assert_eq!(net.stats(target).auth_failures, 1);
+    assert!(net.procs[target].core.conns.is_empty(), "closed");
+}
+
+/// A process with a cluster secret that dialed 10.0.0.1:7000, unanswered so far, with
+/// `held` messages waiting on that connection for the proof (its GetDescriptor, then
+/// notifications): (network, process, connection).
+fn dialer_holding(held: usize) -> (Net, usize, ConnId) {
+    let mut net = Net::new();
+    let dialer = net.spawn("prefill", addr(2, 7000), 20, 1);
+    net.with_secret(dialer, secret(1));
+    let now = net.now;
+    let core = &mut net.procs[dialer].core;
+    for _ in 1..held {
+        core.notify(addr(1, 7000), Incarnation(11), vec![1], now);
+    }
+    let (dialed, _) = actions_of(core);
+    assert_eq!(dialed.len(), 1);
+    (net, dialer, dialed[0])
+}
+
+#[test]
+fn a_connection_holds_max_held_messages_for_the_proof_and_closes_one_past() {
+    let (mut net, dialer, conn) = dialer_holding(MAX_HELD);
+    net.advance(Duration::from_millis(1));
+    let closed = closes(&drain_actions(&mut net.procs[dialer].core));
+    assert_eq!(closed, vec![], "exactly at the bound: kept");
+    let now = net.now;
+    net.procs[dialer]
+        .core
+        .notify(addr(1, 7000), Incarnation(11), vec![1], now);
+    net.advance(Duration::from_millis(1));
+    let closed = closes(&drain_actions(&mut net.procs[dialer].core));
+    assert_eq!(closed, vec![conn], "one past it: closed at the tick");
+    let stats = net.stats(dialer);
+    assert_eq!(
+        (stats.connections_closed, stats.auth_failures),
+        (1, 0),
+        "an overflow, not a failed proof"
+    );
+}
+
+#[test]
+fn a_proof_that_never_comes_is_an_auth_failure_even_with_max_held_messages_waiting() {
+    let (mut net, dialer, conn) = dialer_holding(MAX_HELD);
+    // The listener says Hello, the dialer proves itself; no proof comes back.
+    let now = net.now;
+    net.procs[dialer]
+        .core
+        .received(conn, hello_from(NAME, 11), now);
+    net.advance(policy().connect_timeout);
+    let closed = closes(&drain_actions(&mut net.procs[dialer].core));
+    assert_eq!(closed, vec![conn]);
+    let stats = net.stats(dialer);
+    assert_eq!((stats.auth_failures, stats.connections_closed), (1, 0));
+}
+
+#[test]
+fn a_listener_behind_address_translation_accepts_a_proof_for_its_announced_address() {
+    // The dialer dials the announced 10.0.0.1:7000; on the listener's side the connection
+    // arrives at a translated local address.
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    net.with_secret(target, secret(1));
+    net.with_secret(prefill, secret(1));
+    let (reply, answer) = mpsc::channel();
+    let now = net.now;
+    net.procs[prefill]
+        .core
+        .connect(addr(1, 7000), 0, 0, reply, now);
+    let Some(Action::Dial { conn, .. }) = net.procs[prefill].core.next_action() else {
+        panic!("the dial goes first");
+    };
+    let translated = IpAddr::V4(Ipv4Addr::new(192, 168, 7, 1));
+    let accepted = net.procs[target]
+        .core
+        .accepted(addr(2, 40_001), translated, now);
+    net.links.insert((prefill, conn), (target, accepted));
+    net.links.insert((target, accepted), (prefill, conn));
+    net.procs[prefill].core.dialed(conn, addr(2, 7000).ip());
+    net.settle();
+    ready(&answer);
+    assert_eq!(net.stats(target).auth_failures, 0);
+    assert_eq!(net.stats(prefill).auth_failures, 0);
+}
+
+#[test]
+fn a_connect_is_answered_only_once_the_peers_descriptor_is_in() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle_holding(|to, message| to == prefill && matches!(message, Message::Descriptor(_)));
+    assert!(
+        matches!(answer.try_recv(), Err(mpsc::TryRecvError::Empty)),
+        "its Hello is in, its descriptor is not"
+    );
+    net.release(0);
+    net.settle();
+    let view = ready(&answer);
+    assert_eq!(
+        view.descriptor().map(|d| d.incarnation),
+        Some(Incarnation(11))
+    );
+}
+
+#[test]
+fn a_connect_whose_descriptor_never_comes_fails_at_the_connect_timeout() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle_holding(|to, message| to == prefill && matches!(message, Message::Descriptor(_)));
+    net.advance(policy().connect_timeout - Duration::from_millis(1));
+    assert!(
+        matches!(answer.try_recv(), Err(mpsc::TryRecvError::Empty)),
+        "still within the connect timeout"
+    );
+    net.advance(Duration::from_millis(1));
+    match answer.try_recv() {
+        Ok(Err(ControlError::Unreachable { addr: at, reason })) => {
+            assert_eq!(at, addr(1, 7000));
+            assert_eq!(reason, "no handshake within the connect timeout");
+        }
+        other => panic!("not failed at the connect timeout: {other:?}"),
+    }
+}
+
+#[test]
+fn a_silent_connection_is_closed_only_once_the_connect_timeout_has_passed() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let now = net.now;
+    let conn = net.procs[target]
+        .core
+        .accepted(addr(3, 5000), addr(1, 7000).ip(), now);
+    net.advance(policy().connect_timeout);
+    let closed = closes(&drain_actions(&mut net.procs[target].core));
+    assert_eq!(closed, vec![], "not at the timeout itself");
+    net.advance(Duration::from_millis(1));
+    let closed = closes(&drain_actions(&mut net.procs[target].core));
+    assert_eq!(closed, vec![conn]);
+}
+
+#[test]
+fn a_lost_lease_fails_only_that_peers_endpoints() {
+    let mut net = Net::new();
+    let lost = net.spawn(NAME, addr(1, 7000), 11, 1);
+    net.spawn("other", addr(1, 7001), 12, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let to_lost = net.connect(prefill, addr(1, 7000));
+    let to_other = net.connect(prefill, addr(1, 7001));
+    net.settle();
+    let (gone, other) = (ready(&to_lost), ready(&to_other));
+    // Its control connection is gone too: nothing says it is alive.
+    let conn = conn_between(&net, prefill, lost);
+    let now = net.now;
+    net.procs[prefill].core.closed(conn, "reset", now);
+    net.settle();
+    let incarnation = Incarnation(11);
+    net.directory_says(prefill, PeerChange::Gone { incarnation });
+    assert_eq!(gone.phase(), Phase::CircuitOpen);
+    assert_eq!(other.phase(), Phase::Ready, "another peer's endpoint");
+}
+
+#[test]
+fn a_connect_to_a_known_peer_gets_its_endpoint_until_it_retires() {
+    let (mut net, _, prefill, view) = connected_pair();
+    let again = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    assert!(Arc::ptr_eq(&ready(&again), &view), "the same endpoint");
+    // Retired: a fresh endpoint takes its place, and stays the peer's endpoint once the
+    // retired one drains.
+    let now = net.now;
+    net.procs[prefill].core.retire(0, view.id, now);
+    net.settle();
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let fresh = ready(&answer);
+    assert_ne!(fresh.id, view.id);
+    let now = net.now;
+    let drained = Event::EndpointDrained { endpoint: view.id };
+    net.procs[prefill].core.poller_event(0, drained, now);
+    let later = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    assert!(Arc::ptr_eq(&ready(&later), &fresh), "not a second one");
+}
+
+#[test]
+fn a_drained_endpoints_id_is_reused_with_its_epochs_continuing() {
+    let (mut net, _, prefill, view) = connected_pair();
+    let drained = || Event::EndpointDrained { endpoint: view.id };
+    let now = net.now;
+    // Reported drained while live: nothing changes.
+    net.procs[prefill].core.poller_event(0, drained(), now);
+    let slot = net.procs[prefill].shared.view(0, view.id);
+    assert!(slot.is_some_and(|slot| Arc::ptr_eq(&slot, &view)));
+    net.procs[prefill].core.retire(0, view.id, now);
+    net.settle();
+    net.procs[prefill].core.poller_event(0, drained(), now);
+    assert!(
+        net.procs[prefill].shared.view(0, view.id).is_none(),
+        "its slot is free"
+    );
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let fresh = ready(&answer);
+    assert_eq!(fresh.id, view.id, "the id is reused");
+    assert_eq!(fresh.epoch(), Some(Epoch::new(2)), "its epochs continue");
+}
+
+#[test]
+fn a_freed_endpoint_id_is_reused_only_on_its_own_rail() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 2);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 2);
+    let connect = |net: &mut Net, local_rail: u16, remote_rail: u16| {
+        let (reply, answer) = mpsc::channel();
+        let now = net.now;
+        net.procs[prefill]
+            .core
+            .connect(addr(1, 7000), local_rail, remote_rail, reply, now);
+        net.settle();
+        ready(&answer)
+    };
+    let on_rail_0 = connect(&mut net, 0, 0);
+    let on_rail_1 = connect(&mut net, 1, 1);
+    assert_eq!((on_rail_0.id, on_rail_1.id), (EndpointId(0), EndpointId(0)));
+    // Rail 1's endpoint retires and drains: its id is free on rail 1.
+    let now = net.now;
+    net.procs[prefill].core.retire(1, on_rail_1.id, now);
+    let drained = Event::EndpointDrained {
+        endpoint: on_rail_1.id,
+    };
+    net.procs[prefill].core.poller_event(1, drained, now);
+    net.settle();
+    // A new endpoint on rail 0 never takes the slot of the live one there.
+    let another = connect(&mut net, 0, 1);
+    assert_ne!(another.id, on_rail_0.id);
+    let slot = net.procs[prefill].shared.view(0, on_rail_0.id);
+    assert!(slot.is_some_and(|slot| Arc::ptr_eq(&slot, &on_rail_0)));
+}
+
+#[test]
+fn a_fatal_or_unadoptable_queue_pair_is_announced_retired_and_replaced() {
+    type Failure = fn(EndpointId, Epoch) -> Event;
+    let failures: [Failure; 2] = [
+        |endpoint, epoch| Event::QpFatal { endpoint, epoch },
+        |endpoint, epoch| Event::ConnectFailed {
+            endpoint,
+            epoch,
+            reason: "the poller cannot adopt it".into(),
+        },
+    ];
+    for failure in failures {
+        let (mut net, target, prefill, view) = connected_pair();
+        let (now, epoch) = (net.now, view.epoch().expect("connected"));
+        let event = failure(view.id, epoch);
+        net.procs[prefill].core.poller_event(0, event, now);
+        net.settle();
+        assert_eq!(
+            net.stats(target).passive_retired,
+            1,
+            "the target dropped its side"
+        );
+        net.advance(Duration::from_millis(50)); // past the backoff
+        net.settle();
+        assert_eq!(view.phase(), Phase::Ready);
+        assert_eq!(view.epoch(), Some(epoch.next()));
+        assert_eq!(net.stats(prefill).reconnects, 1);
+    }
+}
+
+#[test]
+fn a_probe_answered_within_the_connect_timeout_keeps_the_initiators_queue_pairs() {
+    let (mut net, target, prefill, _) = connected_pair();
+    // The initiator stalls, and its control connection drops.
+    net.stop(prefill);
+    let conn = conn_between(&net, target, prefill);
+    let now = net.now;
+    net.procs[target].core.closed(conn, "dropped", now);
+    net.settle();
+    net.advance(Duration::from_millis(1));
+    net.advance(policy().passive_linger);
+    // The target probes its listener; the answer is slow to come.
+    net.settle_holding(|to, message| to == prefill && matches!(message, Message::Hello { .. }));
+    assert_eq!(net.held.len(), 1, "the probe's Hello");
+    net.advance(policy().connect_timeout / 2);
+    assert_eq!(
+        net.procs[target].core.passive.len(),
+        1,
+        "kept while the probe runs"
+    );
+    // It answers in time.
+    net.procs[prefill].stopped = false;
+    net.release(0);
+    net.settle();
+    net.advance(policy().connect_timeout);
+    net.settle();
+    assert_eq!(net.procs[target].core.passive.len(), 1);
+    assert_eq!(net.stats(target).passive_retired, 0);
+}
+
+#[test]
+fn a_loopback_listener_is_probed_only_for_an_initiator_on_loopback() {
+    let loopback: SocketAddr = "127.0.0.1:7000".parse().expect("an address");
+    let local: SocketAddr = "127.0.0.1:40001".parse().expect("an address");
+    // (where it connected from, to which local address, what the target probes)
+    let cases = [
+        (addr(2, 40_001), addr(1, 7000).ip(), None),
+        (local, loopback.ip(), Some(loopback)),
+    ];
+    for (source, local_ip, probe) in cases {
+        let mut net = Net::new();
+        let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+        let now = net.now;
+        let core = &mut net.procs[target].core;
+        let conn = core.accepted(source, local_ip, now);
+        let hello = Message::Hello {
+            name: "prefill".into(),
+            incarnation: Incarnation(20),
+            host: HostId::default(),
+            listen: loopback.to_string(),
+            nonce: [0; NONCE_LEN],
+        };
+        core.received(conn, hello, now);
+        core.received(conn, connect_qp_from(20), now);
+        core.closed(conn, "reset", now);
+        drain_actions(core);
+        net.advance(Duration::from_millis(1));
+        net.advance(policy().passive_linger);
+        let probed = dials(&drain_actions(&mut net.procs[target].core));
+        assert_eq!(probed, Vec::from_iter(probe), "from {source}");
+        let revoked = if probe.is_some() { 0 } else { 1 };
+        assert_eq!(net.stats(target).passive_retired, revoked, "from {source}");
+    }
+}
+
+// ---- the fabric's view of the core ---------------------------------------------------------
+
+/// What a [`ScriptedFabric`] saw, and what it is told to hand out.
+#[derive(Default)]
+struct Script {
+    /// The link each queue pair was created for, in order.
+    links: Vec<PeerLink>,
+    /// What the next take of immediates finds on a target queue pair.
+    immediates: Vec<u32>,
+}
+
+/// The fake fabric, recording each queue pair's link and handing out scripted immediates.
+#[derive(Clone)]
+struct ScriptedFabric {
+    fake: FakeFabric,
+    script: Arc<Mutex<Script>>,
+}
+
+impl ScriptedFabric {
+    fn script(&self) -> std::sync::MutexGuard<'_, Script> {
+        self.script.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl RailFabric for ScriptedFabric {
+    type Qp = u32;
+    type Connected = (u32, u32);
+
+    fn create_qp(&self, link: &PeerLink) -> Result<(u32, QpSide), String> {
+        self.script().links.push(*link);
+        self.fake.create_qp(link)
+    }
+
+    fn create_target_qp(
+        &self,
+        link: &PeerLink,
+        initiator: &QpSide,
+    ) -> Result<(u32, QpSide), String> {
+        self.script().links.push(*link);
+        self.fake.create_target_qp(link, initiator)
+    }
+
+    fn take_immediates(&self, _qp: &mut (u32, u32), out: &mut Vec<u32>) -> Result<(), String> {
+        out.append(&mut self.script().immediates);
+        Ok(())
+    }
+
+    fn connect_qp(&self, qp: u32, remote: &QpSide) -> Result<(u32, u32), String> {
+        self.fake.connect_qp(qp, remote)
+    }
+
+    fn stage(&self, endpoint: EndpointId, epoch: Epoch, qp: (u32, u32)) -> Result<(), String> {
+        self.fake.stage(endpoint, epoch, qp)
+    }
+
+    fn revoke(&self, qp: (u32, u32)) -> Revocation {
+        self.fake.revoke(qp)
+    }
+
+    fn describe(&self) -> RailDescriptor {
+        self.fake.describe()
+    }
+}
+
+/// A one-rail core named `name` over a [`ScriptedFabric`], driven by hand: (core, its shared
+/// state, the fabric's script).
+fn scripted_core(
+    name: &str,
+    incarnation: u64,
+    local_addr: SocketAddr,
+) -> (Core<ScriptedFabric>, Arc<ControlShared>, Arc<Mutex<Script>>) {
+    let script = Arc::new(Mutex::new(Script::default()));
+    let fabric = ScriptedFabric {
+        fake: FakeFabric {
+            registry: Arc::default(),
+            owner: Incarnation(incarnation),
+        },
+        script: script.clone(),
+    };
+    let shared = ControlShared::new(1);
+    let me = Identity {
+        name: name.into(),
+        incarnation: Incarnation(incarnation),
+        local_addr,
+        host: HostId::default(),
+        secret: None,
+    };
+    let core = Core::new(me, policy(), incarnation, vec![fabric], shared.clone());
+    (core, shared, script)
+}
+
+#[test]
+fn a_queue_pair_is_created_for_the_local_address_its_dialed_connection_uses() {
+    // A host with several addresses: the route to the peer leaves from 192.168.7.2, not
+    // from the address its handshake listener announces.
+    let (mut core, _, script) = scripted_core("prefill", 20, addr(2, 7000));
+    let (reply, answer) = mpsc::channel();
+    let now = Instant::now();
+    core.connect(addr(1, 7000), 0, 0, reply, now);
+    let conn = drain_actions(&mut core)
+        .into_iter()
+        .find_map(|action| match action {
+            Action::Dial { conn, .. } => Some(conn),
+            _ => None,
+        })
+        .expect("a dial");
+    let route = IpAddr::V4(Ipv4Addr::new(192, 168, 7, 2));
+    core.dialed(conn, route);
+    core.received(conn, hello_from(NAME, 11), now);
+    let mut descriptor = core.local_descriptor();
+    descriptor.incarnation = Incarnation(11);
+    core.received(conn, Message::Descriptor(descriptor), now);
+    answer.try_recv().expect("answered").expect("an endpoint");
+    let links: Vec<IpAddr> = script
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .links
+        .iter()
+        .map(|link| link.local_ip)
+        .collect();
+    assert_eq!(links, vec![route]);
+}
+
+#[test]
+fn immediates_on_a_target_queue_pair_reach_the_application_at_the_next_tick() {
+    let (mut core, shared, script) = scripted_core(NAME, 11, addr(1, 7000));
+    let now = Instant::now();
+    let conn = core.accepted(addr(2, 40_001), addr(1, 7000).ip(), now);
+    core.received(conn, hello_from("prefill", 20), now);
+    core.received(conn, connect_qp_from(20), now);
+    assert_eq!(shared.stats().passive_qps, 1);
+    script
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .immediates
+        .extend([7, 8]);
+    core.tick(now);
+    let delivered: Vec<(String, Incarnation, NotificationBody)> = shared
+        .drain_notifications()
+        .into_iter()
+        .map(|n| (n.from, n.incarnation, n.body))
+        .collect();
+    let from = |imm| {
+        (
+            "prefill".to_string(),
+            Incarnation(20),
+            NotificationBody::Immediate(imm),
+        )
+    };
+    assert_eq!(delivered, vec![from(7), from(8)]);
+}
+
+/// The peer table's tests: liveness, redials, directory changes, queue pairs and their
+/// retirement (the same network and fake fabric as above).
+#[path = "handshake_peer_tests.rs"]
+mod peer_tests;
