@@ -9,10 +9,11 @@
 //! for an epoch the control plane has announced always finds that epoch's command applied:
 //! the control plane sends the command first and publishes the epoch to submitters after.
 //!
-//! The decisions the loop carries out are small pure modules with their own tests: `rule`
-//! (the epoch rule, the backlog's bound, the retry rule), `credits` (an endpoint's credits
-//! on its queue pair), `deadline` (sweeps and overdue work) and `inflight` (posted work
-//! requests by slot and generation).
+//! The decisions the loop carries out live in small modules with their own tests: `rule`
+//! (pure functions: the epoch rule, where a slice goes on its endpoint, the backlog's bound,
+//! the retry rule), `credits` (an endpoint's credits on its queue pair), `deadline` (sweeps
+//! and overdue work) and `inflight` (the table of posted work requests by slot and
+//! generation).
 //!
 //! # Credits
 //! A queue pair carries at most its send queue's depth of posted work requests and the rail
@@ -82,7 +83,7 @@ mod rule;
 use credits::Credits;
 use deadline::{Overdue, SweepClock};
 use inflight::Inflight;
-use rule::{FailedRequest, LinkState, Retry, Route, epoch_rule};
+use rule::{BacklogRoom, FailedRequest, LinkState, Placement, Retry, Route, epoch_rule};
 
 /// What a poller does when a round found no work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1232,19 +1233,18 @@ impl<F: Fabric> Poller<F> {
         if route == Route::Reprepare && crate::sabotage::is_off(Protection::EpochCheck) {
             route = Route::Post;
         }
-        match (route, up) {
-            (Route::Fail(reason), _) => self.fail(slice, reason),
-            (Route::Post, Some(qp))
-                if endpoint.waiting.is_empty()
-                    && endpoint
-                        .credits
-                        .available(self.inflight.busy(), self.limits) =>
-            {
-                self.post(qp, slice);
-            }
-            (Route::Post, Some(_)) => {
-                // No credit (or others wait before it): it waits its turn, however long the
-                // queue; its deadline still applies.
+        let its_turn = endpoint.waiting.is_empty()
+            && endpoint
+                .credits
+                .available(self.inflight.busy(), self.limits);
+        let backlog = BacklogRoom {
+            admitted_before: slice.flags & FLAG_ADMITTED != 0,
+            fresh: endpoint.fresh_in_backlog,
+            limit: self.config.backlog_limit,
+        };
+        match rule::place(route, up, its_turn, backlog) {
+            Placement::Post(qp) => self.post(qp, slice),
+            Placement::AwaitCredits => {
                 self.shared.counters.credit_waits.add(1);
                 slice.flags |= FLAG_ADMITTED;
                 endpoint.waiting.push_back(slice);
@@ -1253,34 +1253,23 @@ impl<F: Fabric> Poller<F> {
                     self.starved.push(id);
                 }
             }
-            (Route::Wait | Route::Post, _) => {
-                let admitted_before = slice.flags & FLAG_ADMITTED != 0;
-                let limit = self.config.backlog_limit;
-                match rule::backlog_admission(admitted_before, endpoint.fresh_in_backlog, limit) {
-                    Ok(counted) => {
-                        endpoint.fresh_in_backlog += usize::from(counted);
-                        endpoint.backlog.push_back(slice);
-                    }
-                    Err(reason) => self.fail(slice, reason),
-                }
+            Placement::Backlog { counted } => {
+                endpoint.fresh_in_backlog += usize::from(counted);
+                endpoint.backlog.push_back(slice);
             }
-            (Route::Reprepare, _) => {
+            Placement::Fail(reason) => self.fail(slice, reason),
+            Placement::Reprepare => {
                 let current = endpoint.epoch;
                 let cause = if slice.flags & FLAG_WR_ERROR_SEEN != 0 {
                     RepairCause::AfterWorkRequestError
                 } else {
                     RepairCause::StaleEpoch
                 };
-                match self.reprepare.reprepare(&mut slice, current, cause) {
-                    Ok(()) if !slice.epoch.is_older_than(current) => {
-                        self.shared.counters.reprepared.add(1);
-                        // Through the rule again: a hook that knows of a newer epoch than
-                        // the poller has applied makes the slice wait for it.
-                        self.route(slice, now);
-                    }
+                let outcome = self.reprepare.reprepare(&mut slice, current, cause);
+                match rule::after_reprepare(outcome, slice.epoch, current) {
                     Ok(()) => {
-                        self.shared.counters.stale_dropped.add(1);
-                        self.fail(slice, FailReason::StaleEpoch);
+                        self.shared.counters.reprepared.add(1);
+                        self.route(slice, now);
                     }
                     Err(reason) => {
                         self.shared.counters.stale_dropped.add(1);

@@ -1,11 +1,12 @@
-//! The poller's rules, as pure functions of what it knows: the epoch rule (where a slice
-//! goes), the backlog's bound, and what a failed work request earns (a retry, charged or
-//! not, or its failure). The poller's loop (`super`) applies them; the loom model of the
+//! The poller's rules, as pure functions of what it knows: the epoch rule, where a slice
+//! then goes on its endpoint (posted, queued for credits, backlogged within its bound,
+//! re-prepared or failed), what a re-prepared slice becomes, and what a failed work request
+//! earns (a retry, charged or not, or its failure). The poller's loop (`super`) applies them; the loom model of the
 //! control/poller hand-off shares the epoch rule.
 
 use crate::Epoch;
 use crate::batch::FailReason;
-use crate::fabric::WcStatus;
+use crate::fabric::{QpNum, WcStatus};
 
 /// What the epoch rule needs to know of an endpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +47,75 @@ pub(crate) fn epoch_rule(slice: Epoch, endpoint: Epoch, link: LinkState) -> Rout
     }
 }
 
+/// Where a slice goes on its endpoint once the epoch rule has routed it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// Post it on this queue pair now.
+    Post(QpNum),
+    /// Wait, in order, in the endpoint's queue for credits of its queue pair.
+    AwaitCredits,
+    /// Wait in the endpoint's backlog for a newer epoch; `counted` against its bound.
+    Backlog {
+        /// It arrived while the endpoint was down (it was not admitted before).
+        counted: bool,
+    },
+    /// Re-prepare it for the endpoint's epoch first.
+    Reprepare,
+    /// Fail it.
+    Fail(FailReason),
+}
+
+/// What the backlog's bound needs to know of a slice and its endpoint.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BacklogRoom {
+    /// The slice was admitted before (it waited for credits when its queue pair went).
+    pub(crate) admitted_before: bool,
+    /// Slices in the backlog that arrived while the endpoint was down.
+    pub(crate) fresh: usize,
+    /// [`crate::PollerConfig::backlog_limit`].
+    pub(crate) limit: usize,
+}
+
+/// Routing: where a slice the epoch rule gave `route` goes, on an endpoint whose queue pair
+/// is `queue_pair` (none while it is down or retired). `its_turn`: nothing of the endpoint
+/// waits for credits before it and a credit is free — a slice to post otherwise queues for
+/// credits, however long the queue. A slice for a queue pair the endpoint does not have
+/// waits in the backlog, within its bound.
+pub(crate) fn place(
+    route: Route,
+    queue_pair: Option<QpNum>,
+    its_turn: bool,
+    backlog: BacklogRoom,
+) -> Placement {
+    match (route, queue_pair) {
+        (Route::Fail(reason), _) => Placement::Fail(reason),
+        (Route::Reprepare, _) => Placement::Reprepare,
+        (Route::Post, Some(qp)) if its_turn => Placement::Post(qp),
+        (Route::Post, Some(_)) => Placement::AwaitCredits,
+        (Route::Wait | Route::Post, _) => {
+            match backlog_admission(backlog.admitted_before, backlog.fresh, backlog.limit) {
+                Ok(counted) => Placement::Backlog { counted },
+                Err(reason) => Placement::Fail(reason),
+            }
+        }
+    }
+}
+
+/// What becomes of a stale slice the re-prepare hook answered with `outcome`, the slice now
+/// at `repaired`: `Ok` to go through the epoch rule again (a hook that knows of a newer epoch
+/// than the poller has applied makes it wait for it), else why it fails — a slice still older
+/// than `current` fails `StaleEpoch`.
+pub(crate) fn after_reprepare(
+    outcome: Result<(), FailReason>,
+    repaired: Epoch,
+    current: Epoch,
+) -> Result<(), FailReason> {
+    match outcome {
+        Ok(()) if repaired.is_older_than(current) => Err(FailReason::StaleEpoch),
+        other => other,
+    }
+}
+
 /// Whether a slice may join its endpoint's backlog, which holds `fresh` slices that arrived
 /// while it was down. New work is refused past `limit`; work the endpoint had admitted
 /// before (it waited for credits when its queue pair went) never is, nor is it counted.
@@ -75,8 +145,9 @@ pub(crate) struct FailedRequest {
     pub(crate) with_immediate: bool,
     /// Flushed behind another slice's work-request error on the same queue pair.
     pub(crate) innocent: bool,
-    /// Retries it was charged so far, and how many it may be.
+    /// Retries it was charged so far.
     pub(crate) retries: u8,
+    /// Retries it may be charged ([`crate::PollerConfig::retry_budget`]).
     pub(crate) budget: u8,
 }
 
@@ -164,6 +235,86 @@ mod tests {
                 Route::Fail(FailReason::Shutdown)
             );
         }
+    }
+
+    const QP: QpNum = QpNum(3);
+
+    fn room(admitted_before: bool, fresh: usize) -> BacklogRoom {
+        BacklogRoom {
+            admitted_before,
+            fresh,
+            limit: 2,
+        }
+    }
+
+    #[test]
+    fn a_slice_to_post_is_posted_in_its_turn_and_queues_for_credits_otherwise() {
+        let fresh = room(false, 0);
+        assert_eq!(
+            place(Route::Post, Some(QP), true, fresh),
+            Placement::Post(QP)
+        );
+        assert_eq!(
+            place(Route::Post, Some(QP), false, fresh),
+            Placement::AwaitCredits
+        );
+        // Without a queue pair (it went since the rule looked): the backlog.
+        assert_eq!(
+            place(Route::Post, None, true, fresh),
+            Placement::Backlog { counted: true }
+        );
+    }
+
+    #[test]
+    fn a_slice_waiting_for_its_epoch_is_backlogged_within_the_bound() {
+        for queue_pair in [Some(QP), None] {
+            for its_turn in [true, false] {
+                let wait = |backlog| place(Route::Wait, queue_pair, its_turn, backlog);
+                assert_eq!(wait(room(false, 1)), Placement::Backlog { counted: true });
+                assert_eq!(
+                    wait(room(false, 2)),
+                    Placement::Fail(FailReason::BacklogFull)
+                );
+                assert_eq!(wait(room(true, 2)), Placement::Backlog { counted: false });
+            }
+        }
+    }
+
+    #[test]
+    fn failing_and_stale_slices_go_their_way_whatever_the_room() {
+        for queue_pair in [Some(QP), None] {
+            for its_turn in [true, false] {
+                let full = room(false, 2);
+                assert_eq!(
+                    place(Route::Reprepare, queue_pair, its_turn, full),
+                    Placement::Reprepare
+                );
+                let failed = Route::Fail(FailReason::PeerUnavailable);
+                assert_eq!(
+                    place(failed, queue_pair, its_turn, full),
+                    Placement::Fail(FailReason::PeerUnavailable)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_re_prepared_slice_is_routed_again_unless_it_is_still_stale() {
+        let current = Epoch::new(5);
+        assert_eq!(after_reprepare(Ok(()), current, current), Ok(()));
+        assert_eq!(
+            after_reprepare(Ok(()), Epoch::new(6), current),
+            Ok(()),
+            "newer: it will wait for that epoch"
+        );
+        assert_eq!(
+            after_reprepare(Ok(()), Epoch::new(4), current),
+            Err(FailReason::StaleEpoch)
+        );
+        assert_eq!(
+            after_reprepare(Err(FailReason::PeerRestarted), current, current),
+            Err(FailReason::PeerRestarted)
+        );
     }
 
     #[test]
