@@ -1091,4 +1091,136 @@ mod tests {
             }
         }
     }
+
+    /// A work-request error on `epoch` at `now` (the slice's fault, not the peer's).
+    fn bad_slice(e: &mut Endpoint, epoch: Epoch, now: Instant) {
+        let status = WcStatus::RemAccessErr;
+        e.handle(Input::QpError { epoch, status }, now);
+    }
+
+    /// A transport error on `epoch` at `now` (the peer's fault).
+    fn peer_failed(e: &mut Endpoint, epoch: Epoch, now: Instant) {
+        let status = WcStatus::RetryExcErr;
+        e.handle(Input::QpError { epoch, status }, now);
+    }
+
+    #[test]
+    fn news_about_the_peer_that_does_not_apply_is_counted_stale() {
+        let t0 = Instant::now();
+        let mut e = endpoint(8);
+        for input in [Input::PeerUnreachable, Input::PeerGone, Input::PeerReturned] {
+            assert_stale(&mut e, input, t0);
+        }
+        assert_eq!(e.phase(), Phase::Idle);
+        e.handle(Input::ConnectWanted, t0);
+        connect(&mut e, t0);
+        assert_stale(&mut e, Input::PeerReturned, t0);
+        e.handle(Input::PeerGone, t0);
+        assert_eq!(outputs(&mut e), [Output::OpenCircuit]);
+        // Gone again while open: the cooldown stands.
+        let cooldown = e.next_timeout();
+        assert_stale(&mut e, Input::PeerGone, t0 + ms(1));
+        assert_eq!(e.next_timeout(), cooldown);
+        assert_eq!(e.stats().circuit_openings, 1);
+        assert_eq!(e.stats().stale_inputs, 5);
+    }
+
+    #[test]
+    fn a_bad_slice_exactly_a_window_ago_still_counts_against_the_free_ones() {
+        let t0 = Instant::now();
+        let window = Policy::default().work_request_window;
+        let mut e = endpoint(9);
+        e.handle(Input::ConnectWanted, t0);
+        let mut epoch = connect(&mut e, t0);
+        for _ in 0..2 {
+            bad_slice(&mut e, epoch, t0);
+            epoch = connect(&mut e, t0);
+        }
+        assert_eq!(e.stats().work_request_reconnects, 2, "both free");
+        bad_slice(&mut e, epoch, t0 + window);
+        assert_eq!(
+            e.phase(),
+            Phase::Backoff,
+            "the first two are still in the window"
+        );
+        assert_eq!(e.stats().work_request_reconnects, 2);
+    }
+
+    #[test]
+    fn backoffs_lie_ahead_within_the_bound_of_their_attempt() {
+        let policy = Policy::default();
+        let t0 = Instant::now();
+        let mut widest = (Duration::ZERO, Duration::ZERO);
+        for seed in 0..200 {
+            // The peer's fault, first attempt: within backoff_bound(0).
+            let mut e = endpoint(seed);
+            e.handle(Input::ConnectWanted, t0);
+            let epoch = connect(&mut e, t0);
+            peer_failed(&mut e, epoch, t0 + ms(1));
+            let wait = e.next_timeout().expect("a backoff") - (t0 + ms(1));
+            assert!(wait <= policy.backoff_bound(0), "seed {seed}: {wait:?}");
+            widest.0 = widest.0.max(wait);
+
+            // One bad slice past the free ones: within backoff_bound(0) as well.
+            let mut e = endpoint(seed);
+            e.handle(Input::ConnectWanted, t0);
+            let mut epoch = connect(&mut e, t0);
+            for _ in 0..2 {
+                bad_slice(&mut e, epoch, t0);
+                epoch = connect(&mut e, t0);
+            }
+            bad_slice(&mut e, epoch, t0);
+            let wait = e.next_timeout().expect("a backoff") - t0;
+            assert!(wait <= policy.backoff_bound(0), "seed {seed}: {wait:?}");
+            widest.1 = widest.1.max(wait);
+        }
+        // Full jitter: the waits spread over the bound (they are not all at its start).
+        let half = policy.backoff_bound(0) / 2;
+        assert!(widest.0 > half && widest.1 > half, "{widest:?}");
+    }
+
+    #[test]
+    fn a_zero_backoff_retries_at_once() {
+        let t0 = Instant::now();
+        let policy = Policy {
+            backoff_min: Duration::ZERO,
+            ..Policy::default()
+        };
+        let mut e = Endpoint::new(KEY, policy, SplitMix64::new(1));
+        e.handle(Input::ConnectWanted, t0);
+        let mut epoch = connect(&mut e, t0);
+        peer_failed(&mut e, epoch, t0);
+        assert_eq!(e.next_timeout(), Some(t0));
+        run_timer(&mut e);
+        epoch = connect(&mut e, t0);
+        for _ in 0..2 {
+            bad_slice(&mut e, epoch, t0);
+            epoch = connect(&mut e, t0);
+        }
+        bad_slice(&mut e, epoch, t0);
+        assert_eq!(e.phase(), Phase::Backoff, "past the free ones");
+        assert_eq!(e.next_timeout(), Some(t0));
+    }
+
+    #[test]
+    fn a_flap_exactly_a_window_ago_still_counts_toward_opening_the_circuit() {
+        let t0 = Instant::now();
+        let window = Policy::default().flap_window;
+        let mut e = endpoint(10);
+        e.handle(Input::ConnectWanted, t0);
+        let mut epoch = connect(&mut e, t0);
+        let first = t0 + ms(100);
+        peer_failed(&mut e, epoch, first);
+        let retry = run_timer(&mut e);
+        epoch = connect(&mut e, retry);
+        peer_failed(&mut e, epoch, retry + ms(100));
+        run_timer(&mut e);
+        // The third queue pair is up for half a second (a flap) and fails exactly a window
+        // after the first.
+        let third = first + window;
+        epoch = connect(&mut e, third - ms(500));
+        peer_failed(&mut e, epoch, third);
+        assert_eq!(e.stats().flaps, 3);
+        assert_eq!(e.phase(), Phase::CircuitOpen);
+    }
 }
