@@ -74,8 +74,7 @@ mod tests {
     }
 
     #[test]
-    fn logs_show_the_number() {
-        assert_eq!(format!("{:?}", Epoch::new(3)), "e3");
+    fn messages_name_the_epoch_by_its_number() {
         assert_eq!(Epoch::new(3).to_string(), "epoch 3");
     }
 }
