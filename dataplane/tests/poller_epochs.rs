@@ -130,6 +130,47 @@ fn a_repeated_bump_changes_nothing_and_newer_slices_wait_for_their_epoch() {
 }
 
 #[test]
+fn an_endpoint_id_taken_over_at_a_continued_epoch_refuses_its_predecessors_slices() {
+    let (fabric, script) = ScriptedFabric::new();
+    let poller = poller_with_endpoint(fabric, FailStale);
+    let mut submitter = Submitter::new(&[&poller], 64).unwrap();
+    poller
+        .send(Command::RetireEndpoint {
+            endpoint: ENDPOINT,
+            reason: FailReason::EndpointRetired,
+        })
+        .unwrap();
+    // The id's next occupant continues its epochs (the control plane's start_at).
+    let continued = Epoch::new(2);
+    poller
+        .send(Command::AddEndpoint {
+            endpoint: ENDPOINT,
+            epoch: continued,
+        })
+        .unwrap();
+    let old = submitter
+        .submit(1, &[write(0, Epoch::FIRST)], deadline())
+        .unwrap();
+    let new = submitter
+        .submit(1, &[write(0, continued)], deadline())
+        .unwrap();
+    finish(&old);
+    finish(&new);
+    assert_eq!(
+        old.outcome(0),
+        Some(RequestOutcome::Failed(FailReason::StaleEpoch))
+    );
+    assert_eq!(new.outcome(0), Some(RequestOutcome::Done));
+    let posted = script.posted();
+    assert_eq!(posted.len(), 1, "the predecessor's slice is never posted");
+    assert_eq!(posted[0].qp_epoch, continued);
+    assert_eq!(
+        script.connections(),
+        [(ENDPOINT, Epoch::FIRST), (ENDPOINT, continued)]
+    );
+}
+
+#[test]
 fn a_bad_work_request_takes_a_queue_pair_down_at_most_once() {
     let (fabric, script) = ScriptedFabric::new();
     let poller = poller_with_endpoint(fabric, refresh);
