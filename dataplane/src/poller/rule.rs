@@ -1,8 +1,8 @@
 //! The poller's rules, as pure functions of what it knows: the epoch rule, where a slice
 //! then goes on its endpoint (posted, queued for credits, backlogged within its bound,
 //! re-prepared or failed), what a re-prepared slice becomes, and what a failed work request
-//! earns (a retry, charged or not, or its failure). The poller's loop (`super`) applies them; the loom model of the
-//! control/poller hand-off shares the epoch rule.
+//! earns (a retry, charged or not, or its failure). The poller's loop (`super`) applies
+//! them; the loom model of the control/poller hand-off shares the epoch rule.
 
 use crate::Epoch;
 use crate::batch::FailReason;
@@ -120,7 +120,7 @@ pub(crate) fn after_reprepare(
 /// while it was down. New work is refused past `limit`; work the endpoint had admitted
 /// before (it waited for credits when its queue pair went) never is, nor is it counted.
 /// `Ok(true)`: admitted, and it counts against the limit.
-pub(crate) fn backlog_admission(
+fn backlog_admission(
     admitted_before: bool,
     fresh: usize,
     limit: usize,
