@@ -281,6 +281,11 @@ fn publish_phases(core: &mut Core<TcpLikeFabric>) -> Vec<Action> {
     rest
 }
 
+/// The directory saying `old` restarted as `new` at `addr`.
+fn restarted(old: Incarnation, new: Incarnation, addr: SocketAddr) -> PeerChange {
+    PeerChange::Restarted { old, new, addr }
+}
+
 // ---- liveness ---------------------------------------------------------------------------
 
 #[test]
@@ -736,11 +741,7 @@ fn a_directory_restart_of_an_initiator_drops_its_queue_pairs_here() {
     let now = net.now;
     net.procs[target].core.peer_changed(
         "prefill",
-        PeerChange::Restarted {
-            old: Incarnation(20),
-            new: Incarnation(21),
-            addr: addr(2, 7000),
-        },
+        restarted(Incarnation(20), Incarnation(21), addr(2, 7000)),
         now,
     );
     net.settle();
@@ -755,11 +756,7 @@ fn a_successor_that_never_said_hello_is_replaced_in_turn() {
     // The directory names 12 at 7100, where nothing answers yet...
     net.directory_says(
         prefill,
-        PeerChange::Restarted {
-            old: Incarnation(11),
-            new: Incarnation(12),
-            addr: addr(1, 7100),
-        },
+        restarted(Incarnation(11), Incarnation(12), addr(1, 7100)),
     );
     assert_eq!(first.phase(), Phase::Retired);
     let second = endpoint_to(&net, prefill, Incarnation(12), 0).expect("an endpoint to 12");
@@ -767,11 +764,7 @@ fn a_successor_that_never_said_hello_is_replaced_in_turn() {
     net.spawn(NAME, addr(1, 7200), 13, 1);
     net.directory_says(
         prefill,
-        PeerChange::Restarted {
-            old: Incarnation(12),
-            new: Incarnation(13),
-            addr: addr(1, 7200),
-        },
+        restarted(Incarnation(12), Incarnation(13), addr(1, 7200)),
     );
     assert_eq!(second.phase(), Phase::Retired);
     let third = endpoint_to(&net, prefill, Incarnation(13), 0).expect("an endpoint to 13");
@@ -784,11 +777,7 @@ fn a_directory_restart_of_a_stranger_changes_nothing_here() {
     let (mut net, _, prefill, view) = connected_pair();
     net.directory_says(
         prefill,
-        PeerChange::Restarted {
-            old: Incarnation(50),
-            new: Incarnation(51),
-            addr: addr(5, 7000),
-        },
+        restarted(Incarnation(50), Incarnation(51), addr(5, 7000)),
     );
     assert_eq!(net.stats(prefill).peer_restarts, 0);
     assert_eq!(net.retired_endpoints(prefill), 0);
@@ -803,11 +792,7 @@ fn a_directory_restart_at_the_same_address_replaces_endpoints_before_the_newcome
     net.spawn(NAME, addr(1, 7000), 12, 1);
     net.directory_says(
         prefill,
-        PeerChange::Restarted {
-            old: Incarnation(11),
-            new: Incarnation(12),
-            addr: addr(1, 7000),
-        },
+        restarted(Incarnation(11), Incarnation(12), addr(1, 7000)),
     );
     assert_eq!(view.phase(), Phase::Retired);
     let fresh = endpoint_to(&net, prefill, Incarnation(12), 0).expect("an endpoint to 12");
@@ -829,11 +814,7 @@ fn a_directory_restart_to_a_successor_already_answering_moves_the_endpoints_to_i
     // 12 answers at 7100 already when the directory reports that it replaced 11.
     net.directory_says(
         prefill,
-        PeerChange::Restarted {
-            old: Incarnation(11),
-            new: Incarnation(12),
-            addr: addr(1, 7100),
-        },
+        restarted(Incarnation(11), Incarnation(12), addr(1, 7100)),
     );
     assert_eq!(old.phase(), Phase::Retired);
     assert_eq!(new.phase(), Phase::Ready);
