@@ -12,7 +12,8 @@ bar or had no mutant judged at all (a wrong path, or a run that failed).
 
 ALLOWED_LIST has one mutant per line, `FILE: DESCRIPTION # reason`, where DESCRIPTION is
 cargo-mutants' name of the mutant without its line and column (so that edits elsewhere in
-the file do not invalidate it); blank lines and lines starting with `#` are comments.
+the file do not invalidate it; a line excuses every mutant of that name in the file, and is
+reported when all of them are caught); blank lines and lines starting with `#` are comments.
 """
 
 import json
@@ -68,7 +69,7 @@ def main():
     )
     for file in files:
         counts = {CAUGHT: 0, TIMEOUT: 0, MISSED: 0, UNVIABLE: 0}
-        excused, unexcused, stale, seen = 0, [], [], set()
+        excused, unexcused, seen, missed_keys = 0, [], set(), set()
         for outcome in outcomes:
             mutant = outcome["scenario"]
             if not isinstance(mutant, dict) or mutant["Mutant"]["file"] != file:
@@ -77,14 +78,14 @@ def main():
             summary = outcome["summary"]
             key = key_of(name)
             seen.add(key)
+            if summary == MISSED:
+                missed_keys.add(key)
             if summary == MISSED and key in allowed:
                 excused += 1
             elif summary in counts:
                 counts[summary] += 1
                 if summary == MISSED:
                     unexcused.append(name)
-                elif summary != UNVIABLE and key in allowed:
-                    stale.append(name)
         caught = counts[CAUGHT] + counts[TIMEOUT]
         judged = caught + counts[MISSED]
         score = caught / judged if judged else 0.0
@@ -98,11 +99,13 @@ def main():
         )
         for name in unexcused:
             print(f"    missed: {name}")
-        for name in stale:
-            print(f"    caught, yet in {allowed_path}: {name}")
         for key in allowed:
-            if key.startswith(file + ": ") and key not in seen:
+            if not key.startswith(file + ": "):
+                continue
+            if key not in seen:
                 print(f"    in {allowed_path}, no such mutant: {key}")
+            elif key not in missed_keys:
+                print(f"    in {allowed_path}, yet caught: {key}")
     return 1 if failed else 0
 
 
