@@ -9,8 +9,8 @@
 # file's score — caught over viable, allowed equivalents left out — is under 90 %.
 #
 # Usage: scripts/mutants.sh [file ...]   (default: every core file below)
-# Output: target/mutants/<crate>.log (cargo-mutants' progress) and
-# target/mutants/<crate>/mutants.out (its logs per mutant, outcomes.json).
+# Output: target/mutation/<crate>.log (cargo-mutants' progress) and
+# target/mutation/<crate>/mutants.out (its logs per mutant, outcomes.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,7 +56,8 @@ if [[ "$installed" != "cargo-mutants $CARGO_MUTANTS_VERSION" ]]; then
   cargo install --locked --quiet "cargo-mutants@$CARGO_MUTANTS_VERSION"
 fi
 
-out_root=target/mutants
+# Not target/mutants: that is where cargo puts what the `mutants` profile builds.
+out_root=target/mutation
 mkdir -p "$out_root"
 status=0
 outcomes=()
