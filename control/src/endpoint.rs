@@ -947,24 +947,15 @@ mod tests {
         e.handle(Input::ConnectWanted, t0);
         let mut now = t0;
         let mut epoch = connect(&mut e, now);
-        let fail = |e: &mut Endpoint, epoch, now| {
-            e.handle(
-                Input::QpError {
-                    epoch,
-                    status: WcStatus::RemAccessErr,
-                },
-                now,
-            );
-        };
         // Two are free: the queue pair is replaced at once.
         for _ in 0..2 {
             now += ms(1);
-            fail(&mut e, epoch, now);
+            bad_slice(&mut e, epoch, now);
             epoch = connect(&mut e, now);
         }
         // The third within the window backs off; no flap.
         now += ms(1);
-        fail(&mut e, epoch, now);
+        bad_slice(&mut e, epoch, now);
         assert_eq!(outputs(&mut e), [Output::RefreshDescriptor]);
         assert_eq!(e.phase(), Phase::Backoff);
         // Persistently bad: replacements keep backing off, never faster than the backoff
@@ -977,7 +968,7 @@ mod tests {
             }
             epoch = connect(&mut e, now);
             replacements += 1;
-            fail(&mut e, epoch, now);
+            bad_slice(&mut e, epoch, now);
             assert_ne!(e.phase(), Phase::CircuitOpen);
         }
         assert_eq!(e.stats().flaps, 0);
@@ -990,11 +981,11 @@ mod tests {
         let mut fresh = endpoint(2);
         fresh.handle(Input::ConnectWanted, t0);
         let first = connect(&mut fresh, t0);
-        fail(&mut fresh, first, t0);
+        bad_slice(&mut fresh, first, t0);
         let second = connect(&mut fresh, t0);
-        fail(&mut fresh, second, t0);
+        bad_slice(&mut fresh, second, t0);
         let third = connect(&mut fresh, t0);
-        fail(
+        bad_slice(
             &mut fresh,
             third,
             t0 + Policy::default().work_request_window + ms(1),

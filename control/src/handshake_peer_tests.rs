@@ -91,22 +91,6 @@ fn dial_times(net: &mut Net, index: usize, by: Duration, step: Duration) -> Vec<
     dials
 }
 
-/// A ConnectQp from initiator `initiator` to incarnation 11, rails 0 → 0, for its queue
-/// pair `qp_num` at `epoch` (the parent's `connect_qp_from` sends queue pair 1 at epoch 1).
-fn connect_qp_numbered(initiator: u64, qp_num: u32, epoch: u64, handshake: u64) -> Message {
-    Message::ConnectQp {
-        key: WireKey {
-            initiator: Incarnation(initiator),
-            target: Incarnation(11),
-            initiator_rail: 0,
-            target_rail: 0,
-        },
-        epoch,
-        handshake,
-        side: qp_side(qp_num),
-    }
-}
-
 /// The queue pair numbers of the successful ConnectQp replies among `sent`.
 fn granted(sent: &[Message]) -> Vec<u32> {
     sent.iter()
@@ -539,8 +523,8 @@ fn a_repeated_connect_qp_is_answered_with_the_same_queue_pair() {
         target,
         vec![
             hello_from("prefill", 5),
-            connect_qp_numbered(5, 1, 1, 1),
-            connect_qp_numbered(5, 1, 1, 2),
+            connect_qp_from(5, 1, 1, 1),
+            connect_qp_from(5, 1, 1, 2),
         ],
     );
     let granted = granted(&sent);
@@ -572,15 +556,15 @@ fn a_connect_qp_on_the_same_or_a_newer_connection_replaces_the_queue_pair() {
         target,
         vec![
             hello_from("prefill", 5),
-            connect_qp_numbered(5, 1, 1, 1),
-            connect_qp_numbered(5, 2, 2, 2),
+            connect_qp_from(5, 1, 1, 1),
+            connect_qp_from(5, 2, 2, 2),
         ],
     );
     assert_eq!(granted(&sent).len(), 2, "{sent:?}");
     assert_eq!(remote(&net), vec![2]);
     let sent = net.raw_peer_says(
         target,
-        vec![hello_from("prefill", 5), connect_qp_numbered(5, 3, 3, 3)],
+        vec![hello_from("prefill", 5), connect_qp_from(5, 3, 3, 3)],
     );
     assert_eq!(granted(&sent).len(), 1, "{sent:?}");
     assert_eq!(remote(&net), vec![3]);
@@ -600,7 +584,7 @@ fn queue_pairs_are_counted_by_fabric() {
     let now = Instant::now();
     let conn = core.accepted(addr(9, 9999), addr(1, 7000).ip(), now);
     core.received(conn, hello_from("prefill", 5), now);
-    core.received(conn, connect_qp_numbered(5, 1, 1, 1), now);
+    core.received(conn, connect_qp_from(5, 1, 1, 1), now);
     assert_eq!((shared.stats().passive_qps, shared.stats().tcp_qps), (1, 1));
     lone_core_meets(&mut core, 20, now);
     assert_eq!((shared.stats().active_qps, shared.stats().tcp_qps), (1, 2));

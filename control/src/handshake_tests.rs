@@ -1757,8 +1757,9 @@ fn conn_between(net: &Net, index: usize, other: usize) -> ConnId {
         .expect("a connection between them")
 }
 
-/// A ConnectQp from incarnation `initiator` for a queue pair on rail 0 of incarnation 11.
-fn connect_qp_from(initiator: u64) -> Message {
+/// A ConnectQp from incarnation `initiator` to incarnation 11, rails 0 → 0, for its queue
+/// pair `qp_num` at `epoch`.
+fn connect_qp_from(initiator: u64, qp_num: u32, epoch: u64, handshake: u64) -> Message {
     Message::ConnectQp {
         key: WireKey {
             initiator: Incarnation(initiator),
@@ -1766,9 +1767,9 @@ fn connect_qp_from(initiator: u64) -> Message {
             initiator_rail: 0,
             target_rail: 0,
         },
-        epoch: 1,
-        handshake: 1,
-        side: qp_side(1),
+        epoch,
+        handshake,
+        side: qp_side(qp_num),
     }
 }
 
@@ -2304,7 +2305,7 @@ fn a_loopback_listener_is_probed_only_for_an_initiator_on_loopback() {
             nonce: [0; NONCE_LEN],
         };
         core.received(conn, hello, now);
-        core.received(conn, connect_qp_from(20), now);
+        core.received(conn, connect_qp_from(20, 1, 1, 1), now);
         core.closed(conn, "reset", now);
         drain_actions(core);
         net.advance(Duration::from_millis(1));
@@ -2445,7 +2446,7 @@ fn immediates_on_a_target_queue_pair_reach_the_application_at_the_next_tick() {
     let now = Instant::now();
     let conn = core.accepted(addr(2, 40_001), addr(1, 7000).ip(), now);
     core.received(conn, hello_from("prefill", 20), now);
-    core.received(conn, connect_qp_from(20), now);
+    core.received(conn, connect_qp_from(20, 1, 1, 1), now);
     assert_eq!(shared.stats().passive_qps, 1);
     script
         .lock()
