@@ -41,7 +41,11 @@
 //! Providers with manual data progress (`tcp;ofi_rxm`) move a peer's RMA into this
 //! process's memory only while this side reads its completion queue: [`OfiFabric`]'s
 //! `serve` does, every poller round, and says it is serving while the rail has memory
-//! peers may access, so the poller yields instead of parking.
+//! peers may access, so the poller yields instead of parking. Before libfabric starts,
+//! railyard sets `FI_OFI_RXM_CM_PROGRESS_INTERVAL=0` (unless it is set): `ofi_rxm` then
+//! handles its connection events on every empty completion-queue read, so a connection the
+//! target closed is gone before the endpoint's next queue pair posts (`settle_parameters`
+//! in `rail.rs` says why).
 
 mod fabric;
 mod rail;

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, CString, c_void};
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, Once, PoisonError, RwLock};
 
 use railyard_ofi_sys as sys;
 
@@ -203,12 +203,47 @@ impl std::fmt::Debug for OfiRail {
     }
 }
 
+/// `ofi_rxm`'s parameter: how often (µs) reading a completion queue also handles the
+/// provider's connection events.
+const RXM_CM_PROGRESS_INTERVAL: &str = "FI_OFI_RXM_CM_PROGRESS_INTERVAL";
+
+/// Sets what railyard needs of libfabric's parameters, once, before libfabric reads them (at
+/// its first `fi_getinfo`), unless the environment already sets them.
+///
+/// `FI_OFI_RXM_CM_PROGRESS_INTERVAL=0`: every completion-queue read that finds nothing also
+/// handles `ofi_rxm`'s connection events. A connection the target closed (`tcp` closes it on
+/// a request it refuses) is then dropped by the first empty read after its cancelled
+/// requests were read, before the endpoint's next queue pair posts anything: that queue
+/// pair gets a connection of its own. By default `ofi_rxm` looks at most every 10 ms (longer
+/// on a loaded host), and until then hands the next queue pair to that address the dead
+/// connection: every request it carries fails with `ENOTCONN`, and the endpoint's
+/// replacements count as flaps until its circuit opens. (`FI_AV_REMOVE_CLEANUP`, which drops
+/// the connection with the address-vector entry, would do it too, but crashes libfabric 1.17
+/// when queue pairs are retired by the thousand.)
+fn settle_parameters() {
+    static SETTLED: Once = Once::new();
+    SETTLED.call_once(|| {
+        if std::env::var_os(RXM_CM_PROGRESS_INTERVAL).is_some() {
+            return;
+        }
+        // SAFETY: runs once, before this process's first fi_getinfo (every one goes through
+        // `hints`, which waits here), so libfabric has not read its environment yet and
+        // cannot be reading it on another thread; std's own readers take the lock
+        // `set_var` takes. Native code outside libfabric that reads the environment on
+        // another thread at this moment is the hazard `set_var` documents; railyard starts
+        // none (set the variable yourself to keep railyard from writing the environment).
+        unsafe { std::env::set_var(RXM_CM_PROGRESS_INTERVAL, "0") };
+    });
+}
+
 /// Hints for `fi_getinfo`: an RDM endpoint with RMA, every memory-registration mode railyard
 /// can honour, context space in every operation, a thread-safe domain.
 ///
 /// # Safety
 /// The result must be freed with `fi_freeinfo`.
 unsafe fn hints(provider: Option<&str>) -> Result<*mut sys::fi_info, OfiError> {
+    // Every fi_getinfo goes through here, and the first one initializes libfabric.
+    settle_parameters();
     // SAFETY: fi_dupinfo(NULL) allocates a zeroed fi_info with its attribute structs.
     let hints = unsafe { sys::fi_dupinfo(ptr::null()) };
     if hints.is_null() {

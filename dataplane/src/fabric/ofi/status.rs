@@ -8,9 +8,12 @@ use crate::fabric::WcStatus;
 /// provider's own `prov_errno`.
 pub(crate) fn map_error(err: u32, prov_errno: i32) -> WcStatus {
     match err {
-        // railyard never cancels an RMA itself: the tcp provider reports a target that
-        // refused the request (no such key, a range outside the region) as cancelled, with
-        // the target's errno.
+        // railyard never cancels an RMA itself. The tcp provider answers a request its
+        // target refuses (no such key, a range outside the region) by closing the
+        // connection, and cancels what was on it with the errno its own thread last saw, not
+        // a code from the target: on a quiet host that is one of these, but on a loaded one
+        // the same refusal can come as ENOTCONN and reads as a flush (a transport failure).
+        // A best guess, then; the refusal can only be told apart reliably by the target.
         sys::FI_ECANCELED
             if matches!(
                 prov_errno.unsigned_abs(),
