@@ -8,6 +8,8 @@ use std::process::ExitCode;
 use clap::Parser as _;
 
 fn main() -> ExitCode {
+    // Before any thread starts: it writes the environment libfabric reads when it starts.
+    railyard::dataplane::fabric::ofi::settle_parameters();
     let command = match cli::Cli::try_parse() {
         Ok(command) => command,
         Err(error) if !error.use_stderr() => error.exit(), // --help, --version

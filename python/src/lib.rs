@@ -970,6 +970,9 @@ impl Batch {
 /// The `railyard._native` module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // At import, before any engine starts a thread: it writes the environment libfabric
+    // reads when it starts.
+    railyard::dataplane::fabric::ofi::settle_parameters();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("METRICS_CONTENT_TYPE", railyard::metrics::CONTENT_TYPE)?;
     m.add("TransferError", m.py().get_type::<TransferError>())?;

@@ -44,12 +44,12 @@
 //! peers may access, so the poller yields instead of parking. Before libfabric starts,
 //! railyard sets `FI_OFI_RXM_CM_PROGRESS_INTERVAL=0` (unless it is set): `ofi_rxm` then
 //! handles its connection events on every empty completion-queue read, so a connection the
-//! target closed is gone before the endpoint's next queue pair posts (`settle_parameters`
-//! in `rail.rs` says why).
+//! target closed is gone before the endpoint's next queue pair posts ([`settle_parameters`]
+//! says why, and when a program must call it itself).
 
 mod fabric;
 mod rail;
 mod status;
 
 pub use fabric::OfiFabric;
-pub use rail::{OfiConfig, OfiError, OfiPeer, OfiRail, providers};
+pub use rail::{OfiConfig, OfiError, OfiPeer, OfiRail, providers, settle_parameters};

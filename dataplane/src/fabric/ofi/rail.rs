@@ -207,8 +207,14 @@ impl std::fmt::Debug for OfiRail {
 /// provider's connection events.
 const RXM_CM_PROGRESS_INTERVAL: &str = "FI_OFI_RXM_CM_PROGRESS_INTERVAL";
 
-/// Sets what railyard needs of libfabric's parameters, once, before libfabric reads them (at
-/// its first `fi_getinfo`), unless the environment already sets them.
+/// Sets what railyard needs of libfabric's parameters in this process's environment, once,
+/// unless the environment already sets them. libfabric reads them when it starts (at the
+/// process's first `fi_getinfo`), so this must run before: railyard's own first
+/// `fi_getinfo` calls it, and the `railyard` command and the Python module call it before
+/// anything else runs. A program that embeds railyard and starts other threads first
+/// should call it at the top of `main` (or set the variables itself), and a process where
+/// another library (an MPI, NCCL's plugin) starts libfabric first must set them before it
+/// starts. Child processes inherit them.
 ///
 /// `FI_OFI_RXM_CM_PROGRESS_INTERVAL=0`: every completion-queue read that finds nothing also
 /// handles `ofi_rxm`'s connection events. A connection the target closed (`tcp` closes it on
@@ -219,20 +225,45 @@ const RXM_CM_PROGRESS_INTERVAL: &str = "FI_OFI_RXM_CM_PROGRESS_INTERVAL";
 /// connection: every request it carries fails with `ENOTCONN`, and the endpoint's
 /// replacements count as flaps until its circuit opens. (`FI_AV_REMOVE_CLEANUP`, which drops
 /// the connection with the address-vector entry, would do it too, but crashes libfabric 1.17
-/// when queue pairs are retired by the thousand.)
-fn settle_parameters() {
+/// when queue pairs are retired by the thousand.) A value set in the environment is kept;
+/// opening a `tcp;ofi_rxm` rail then warns if it is not 0.
+pub fn settle_parameters() {
     static SETTLED: Once = Once::new();
     SETTLED.call_once(|| {
         if std::env::var_os(RXM_CM_PROGRESS_INTERVAL).is_some() {
             return;
         }
-        // SAFETY: runs once, before this process's first fi_getinfo (every one goes through
-        // `hints`, which waits here), so libfabric has not read its environment yet and
-        // cannot be reading it on another thread; std's own readers take the lock
-        // `set_var` takes. Native code outside libfabric that reads the environment on
-        // another thread at this moment is the hazard `set_var` documents; railyard starts
-        // none (set the variable yourself to keep railyard from writing the environment).
+        // SAFETY: `set_var` is sound while no other thread reads or writes the environment.
+        // Runs once, and before this process's first fi_getinfo (each goes through `hints`,
+        // which waits here), so libfabric is not reading it; std's own readers take the lock
+        // `set_var` takes. The `railyard` command and the Python module call this before
+        // they start a thread. Called later, from `hints` in a program that already runs
+        // threads of its own, native code reading the environment on one of them at this
+        // instant is the residual risk the docs above tell such programs how to avoid.
         unsafe { std::env::set_var(RXM_CM_PROGRESS_INTERVAL, "0") };
+    });
+}
+
+/// Warns, once per process, when a `tcp;ofi_rxm` rail opens with a connection-event
+/// interval other than railyard's (see [`settle_parameters`]).
+fn warn_of_a_slow_connection_check(provider: &str) {
+    static WARNED: Once = Once::new();
+    if !provider.contains("ofi_rxm") {
+        return;
+    }
+    let Some(interval) = std::env::var_os(RXM_CM_PROGRESS_INTERVAL) else {
+        return;
+    };
+    if interval == "0" {
+        return;
+    }
+    WARNED.call_once(|| {
+        tracing::warn!(
+            target: "railyard::ofi",
+            interval = %interval.to_string_lossy(),
+            "{RXM_CM_PROGRESS_INTERVAL} is not 0: after a peer closes a connection (tcp does \
+             on a request it refuses), the next queue pairs to it fail until ofi_rxm notices"
+        );
     });
 }
 
@@ -386,6 +417,7 @@ impl OfiRail {
         };
         // On an error, `rail`'s Drop closes what was opened.
         rail.open_parts()?;
+        warn_of_a_slow_connection_check(&rail.provider);
         Ok(Arc::new(rail))
     }
 
