@@ -828,13 +828,8 @@ fn silent_connections_are_evicted_oldest_first_and_time_out() {
     // newcomer stays.
     let later = now + EVICTABLE_AFTER;
     let newcomer = core.accepted(addr(3, 5001), addr(1, 7000).ip(), later);
-    let closed: Vec<ConnId> = std::iter::from_fn(|| core.next_action())
-        .filter_map(|action| match action {
-            Action::Close { conn } => Some(conn),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(closed, vec![silent[0]]);
+    let actions: Vec<Action> = std::iter::from_fn(|| core.next_action()).collect();
+    assert_eq!(closes(&actions), vec![silent[0]]);
     core.received(newcomer, hello_from("x", 5), later);
     assert_eq!(net.stats(target).connections_closed, 1);
     net.advance(policy().connect_timeout + Duration::from_millis(1));
