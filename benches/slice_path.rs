@@ -40,6 +40,7 @@ fn spec(request: u32) -> SliceSpec {
         imm: 0,
         endpoint: EndpointId(0),
         epoch: Epoch::FIRST,
+        generation: 0,
     }
 }
 

@@ -229,6 +229,7 @@ fn initiator(span: Duration) -> Result<Vec<Row>> {
                     imm: 0,
                     endpoint,
                     epoch: Epoch::FIRST,
+                    generation: 0,
                 })
                 .collect()
         };

@@ -54,6 +54,7 @@ fn two_nodes_connect_and_move_bytes() {
             imm: 0,
             endpoint: view.id,
             epoch: view.epoch().unwrap(),
+            generation: 0,
         })
         .collect();
     let batch = submitter

@@ -39,7 +39,9 @@ pub struct RegionDescriptor {
     pub len: u64,
     /// Its rkey on each rail, in rail order.
     pub rkeys: Vec<u32>,
-    /// Bumped each time the owner re-registers it (new keys).
+    /// Which registration of this memory it is: new when the owner registers the range
+    /// anew (after a deregistration), kept when it only re-keys it (same memory, new keys).
+    /// A slice prepared against one generation is never re-prepared into another.
     pub generation: u64,
     /// What peers may do to it (its remote flags; fabrics that check requests before posting
     /// them refuse the rest there).

@@ -581,6 +581,7 @@ impl<F: RailFabric> Driver<F> {
                 imm,
                 endpoint: view.id,
                 epoch,
+                generation: 0,
             };
             match self.signals.submit_now(1, &[spec]) {
                 Ok(sent) => self.signals_in_flight.push(sent),

@@ -227,6 +227,8 @@ struct Active<Q> {
     offered: Option<(Epoch, u32)>,
     /// The phase (and probation) last handed to the driver to publish in `view`.
     published: Option<(Phase, bool)>,
+    /// The peer's fence generation for this side, as its last ConnectQp reply told it.
+    fence: Option<u64>,
     /// Its `endpoint` span.
     span: tracing::Span,
 }
@@ -274,6 +276,10 @@ pub(crate) struct Core<F: RailFabric> {
     /// Handshakes waiting for their reply, by id.
     handshakes: HashMap<u64, (u16, EndpointId)>,
     passive: HashMap<WireKey, Passive<F::Connected>>,
+    /// This side's fence generation for each initiator it revoked (absent: 0), told in every
+    /// ConnectQp reply. Kept for good: an initiator that reconnects after any number of
+    /// revokes must still see that one happened.
+    fences: HashMap<Incarnation, u64>,
     /// Initiators holding target queue pairs here with no control connection left.
     orphans: HashMap<Incarnation, Orphan>,
     /// When each listener was last dialed again for endpoints left without a connection
@@ -318,6 +324,7 @@ impl<F: RailFabric> Core<F> {
             next_epochs: HashMap::new(),
             handshakes: HashMap::new(),
             passive: HashMap::new(),
+            fences: HashMap::new(),
             orphans: HashMap::new(),
             redialed: HashMap::new(),
             waiting: Vec::new(),
@@ -724,8 +731,9 @@ impl<F: RailFabric> Core<F> {
                 key,
                 epoch,
                 handshake,
+                fence,
                 result,
-            } => self.on_connect_reply(conn, key, epoch, handshake, result, now),
+            } => self.on_connect_reply(conn, key, (epoch, handshake), fence, result, now),
             Message::RetireQp {
                 key,
                 epoch: _,
@@ -1249,12 +1257,14 @@ impl<F: RailFabric> Core<F> {
             );
             Err(reason)
         };
+        let fence = self.fences.get(&key.initiator).copied().unwrap_or(0);
         self.send(
             conn,
             Message::ConnectQpReply {
                 key,
                 epoch,
                 handshake,
+                fence,
                 result,
             },
         );
@@ -1351,12 +1361,16 @@ impl<F: RailFabric> Core<F> {
 
     // ---- the initiator's side of a handshake -------------------------------------------
 
+    /// A ConnectQp reply for `(epoch, handshake)`, with the peer's fence generation for this
+    /// side: when it changed since the endpoint's previous queue pair, the peer revoked this
+    /// side meanwhile, and every slice prepared for an older epoch fails `Revoked` before
+    /// the new queue pair reaches the poller.
     fn on_connect_reply(
         &mut self,
         conn: ConnId,
         key: WireKey,
-        epoch: u64,
-        handshake: u64,
+        (epoch, handshake): (u64, u64),
+        fence: u64,
         result: Result<QpSide, String>,
         now: Instant,
     ) {
@@ -1388,6 +1402,10 @@ impl<F: RailFabric> Core<F> {
             return;
         };
         let epoch = pending.epoch;
+        if active.fence.is_some_and(|known| known != fence) {
+            active.view.revoke_before(epoch);
+        }
+        active.fence = Some(fence);
         let fabric = &self.fabrics[usize::from(rail)];
         let outcome = result
             .and_then(|side| fabric.connect_qp(pending.qp, &side))
@@ -1713,6 +1731,8 @@ impl<F: RailFabric> Core<F> {
 
     /// Takes every passive queue pair of `peer` out of service.
     pub(crate) fn revoke(&mut self, peer: Incarnation) -> Vec<Revocation> {
+        // Before anything else: every reply from now on tells the peer it was fenced.
+        *self.fences.entry(peer).or_default() += 1;
         let keys: Vec<WireKey> = self
             .passive
             .keys()
@@ -1859,6 +1879,7 @@ impl<F: RailFabric> Core<F> {
                 pending: None,
                 offered: None,
                 published: None,
+                fence: None,
                 span,
             },
         );

@@ -543,7 +543,11 @@ fn a_reply_on_another_connection_or_with_another_id_is_stray() {
         .received(b_conn, c_reply.clone(), now);
     // B's connection, B's key, but a handshake id nobody waits for.
     let Message::ConnectQpReply {
-        key, epoch, result, ..
+        key,
+        epoch,
+        fence,
+        result,
+        ..
     } = net.held[position(&net, 11)].2.clone()
     else {
         unreachable!("held replies only");
@@ -552,6 +556,7 @@ fn a_reply_on_another_connection_or_with_another_id_is_stray() {
         key,
         epoch,
         handshake: 0xdead_beef,
+        fence,
         result,
     };
     net.procs[prefill].core.received(b_conn, forged, now);

@@ -28,6 +28,9 @@ pub struct EndpointView {
     pub(crate) first_epoch: Epoch,
     /// The epoch whose queue pair the poller has (0: none yet).
     epoch: AtomicU64,
+    /// Slices prepared for an epoch older than this fail `Revoked` (0: none): the peer
+    /// revoked this side after they were prepared (its fence generation for us changed).
+    revoked_below: AtomicU64,
     phase: AtomicU8,
     /// Its circuit is half-open (see [`Self::on_probation`]).
     probation: AtomicBool,
@@ -51,6 +54,7 @@ impl EndpointView {
             peer_name,
             first_epoch,
             epoch: AtomicU64::new(0),
+            revoked_below: AtomicU64::new(0),
             phase: AtomicU8::new(0),
             probation: AtomicBool::new(false),
             descriptor: RwLock::new(descriptor),
@@ -64,6 +68,19 @@ impl EndpointView {
             0 => None,
             n => Some(Epoch::new(n)),
         }
+    }
+
+    /// Whether a slice prepared for `epoch` was prepared before the peer last revoked this
+    /// side: it must never reach the peer.
+    pub fn is_revoked(&self, epoch: Epoch) -> bool {
+        epoch.get() < self.revoked_below.load(Ordering::Acquire)
+    }
+
+    /// The peer revoked this side before `epoch`'s queue pair was connected: every slice
+    /// prepared for an older epoch is fenced off for good. Set before the queue pair is
+    /// handed to the poller, so the poller re-prepares no older slice without seeing it.
+    pub(crate) fn revoke_before(&self, epoch: Epoch) {
+        self.revoked_below.fetch_max(epoch.get(), Ordering::AcqRel);
     }
 
     /// Where the endpoint stands.
@@ -410,8 +427,10 @@ impl ControlShared {
 
     /// The re-prepare hook for rail `rail`'s poller: rewrites a stale slice's rkey from the
     /// peer's newest descriptor (unless it is zero-length) and stamps the current epoch;
-    /// refuses slices meant for a previous occupant of the endpoint id, or whose range the
-    /// peer no longer registers. It keeps its own copy of the rail's endpoints and their
+    /// refuses slices meant for a previous occupant of the endpoint id (`EndpointRetired`),
+    /// prepared before the peer revoked this side (`Revoked`), or whose remote region is
+    /// gone or registered anew since they were prepared (`RegionWithdrawn`): a slice may
+    /// move to a new queue pair and epoch, never to other memory. It keeps its own copy of the rail's endpoints and their
     /// descriptors, refreshed when their versions change: no lock while they do not.
     pub fn reprepare_hook(self: &Arc<Self>, rail: u16) -> impl Reprepare + 'static {
         let shared = self.clone();
@@ -423,20 +442,26 @@ impl ControlShared {
             if slice.epoch.is_older_than(view.first_epoch) {
                 return Err(FailReason::EndpointRetired);
             }
+            if view.is_revoked(slice.epoch) {
+                return Err(FailReason::Revoked);
+            }
             if slice.len == 0 {
                 // Names no memory (a bare immediate): only the epoch changes.
                 slice.epoch = current;
                 return Ok(());
             }
             let descriptor = cache.descriptor(&view).ok_or(FailReason::RemoteAccess)?;
-            let rkey = descriptor
-                .rkey_for(
-                    slice.remote_addr,
-                    u64::from(slice.len),
-                    view.key.remote_rail,
-                )
+            let region = descriptor
+                .region_for(slice.remote_addr, u64::from(slice.len))
+                .ok_or(FailReason::RegionWithdrawn)?;
+            if region.generation as u32 != slice.generation {
+                // Registered anew since: other memory now, whatever its address.
+                return Err(FailReason::RegionWithdrawn);
+            }
+            slice.rkey = *region
+                .rkeys
+                .get(usize::from(view.key.remote_rail))
                 .ok_or(FailReason::RemoteAccess)?;
-            slice.rkey = rkey;
             slice.epoch = current;
             Ok(())
         }

@@ -19,7 +19,7 @@ use crate::host::HostId;
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RYCP";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 /// Header bytes.
 pub const HEADER_LEN: usize = 12;
 /// Largest body accepted.
@@ -112,6 +112,10 @@ pub enum Message {
         epoch: u64,
         /// The request's handshake id.
         handshake: u64,
+        /// The listener's fence generation for the dialer: bumped each time the listener
+        /// revoked it. A dialer that sees it change between two of its queue pairs fails
+        /// every slice prepared before the new one (`Revoked`).
+        fence: u64,
         /// The listener's side, or the reason it refused.
         result: Result<QpSide, String>,
     },
@@ -462,11 +466,13 @@ impl Message {
                 key,
                 epoch,
                 handshake,
+                fence,
                 result,
             } => {
                 body.key(key);
                 body.u64(*epoch);
                 body.u64(*handshake);
+                body.u64(*fence);
                 match result {
                     Ok(side) => {
                         body.u8(0);
@@ -541,6 +547,7 @@ impl Message {
                 let key = r.key()?;
                 let epoch = r.u64("epoch")?;
                 let handshake = r.u64("handshake id")?;
+                let fence = r.u64("fence generation")?;
                 let result = match r.u8("reply status")? {
                     0 => Ok(r.side()?),
                     1 => Err(r.string("refusal reason")?),
@@ -555,6 +562,7 @@ impl Message {
                     key,
                     epoch,
                     handshake,
+                    fence,
                     result,
                 }
             }
@@ -834,22 +842,31 @@ mod tests {
                     side,
                 }
             ),
-            (key(), any::<u64>(), any::<u64>(), side()).prop_map(
-                |(key, epoch, handshake, side)| Message::ConnectQpReply {
+            (key(), any::<u64>(), any::<u64>(), any::<u64>(), side()).prop_map(
+                |(key, epoch, handshake, fence, side)| Message::ConnectQpReply {
                     key,
                     epoch,
                     handshake,
+                    fence,
                     result: Ok(side),
                 }
             ),
-            (key(), any::<u64>(), any::<u64>(), "\\PC{0,40}").prop_map(
-                |(key, epoch, handshake, reason)| Message::ConnectQpReply {
-                    key,
-                    epoch,
-                    handshake,
-                    result: Err(reason),
-                }
-            ),
+            (
+                key(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                "\\PC{0,40}"
+            )
+                .prop_map(|(key, epoch, handshake, fence, reason)| {
+                    Message::ConnectQpReply {
+                        key,
+                        epoch,
+                        handshake,
+                        fence,
+                        result: Err(reason),
+                    }
+                }),
             (key(), any::<u64>(), any::<u32>())
                 .prop_map(|(key, epoch, qp_num)| { Message::RetireQp { key, epoch, qp_num } }),
             (any::<u64>(), prop::collection::vec(any::<u8>(), 0..128)).prop_map(

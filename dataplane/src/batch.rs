@@ -68,11 +68,19 @@ pub enum FailReason {
     /// never delivered to the new one.
     #[error("the peer restarted; the transfer was meant for its previous incarnation")]
     PeerRestarted,
+    /// The target revoked this initiator (`Engine::revoke`) after the slice was prepared:
+    /// work from before a fence never lands after it, so it is not retried.
+    #[error("the target revoked this initiator after the transfer was submitted (a fence)")]
+    Revoked,
+    /// The remote region it was prepared against was withdrawn (deregistered; the memory
+    /// may be registered again since): it is never retried into what is there now.
+    #[error("the remote region the transfer was prepared against was withdrawn")]
+    RegionWithdrawn,
 }
 
 impl FailReason {
     /// Number of reasons (for per-reason counters).
-    pub const COUNT: usize = 16;
+    pub const COUNT: usize = 18;
 
     /// Every reason, in code order.
     pub const ALL: [Self; Self::COUNT] = [
@@ -92,6 +100,8 @@ impl FailReason {
         Self::RetryExceeded,
         Self::Flushed,
         Self::PeerRestarted,
+        Self::Revoked,
+        Self::RegionWithdrawn,
     ];
 
     /// Dense index in `0..COUNT`.
@@ -118,6 +128,8 @@ impl FailReason {
             Self::RetryExceeded => "retry_exceeded",
             Self::Flushed => "flushed",
             Self::PeerRestarted => "peer_restarted",
+            Self::Revoked => "revoked",
+            Self::RegionWithdrawn => "region_withdrawn",
         }
     }
 

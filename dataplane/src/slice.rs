@@ -45,6 +45,10 @@ pub struct SliceSpec {
     pub endpoint: EndpointId,
     /// The endpoint epoch its addresses and keys were prepared for.
     pub epoch: Epoch,
+    /// The generation of the remote region it was prepared against (low 32 bits of the
+    /// descriptor's `generation`; 0 for a slice naming no memory): re-preparing it may
+    /// change its queue pair and epoch, never its generation.
+    pub generation: u32,
 }
 
 /// Flag: this slice already took a queue pair down with a work-request error once.
@@ -78,6 +82,8 @@ pub struct Slice {
     pub lkey: u32,
     /// Key of the remote registration.
     pub rkey: u32,
+    /// The generation of the remote region it was prepared against ([`SliceSpec::generation`]).
+    pub generation: u32,
     /// The endpoint it goes to.
     pub endpoint: EndpointId,
     request: u32,
@@ -115,6 +121,7 @@ impl Slice {
             len: spec.len,
             lkey: spec.lkey,
             rkey: spec.rkey,
+            generation: spec.generation,
             endpoint: spec.endpoint,
             request: spec.request,
             imm: spec.imm,

@@ -236,6 +236,7 @@ mod tests {
             imm: 0,
             endpoint: EndpointId(0),
             epoch: Epoch::FIRST,
+            generation: 0,
         };
         let lane = &mut submitter.lanes[0];
         // SAFETY: `shared` is the one reference reserved for this batch's only slice, whose

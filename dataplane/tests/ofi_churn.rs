@@ -214,6 +214,7 @@ fn a_thousand_incarnations_while_writes_are_in_flight_lose_and_corrupt_nothing()
                                 imm: 0,
                                 endpoint: ENDPOINT,
                                 epoch: Epoch::new(epoch),
+                                generation: 0,
                             });
                             expected.push((slot, bytes));
                             seq += 1;

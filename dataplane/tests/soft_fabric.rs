@@ -603,6 +603,7 @@ fn eight_requests(
             imm: 0,
             endpoint,
             epoch: Epoch::FIRST,
+            generation: 0,
         })
         .collect()
 }

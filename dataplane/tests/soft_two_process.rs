@@ -276,6 +276,7 @@ fn gibibyte_round_trip(memory: Memory) {
         imm: 0,
         endpoint,
         epoch: Epoch::FIRST,
+        generation: 0,
     };
     let mut source = source;
     for pass in 0..PASSES {

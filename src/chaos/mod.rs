@@ -304,5 +304,6 @@ fn write_slice(
         imm: 0,
         endpoint: view.id,
         epoch,
+        generation: 0,
     }
 }

@@ -138,6 +138,24 @@ pub enum MemoryError {
         /// How long deregistration waited.
         waited: Duration,
     },
+    /// A rail refused to withdraw the region's registration (the provider's error): that
+    /// rail may still let peers reach the memory, so it stays mapped and is never freed
+    /// while registered there. Call `deregister` again to try again.
+    #[error(
+        "region {id} ({len} bytes at {addr:#x}) could not be withdrawn from rail {rail}: {reason}; it stays registered there, deregister it again later"
+    )]
+    Withdraw {
+        /// The region's id.
+        id: u64,
+        /// Its start.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// The rail that refused.
+        rail: usize,
+        /// Its error.
+        reason: String,
+    },
 }
 
 /// Why [`Engine::revoke`](super::Engine::revoke) could not finish.
@@ -164,6 +182,17 @@ pub enum RevokeError {
         queue_pairs: usize,
         /// How long it waited.
         waited: Duration,
+    },
+    /// The engine's fabric cannot fence a peer: its NIC executes the peer's requests by key
+    /// alone, and taking them out of service for one peer is not implemented there. Nothing
+    /// was changed. Deregister the memory instead (a withdrawn region is a fence on every
+    /// fabric).
+    #[error(
+        "revoking a peer is not supported on the {fabric} fabric; deregister the memory instead"
+    )]
+    Unsupported {
+        /// The fabric.
+        fabric: &'static str,
     },
 }
 

@@ -29,11 +29,16 @@
 //!   done, failed or timed out — no fabric operation of it reads or writes your local memory
 //!   again; reuse the buffers at once.
 //! - **Remote side, bounded:** a write of a failed or timed-out request may still land at the
-//!   target until the target has processed the retirement of the queue pair it came on. A
-//!   target that gives up on an initiator itself calls [`Engine::revoke`], which returns once
-//!   nothing of that peer can land until it handshakes again.
-//! - **Deregistration:** [`Engine::deregister`] returns `Ok` only when no poller and no peer
-//!   can touch the region any more.
+//!   target until the target has processed the retirement of the queue pair it came on.
+//! - **Fences, for good:** after [`Engine::revoke`]`(peer)` returns `Ok`, no write or read
+//!   that `peer` submitted before that moment ever touches this engine's memory — not after
+//!   a reconnect, not after a retry, not ever. After [`Engine::deregister`]`(region)` returns
+//!   `Ok`, nothing submitted before it touches that memory, whatever is registered there
+//!   later. New work after a fence works as usual. Work caught by a fence fails with its own
+//!   reason — `Revoked` or `RegionWithdrawn` ([`FailReason`](railyard_dataplane::FailReason))
+//!   — and is never retried into other memory: a slice carries the generation of the remote
+//!   region it was prepared against and the epoch it was prepared for, and a reconnect may
+//!   move it to a new queue pair, never to a new generation or past a fence.
 //!
 //! # Thread safety
 //! [`Engine`] is `Send + Sync` and cheap to clone (an `Arc`). [`EngineSubmitter`] is `Send`,
@@ -580,6 +585,29 @@ struct RegionEntry {
     memory: Option<Memory>,
     /// Its registration on each rail.
     registrations: Vec<MemoryRegion>,
+    /// What peers' slices are prepared against (the descriptor's `generation`): the id of
+    /// the region's first registration, kept by [`Engine::reregister`] (same memory, new
+    /// keys) and new with every [`Engine::register`], so that a peer never re-prepares work
+    /// from before a `deregister` into memory registered again at the same address.
+    generation: u64,
+    /// Registrations [`Engine::reregister`] replaced whose withdrawal a rail refused: still
+    /// live there, so withdrawn again (idempotently) before the memory may go.
+    lingering: Vec<Vec<MemoryRegion>>,
+}
+
+impl RegionEntry {
+    /// Withdraws every registration of it (current and lingering) from every rail.
+    ///
+    /// # Errors
+    /// The first rail that refused, with its error (see [`Rails::deregister`]).
+    fn withdraw(&mut self, rails: &Rails) -> Result<(), (usize, String)> {
+        rails.deregister(&self.registrations)?;
+        while let Some(old) = self.lingering.last() {
+            rails.deregister(old)?;
+            self.lingering.pop();
+        }
+        Ok(())
+    }
 }
 
 struct Inner {
@@ -621,23 +649,33 @@ impl Drop for Inner {
         for poller in &self.pollers {
             poller.shutdown();
         }
-        let entries = std::mem::take(
+        let mut entries = std::mem::take(
             self.regions
                 .get_mut()
                 .unwrap_or_else(PoisonError::into_inner),
         );
-        for entry in &entries {
-            self.rails.deregister(&entry.registrations);
-        }
-        let fencing = std::mem::take(
+        entries.append(
             self.fencing
                 .get_mut()
                 .unwrap_or_else(PoisonError::into_inner),
         );
+        let mut withdrawn = true;
+        for entry in &mut entries {
+            if let Err((rail, reason)) = entry.withdraw(&self.rails) {
+                tracing::warn!(
+                    target: "railyard::engine",
+                    region = entry.region.id,
+                    rail,
+                    reason,
+                    "a rail refused to withdraw a region as the engine ends: its memory is leaked"
+                );
+                withdrawn = false;
+            }
+        }
         // The pollers are gone; peers may still be inside a copy they checked before.
-        if !self.rails.quiesce_peers(Instant::now() + DEREGISTER_WAIT) {
+        if !withdrawn || !self.rails.quiesce_peers(Instant::now() + DEREGISTER_WAIT) {
             // Better a leak than memory a peer still writes into being reused.
-            for entry in entries.into_iter().chain(fencing) {
+            for entry in entries {
                 std::mem::forget(entry.memory);
             }
         }
@@ -957,6 +995,8 @@ impl Engine {
             region,
             memory: Some(memory),
             registrations,
+            generation: region.id,
+            lingering: Vec::new(),
         });
         Ok(region)
     }
@@ -1045,6 +1085,8 @@ impl Engine {
             region,
             memory: None,
             registrations,
+            generation: region.id,
+            lingering: Vec::new(),
         });
         Ok(region)
     }
@@ -1083,7 +1125,8 @@ impl Engine {
     /// keys; returns the region under its new id (the old id is gone). The memory, its address
     /// and its contents stay. Work requests that name an old key are refused before any byte
     /// moves (`RemoteAccess`); a peer holding the old keys refreshes this process's
-    /// descriptor when that happens, and its work continues under the new ones. A request a
+    /// descriptor when that happens, and its work continues under the new ones (the region
+    /// keeps its generation: it is the same memory, unlike a deregister and a register). A request a
     /// peer had already begun with an old key may finish: into the same memory. For rotating
     /// keys that may have leaked, or a rebuilt cache announcing itself. This engine's own
     /// transfers from or into the region that are in flight meanwhile carry the old local
@@ -1091,7 +1134,9 @@ impl Engine {
     ///
     /// # Errors
     /// [`MemoryError::UnknownRegion`]; [`MemoryError::Register`] when a rail refuses (the
-    /// region then keeps its old keys and id).
+    /// region then keeps its old keys and id); [`MemoryError::Withdraw`] when the new keys
+    /// are in place (under the id the error names) but a rail refused to withdraw an old
+    /// one: the old key stays live there until [`Self::deregister`] withdraws it.
     pub fn reregister(&self, region: Region) -> Result<Region, MemoryError> {
         let mut regions = self
             .inner
@@ -1122,13 +1167,25 @@ impl Engine {
         let withdrawn = std::mem::replace(&mut entry.registrations, fresh);
         entry.region.id = self.inner.next_region.fetch_add(1, Ordering::Relaxed);
         let renewed = entry.region;
-        self.inner.rails.deregister(&withdrawn);
+        let refused = self.inner.rails.deregister(&withdrawn);
+        if refused.is_err() {
+            entry.lingering.push(withdrawn);
+        }
         if let Some(rails::Memory::Soft(buffer)) = entry.memory.as_mut() {
             // Its own key (rail 0's first registration) is among the withdrawn ones.
             buffer.own_key_withdrawn();
         }
         self.publish(&regions);
-        Ok(renewed)
+        match refused {
+            Ok(()) => Ok(renewed),
+            Err((rail, reason)) => Err(MemoryError::Withdraw {
+                id: renewed.id,
+                addr: renewed.addr,
+                len: renewed.len,
+                rail,
+                reason,
+            }),
+        }
     }
 
     fn insert(&self, entry: RegionEntry) {
@@ -1158,7 +1215,7 @@ impl Engine {
                     base: entry.region.addr,
                     len: entry.region.len,
                     rkeys: entry.registrations.iter().map(|r| r.rkey).collect(),
-                    generation: entry.region.id,
+                    generation: entry.generation,
                     access: entry.region.peer_access.access(),
                 })
                 .collect(),
@@ -1173,8 +1230,10 @@ impl Engine {
     /// peers learn of it at their next descriptor refresh.
     ///
     /// **When it returns `Ok`, no poller of this engine and no peer will read or write the
-    /// region again**: its keys are withdrawn on every rail (a peer's request that arrives
-    /// later is refused before any byte moves), every poller has finished the round in which
+    /// region again, whatever is registered at its address later**: its keys are withdrawn
+    /// on every rail (a peer's request that arrives later is refused before any byte moves,
+    /// and peers fail work prepared against it with `RegionWithdrawn` rather than re-prepare
+    /// it for a new registration of the same memory), every poller has finished the round in which
     /// it might have checked a key before the withdrawal, and every peer process that copies
     /// itself (soft fabric) has left any copy it started before. The application may unmap
     /// or reuse registered memory at once. It waits at most [`DEREGISTER_WAIT`].
@@ -1182,20 +1241,22 @@ impl Engine {
     /// # Errors
     /// [`MemoryError::UnknownRegion`]; [`MemoryError::Busy`] when a poller or peer is still
     /// inside the region at the deadline (a stopped process, say): the region stays withdrawn
-    /// and mapped, and calling `deregister` again waits again.
+    /// and mapped, and calling `deregister` again waits again; [`MemoryError::Withdraw`]
+    /// when a rail refused to withdraw it (the provider's error): it stays mapped (and
+    /// registered on that rail), and calling `deregister` again tries again. Either way
+    /// the region is gone from this engine's descriptor: no new work names it.
     pub fn deregister(&self, region: Region) -> Result<(), MemoryError> {
         let mut regions = self
             .inner
             .regions
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        let entry = match regions
+        let mut entry = match regions
             .iter()
             .position(|entry| entry.region.id == region.id)
         {
             Some(index) => {
                 let entry = regions.remove(index);
-                self.inner.rails.deregister(&entry.registrations);
                 self.publish(&regions);
                 entry
             }
@@ -1209,6 +1270,17 @@ impl Engine {
             }
         };
         drop(regions);
+        if let Err((rail, reason)) = entry.withdraw(&self.inner.rails) {
+            let region = entry.region;
+            self.fencing().push(entry);
+            return Err(MemoryError::Withdraw {
+                id: region.id,
+                addr: region.addr,
+                len: region.len,
+                rail,
+                reason,
+            });
+        }
         let deadline = Instant::now() + DEREGISTER_WAIT;
         let quiet = self
             .inner
@@ -1340,21 +1412,31 @@ impl Engine {
     }
 
     /// The fence a target uses when it gives up on an initiator itself (its own timeout, or
-    /// before handing KV slots that peer was writing to another sequence): takes every queue
-    /// pair `peer` connected to this engine out of service on every rail and returns only
-    /// when nothing still buffered or in flight from them can land — the TCP fabric's
-    /// pollers have closed the connections (discarding what was buffered), soft peers have
-    /// left any copy they began and are refused from then on. Nothing of that peer lands
-    /// until it makes a new handshake (it reconnects on its own, as after any failure).
-    /// `peer` is an initiator's incarnation: a [`Peer`]'s, or a [`Notification`]'s sender.
-    /// Waits at most [`REVOKE_WAIT`].
+    /// before handing KV slots that peer was writing to another sequence).
+    ///
+    /// **After it returns `Ok`, no write or read that `peer` submitted before that moment
+    /// ever touches this engine's memory** — not after a reconnect, not after a retry. It
+    /// takes every queue pair `peer` connected to this engine out of service on every rail
+    /// and returns only when nothing still buffered or in flight on them can land — the TCP
+    /// fabric's pollers have closed the connections (discarding what was buffered), soft
+    /// peers have left any copy they began and are refused from then on — and it bumps this
+    /// engine's fence generation for `peer`, which every later handshake tells it: the peer
+    /// reconnects on its own, as after any failure, and fails everything it had prepared
+    /// before that handshake with `Revoked` instead of retrying it. Its new work lands as
+    /// usual. `peer` is an initiator's incarnation: a [`Peer`]'s, or a [`Notification`]'s
+    /// sender. Waits at most [`REVOKE_WAIT`].
     ///
     /// # Errors
     /// [`RevokeError::Busy`] when a poller or peer process did not let go in time: the queue
     /// pairs stay out of service, and the next `revoke` of the same peer waits for them
     /// again (the fence holds only once a call returns `Ok`); [`RevokeError::Stopped`] or
-    /// [`RevokeError::Unresponsive`] when the control plane has stopped or is stuck.
+    /// [`RevokeError::Unresponsive`] when the control plane has stopped or is stuck;
+    /// [`RevokeError::Unsupported`] on libfabric, which cannot fence one peer (nothing is
+    /// changed: deregister the memory instead).
     pub fn revoke(&self, peer: impl Into<Incarnation>) -> Result<(), RevokeError> {
+        if let Some(fabric) = self.inner.rails.fence_unsupported() {
+            return Err(RevokeError::Unsupported { fabric });
+        }
         let peer = peer.into();
         let mut revoked = self
             .inner

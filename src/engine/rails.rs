@@ -11,7 +11,7 @@ use railyard_control::{
 };
 use railyard_dataplane::fabric::faulted::Faulted;
 use railyard_dataplane::fabric::host::HostFabric;
-use railyard_dataplane::fabric::ofi::{OfiConfig, OfiRail};
+use railyard_dataplane::fabric::ofi::{OfiConfig, OfiError, OfiRail};
 use railyard_dataplane::fabric::soft::{FaultHandle, SoftBuffer, SoftConfig, SoftDevice};
 use railyard_dataplane::fabric::tcp::{ServedStats, TcpConfig, TcpDevice};
 use railyard_dataplane::fabric::verbs::{RailConfig, VerbsFabric, VerbsRail};
@@ -422,24 +422,50 @@ impl Rails {
     }
 
     /// Withdraws registrations made by [`Self::register_memory`] or
-    /// [`Self::register_user`] (a soft buffer's own too: its drop then finds it gone).
-    pub(crate) fn deregister(&self, registrations: &[MemoryRegion]) {
+    /// [`Self::register_user`] (a soft buffer's own too: its drop then finds it gone), from
+    /// every rail. Idempotent: a registration a rail no longer has is withdrawn already, so a
+    /// failed withdrawal is retried by calling again with the same registrations.
+    ///
+    /// # Errors
+    /// The first rail that refused, with its error: that rail keeps the registration, and
+    /// the memory must stay mapped until a later call succeeds.
+    pub(crate) fn deregister(&self, registrations: &[MemoryRegion]) -> Result<(), (usize, String)> {
+        let mut refused = None;
         match self {
             Self::Host(rails) => {
                 for (rail, region) in rails.iter().zip(registrations) {
+                    // Its only error is an unknown key: withdrawn already.
                     let _ = rail.soft.deregister(region);
                 }
             }
             Self::Verbs(rails) => {
                 for (rail, region) in rails.iter().zip(registrations) {
+                    // Dropping the registration deregisters it; none left is withdrawn already.
                     rail.deregister(region.rkey);
                 }
             }
             Self::Ofi(rails, _) => {
-                for (rail, region) in rails.iter().zip(registrations) {
-                    let _ = rail.deregister(region);
+                for (index, (rail, region)) in rails.iter().zip(registrations).enumerate() {
+                    match rail.deregister(region) {
+                        Ok(()) | Err(OfiError::NotRegistered { .. }) => {}
+                        Err(error) => {
+                            refused.get_or_insert((index, error.to_string()));
+                        }
+                    }
                 }
             }
+        }
+        refused.map_or(Ok(()), Err)
+    }
+
+    /// Whether [`Engine::revoke`](super::Engine::revoke) can fence a peer on these rails;
+    /// else the fabric's name. Soft and TCP queue pairs are this engine's to close, a verbs
+    /// queue pair's destruction stops the NIC; a libfabric reliable-datagram endpoint keeps
+    /// nothing per initiator to take away (RMA goes by key alone).
+    pub(crate) fn fence_unsupported(&self) -> Option<&'static str> {
+        match self {
+            Self::Host(_) | Self::Verbs(_) => None,
+            Self::Ofi(..) => Some("libfabric"),
         }
     }
 

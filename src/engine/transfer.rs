@@ -447,6 +447,9 @@ impl EngineSubmitter {
                     imm: 0,
                     endpoint,
                     epoch,
+                    // The low bits: a 32-bit wrap of one region's generations is 4 billion
+                    // registrations away.
+                    generation: remote.generation as u32,
                 });
                 offset += len;
             }

@@ -19,7 +19,10 @@ pub const POISON: u8 = 0x5a;
 pub const PATTERN: u8 = 0xa5;
 
 /// Memory the test owns, touched only through raw pointers (the engines write into it).
-pub struct Buffer(NonNull<u8>);
+pub struct Buffer {
+    ptr: NonNull<u8>,
+    len: usize,
+}
 
 // SAFETY: a plain anonymous mapping; every access goes through raw volatile reads and
 // writes, and the engines' accesses are what the test is about.
@@ -29,11 +32,17 @@ unsafe impl Sync for Buffer {}
 
 impl Buffer {
     pub fn new(fill: u8) -> Self {
+        Self::sized(BUFFER, fill)
+    }
+
+    /// `len` bytes (a multiple of 8), each `fill`.
+    pub fn sized(len: usize, fill: u8) -> Self {
+        assert_eq!(len % 8, 0, "whole words");
         // SAFETY: a fresh private anonymous mapping overlaps nothing.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                BUFFER,
+                len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
@@ -41,21 +50,51 @@ impl Buffer {
             )
         };
         assert_ne!(ptr, libc::MAP_FAILED, "mmap");
-        let buffer = Self(NonNull::new(ptr.cast()).expect("mapped"));
+        let buffer = Self {
+            ptr: NonNull::new(ptr.cast()).expect("mapped"),
+            len,
+        };
         buffer.fill(fill);
         buffer
     }
 
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
     pub fn fill(&self, byte: u8) {
-        // SAFETY: inside the live mapping of BUFFER bytes.
-        unsafe { std::ptr::write_bytes(self.0.as_ptr(), byte, BUFFER) };
+        // SAFETY: inside the live mapping of `len` bytes.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), byte, self.len) };
+    }
+
+    /// Writes `word` into every 8-byte word of `offset..offset + len` (both multiples of 8,
+    /// inside the buffer).
+    pub fn fill_words(&self, offset: usize, len: usize, word: u64) {
+        assert!(offset % 8 == 0 && len % 8 == 0 && offset + len <= self.len);
+        let base = self.ptr.as_ptr().cast::<u64>();
+        for index in offset / 8..(offset + len) / 8 {
+            // SAFETY: inside the live, page-aligned mapping (checked above); volatile, as a
+            // fabric may read the buffer's other blocks meanwhile.
+            unsafe { base.add(index).write_volatile(word) };
+        }
+    }
+
+    /// Every 8-byte word that is not `skip`, with its offset (read one at a time, volatile).
+    pub fn words_other_than(&self, skip: u64) -> impl Iterator<Item = (usize, u64)> + '_ {
+        let base = self.ptr.as_ptr().cast::<u64>();
+        (0..self.len / 8).filter_map(move |index| {
+            // SAFETY: inside the live, page-aligned mapping; volatile, as an engine may be
+            // writing (which is what the tests look for).
+            let word = unsafe { base.add(index).read_volatile() };
+            (word != skip).then_some((index * 8, word))
+        })
     }
 
     /// Offset of the first byte that is not `byte` (8-byte words read one at a time).
     pub fn first_not(&self, byte: u8) -> Option<usize> {
         let word = u64::from_ne_bytes([byte; 8]);
-        let base = self.0.as_ptr().cast::<u64>();
-        let at = (0..BUFFER / 8).find(|&index| {
+        let base = self.ptr.as_ptr().cast::<u64>();
+        let at = (0..self.len / 8).find(|&index| {
             // SAFETY: inside the live, page-aligned mapping; volatile, as an engine may be
             // writing (which is exactly what the test looks for).
             unsafe { base.add(index).read_volatile() != word }
@@ -67,14 +106,14 @@ impl Buffer {
 
     pub fn register(&self, engine: &Engine) -> Region {
         // SAFETY: the mapping lives until the end of the test, after every engine is gone.
-        unsafe { engine.register(self.0.as_ptr(), BUFFER) }.expect("registers")
+        unsafe { engine.register(self.ptr.as_ptr(), self.len) }.expect("registers")
     }
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
         // SAFETY: our mapping; the engines that used it are dropped first.
-        unsafe { libc::munmap(self.0.as_ptr().cast(), BUFFER) };
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
 

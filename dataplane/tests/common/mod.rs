@@ -35,6 +35,7 @@ pub fn write(request: u32, epoch: Epoch) -> SliceSpec {
         imm: 0,
         endpoint: ENDPOINT,
         epoch,
+        generation: 0,
     }
 }
 
