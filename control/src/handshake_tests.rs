@@ -2473,3 +2473,87 @@ fn immediates_on_a_target_queue_pair_reach_the_application_at_the_next_tick() {
 /// retirement (the same network and fake fabric as above).
 #[path = "handshake_peer_tests.rs"]
 mod peer_tests;
+
+/// Fails the endpoint's queue pair at `view`'s epoch and lets it reconnect.
+fn reconnect(net: &mut Net, prefill: usize, view: &EndpointView) -> Epoch {
+    let failed = view.epoch().expect("connected");
+    let now = net.now;
+    net.procs[prefill].core.poller_event(
+        0,
+        Event::QpFailed {
+            endpoint: view.id,
+            epoch: failed,
+            status: WcStatus::RetryExcErr,
+        },
+        now,
+    );
+    net.advance(Duration::from_millis(50)); // past the backoff
+    net.settle();
+    let epoch = view.epoch().expect("connected again");
+    assert!(epoch.is_newer_than(failed), "{view:?}");
+    let now = net.now;
+    net.procs[prefill].core.poller_event(
+        0,
+        Event::Confirmed {
+            endpoint: view.id,
+            epoch,
+        },
+        now,
+    );
+    // Long enough up that the next failure is not a flap.
+    net.advance(policy().flap_after_ready * 2);
+    epoch
+}
+
+#[test]
+fn a_revoke_fences_off_every_epoch_before_the_initiators_next_queue_pair() {
+    let mut net = Net::new();
+    let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+    let prefill = net.spawn("prefill", addr(2, 7000), 20, 1);
+    let answer = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let view = answer.try_recv().expect("answered").expect("endpoint");
+    let first = view.epoch().expect("connected");
+    let now = net.now;
+    net.procs[prefill].core.poller_event(
+        0,
+        Event::Confirmed {
+            endpoint: view.id,
+            epoch: first,
+        },
+        now,
+    );
+    net.advance(policy().flap_after_ready * 2);
+    // A reconnect without a revoke fences nothing.
+    let second = reconnect(&mut net, prefill, &view);
+    assert!(!view.is_revoked(first), "{view:?}");
+    // A revoke: the next reply tells the initiator, whose older epochs are fenced for good.
+    let revoked = net.procs[target].core.revoke(Incarnation(20));
+    assert_eq!(
+        revoked.len(),
+        1,
+        "its one queue pair is taken out of service"
+    );
+    let third = reconnect(&mut net, prefill, &view);
+    assert!(
+        view.is_revoked(first) && view.is_revoked(second),
+        "{view:?}"
+    );
+    assert!(
+        !view.is_revoked(third),
+        "work prepared after the fence goes on"
+    );
+    // A second revoke fences what came before it, and only that.
+    net.procs[target].core.revoke(Incarnation(20));
+    let fourth = reconnect(&mut net, prefill, &view);
+    assert!(
+        view.is_revoked(third) && !view.is_revoked(fourth),
+        "{view:?}"
+    );
+    // Another reconnect without a revoke keeps the fence where it was.
+    let fifth = reconnect(&mut net, prefill, &view);
+    assert!(
+        !view.is_revoked(fourth) && !view.is_revoked(fifth),
+        "{view:?}"
+    );
+}
