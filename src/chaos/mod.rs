@@ -283,7 +283,9 @@ fn fill_pattern(bytes: &mut [u8], seed: u64) {
 }
 
 /// A WRITE slice of `len` bytes for request `request`: from `local` (region, offset) to
-/// `remote` (address, rkey) through `view`'s endpoint, prepared for `epoch`.
+/// `remote` (address, rkey) through `view`'s endpoint, prepared for `epoch` and for the
+/// generation `view`'s descriptor gives the remote region (none if it lists no such region:
+/// the slice can then only fail).
 fn write_slice(
     view: &EndpointView,
     epoch: Epoch,
@@ -304,6 +306,12 @@ fn write_slice(
         imm: 0,
         endpoint: view.id,
         epoch,
-        generation: 0,
+        generation: view
+            .descriptor()
+            .and_then(|descriptor| {
+                let region = descriptor.region_for(remote.0, len as u64)?;
+                Some(region.generation as u32)
+            })
+            .unwrap_or(0),
     }
 }

@@ -25,7 +25,7 @@ use anyhow::{Result, bail};
 use railyard_control::Policy;
 use railyard_dataplane::fabric::WcStatus;
 use railyard_dataplane::fabric::soft::{Fault, FaultPlan, QpMatch};
-use railyard_dataplane::{RequestOutcome, Submitter};
+use railyard_dataplane::{FailReason, RequestOutcome, Submitter};
 use serde::Serialize;
 
 use super::node::Node;
@@ -290,9 +290,14 @@ fn bad_descriptor_phase(
         .iter()
         .step_by(2)
         .filter(|o| {
-            **o == Some(RequestOutcome::Failed(
-                railyard_dataplane::FailReason::RemoteAccess,
-            ))
+            // Posted, the target refuses the key; re-prepared after the reconnect, the
+            // region is gone from the descriptor.
+            matches!(
+                o,
+                Some(RequestOutcome::Failed(
+                    FailReason::RemoteAccess | FailReason::RegionWithdrawn
+                ))
+            )
         })
         .count() as u64;
     let good_failed = outcomes
