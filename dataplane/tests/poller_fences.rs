@@ -357,6 +357,37 @@ fn quiesce_waits_for_the_round_in_progress() {
     drop(poller);
 }
 
+/// Caught: a READ posted before a local region's deregistration landed in it afterwards
+/// (libfabric's software providers move the bytes themselves, registration or not):
+/// `drain_local` returns only once nothing posted through the region's keys is outstanding.
+#[test]
+fn drain_local_waits_for_what_was_posted_through_the_keys() {
+    let (fabric, script) = ScriptedFabric::new();
+    let poller = poller_with_endpoint(fabric, restamp);
+    let mut submitter = Submitter::new(&[&poller], 64).unwrap();
+    script.hold(true);
+    let batch = submitter
+        .submit(1, &[write(0, Epoch::FIRST)], deadline())
+        .unwrap();
+    eventually("the write is posted", || script.outstanding() == 1);
+    let lkey = write(0, Epoch::FIRST).lkey;
+    let started = Instant::now();
+    assert!(
+        !poller.drain_local(&[lkey], Instant::now() + Duration::from_millis(50)),
+        "a request through the key is still outstanding"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(50));
+    assert!(
+        poller.drain_local(&[lkey + 1], Instant::now() + BOUND),
+        "no request goes through another key"
+    );
+    script.release();
+    assert!(poller.drain_local(&[lkey], Instant::now() + BOUND));
+    finish(&batch);
+    assert_eq!(batch.outcomes(), [Some(RequestOutcome::Done)]);
+    drop(poller);
+}
+
 /// Caught: before the fix `send` spun for as long as a running poller left its command ring
 /// full, and shutting such a poller down went through that ring.
 #[test]

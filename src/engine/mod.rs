@@ -596,6 +596,19 @@ struct RegionEntry {
 }
 
 impl RegionEntry {
+    /// Its local keys on each rail: the current registration's and any lingering one's.
+    fn local_keys(&self) -> Vec<Vec<u32>> {
+        (0..self.registrations.len())
+            .map(|rail| {
+                std::iter::once(&self.registrations)
+                    .chain(&self.lingering)
+                    .filter_map(|registrations| registrations.get(rail))
+                    .map(|registration| registration.lkey)
+                    .collect()
+            })
+            .collect()
+    }
+
     /// Withdraws every registration of it (current and lingering) from every rail.
     ///
     /// # Errors
@@ -1233,14 +1246,17 @@ impl Engine {
     /// region again, whatever is registered at its address later**: its keys are withdrawn
     /// on every rail (a peer's request that arrives later is refused before any byte moves,
     /// and peers fail work prepared against it with `RegionWithdrawn` rather than re-prepare
-    /// it for a new registration of the same memory), every poller has finished the round in which
-    /// it might have checked a key before the withdrawal, and every peer process that copies
-    /// itself (soft fabric) has left any copy it started before. The application may unmap
+    /// it for a new registration of the same memory), every poller has finished the round in
+    /// which it might have checked a key before the withdrawal, every request this engine
+    /// posted through the region's local keys has completed or been flushed (a READ still
+    /// in flight would land in it), and every peer process that copies itself (soft fabric)
+    /// has left any copy it started before. The application may unmap
     /// or reuse registered memory at once. It waits at most [`DEREGISTER_WAIT`].
     ///
     /// # Errors
-    /// [`MemoryError::UnknownRegion`]; [`MemoryError::Busy`] when a poller or peer is still
-    /// inside the region at the deadline (a stopped process, say): the region stays withdrawn
+    /// [`MemoryError::UnknownRegion`]; [`MemoryError::Busy`] when a poller, a request posted
+    /// through it or a peer is still inside the region at the deadline (a stopped process,
+    /// say): the region stays withdrawn
     /// and mapped, and calling `deregister` again waits again; [`MemoryError::Withdraw`]
     /// when a rail refused to withdraw it (the provider's error): it stays mapped (and
     /// registered on that rail), and calling `deregister` again tries again. Either way
@@ -1270,6 +1286,7 @@ impl Engine {
             }
         };
         drop(regions);
+        let local_keys = entry.local_keys();
         if let Err((rail, reason)) = entry.withdraw(&self.inner.rails) {
             let region = entry.region;
             self.fencing().push(entry);
@@ -1282,11 +1299,20 @@ impl Engine {
             });
         }
         let deadline = Instant::now() + DEREGISTER_WAIT;
+        // Once every poller finished the round that might have posted through a withdrawn
+        // key, wait for what it posted before to complete: some providers land a READ's
+        // bytes in local memory whether or not its registration is still open.
         let quiet = self
             .inner
             .pollers
             .iter()
             .all(|poller| poller.quiesce(deadline))
+            && self
+                .inner
+                .pollers
+                .iter()
+                .zip(&local_keys)
+                .all(|(poller, lkeys)| poller.drain_local(lkeys, deadline))
             && self.inner.rails.quiesce_peers(deadline);
         if !quiet {
             let region = entry.region;

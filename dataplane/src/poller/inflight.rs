@@ -18,6 +18,9 @@ pub(super) struct InflightSlot<T> {
     pub(super) endpoint: EndpointId,
     /// The queue pair it was posted on.
     pub(super) qp: QpNum,
+    /// The local key of the memory it reads or writes: kept after the slice is resolved
+    /// without its completion, since the fabric may still touch that memory.
+    lkey: u32,
 }
 
 /// Posted work requests by slot.
@@ -44,8 +47,9 @@ impl<T> Inflight<T> {
         self.busy
     }
 
-    /// Holds `slice`, posted for `endpoint` on `qp`; returns the id its work request carries.
-    pub(super) fn insert(&mut self, slice: T, endpoint: EndpointId, qp: QpNum) -> WrId {
+    /// Holds `slice`, posted for `endpoint` on `qp` through local key `lkey`; returns the id
+    /// its work request carries.
+    pub(super) fn insert(&mut self, slice: T, endpoint: EndpointId, qp: QpNum, lkey: u32) -> WrId {
         let index = match self.free.pop() {
             Some(index) => index,
             None => {
@@ -55,6 +59,7 @@ impl<T> Inflight<T> {
                     slice: None,
                     endpoint,
                     qp,
+                    lkey,
                 });
                 (self.slots.len() - 1) as u32
             }
@@ -65,6 +70,7 @@ impl<T> Inflight<T> {
         slot.slice = Some(slice);
         slot.endpoint = endpoint;
         slot.qp = qp;
+        slot.lkey = lkey;
         self.busy += 1;
         WrId::new(index, slot.generation)
     }
@@ -82,6 +88,13 @@ impl<T> Inflight<T> {
         Some((slot.endpoint, slot.qp, slot.slice.take()))
     }
 
+    /// Whether a request posted and not yet completed goes through any of `lkeys`.
+    pub(super) fn uses_any(&self, lkeys: &[u32]) -> bool {
+        self.slots
+            .iter()
+            .any(|slot| slot.busy && lkeys.contains(&slot.lkey))
+    }
+
     /// The slots of requests posted and not yet completed.
     pub(super) fn posted_mut(&mut self) -> impl Iterator<Item = &mut InflightSlot<T>> {
         self.slots.iter_mut().filter(|slot| slot.busy)
@@ -97,8 +110,8 @@ mod tests {
     #[test]
     fn a_request_is_taken_once_by_its_own_id() {
         let mut inflight = Inflight::default();
-        let first = inflight.insert("a", EndpointId(1), QP);
-        let second = inflight.insert("b", EndpointId(2), QpNum(8));
+        let first = inflight.insert("a", EndpointId(1), QP, 0);
+        let second = inflight.insert("b", EndpointId(2), QpNum(8), 0);
         assert_eq!(inflight.busy(), 2);
         assert_eq!(
             inflight.take(second),
@@ -115,9 +128,9 @@ mod tests {
     #[test]
     fn a_reused_slot_does_not_answer_to_its_previous_id() {
         let mut inflight = Inflight::default();
-        let old = inflight.insert(1, EndpointId(1), QP);
+        let old = inflight.insert(1, EndpointId(1), QP, 0);
         assert!(inflight.take(old).is_some());
-        let new = inflight.insert(2, EndpointId(3), QP);
+        let new = inflight.insert(2, EndpointId(3), QP, 0);
         assert_eq!(new.slot(), old.slot(), "the slot is reused");
         assert_ne!(new.generation(), old.generation());
         assert_eq!(inflight.take(old), None);
@@ -128,8 +141,8 @@ mod tests {
     #[test]
     fn a_slice_resolved_without_its_completion_leaves_the_slot_waiting() {
         let mut inflight = Inflight::default();
-        let id = inflight.insert(5, EndpointId(1), QP);
-        let other = inflight.insert(6, EndpointId(2), QP);
+        let id = inflight.insert(5, EndpointId(1), QP, 0);
+        let other = inflight.insert(6, EndpointId(2), QP, 0);
         assert!(inflight.take(other).is_some());
         let posted: Vec<_> = inflight
             .posted_mut()
@@ -139,5 +152,26 @@ mod tests {
         assert_eq!(inflight.busy(), 1);
         assert_eq!(inflight.take(id), Some((EndpointId(1), QP, None)));
         assert_eq!(inflight.posted_mut().count(), 0);
+    }
+
+    #[test]
+    fn a_key_is_in_use_until_every_request_through_it_completed() {
+        let mut inflight = Inflight::default();
+        let first = inflight.insert(1, EndpointId(1), QP, 4);
+        let second = inflight.insert(2, EndpointId(1), QP, 4);
+        let other = inflight.insert(3, EndpointId(1), QP, 5);
+        assert!(inflight.uses_any(&[4]));
+        assert!(inflight.uses_any(&[9, 5]));
+        assert!(!inflight.uses_any(&[9]));
+        assert!(inflight.take(first).is_some());
+        // Resolved without its completion: the fabric may still touch its memory.
+        for slot in inflight.posted_mut() {
+            slot.slice.take();
+        }
+        assert!(inflight.uses_any(&[4]), "the second is still posted");
+        assert!(inflight.take(second).is_some());
+        assert!(!inflight.uses_any(&[4]));
+        assert!(inflight.take(other).is_some());
+        assert!(!inflight.uses_any(&[5]));
     }
 }

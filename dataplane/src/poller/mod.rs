@@ -443,6 +443,18 @@ pub(crate) struct PollerShared {
     orphans: Mutex<Orphans>,
     /// Rounds finished. See [`PollerHandle::quiesce`].
     rounds: Rounds,
+    /// Waits for local keys to fall out of use. See [`PollerHandle::drain_local`].
+    drains: Mutex<Vec<LocalDrain>>,
+    /// How many `drains` there are: the poller looks at them only when there are some.
+    drains_pending: AtomicU64,
+}
+
+/// One [`PollerHandle::drain_local`] call, answered by the poller.
+#[derive(Debug)]
+struct LocalDrain {
+    lkeys: Vec<u32>,
+    /// Set by the poller once no posted request goes through `lkeys`.
+    drained: Arc<AtomicBool>,
 }
 
 /// What a stopped poller leaves behind: its command ring (which may still bring a new
@@ -732,6 +744,49 @@ impl PollerHandle {
         }
     }
 
+    /// Waits until no work request this poller posted through any of `lkeys` is still
+    /// outstanding — completed, or flushed by its queue pair's retirement — so the fabric
+    /// will not read or write that local memory for it any more. What a region's
+    /// deregistration waits for after withdrawing its keys and [`Self::quiesce`] (which
+    /// makes sure no post through them is under way): a provider that moves bytes into
+    /// local memory itself (libfabric's software providers land a READ's response there
+    /// whether or not its registration is still open) would otherwise write the region
+    /// after it was handed back. A request resolved without its completion (its fabric
+    /// missed the flush grace) counts as outstanding until the completion comes. True at
+    /// once for a poller that has stopped; false if `deadline` passes first.
+    pub fn drain_local(&self, lkeys: &[u32], deadline: Instant) -> bool {
+        let drained = Arc::new(AtomicBool::new(false));
+        lock(&self.shared.drains).push(LocalDrain {
+            lkeys: lkeys.to_vec(),
+            drained: drained.clone(),
+        });
+        // Release: the poller that sees the count sees the drain in the list (it locks it).
+        self.shared.drains_pending.fetch_add(1, Ordering::Release);
+        loop {
+            // Acquire: pairs with the poller's Release after its last look at the table.
+            if drained.load(Ordering::Acquire) {
+                return true;
+            }
+            // Acquire: a stopped poller has resolved and posts nothing any more.
+            let stopped = self.shared.stopped.load(Ordering::Acquire);
+            if stopped || Instant::now() >= deadline {
+                let mut drains = lock(&self.shared.drains);
+                if let Some(index) = drains
+                    .iter()
+                    .position(|drain| Arc::ptr_eq(&drain.drained, &drained))
+                {
+                    drains.remove(index);
+                    self.shared.drains_pending.fetch_sub(1, Ordering::Relaxed);
+                }
+                return stopped || drained.load(Ordering::Acquire);
+            }
+            if let Some(thread) = self.shared.thread.get() {
+                thread.unpark();
+            }
+            thread::yield_now();
+        }
+    }
+
     /// The poller's counters now. Lock-free.
     pub fn counters(&self) -> CounterSnapshot {
         let c = &self.shared.counters;
@@ -884,6 +939,7 @@ impl<F: Fabric> Poller<F> {
             busy |= self.fabric.serve();
             busy |= self.poll_fabric_events();
             self.sweep_deadlines();
+            self.answer_drains();
             self.shared.rounds.end();
             if busy {
                 idle_rounds = 0;
@@ -1299,7 +1355,7 @@ impl<F: Fabric> Poller<F> {
             endpoint.in_flight += 1;
             endpoint.credits.take();
         }
-        let wr_id = self.inflight.insert(slice, id, qp);
+        let wr_id = self.inflight.insert(slice, id, qp, request.lkey);
         let request = WorkRequest { wr_id, ..request };
         match self.posts.iter_mut().find(|(listed, _)| *listed == qp) {
             Some((_, list)) => list.push(request),
@@ -1547,6 +1603,24 @@ impl<F: Fabric> Poller<F> {
             }
         }
         busy
+    }
+
+    /// Marks drained every [`PollerHandle::drain_local`] whose keys no posted request uses.
+    fn answer_drains(&mut self) {
+        // Acquire: pairs with `drain_local`'s Release.
+        if self.shared.drains_pending.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut drains = lock(&self.shared.drains);
+        drains.retain(|drain| {
+            if self.inflight.uses_any(&drain.lkeys) {
+                return true;
+            }
+            // Release: what the caller does next comes after the table was read.
+            drain.drained.store(true, Ordering::Release);
+            self.shared.drains_pending.fetch_sub(1, Ordering::Relaxed);
+            false
+        });
     }
 
     /// Fails backlogged slices whose deadline passed; takes the queue pairs of overdue posted
