@@ -35,10 +35,14 @@ create_exception!(
      range)."
 );
 
-/// How long a batch may stay unresolved past its deadline before a synchronous call gives
-/// up on it (the poller fails what is overdue at the deadline; this is slack for a busy
-/// machine).
+/// How long `Batch.wait()` without a timeout waits past the batch's deadline (the poller
+/// fails what is overdue at the deadline, and posted work once its flush comes back; this is
+/// slack for a busy machine).
 const RESOLVE_GRACE: Duration = Duration::from_secs(2);
+
+/// How long one sleep of a synchronous call waiting for its batch to resolve lasts at most:
+/// it wakes at once when the batch resolves, and only looks again after this.
+const RESOLVE_STEP: Duration = Duration::from_secs(1);
 
 /// What a transfer error names, turned into the Python exception's attributes.
 #[derive(Default)]
@@ -84,8 +88,15 @@ impl Failure {
 struct Open {
     engine: NativeEngine,
     submitters: SubmitterPool,
-    /// Regions `alloc` made, by address (`free` takes them back).
+    /// Regions `alloc` made, by address (`free` takes them back). A region stays here until
+    /// its deregistration returned `Ok`, so a `free` refused with `Busy` (or a rail's
+    /// refusal to withdraw it) can be retried.
     allocated: Mutex<HashMap<u64, Region>>,
+    /// Regions the caller registered whose deregistration returned `Busy` or `Withdraw`
+    /// (a rail refused), by address: the
+    /// engine keeps them withdrawn but no longer lists them, so a later `deregister` of the
+    /// address finds them here and waits for them again.
+    fenced: Mutex<HashMap<u64, Region>>,
 }
 
 /// A railyard engine: registers memory, moves bytes to and from peers, sends and receives
@@ -312,7 +323,7 @@ impl Open {
     }
 }
 
-/// The first failed request of `batch`, or an unfinished one after `deadline`.
+/// The first failed request of `batch` (every request of it has resolved).
 fn first_failure(batch: &NativeBatch, session_id: &str, transfers: &[RawTransfer]) -> Failure {
     let outcomes = batch.outcomes();
     let (index, reason) = outcomes
@@ -326,12 +337,6 @@ fn first_failure(batch: &NativeBatch, session_id: &str, transfers: &[RawTransfer
                     .map_or_else(|| "failed".to_string(), |failure| failure.to_string()),
             )),
             _ => None,
-        })
-        .or_else(|| {
-            outcomes
-                .iter()
-                .position(Option::is_none)
-                .map(|index| (index, "not resolved by its deadline".to_string()))
         })
         .unwrap_or((0, "failed".to_string()));
     let range = transfers
@@ -464,6 +469,7 @@ impl Engine {
                 submitters: SubmitterPool::new(engine.clone()),
                 engine,
                 allocated: Mutex::new(HashMap::new()),
+                fenced: Mutex::new(HashMap::new()),
             }))),
             name,
             session_id,
@@ -512,19 +518,39 @@ impl Engine {
         Ok(region.addr)
     }
 
-    /// Frees memory `alloc` returned.
+    /// Frees memory `alloc` returned. The region is forgotten only once its deregistration
+    /// succeeded: after `Busy`, or a rail's refusal to withdraw it (RuntimeError), it stays
+    /// allocated, and calling `free` again tries again.
     fn free(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
         let open = self.open()?;
         let region = open
             .allocated
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(&addr)
+            .get(&addr)
+            .copied()
             .ok_or_else(|| {
                 PyValueError::new_err(format!("{addr:#x} is not memory this engine allocated"))
             })?;
-        py.detach(|| open.engine.deregister(region))
-            .map_err(memory_error)
+        let result = py.detach(|| open.engine.deregister(region));
+        if !matches!(
+            result,
+            Err(MemoryError::Busy { .. } | MemoryError::Withdraw { .. })
+        ) {
+            // Deregistered, or unknown to the engine (freed meanwhile by another call):
+            // either way nothing is left to retry.
+            let mut allocated = open
+                .allocated
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if allocated
+                .get(&addr)
+                .is_some_and(|kept| kept.id == region.id)
+            {
+                allocated.remove(&addr);
+            }
+        }
+        result.map_err(memory_error)
     }
 
     /// Registers memory the caller owns, by address and length (lists or single ints).
@@ -588,25 +614,55 @@ impl Engine {
     }
 
     /// Deregisters the regions starting at `addrs`; when it returns, no peer reads or writes
-    /// them any more.
+    /// them any more. Every region is tried; the first error is raised. A region whose
+    /// deregistration was refused with `Busy` or by a rail (RuntimeError) stays withdrawn,
+    /// and deregistering its address again tries again.
     fn deregister(&self, py: Python<'_>, addrs: &Bound<'_, PyAny>) -> PyResult<()> {
         let addrs = ints(addrs, "addrs")?;
         let open = self.open()?;
         let mut regions = Vec::with_capacity(addrs.len());
         for addr in addrs {
+            let fenced = || {
+                open.fenced
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get(&addr)
+                    .copied()
+            };
             let region = open
                 .engine
                 .region_at(addr, 1)
                 .filter(|region| region.addr == addr)
+                .or_else(fenced)
                 .ok_or_else(|| {
                     PyValueError::new_err(format!("no registered region starts at {addr:#x}"))
                 })?;
             regions.push(region);
         }
         py.detach(|| {
-            regions
-                .into_iter()
-                .try_for_each(|region| open.engine.deregister(region))
+            let mut first_error = None;
+            for region in regions {
+                let result = open.engine.deregister(region);
+                let mut fenced = open.fenced.lock().unwrap_or_else(PoisonError::into_inner);
+                match result {
+                    Err(error @ (MemoryError::Busy { .. } | MemoryError::Withdraw { .. })) => {
+                        fenced.insert(region.addr, region);
+                        first_error.get_or_insert(error);
+                    }
+                    result => {
+                        if fenced
+                            .get(&region.addr)
+                            .is_some_and(|kept| kept.id == region.id)
+                        {
+                            fenced.remove(&region.addr);
+                        }
+                        if let Err(error) = result {
+                            first_error.get_or_insert(error);
+                        }
+                    }
+                }
+            }
+            first_error.map_or(Ok(()), Err)
         })
         .map_err(memory_error)
     }
@@ -865,7 +921,15 @@ impl Engine {
         let open = self.open()?;
         py.detach(|| {
             let (batch, _) = open.submit(session_id, &transfers, notify, deadline)?;
-            let status = batch.wait(batch.deadline() + RESOLVE_GRACE);
+            // Only what the engine resolved is reported: a request past its deadline is
+            // failed by the engine (Timeout) once its posted work is flushed, and until then
+            // the caller's buffers may still be read or written.
+            let status = loop {
+                let status = batch.wait(Instant::now() + RESOLVE_STEP);
+                if status.is_complete() {
+                    break status;
+                }
+            };
             if status.done == status.total {
                 Ok(())
             } else {

@@ -83,12 +83,22 @@ class Peer:
         self.proc.stdin.flush()
         return self._reply(timeout_s)
 
+    def pause(self) -> None:
+        """SIGSTOP: the process stops where it is (inside a copy, say) and answers nothing."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
 
     def close(self) -> None:
+        self.resume()  # a paused peer would answer nothing
         if self.proc.poll() is None:
             try:
                 self.cmd("QUIT", timeout_s=5)

@@ -11,6 +11,10 @@ one JSON reply line each, until ``QUIT`` or EOF:
     WAIT_NOTIFS <timeout_s>      -> {"notifs": {sender: [hex, ...]}}   (native)
     NOTIFIES <timeout_s>         -> {"notifies": [[name, msg], ...]}   (shim, polls)
     NOTIFY <session> <hex>       -> {"ok": true} or {"error": "..."}   (native)
+    HAMMER <session> <addr> <len> -> {"ok": true}   (native) reads the peer's range into the
+                                    first buffer over and over, several batches in flight,
+                                    until CALM (failures are counted, never stop it)
+    CALM                         -> {"reads": n, "failures": m}
     QUIT                         -> exits 0
 
 Usage: peer_process.py --mode native|mooncake --bufs N --size BYTES
@@ -23,9 +27,56 @@ import argparse
 import hashlib
 import json
 import sys
+import threading
 import time
 
 import numpy as np
+
+
+class Hammer:
+    """Threads reading one remote range into ``local`` over and over (HAMMER/CALM): a peer
+    that is nearly always inside a copy of that range, for tests that stop it there."""
+
+    THREADS = 2
+    IN_FLIGHT = 4
+
+    def __init__(self, engine, session: str, local: int, remote: int, length: int) -> None:
+        self.stop = threading.Event()
+        self.reads = 0
+        self.failures = 0
+        self._lock = threading.Lock()
+        args = (engine, session, local, remote, length)
+        self.threads = [
+            threading.Thread(target=self._run, args=args, daemon=True) for _ in range(self.THREADS)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, engine, session: str, local: int, remote: int, length: int) -> None:
+        while not self.stop.is_set():
+            reads = failures = 0
+            try:
+                batches = [
+                    engine.submit(session, "read", [local], [remote], [length], timeout_s=10)
+                    for _ in range(self.IN_FLIGHT)
+                ]
+                for batch in batches:
+                    if batch.wait(15) == "DONE":
+                        reads += 1
+                    else:
+                        failures += 1
+            except Exception:  # refused: the range was withdrawn, say
+                failures += 1
+                time.sleep(0.01)
+            with self._lock:
+                self.reads += reads
+                self.failures += failures
+
+    def calm(self) -> dict:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=30)
+        return {"reads": self.reads, "failures": self.failures}
 
 
 def main() -> int:
@@ -64,6 +115,7 @@ def main() -> int:
         json.dumps({"session": session, "name": name, "bufs": list(zip(addrs, lens))}), flush=True
     )
 
+    hammer: Hammer | None = None
     for line in sys.stdin:
         cmd, *rest = line.split()
         try:
@@ -93,12 +145,25 @@ def main() -> int:
             elif cmd == "NOTIFY":
                 engine.notify(rest[0], bytes.fromhex(rest[1]))
                 reply = {"ok": True}
+            elif cmd == "HAMMER":
+                if hammer is not None:
+                    hammer.calm()
+                remote, length = int(rest[1]), int(rest[2])
+                if length > lens[0]:
+                    raise ValueError(f"{length} bytes do not fit the first buffer")
+                hammer = Hammer(engine, rest[0], addrs[0], remote, length)
+                reply = {"ok": True}
+            elif cmd == "CALM":
+                reply = hammer.calm() if hammer is not None else {"reads": 0, "failures": 0}
+                hammer = None
             else:
                 reply = {"error": f"unknown command {cmd!r}"}
         except Exception as err:  # reported to the test, which decides
             reply = {"error": f"{type(err).__name__}: {err}"}
         print(json.dumps(reply), flush=True)
 
+    if hammer is not None:
+        hammer.calm()
     engine.close()
     return 0
 

@@ -46,8 +46,11 @@ class TransferError(Exception):
 class Batch:
     """An in-flight group of transfers returned by :meth:`Engine.submit`.
 
-    The state is one of ``"DONE"`` (every request completed), ``"PROC"`` (still in
-    flight) or ``"ERR"`` (at least one request failed; see :meth:`failures`).
+    The state is one of ``"DONE"`` (every request completed), ``"PROC"`` (some request
+    not resolved yet) or ``"ERR"`` (every request resolved, at least one failed; see
+    :meth:`failures`). Only ``"DONE"`` and ``"ERR"`` mean the local ranges are free: a
+    request whose deadline passed stays ``"PROC"`` until the engine has failed it (its
+    ``Timeout``), after the work posted for it was flushed.
     """
 
     def poll(self) -> _BatchState:
@@ -64,7 +67,8 @@ class Batch:
         ...
 
     def timed_out(self) -> bool:
-        """Whether a request failed because the batch's deadline passed."""
+        """Whether the engine failed a request because the batch's deadline passed
+        (``Timeout``); ``False`` while no request has failed that way yet."""
         ...
 
     def failures(self) -> list[tuple[int, str]]:
@@ -151,7 +155,13 @@ class Engine:
         ...
 
     def free(self, addr: int) -> None:
-        """Free memory returned by :meth:`alloc`. Unknown address: ``ValueError``."""
+        """Free memory returned by :meth:`alloc`. Unknown address: ``ValueError``.
+
+        The memory is forgotten only once its deregistration succeeded. If a poller or a
+        peer process was still inside it when the engine's wait ended (a stopped peer,
+        say), ``RuntimeError`` (the engine's ``Busy``) is raised: the memory is withdrawn
+        but stays allocated and mapped, and calling ``free`` again waits for it again.
+        """
         ...
 
     def register(
@@ -172,7 +182,15 @@ class Engine:
         ...
 
     def deregister(self, addrs: int | _Addrs) -> None:
-        """Deregister ranges by their start address. Unknown address: ``ValueError``."""
+        """Deregister ranges by their start address. Unknown address: ``ValueError``
+        (raised before any range is deregistered).
+
+        When it returns, no peer reads or writes the ranges any more. Every range is tried
+        and the first error raised. ``RuntimeError`` (the engine's ``Busy``): a poller or a
+        peer process was still inside a range when the engine's wait ended; that range is
+        withdrawn but still in use and must stay mapped, and deregistering its address
+        again waits for it again.
+        """
         ...
 
     def write(
@@ -188,6 +206,11 @@ class Engine:
         """Copy ``lengths[i]`` bytes from ``local_addrs[i]`` here to ``remote_addrs[i]`` on
         the peer ``session_id``, for every ``i``; block (GIL released) until all landed.
 
+        It returns or raises only once the engine resolved every request: a request whose
+        deadline passed is failed by the engine (its ``Timeout``) after the work already
+        posted for it was flushed, so when the call ends no request touches the local
+        ranges any more, whatever the outcome.
+
         ``notify``: a message delivered to the peer after every byte of the batch landed
         (it appears in the peer's :meth:`get_notifs` under this engine's name).
 
@@ -195,8 +218,9 @@ class Engine:
             ValueError: mismatched list lengths, negative lengths.
             TypeError: an address or length that is not an int.
             TransferError: an unregistered local or remote range (the whole batch is
-                refused, nothing queued), an unreachable peer, a failed request, or the
-                deadline (``timeout_s``, default the engine's) passed.
+                refused, nothing queued), an unreachable peer, a failed request, or a
+                request the engine failed at the deadline (``timeout_s``, default the
+                engine's).
         """
         ...
 
@@ -212,7 +236,8 @@ class Engine:
         """Copy ``lengths[i]`` bytes from ``remote_addrs[i]`` on the peer to
         ``local_addrs[i]`` here; block (GIL released) until all arrived.
 
-        Raises the same errors as :meth:`write`.
+        Like :meth:`write`, it returns or raises only once the engine resolved every
+        request, and raises the same errors.
         """
         ...
 

@@ -24,15 +24,26 @@ Return codes
     * ``transfer_submit_write`` / ``batch_transfer_async_*``: a batch id ``> 0``, or ``0``
       when the batch could not be submitted (Mooncake's sentinel); polling id ``0``
       returns ``-1``.
-    * ``transfer_check_status``: ``1`` done, ``0`` still running, ``-1`` failed (or an
-      unknown id), ``-2`` timed out (the deadline passed, the batch is still in flight).
+    * ``transfer_check_status``: ``1`` done, ``0`` still pending, ``-1`` failed (or an
+      unknown id), ``-2`` timed out (the engine failed a request at its deadline).
     * ``send_probe``: ``0`` reachable, ``-1`` not.
     * ``allocate_managed_buffer``: an address, ``0`` on failure.
 
+Only what the engine resolved is reported
+    A transfer's result (``1``, ``-1``, ``-2``, or a sync call's ``0``/``-1``) is reported
+    only once the railyard engine has resolved every request of it: done, failed, or failed
+    by the engine at its deadline (``Timeout``), which for work already posted comes after
+    the fabric flushed it. Until then ``transfer_check_status`` returns ``0``, however late,
+    and the batch id stays valid; ``get_batch_transfer_status`` and the sync calls wait. So
+    whatever code a call returns, no request it reports on reads or writes the caller's
+    buffers any more: they may be reused at once. A batch id is forgotten once its result
+    was reported (as Mooncake frees it), never before.
+
 Timeouts
-    Sync calls and batch deadlines use ``MC_TRANSFER_TIMEOUT`` seconds (default 30, at
+    The engine's deadline of a transfer is ``MC_TRANSFER_TIMEOUT`` seconds (default 30, at
     least 5, read when the ``TransferEngine`` is constructed) plus one second per GiB
-    moved, as Mooncake does.
+    moved, as Mooncake's budget. The shim keeps no clock of its own: a timeout is the
+    engine's, reported once the engine resolved the request (shortly after the deadline).
 
 ``initialize(local_hostname, metadata_server, protocol, device_name)``
     * ``local_hostname``: ``"host"`` or ``"host:port"``; the engine listens on every
@@ -69,6 +80,14 @@ Differences from Mooncake
     * ``transport_hint`` is accepted and ignored.
     * ``write_bytes_to_buffer`` / ``read_bytes_from_buffer`` copy within this process,
       as in Mooncake.
+    * ``get_batch_transfer_status`` waits until the engine resolved every batch it names
+      (Mooncake returns ``-1`` at the first failure or at its own timeout, and frees the
+      other batches while they may still be in flight); then every batch it names is
+      forgotten, and it returns ``0`` if all of them were done.
+    * ``unregister_memory`` / ``batch_unregister_memory`` / ``free_managed_buffer`` return
+      ``-1`` when a peer or poller was still inside a range when the engine's wait ended
+      (railyard's ``Busy``): the range stays withdrawn and must not be unmapped yet;
+      calling again with its address waits again, and ``0`` means it is free.
 
 Not supported (absent, so ``hasattr`` feature checks see them missing):
     ``transfer_write_on_cuda``, ``transfer_read_on_cuda``,
@@ -87,7 +106,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -248,12 +266,19 @@ def _deadline_s(timeout_s: float, lengths: Sequence[int]) -> float:
     return timeout_s + max(total, 0) / _NS_PER_GIB
 
 
-class _Pending:
-    __slots__ = ("batch", "deadline", "session")
+# How long one wait of ``get_batch_transfer_status`` for a batch past its deadline lasts at
+# most before it looks again (it wakes at once when the batch resolves).
+_RESOLVE_STEP_S = 1.0
 
-    def __init__(self, batch: Batch | None, deadline: float, session: str) -> None:
+
+class _Pending:
+    """A submitted batch, kept until its result was reported (never before the engine
+    resolved it)."""
+
+    __slots__ = ("batch", "session")
+
+    def __init__(self, batch: Batch | None, session: str) -> None:
         self.batch = batch
-        self.deadline = deadline
         self.session = session
 
 
@@ -384,7 +409,11 @@ class TransferEngine:
         return self.batch_register_memory([buffer_addr], [capacity], location)
 
     def unregister_memory(self, buffer_addr: int) -> int:
-        """Deregister the range starting at ``buffer_addr``; ``0`` or ``-1``."""
+        """Deregister the range starting at ``buffer_addr``; ``0`` or ``-1``.
+
+        ``-1`` after railyard's ``Busy`` (a peer was still inside the range): the range is
+        withdrawn but still in use; call again to wait again.
+        """
         return self.batch_unregister_memory([buffer_addr])
 
     def batch_register_memory(
@@ -407,7 +436,12 @@ class TransferEngine:
             return -1
 
     def batch_unregister_memory(self, buffer_addresses: Sequence[int]) -> int:
-        """Deregister several ranges by start address; ``0`` or ``-1``."""
+        """Deregister several ranges by start address; ``0`` or ``-1``.
+
+        ``-1`` if an address is unknown (then none is deregistered), or if railyard refused
+        a range as ``Busy`` (still in use: it stays withdrawn, and unregistering its address
+        again waits again; the other ranges are deregistered).
+        """
         try:
             addrs = list(buffer_addresses)
             if addrs:
@@ -426,7 +460,11 @@ class TransferEngine:
             return 0
 
     def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
-        """Free what ``allocate_managed_buffer`` returned; ``0`` or ``-1``."""
+        """Free what ``allocate_managed_buffer`` returned; ``0`` or ``-1``.
+
+        ``-1`` after railyard's ``Busy`` (a peer was still inside the buffer): it stays
+        allocated, and freeing it again waits again.
+        """
         try:
             self._require().free(int(buffer_addr))
             return 0
@@ -537,6 +575,8 @@ class TransferEngine:
         write: bool,
         notify: TransferNotify | None,
     ) -> int:
+        # ``Engine.write``/``read`` return or raise only once the engine resolved every
+        # request (a timeout is the engine's), so the buffers are free whatever this returns.
         try:
             engine = self._require()
             local, remote, lens = _as_lists(buffers, peers, lengths)
@@ -643,11 +683,18 @@ class TransferEngine:
             return 0
         with self._lock:
             batch_id = next(self._ids)
-            self._pending[batch_id] = _Pending(batch, time.monotonic() + timeout_s, session)
+            self._pending[batch_id] = _Pending(batch, session)
         return batch_id
 
     def transfer_check_status(self, batch_id: int) -> int:
-        """``1`` done, ``0`` running, ``-1`` failed or unknown id, ``-2`` timed out."""
+        """``1`` done, ``0`` pending, ``-1`` failed or unknown id, ``-2`` timed out.
+
+        Reports only what the engine resolved: ``0`` until every request of the batch has
+        resolved, however long past its deadline (the engine fails posted work at the
+        deadline once the fabric flushed it). ``-2`` when the engine failed a request at its
+        deadline (``Timeout``), ``-1`` for any other failure. The id is forgotten once a
+        result other than ``0`` was returned.
+        """
         with self._lock:
             pending = self._pending.get(batch_id)
         if pending is None:
@@ -655,66 +702,79 @@ class TransferEngine:
                 logger.error("transfer_check_status: unknown batch id %s", batch_id)
             return -1
         state = self._poll(pending)
+        if state == "PROC":
+            return 0
+        if not self._forget(batch_id, pending):
+            # Another thread reported this batch meanwhile: for this caller it is unknown now.
+            logger.error("transfer_check_status: unknown batch id %s", batch_id)
+            return -1
         if state == "DONE":
-            self._forget(batch_id)
             return 1
-        if state == "ERR":
-            self._log_failures(batch_id, pending)
-            self._forget(batch_id)
-            # The poller fails what is still in flight at the deadline: that is Mooncake's
-            # timeout (-2), not a failure (-1).
-            timed_out = pending.batch is not None and pending.batch.timed_out()
-            return -2 if timed_out else -1
-        if time.monotonic() > pending.deadline:
-            return -2
-        return 0
+        self._log_failures(batch_id, pending)
+        return -2 if self._timed_out(pending) else -1
 
     def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> int:
-        """Wait for every batch: ``0`` if all completed, ``-1`` if one failed or timed out."""
+        """Wait until the engine resolved every batch: ``0`` if all were done, else ``-1``.
+
+        ``-1`` also for an unknown id (after waiting for the known ones). Every batch named
+        is forgotten on return, and none is before the engine resolved it: a batch past its
+        deadline is waited for until the engine fails it (its ``Timeout``).
+        """
         ids = list(batch_ids)
+        with self._lock:
+            named = [(batch_id, self._pending.get(batch_id)) for batch_id in ids]
         ok = True
-        for batch_id in ids:
-            with self._lock:
-                pending = self._pending.get(batch_id)
+        for batch_id, pending in named:
             if pending is None:
                 logger.error("get_batch_transfer_status: unknown batch id %s", batch_id)
                 ok = False
-                break
-            state = self._poll(pending)
-            if state == "PROC" and pending.batch is not None:
-                try:
-                    remaining = max(0.0, pending.deadline - time.monotonic())
-                    state = pending.batch.wait(remaining)
-                except Exception as err:
-                    logger.error("batch %s: %s", batch_id, err)
-                    state = "ERR"
-            if state == "DONE":
-                self._forget(batch_id)
                 continue
-            if state == "ERR":
+            state = self._resolve(pending)
+            if state != "DONE":
                 self._log_failures(batch_id, pending)
-            else:
-                logger.error("batch %s to %s timed out", batch_id, pending.session)
-            ok = False
-            break
-        if not ok:  # Mooncake frees every batch of the call once one fails
-            for batch_id in ids:
-                self._forget(batch_id)
+                ok = False
+        # Mooncake frees every batch of the call; here all of them have resolved.
+        for batch_id, pending in named:
+            if pending is not None:
+                self._forget(batch_id, pending)
         return 0 if ok else -1
 
     @staticmethod
     def _poll(pending: _Pending) -> str:
+        """``"DONE"``, ``"ERR"`` (every request resolved, some failed) or ``"PROC"``."""
         if pending.batch is None:
             return "DONE"
         try:
             return pending.batch.poll()
-        except Exception as err:
+        except Exception as err:  # not resolved as far as anyone knows: still pending
             logger.error("polling a batch to %s failed: %s", pending.session, err)
-            return "ERR"
+            return "PROC"
 
-    def _forget(self, batch_id: int) -> None:
+    @staticmethod
+    def _resolve(pending: _Pending) -> str:
+        """Waits until the engine resolved every request of the batch: ``"DONE"``/``"ERR"``."""
+        batch = pending.batch
+        if batch is None:
+            return "DONE"
+        state = batch.wait()  # until the batch's deadline and a grace, or resolved
+        while state == "PROC":  # the engine resolves it once the flush is back
+            state = batch.wait(_RESOLVE_STEP_S)
+        return state
+
+    @staticmethod
+    def _timed_out(pending: _Pending) -> bool:
+        try:
+            return pending.batch is not None and pending.batch.timed_out()
+        except Exception:
+            return False
+
+    def _forget(self, batch_id: int, pending: _Pending) -> bool:
+        """Drops ``batch_id`` if it still names ``pending``; whether it did."""
         with self._lock:
-            self._pending.pop(batch_id, None)
+            if self._pending.get(batch_id) is not pending:
+                return False
+            del self._pending[batch_id]
+            return True
 
     @staticmethod
     def _log_failures(batch_id: int, pending: _Pending) -> None:
