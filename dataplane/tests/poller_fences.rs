@@ -96,6 +96,73 @@ fn a_posted_slice_past_its_deadline_resolves_only_after_its_queue_pair_is_flushe
     assert_eq!(counters.unflushed, 0);
 }
 
+/// Caught: before the fix a fabric that never flushed a retired queue pair had its overdue
+/// slices resolved after the flush grace while it still held them (`outstanding` was 2 when
+/// the batch reported): a NIC could still read or write their buffers. Now the queue pair is
+/// torn down first, and the work behind it is flushed and retried like any flush.
+#[test]
+fn a_queue_pair_that_never_flushes_is_torn_down_before_its_work_is_reported() {
+    let (fabric, script) = ScriptedFabric::new();
+    let config = PollerConfig {
+        flush_grace: Duration::from_millis(50),
+        ..config()
+    };
+    let poller = PollerHandle::spawn(config, fabric, restamp).expect("the poller starts");
+    poller
+        .send(Command::AddEndpoint {
+            endpoint: ENDPOINT,
+            epoch: Epoch::FIRST,
+        })
+        .unwrap();
+    let events = poller.take_events().expect("events");
+    let mut submitter = Submitter::new(&[&poller], 64).unwrap();
+    script.hold(true);
+    script.never_flush(true);
+    let soon = Instant::now() + Duration::from_millis(50);
+    let late = submitter
+        .submit(2, &[write(0, Epoch::FIRST), write(1, Epoch::FIRST)], soon)
+        .unwrap();
+    let patient = submitter
+        .submit(
+            1,
+            &[SliceSpec {
+                request: 0,
+                ..write(2, Epoch::FIRST)
+            }],
+            deadline(),
+        )
+        .unwrap();
+    finish(&late);
+    assert_eq!(script.outstanding(), 0, "reported while still posted");
+    let first_qp = script.posted()[0].qp;
+    assert_eq!(script.abandoned(), [first_qp]);
+    for outcome in late.outcomes() {
+        assert_eq!(outcome, Some(RequestOutcome::Failed(FailReason::Timeout)));
+    }
+    // The patient write went down with the queue pair, as a flush: retried on the next one.
+    let mut events = events;
+    eventually("the queue pair's failure", || {
+        std::iter::from_fn(|| events.pop()).any(|event| matches!(event, Event::QpFailed { .. }))
+    });
+    script.hold(false);
+    script.never_flush(false);
+    poller
+        .send(Command::BumpEpoch {
+            endpoint: ENDPOINT,
+            epoch: Epoch::FIRST.next(),
+        })
+        .unwrap();
+    finish(&patient);
+    assert_eq!(patient.outcomes(), [Some(RequestOutcome::Done)]);
+    assert_eq!(
+        poller.counters().unflushed,
+        3,
+        "two overdue, one behind them"
+    );
+    let retried = script.posted().last().map(|posted| posted.qp);
+    assert!(retried.is_some_and(|qp| qp != first_qp));
+}
+
 /// A fabric with a bug: posting panics.
 struct PanickingFabric;
 
@@ -113,6 +180,10 @@ impl Fabric for PanickingFabric {
     }
 
     fn retire(&mut self, _: QpNum) {}
+
+    fn abandon(&mut self, _: QpNum) -> bool {
+        true
+    }
 }
 
 /// Caught: before the fix a panicked poller never counted as stopped, so commands were
@@ -315,6 +386,10 @@ impl Fabric for HeldRound {
     }
 
     fn retire(&mut self, _: QpNum) {}
+
+    fn abandon(&mut self, _: QpNum) -> bool {
+        true
+    }
 
     fn serve(&mut self) -> bool {
         if let Some(gate) = self.gate.take() {

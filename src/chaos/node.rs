@@ -126,6 +126,11 @@ impl<F: Fabric> Fabric for Observed<F> {
         self.inner.retire(qp);
     }
 
+    fn abandon(&mut self, qp: QpNum) -> bool {
+        self.epochs.remove(&qp);
+        self.inner.abandon(qp)
+    }
+
     fn poll_event(&mut self) -> Option<AsyncEvent> {
         let event = self.inner.poll_event();
         if event.is_some() {

@@ -347,6 +347,18 @@ impl<F: Fabric> Fabric for Faulted<F> {
         self.inner.retire(qp);
     }
 
+    fn abandon(&mut self, qp: QpNum) -> bool {
+        if let Some(state) = self.qps.remove(&qp) {
+            if !state.stalled.is_empty() {
+                self.stalls -= 1;
+            }
+        }
+        self.waiting.remove(&qp);
+        self.delays.retain(|_, (delayed_qp, _)| *delayed_qp != qp);
+        self.ready.retain(|completion| completion.qp != qp);
+        self.inner.abandon(qp)
+    }
+
     fn serve(&mut self) -> bool {
         self.inner.serve()
     }

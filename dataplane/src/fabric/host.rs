@@ -65,6 +65,14 @@ impl Fabric for HostFabric {
         }
     }
 
+    fn abandon(&mut self, qp: QpNum) -> bool {
+        if is_tcp_qp(qp) {
+            self.tcp.abandon(qp)
+        } else {
+            self.soft.abandon(qp)
+        }
+    }
+
     fn serve(&mut self) -> bool {
         self.tcp.serve()
     }

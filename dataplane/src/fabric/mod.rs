@@ -457,6 +457,15 @@ pub trait Fabric: Send {
     /// [`WcStatus::WrFlushErr`], then the queue pair is destroyed.
     fn retire(&mut self, qp: QpNum);
 
+    /// Tears down `qp`, retired already, without waiting for its flushes any longer: what
+    /// the poller does when they miss its flush grace, before it resolves the requests.
+    /// Returns true when, from the moment it returns, the fabric reads and writes no buffer
+    /// of any request posted on `qp` and reports none of them (the queue pair is destroyed,
+    /// its connection closed, its delayed work dropped); false when it cannot promise that
+    /// (the requests are then resolved all the same, and the rail's documentation says what
+    /// may still move).
+    fn abandon(&mut self, qp: QpNum) -> bool;
+
     /// Work the fabric does for its peers in this poller — serving their requests to this
     /// rail's memory, for fabrics whose target side runs here (TCP) — and its own progress.
     /// Called every round, busy or not; true when anything moved. Others keep the default.

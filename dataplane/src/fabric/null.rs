@@ -43,4 +43,9 @@ impl Fabric for NullFabric {
     }
 
     fn retire(&mut self, _qp: QpNum) {}
+
+    /// It touches no memory.
+    fn abandon(&mut self, _qp: QpNum) -> bool {
+        true
+    }
 }

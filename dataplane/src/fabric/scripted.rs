@@ -70,6 +70,11 @@ struct Script {
     deepest: usize,
     /// Asynchronous events for the poller to take, in order.
     events: VecDeque<AsyncEvent>,
+    /// While set, a retired queue pair keeps its outstanding requests instead of flushing
+    /// them (a fabric that breaks its promise to flush).
+    never_flush: bool,
+    /// Queue pairs the poller abandoned, in order.
+    abandoned: Vec<QpNum>,
 }
 
 impl Script {
@@ -133,6 +138,17 @@ impl ScriptHandle {
             }
             script.fail_qp(QpNum(number));
         }
+    }
+
+    /// While `never` is set, retiring a queue pair flushes nothing: its requests stay
+    /// outstanding until the poller abandons it.
+    pub fn never_flush(&self, never: bool) {
+        self.lock().never_flush = never;
+    }
+
+    /// The queue pairs the poller abandoned (torn down without their flushes), in order.
+    pub fn abandoned(&self) -> Vec<QpNum> {
+        self.lock().abandoned.clone()
     }
 
     /// Completes every held request successfully.
@@ -362,6 +378,20 @@ impl Fabric for ScriptedFabric {
 
     fn retire(&mut self, qp: QpNum) {
         let mut script = self.script.lock();
+        if script.never_flush {
+            if let Some(state) = script.qps.get_mut(&qp.0) {
+                state.in_error = true;
+            }
+            return;
+        }
         script.fail_qp(qp);
+    }
+
+    fn abandon(&mut self, qp: QpNum) -> bool {
+        let mut script = self.script.lock();
+        script.qps.remove(&qp.0);
+        script.ready.retain(|completion| completion.qp != qp);
+        script.abandoned.push(qp);
+        true
     }
 }

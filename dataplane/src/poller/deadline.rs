@@ -1,8 +1,8 @@
 //! Deadlines on the poller: how often they are swept, which queued slices expire, and what
 //! an overdue posted slice calls for. Posted work cannot be recalled, only flushed: the
 //! first sweep past its deadline marks it and takes its queue pair out of service; if the
-//! fabric has not handed it back within the flush grace after that, it is resolved without
-//! the flush. The poller (`super`) owns the clock and carries these decisions out.
+//! fabric has not handed it back within the flush grace after that, the queue pair is torn
+//! down without its flush and the work resolved. The poller (`super`) owns the clock and carries these decisions out.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -57,7 +57,7 @@ pub(super) enum Overdue {
     No,
     /// Just past its deadline: mark it and take its queue pair out of service.
     TakeOutOfService,
-    /// Marked, and the fabric missed the flush grace: resolve it without the flush.
+    /// Marked, and the fabric missed the flush grace: tear its queue pair down, then resolve.
     Unflushed,
 }
 

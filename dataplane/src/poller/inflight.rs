@@ -95,6 +95,21 @@ impl<T> Inflight<T> {
             .any(|slot| slot.busy && lkeys.contains(&slot.lkey))
     }
 
+    /// The ids of the requests posted on `qp` and not yet completed, with their slices
+    /// (`None` once resolved without the completion).
+    pub(super) fn posted_on(&self, qp: QpNum) -> impl Iterator<Item = (WrId, Option<&T>)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(move |(_, slot)| slot.busy && slot.qp == qp)
+            .map(|(index, slot)| {
+                (
+                    WrId::new(index as u32, slot.generation),
+                    slot.slice.as_ref(),
+                )
+            })
+    }
+
     /// The slots of requests posted and not yet completed.
     pub(super) fn posted_mut(&mut self) -> impl Iterator<Item = &mut InflightSlot<T>> {
         self.slots.iter_mut().filter(|slot| slot.busy)

@@ -49,8 +49,12 @@
 //! passes while it is posted is marked, its queue pair is taken out of service (retired: ERR,
 //! flush, [`Event::QpFailed`] with RETRY_EXC_ERR, a new epoch for the endpoint's other work),
 //! and it resolves with `Timeout` when the flush hands it back. Shutdown follows the same
-//! rule. Only a fabric that breaks its promise to flush within [`PollerConfig::flush_grace`]
-//! has its work resolved without it (counted as `unflushed`).
+//! rule. A fabric that breaks its promise to flush within [`PollerConfig::flush_grace`] has
+//! the queue pair torn down ([`Fabric::abandon`]: destroyed, its connection closed) before
+//! the work on it is resolved as flushed, so even then nothing moves after a report; each
+//! such request is counted as `unflushed`. Only a fabric that cannot tear a queue pair down
+//! (libfabric, whose operations only closing the shared endpoint would recall) has its
+//! overdue work resolved while the provider still holds it.
 //!
 //! # Stopping
 //! However the poller thread ends — a shutdown command or a panic — it marks itself stopped,
@@ -397,8 +401,9 @@ pub struct CounterSnapshot {
     pub ignored_completions: u64,
     /// Events replaced by a later event of the same endpoint while the event ring was full.
     pub events_coalesced: u64,
-    /// Posted slices resolved without the fabric handing them back within
-    /// [`PollerConfig::flush_grace`] of being taken out of service (a fabric bug: zero).
+    /// Posted slices the fabric did not hand back within [`PollerConfig::flush_grace`] of
+    /// being taken out of service, resolved once their queue pair was torn down (a fabric
+    /// bug: zero).
     pub unflushed: u64,
     /// Post calls made (one per queue pair per round with work for it).
     pub doorbells: u64,
@@ -1658,7 +1663,11 @@ impl<F: Fabric> Poller<F> {
                     slice.flags |= FLAG_TIMED_OUT;
                     overdue.push((slot.endpoint, slot.qp));
                 }
-                Overdue::Unflushed => unflushed.extend(slot.slice.take()),
+                Overdue::Unflushed => {
+                    if !unflushed.contains(&slot.qp) {
+                        unflushed.push(slot.qp);
+                    }
+                }
             }
         }
         for (id, qp) in overdue.drain(..) {
@@ -1672,7 +1681,58 @@ impl<F: Fabric> Poller<F> {
             }
         }
         self.overdue = overdue;
-        for slice in unflushed {
+        for qp in unflushed {
+            self.abandon(qp, now);
+        }
+    }
+
+    /// Tears down `qp`, whose flush missed the grace ([`Fabric::abandon`]), and resolves the
+    /// requests still posted on it as flushed: the overdue ones with `Timeout`, the others
+    /// by the retry rule; each is counted as `unflushed`. A fabric that cannot promise to
+    /// leave their memory alone has only the overdue ones resolved, and their slots wait
+    /// for the completions (a local region's deregistration waits for those).
+    fn abandon(&mut self, qp: QpNum, now: Instant) {
+        if self.fabric.abandon(qp) {
+            let flushed: Vec<WorkCompletion> = self
+                .inflight
+                .posted_on(qp)
+                .filter_map(|(wr_id, slice)| {
+                    let opcode = slice?.opcode;
+                    Some(WorkCompletion::ended(
+                        wr_id,
+                        opcode,
+                        0,
+                        qp,
+                        WcStatus::WrFlushErr,
+                    ))
+                })
+                .collect();
+            for completion in flushed {
+                self.shared.counters.unflushed.add(1);
+                self.complete(completion);
+            }
+            return;
+        }
+        tracing::warn!(
+            target: "railyard::poller",
+            qp = qp.0,
+            "the fabric neither flushed nor can tear down a queue pair past its deadline: \
+             its overdue requests are resolved while it may still move their bytes"
+        );
+        let grace = self.config.flush_grace;
+        let overdue: Vec<Slice> = self
+            .inflight
+            .posted_mut()
+            .filter(|slot| slot.qp == qp)
+            .filter(|slot| {
+                slot.slice.as_ref().is_some_and(|slice| {
+                    let marked = slice.flags & FLAG_TIMED_OUT != 0;
+                    deadline::overdue(slice.deadline(), marked, now, grace) == Overdue::Unflushed
+                })
+            })
+            .filter_map(|slot| slot.slice.take())
+            .collect();
+        for slice in overdue {
             self.shared.counters.unflushed.add(1);
             self.fail(slice, FailReason::Timeout);
         }
@@ -1704,6 +1764,23 @@ impl<F: Fabric> Poller<F> {
             self.shared.rounds.end();
             if !moved {
                 thread::yield_now();
+            }
+        }
+        // What the fabric did not flush in time: torn down before it is resolved.
+        let mut unflushed: Vec<QpNum> = Vec::new();
+        for slot in self.inflight.posted_mut() {
+            if !unflushed.contains(&slot.qp) {
+                unflushed.push(slot.qp);
+            }
+        }
+        for qp in unflushed {
+            if !self.fabric.abandon(qp) {
+                tracing::warn!(
+                    target: "railyard::poller",
+                    qp = qp.0,
+                    "stopping: the fabric neither flushed nor can tear down a queue pair; \
+                     its requests are resolved while it may still move their bytes"
+                );
             }
         }
         let unflushed: Vec<Slice> = self

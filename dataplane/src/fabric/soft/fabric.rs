@@ -313,6 +313,14 @@ impl Fabric for SoftFabric {
             .retain(|_, active| !(active.destroyed && active.delayed.is_empty()));
     }
 
+    /// This fabric copies only inside `poll`, on the poller's thread: dropping the queue
+    /// pair drops its queued requests, so none of them is executed afterwards.
+    fn abandon(&mut self, qp: QpNum) -> bool {
+        self.qps.remove(&qp.0);
+        self.completions.retain(|completion| completion.qp != qp);
+        true
+    }
+
     fn poll_event(&mut self) -> Option<AsyncEvent> {
         self.events.pop_front()
     }

@@ -1416,6 +1416,15 @@ impl Fabric for TcpFabric {
             .retain(|_, i| !(i.retired && i.delayed.is_empty()));
     }
 
+    /// The poller moves every byte itself, in `post`, `poll` and `serve`: dropping the
+    /// initiator closes its connection and drops its delayed requests, so nothing of them
+    /// is read or written afterwards.
+    fn abandon(&mut self, qp: QpNum) -> bool {
+        self.initiators.remove(&qp.0);
+        self.completions.retain(|completion| completion.qp != qp);
+        true
+    }
+
     fn poll_event(&mut self) -> Option<AsyncEvent> {
         self.events.pop_front()
     }

@@ -387,6 +387,14 @@ impl Fabric for VerbsFabric {
             .retain(|_, entry| !(entry.retired && entry.outstanding.is_empty()));
     }
 
+    /// Destroys the queue pair (`ibv_destroy_qp`, when its entry drops): once that returns,
+    /// the device no longer executes its requests.
+    fn abandon(&mut self, qp: QpNum) -> bool {
+        self.qps.remove(&qp.0);
+        self.ready.retain(|completion| completion.qp != qp);
+        true
+    }
+
     fn poll_event(&mut self) -> Option<AsyncEvent> {
         self.look_for_events();
         self.events.pop_front()
