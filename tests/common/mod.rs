@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod mapped;
+pub mod stalling;
 pub mod tagged;
 
 use std::io::{BufRead, BufReader};
