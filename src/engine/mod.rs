@@ -593,6 +593,10 @@ struct RegionEntry {
     /// Registrations [`Engine::reregister`] replaced whose withdrawal a rail refused: still
     /// live there, so withdrawn again (idempotently) before the memory may go.
     lingering: Vec<Vec<MemoryRegion>>,
+    /// Set once every rail withdrew it: a deregistration retried after `Busy` does not
+    /// withdraw again by keys that may since name another region (soft and verbs keys
+    /// come back).
+    withdrawn: bool,
 }
 
 impl RegionEntry {
@@ -609,16 +613,22 @@ impl RegionEntry {
             .collect()
     }
 
-    /// Withdraws every registration of it (current and lingering) from every rail.
+    /// Withdraws every registration of it (current and lingering) from every rail; nothing
+    /// once that succeeded. A rail that refused (libfabric, whose keys never come back) is
+    /// asked again by the next call.
     ///
     /// # Errors
     /// The first rail that refused, with its error (see [`Rails::deregister`]).
     fn withdraw(&mut self, rails: &Rails) -> Result<(), (usize, String)> {
+        if self.withdrawn {
+            return Ok(());
+        }
         rails.deregister(&self.registrations)?;
         while let Some(old) = self.lingering.last() {
             rails.deregister(old)?;
             self.lingering.pop();
         }
+        self.withdrawn = true;
         Ok(())
     }
 }
@@ -1010,6 +1020,7 @@ impl Engine {
             registrations,
             generation: region.id,
             lingering: Vec::new(),
+            withdrawn: false,
         });
         Ok(region)
     }
@@ -1100,6 +1111,7 @@ impl Engine {
             registrations,
             generation: region.id,
             lingering: Vec::new(),
+            withdrawn: false,
         });
         Ok(region)
     }
