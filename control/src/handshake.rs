@@ -1729,10 +1729,17 @@ impl<F: RailFabric> Core<F> {
             .collect()
     }
 
-    /// Takes every passive queue pair of `peer` out of service.
+    /// Fences `peer` (the application's revoke): bumps its fence generation, then takes
+    /// every passive queue pair of it out of service.
     pub(crate) fn revoke(&mut self, peer: Incarnation) -> Vec<Revocation> {
         // Before anything else: every reply from now on tells the peer it was fenced.
         *self.fences.entry(peer).or_default() += 1;
+        self.take_down_passive(peer)
+    }
+
+    /// Takes every passive queue pair of `peer` out of service, without fencing it: its
+    /// work retries on new queue pairs as after any transport failure.
+    fn take_down_passive(&mut self, peer: Incarnation) -> Vec<Revocation> {
         let keys: Vec<WireKey> = self
             .passive
             .keys()
@@ -2017,7 +2024,8 @@ impl<F: RailFabric> Core<F> {
                 _ => {}
             }
             self.orphans.remove(&initiator);
-            let revoked = self.revoke(initiator).len();
+            // Not a fence: an initiator that comes back retries its work as usual.
+            let revoked = self.take_down_passive(initiator).len();
             let name = self.peer_name(initiator);
             warning!(
                 self,

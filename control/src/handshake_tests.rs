@@ -2314,6 +2314,13 @@ fn a_loopback_listener_is_probed_only_for_an_initiator_on_loopback() {
         assert_eq!(probed, Vec::from_iter(probe), "from {source}");
         let revoked = if probe.is_some() { 0 } else { 1 };
         assert_eq!(net.stats(target).passive_retired, revoked, "from {source}");
+        // Taking a gone initiator's queue pairs down is not the application's fence: were it
+        // to come back, its work would be retried, not failed `Revoked`.
+        assert_eq!(
+            net.procs[target].core.fences.get(&Incarnation(20)),
+            None,
+            "from {source}"
+        );
     }
 }
 

@@ -40,6 +40,13 @@ impl Rounds {
         self.0.store(DONE, Ordering::Release);
     }
 
+    /// Whether the poller has finished for good: its last round is over, and what it held
+    /// was resolved.
+    pub(crate) fn finished(&self) -> bool {
+        // Acquire: pairs with `finish`'s Release.
+        self.0.load(Ordering::Acquire) == DONE
+    }
+
     /// Call after withdrawing: the count to wait past.
     pub(crate) fn snapshot(&self) -> u64 {
         // SeqCst fence: see the module docs.

@@ -118,10 +118,6 @@ fn a_queue_pair_that_never_flushes_is_torn_down_before_its_work_is_reported() {
     let mut submitter = Submitter::new(&[&poller], 64).unwrap();
     script.hold(true);
     script.never_flush(true);
-    let soon = Instant::now() + Duration::from_millis(50);
-    let late = submitter
-        .submit(2, &[write(0, Epoch::FIRST), write(1, Epoch::FIRST)], soon)
-        .unwrap();
     let patient = submitter
         .submit(
             1,
@@ -132,9 +128,16 @@ fn a_queue_pair_that_never_flushes_is_torn_down_before_its_work_is_reported() {
             deadline(),
         )
         .unwrap();
+    // Long enough for both to be posted on the first queue pair on a loaded machine.
+    let soon = Instant::now() + Duration::from_millis(500);
+    let late = submitter
+        .submit(2, &[write(0, Epoch::FIRST), write(1, Epoch::FIRST)], soon)
+        .unwrap();
+    eventually("all three are posted", || script.outstanding() == 3);
     finish(&late);
     assert_eq!(script.outstanding(), 0, "reported while still posted");
     let first_qp = script.posted()[0].qp;
+    assert!(script.posted().iter().all(|posted| posted.qp == first_qp));
     assert_eq!(script.abandoned(), [first_qp]);
     for outcome in late.outcomes() {
         assert_eq!(outcome, Some(RequestOutcome::Failed(FailReason::Timeout)));

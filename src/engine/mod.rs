@@ -593,6 +593,10 @@ struct RegionEntry {
     /// Registrations [`Engine::reregister`] replaced whose withdrawal a rail refused: still
     /// live there, so withdrawn again (idempotently) before the memory may go.
     lingering: Vec<Vec<MemoryRegion>>,
+    /// Registrations [`Engine::reregister`] replaced and withdrew: requests this engine
+    /// posted through their local keys before may still be in flight, so deregistration
+    /// waits for those keys too.
+    rekeyed: Vec<Vec<MemoryRegion>>,
     /// Set once every rail withdrew it: a deregistration retried after `Busy` does not
     /// withdraw again by keys that may since name another region (soft and verbs keys
     /// come back).
@@ -600,12 +604,13 @@ struct RegionEntry {
 }
 
 impl RegionEntry {
-    /// Its local keys on each rail: the current registration's and any lingering one's.
+    /// Its local keys on each rail: the current registration's and every earlier one's.
     fn local_keys(&self) -> Vec<Vec<u32>> {
         (0..self.registrations.len())
             .map(|rail| {
                 std::iter::once(&self.registrations)
                     .chain(&self.lingering)
+                    .chain(&self.rekeyed)
                     .filter_map(|registrations| registrations.get(rail))
                     .map(|registration| registration.lkey)
                     .collect()
@@ -626,7 +631,7 @@ impl RegionEntry {
         rails.deregister(&self.registrations)?;
         while let Some(old) = self.lingering.last() {
             rails.deregister(old)?;
-            self.lingering.pop();
+            self.rekeyed.extend(self.lingering.pop());
         }
         self.withdrawn = true;
         Ok(())
@@ -1020,6 +1025,7 @@ impl Engine {
             registrations,
             generation: region.id,
             lingering: Vec::new(),
+            rekeyed: Vec::new(),
             withdrawn: false,
         });
         Ok(region)
@@ -1111,6 +1117,7 @@ impl Engine {
             registrations,
             generation: region.id,
             lingering: Vec::new(),
+            rekeyed: Vec::new(),
             withdrawn: false,
         });
         Ok(region)
@@ -1195,6 +1202,8 @@ impl Engine {
         let refused = self.inner.rails.deregister(&withdrawn);
         if refused.is_err() {
             entry.lingering.push(withdrawn);
+        } else {
+            entry.rekeyed.push(withdrawn);
         }
         if let Some(rails::Memory::Soft(buffer)) = entry.memory.as_mut() {
             // Its own key (rail 0's first registration) is among the withdrawn ones.

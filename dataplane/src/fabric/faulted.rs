@@ -348,6 +348,10 @@ impl<F: Fabric> Fabric for Faulted<F> {
     }
 
     fn abandon(&mut self, qp: QpNum) -> bool {
+        // A fabric that keeps its operations keeps reporting them: so does this one.
+        if !self.inner.abandon(qp) {
+            return false;
+        }
         if let Some(state) = self.qps.remove(&qp) {
             if !state.stalled.is_empty() {
                 self.stalls -= 1;
@@ -356,7 +360,7 @@ impl<F: Fabric> Fabric for Faulted<F> {
         self.waiting.remove(&qp);
         self.delays.retain(|_, (delayed_qp, _)| *delayed_qp != qp);
         self.ready.retain(|completion| completion.qp != qp);
-        self.inner.abandon(qp)
+        true
     }
 
     fn serve(&mut self) -> bool {

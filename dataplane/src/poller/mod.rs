@@ -757,8 +757,9 @@ impl PollerHandle {
     /// local memory itself (libfabric's software providers land a READ's response there
     /// whether or not its registration is still open) would otherwise write the region
     /// after it was handed back. A request resolved without its completion (its fabric
-    /// missed the flush grace) counts as outstanding until the completion comes. True at
-    /// once for a poller that has stopped; false if `deadline` passes first.
+    /// missed the flush grace) counts as outstanding until the completion comes. True once
+    /// the poller has finished for good (stopped, everything it held resolved); false if
+    /// `deadline` passes first.
     pub fn drain_local(&self, lkeys: &[u32], deadline: Instant) -> bool {
         let drained = Arc::new(AtomicBool::new(false));
         lock(&self.shared.drains).push(LocalDrain {
@@ -772,9 +773,10 @@ impl PollerHandle {
             if drained.load(Ordering::Acquire) {
                 return true;
             }
-            // Acquire: a stopped poller has resolved and posts nothing any more.
-            let stopped = self.shared.stopped.load(Ordering::Acquire);
-            if stopped || Instant::now() >= deadline {
+            // A finished poller tore down what it had posted (or leaves it to its fabric's
+            // drop, right after): nothing of it runs any more.
+            let finished = self.shared.rounds.finished();
+            if finished || Instant::now() >= deadline {
                 let mut drains = lock(&self.shared.drains);
                 if let Some(index) = drains
                     .iter()
@@ -783,7 +785,7 @@ impl PollerHandle {
                     drains.remove(index);
                     self.shared.drains_pending.fetch_sub(1, Ordering::Relaxed);
                 }
-                return stopped || drained.load(Ordering::Acquire);
+                return finished || drained.load(Ordering::Acquire);
             }
             if let Some(thread) = self.shared.thread.get() {
                 thread.unpark();

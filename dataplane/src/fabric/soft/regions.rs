@@ -16,10 +16,12 @@
 //!
 //! Keys are `generation << INDEX_BITS | index`: the index finds the entry at once, and the
 //! generation makes a key stale as soon as it is deregistered, even after the entry is
-//! reused. Generations are drawn from the kernel at each registration (20 random bits, never
-//! 0 and never the entry's previous one), so no key says anything of another: a guess is
-//! right one time in a million. The price: a key two or more registrations old comes back
-//! with the same odds (as verbs' 8-bit key variant repeats every 256 registrations).
+//! reused. An entry's n-th registration gets generation `P(entry, n)`, where `P` is a
+//! permutation of the 20-bit numbers keyed by a secret the table draws from the kernel (a
+//! small Feistel network), never 0: so a key does not come back before its entry was
+//! registered a million times more — a request prepared against an old registration is
+//! refused, never taken by a new one at the same entry (the target's half of the memory
+//! fences) — and still no key says anything of another, nor of another table's.
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -139,8 +141,25 @@ fn lookup(map: &Mapping, capacity: usize, key: u32) -> Option<Registration> {
 #[derive(Debug)]
 struct Slots {
     free: Vec<u16>,
-    /// Each entry's latest generation (0: never registered).
-    generations: Vec<u32>,
+    /// Each entry's registrations so far (modulo [`GENERATION_LIMIT`]).
+    registrations: Vec<u32>,
+    /// The key of this table's permutation of generations.
+    secret: u64,
+}
+
+/// The generation of `entry`'s registration number `count` (below [`GENERATION_LIMIT`]):
+/// a four-round Feistel network on its two 10-bit halves, whose round function mixes
+/// `secret`, the entry and the round. A bijection for each entry whatever the function.
+fn permute(secret: u64, entry: u16, count: u32) -> u32 {
+    const HALF: u32 = (32 - INDEX_BITS) / 2;
+    const MASK: u32 = (1 << HALF) - 1;
+    let (mut left, mut right) = ((count >> HALF) & MASK, count & MASK);
+    for round in 0..4u64 {
+        let seed = secret ^ (u64::from(entry) << 32) ^ (round << 48) ^ u64::from(right);
+        let mixed = crate::rng::SplitMix64::new(seed).next_u64() as u32;
+        (left, right) = (right, left ^ (mixed & MASK));
+    }
+    (left << HALF) | right
 }
 
 /// The owner's side: registers and deregisters. Shared by the threads of one process.
@@ -175,7 +194,8 @@ impl RegionTable {
             incarnation,
             slots: Mutex::new(Slots {
                 free: (0..CAPACITY as u16).rev().collect(),
-                generations: vec![0; CAPACITY],
+                registrations: vec![0; CAPACITY],
+                secret: super::random_u64(),
             }),
         })
     }
@@ -225,16 +245,16 @@ impl RegionTable {
         }
         let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
         let index = slots.free.pop().ok_or(RegionError::TableFull)?;
-        let previous = &mut slots.generations[usize::from(index)];
         let generation = loop {
-            let drawn = super::random_u64() as u32 % GENERATION_LIMIT;
-            // 0 would make key 0 (a free entry) for index 0; the previous one, a live key
-            // again for its holders.
-            if drawn != 0 && drawn != *previous {
+            let count = &mut slots.registrations[usize::from(index)];
+            let this = *count;
+            *count = (this + 1) % GENERATION_LIMIT;
+            // 0 would make key 0 (a free entry) for index 0: skipped.
+            let drawn = permute(slots.secret, index, this);
+            if drawn != 0 {
                 break drawn;
             }
         };
-        *previous = generation;
         let key = generation << INDEX_BITS | u32::from(index);
         self.write_entry(
             usize::from(index),
@@ -364,6 +384,23 @@ mod tests {
             again >> INDEX_BITS,
             "entries' keys are unrelated"
         );
+    }
+
+    #[test]
+    fn an_entrys_keys_do_not_come_back() {
+        let table = table();
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..20_000 {
+            let key = table.register(0x1000, 64, Access::ALL, None).expect("room");
+            assert!(seen.insert(key), "key {key:#x} came back");
+            table.deregister(key).expect("registered");
+        }
+        // The permutation itself: every generation of an entry once, 0 among them.
+        let all: std::collections::HashSet<u32> = (0..GENERATION_LIMIT)
+            .map(|count| permute(0x5eed, 3, count))
+            .collect();
+        assert_eq!(all.len(), GENERATION_LIMIT as usize);
+        assert!(all.iter().all(|&g| g < GENERATION_LIMIT));
     }
 
     #[test]
