@@ -450,8 +450,20 @@ impl Collector for EngineMetrics {
     }
 }
 
+impl Engine {
+    /// Its metrics in the Prometheus text format, read from [`Self::stats`] now: what a
+    /// Prometheus scrape of `/metrics` wants (content type [`CONTENT_TYPE`]), for an
+    /// application that serves them on its own endpoint. Every metric is in the README;
+    /// [`EngineMetrics`] adds them to an application's registry. (Defined here, beside the
+    /// metrics, so that the engine never reads its own metrics module: metrics read the
+    /// engine, not the other way round.)
+    pub fn metrics_text(&self) -> String {
+        render(self)
+    }
+}
+
 /// Renders `engine`'s metrics alone, in the Prometheus text format.
-pub(crate) fn render(engine: &Engine) -> String {
+fn render(engine: &Engine) -> String {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(EngineMetrics::new(engine)));
     let mut text = String::new();

@@ -77,10 +77,8 @@ use railyard_topology::{HostTopology, PlanOptions, RailKind};
 
 pub use error::{BuildError, MemoryError, PeerError, RevokeError, TransferError};
 use rails::{Memory, PlannedRail, Rails};
-pub use session::{
-    FAILED_OPEN_KEPT, MAX_IDLE_SUBMITTERS, REFRESH_WAIT, RawTransfer, SubmitterPool,
-};
-pub use transfer::{EngineSubmitter, Op, SubmitTiming, Transfer};
+pub use session::{FAILED_OPEN_KEPT, MAX_IDLE_SUBMITTERS, RawTransfer, SubmitterPool};
+pub use transfer::{EngineSubmitter, Op, REFRESH_WAIT, SubmitTiming, Transfer};
 
 /// Which fabric moves the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1602,14 +1600,6 @@ impl Engine {
             peers: transfer::peer_stats(self),
             control: self.inner.control.stats(),
         }
-    }
-
-    /// Its metrics in the Prometheus text format, read from [`Self::stats`] now: what a
-    /// Prometheus scrape of `/metrics` wants (content type [`crate::metrics::CONTENT_TYPE`]),
-    /// for an application that serves them on its own endpoint. Every metric is in the
-    /// README; [`crate::metrics::EngineMetrics`] adds them to an application's registry.
-    pub fn metrics_text(&self) -> String {
-        crate::metrics::render(self)
     }
 
     /// A handle that does not keep it running.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use railyard_dataplane::Batch;
 
 use super::transfer::EngineSubmitter;
-use super::{Engine, Op, Peer, PeerError, Region, Transfer, TransferError};
+use super::{Engine, Op, Peer, PeerError, Transfer, TransferError};
 
 /// The engine's peers by session string (see the module docs).
 pub(crate) type SessionTable = Mutex<HashMap<String, Arc<Mutex<Session>>>>;
@@ -30,13 +30,6 @@ pub(crate) struct Session {
 /// How long a failed open is the answer for a session: threads that were waiting for it
 /// get the same error at once instead of each waiting out an open of its own.
 pub const FAILED_OPEN_KEPT: Duration = Duration::from_millis(500);
-
-/// Longest a submission waits for a peer's descriptor to be fetched again when it names a
-/// remote range the descriptor does not hold (a region the peer registered since).
-pub const REFRESH_WAIT: Duration = Duration::from_secs(1);
-
-/// How often a refresh looks whether the new descriptor has arrived.
-const REFRESH_POLL: Duration = Duration::from_micros(200);
 
 /// One transfer named by raw addresses: a local range inside one registered region and a
 /// remote range inside one region of the peer's.
@@ -96,58 +89,6 @@ impl Engine {
             }
         }
     }
-
-    /// Asks `peer` for its descriptor again and waits (until `deadline`) for it to arrive:
-    /// true when a new one did.
-    pub fn refresh_descriptor(&self, peer: &Peer, deadline: Instant) -> bool {
-        let versions = |peer: &Peer| -> u64 {
-            peer.views()
-                .iter()
-                .map(|view| view.descriptor_version())
-                .sum()
-        };
-        let before = versions(peer);
-        if self
-            .inner
-            .control
-            .refresh_descriptor(peer.addr(), peer.incarnation())
-            .is_err()
-        {
-            return false;
-        }
-        while Instant::now() < deadline {
-            if versions(peer) != before {
-                return true;
-            }
-            std::thread::sleep(REFRESH_POLL);
-        }
-        false
-    }
-}
-
-/// The local regions of a submitter, sorted by address, and the engine's regions version
-/// they were read at.
-#[derive(Debug, Default)]
-pub(crate) struct RegionIndex {
-    version: Option<u64>,
-    regions: Vec<Region>,
-}
-
-impl RegionIndex {
-    /// The region holding `addr..addr + len`, reading the engine's regions again only when
-    /// they changed since the last look.
-    fn find(&mut self, engine: &Engine, addr: u64, len: u64) -> Option<Region> {
-        let version = engine.regions_version();
-        if self.version != Some(version) {
-            self.regions = engine.regions();
-            self.version = Some(version);
-        }
-        // Regions do not overlap (registration refuses it): the one starting last at or
-        // before `addr` is the only candidate.
-        let after = self.regions.partition_point(|region| region.addr <= addr);
-        let candidate = self.regions.get(after.checked_sub(1)?)?;
-        candidate.contains(addr, len).then_some(*candidate)
-    }
 }
 
 impl EngineSubmitter {
@@ -155,7 +96,7 @@ impl EngineSubmitter {
     /// transfer `i`), to be done by `deadline`. Each local range must lie inside one
     /// registered region; otherwise nothing is queued. A remote range the peer's descriptor
     /// does not hold makes the submitter fetch the descriptor again once (up to
-    /// [`REFRESH_WAIT`]) before it refuses.
+    /// [`super::REFRESH_WAIT`]) before it refuses.
     ///
     /// # Errors
     /// [`TransferError::LocalUnregistered`] for a local range no region holds; otherwise as

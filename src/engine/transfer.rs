@@ -9,6 +9,10 @@
 //! submission gave it already — a rail on another NUMA node than the local memory counting
 //! [`REMOTE_NODE_PENALTY`] more, so local rails go first and remote ones take the
 //! overflow. Each slice is stamped with that rail's keys and the endpoint's current epoch.
+//! A remote range the descriptor lacks makes the submitter fetch it once more (up to
+//! [`REFRESH_WAIT`]); the submitter's [`RegionIndex`] finds the local region of a raw
+//! address, for the sessions above (`session.rs`), which use this module and never the
+//! other way round.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,8 +23,14 @@ use railyard_control::{EndpointView, Incarnation, SegmentDescriptor};
 use railyard_dataplane::fabric::{MemoryRegion, Opcode};
 use railyard_dataplane::{Batch, EndpointId, Epoch, SliceSpec, Submitter};
 
-use super::session::{REFRESH_WAIT, RegionIndex};
 use super::{Engine, OpTotals, Peer, PeerStats, Region, TransferError};
+
+/// Longest a submission waits for a peer's descriptor to be fetched again when it names a
+/// remote range the descriptor does not hold (a region the peer registered since).
+pub const REFRESH_WAIT: Duration = Duration::from_secs(1);
+
+/// How often a refresh looks whether the new descriptor has arrived.
+const REFRESH_POLL: Duration = Duration::from_micros(200);
 
 /// The direction of a transfer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -522,6 +532,60 @@ pub(crate) fn least_loaded(
         .map(|step| chosen.get((turn + step) % count).copied().unwrap_or(0))
         .min_by_key(|&i| options.get(i).map_or(u64::MAX, cost))
         .unwrap_or(0)
+}
+
+impl Engine {
+    /// Asks `peer` for its descriptor again and waits (until `deadline`) for it to arrive:
+    /// true when a new one did.
+    pub fn refresh_descriptor(&self, peer: &Peer, deadline: Instant) -> bool {
+        let versions = |peer: &Peer| -> u64 {
+            peer.views()
+                .iter()
+                .map(|view| view.descriptor_version())
+                .sum()
+        };
+        let before = versions(peer);
+        if self
+            .inner
+            .control
+            .refresh_descriptor(peer.addr(), peer.incarnation())
+            .is_err()
+        {
+            return false;
+        }
+        while Instant::now() < deadline {
+            if versions(peer) != before {
+                return true;
+            }
+            std::thread::sleep(REFRESH_POLL);
+        }
+        false
+    }
+}
+
+/// The local regions of a submitter, sorted by address, and the engine's regions version
+/// they were read at.
+#[derive(Debug, Default)]
+pub(crate) struct RegionIndex {
+    version: Option<u64>,
+    regions: Vec<Region>,
+}
+
+impl RegionIndex {
+    /// The region holding `addr..addr + len`, reading the engine's regions again only when
+    /// they changed since the last look.
+    pub(super) fn find(&mut self, engine: &Engine, addr: u64, len: u64) -> Option<Region> {
+        let version = engine.regions_version();
+        if self.version != Some(version) {
+            self.regions = engine.regions();
+            self.version = Some(version);
+        }
+        // Regions do not overlap (registration refuses it): the one starting last at or
+        // before `addr` is the only candidate.
+        let after = self.regions.partition_point(|region| region.addr <= addr);
+        let candidate = self.regions.get(after.checked_sub(1)?)?;
+        candidate.contains(addr, len).then_some(*candidate)
+    }
 }
 
 #[cfg(test)]
