@@ -32,11 +32,10 @@ use railyard_dataplane::{Batch, EndpointId, Event, PollerHandle, SliceSpec, Subm
 use crate::endpoint::Incarnation;
 use crate::error::ControlError;
 use crate::handshake::{Action, ConnId, Core, PeerChange};
-use crate::plane::DirectoryWarning;
 use crate::policy::Policy;
 use crate::rail::{RailFabric, Revocation};
 use crate::shared::{ControlShared, EndpointView, bump, bump_by};
-use crate::warn::{WarningKind, control_warning};
+use crate::warn::{DirectoryWarning, WarningKind, control_warning};
 use crate::wire::{FrameDecoder, MAX_BODY, MAX_HELLO_BODY, Message, WireError};
 
 /// What the application asks of the control thread.

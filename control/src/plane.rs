@@ -41,6 +41,7 @@ pub use crate::handshake::PeerChange;
 pub use crate::shared::{
     ControlShared, ControlStats, EndpointView, Notification, NotificationBody,
 };
+pub use crate::warn::DirectoryWarning;
 
 use crate::auth::ClusterSecret;
 use crate::descriptor::{RailDescriptor, SegmentDescriptor};
@@ -88,21 +89,6 @@ impl ControlConfig {
             secret: None,
         }
     }
-}
-
-/// A warning about the cluster directory, as its fields.
-#[derive(Clone, Debug)]
-pub struct DirectoryWarning {
-    /// What happened (the event's message).
-    pub message: &'static str,
-    /// The directory's endpoints (the `directory` field).
-    pub directory: String,
-    /// The name it concerns, if one (the `peer` field).
-    pub peer: Option<String>,
-    /// The incarnation it concerns, if one.
-    pub incarnation: Option<Incarnation>,
-    /// Why, or what else is known (the `reason` field).
-    pub reason: Option<String>,
 }
 
 /// A rail as the control plane drives it.

@@ -1,11 +1,29 @@
-//! The control plane's warnings: their kinds, and the macro that counts one and emits it as
-//! a `tracing` event. Each event has target `railyard::control`, the engine's name and the
-//! warning's kind as fields, and the fields of what it is about (`peer`, `addr`,
-//! `incarnation`, `endpoint`, `epoch`, `rail`, `reason`) — no formatted sentences to parse.
+//! The control plane's warnings: their kinds, a directory warning's fields, and the macro
+//! that counts one and emits it as a `tracing` event. Each event has target
+//! `railyard::control`, the engine's name and the warning's kind as fields, and the fields
+//! of what it is about (`peer`, `addr`, `incarnation`, `endpoint`, `epoch`, `rail`,
+//! `reason`) — no formatted sentences to parse.
 //! Rate limiting is the subscriber's business: a reconnect storm is many events of one
 //! kind, which `railyard::logging::RateLimit` folds into a count.
 
 use std::fmt;
+
+use crate::endpoint::Incarnation;
+
+/// A warning about the cluster directory, as its fields.
+#[derive(Clone, Debug)]
+pub struct DirectoryWarning {
+    /// What happened (the event's message).
+    pub message: &'static str,
+    /// The directory's endpoints (the `directory` field).
+    pub directory: String,
+    /// The name it concerns, if one (the `peer` field).
+    pub peer: Option<String>,
+    /// The incarnation it concerns, if one.
+    pub incarnation: Option<Incarnation>,
+    /// Why, or what else is known (the `reason` field).
+    pub reason: Option<String>,
+}
 
 /// Kinds of repeatable warnings (the `kind` field of a control-plane warning event).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
