@@ -36,6 +36,10 @@ use crate::{EndpointId, Epoch};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct QpNum(pub u32);
 
+/// Queue-pair numbers of TCP queue pairs have this bit set (24-bit numbers, as in verbs);
+/// soft queue pairs never do, so one poller can drive both fabrics ([`host`]).
+pub const TCP_QP_BIT: u32 = 1 << 23;
+
 /// The operation of a work request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]

@@ -16,7 +16,7 @@ use std::sync::{Arc, PoisonError, RwLockReadGuard};
 
 use railyard_ofi_sys as sys;
 
-use super::rail::{AnnouncedRegions, LocalRegistration, OfiRail, strerror};
+use super::rail::{AnnouncedRegions, LocalRegistration, OfiError, OfiRail, strerror};
 use super::status::map_error;
 use crate::fabric::{
     Access, Fabric, FabricError, FabricLimits, Opcode, PostError, QpNum, WcStatus, WorkCompletion,
@@ -89,8 +89,25 @@ impl std::fmt::Debug for OfiFabric {
     }
 }
 
+impl OfiRail {
+    /// The poller's side of the rail: at most one.
+    ///
+    /// # Errors
+    /// When one was made already.
+    pub fn fabric(self: &Arc<Self>) -> Result<OfiFabric, OfiError> {
+        if self.fabric_taken.swap(true, Ordering::AcqRel) {
+            return Err(OfiError::Call {
+                call: "OfiRail::fabric",
+                code: -i64::from(sys::FI_EBUSY),
+                reason: "the rail's poller already has its fabric".into(),
+            });
+        }
+        Ok(OfiFabric::new(self.clone()))
+    }
+}
+
 impl OfiFabric {
-    pub(crate) fn new(rail: Arc<OfiRail>) -> Self {
+    fn new(rail: Arc<OfiRail>) -> Self {
         Self {
             rail,
             qps: HashMap::new(),

@@ -1,7 +1,8 @@
 //! [`OfiRail`]: one provider domain, endpoint, completion queue and address vector, and the
 //! memory registered on it. Shared by the control plane (staging peers), the application
-//! (registering memory) and the rail's poller (its [`OfiFabric`], the only user of the
-//! endpoint, completion queue and address vector).
+//! (registering memory) and the rail's poller (its [`OfiFabric`](super::OfiFabric), which
+//! `OfiRail::fabric` makes once: the only user of the endpoint, completion queue and address
+//! vector).
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{CStr, CString, c_void};
@@ -11,7 +12,6 @@ use std::sync::{Arc, Mutex, MutexGuard, Once, PoisonError, RwLock};
 
 use railyard_ofi_sys as sys;
 
-use super::fabric::OfiFabric;
 use crate::fabric::staging::Staging;
 use crate::fabric::{Access, FabricLimits, MemoryRegion};
 use crate::{EndpointId, Epoch};
@@ -182,7 +182,7 @@ pub struct OfiRail {
     /// Immediates that arrived, by the tag of the connection they came on; only tags opened
     /// with [`Self::open_immediates`] are kept.
     immediates: Mutex<HashMap<u32, Vec<u32>>>,
-    fabric_taken: AtomicBool,
+    pub(super) fabric_taken: AtomicBool,
 }
 
 // SAFETY: the domain is opened FI_THREAD_SAFE, so registering memory (the only call made
@@ -616,7 +616,7 @@ impl OfiRail {
                 0
             } else {
                 // Drawn from the kernel for each registration: no key says anything of another.
-                u64::from(crate::fabric::soft::random_u64() as u32)
+                u64::from(crate::entropy::random_u64() as u32)
             };
             // SAFETY: the caller keeps the range mapped while registered; `mr` is closed on
             // every error path below and otherwise kept until `deregister`.
@@ -820,21 +820,6 @@ impl OfiRail {
     /// endpoint and epoch inserts its address.
     pub fn stage(&self, endpoint: EndpointId, epoch: Epoch, peer: OfiPeer) {
         self.staged.stage(endpoint, epoch, peer);
-    }
-
-    /// The poller's side of the rail: at most one.
-    ///
-    /// # Errors
-    /// When one was made already.
-    pub fn fabric(self: &Arc<Self>) -> Result<OfiFabric, OfiError> {
-        if self.fabric_taken.swap(true, Ordering::AcqRel) {
-            return Err(OfiError::Call {
-                call: "OfiRail::fabric",
-                code: -i64::from(sys::FI_EBUSY),
-                reason: "the rail's poller already has its fabric".into(),
-            });
-        }
-        Ok(OfiFabric::new(self.clone()))
     }
 }
 

@@ -58,11 +58,6 @@ use crate::fabric::{Access, MemoryRegion, QpInfo, QpNum, QpState};
 use crate::{EndpointId, Epoch};
 use regions::RegionTable;
 
-/// A random 64-bit value from the kernel.
-pub(crate) fn random_u64() -> u64 {
-    sys::random_u64()
-}
-
 /// How a soft device behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SoftConfig {
@@ -183,7 +178,7 @@ impl SoftDevice {
     /// [`SoftError::Io`] when the region table's shared memory cannot be created.
     pub fn open(name: impl Into<String>, config: SoftConfig) -> Result<Self, SoftError> {
         let pid = std::process::id();
-        let incarnation = sys::random_u64();
+        let incarnation = crate::entropy::random_u64();
         let table = RegionTable::new(pid, incarnation).map_err(|source| SoftError::Io {
             what: "create the region table",
             source,
@@ -278,13 +273,12 @@ impl SoftDevice {
     /// [`SoftError::Io`] when its inbox cannot be created.
     pub fn create_qp(&self, access: Access) -> Result<SoftQp, SoftError> {
         // 23 bits: numbers with bit 23 set are the TCP fabric's.
-        let num =
-            self.0.next_qp.fetch_add(1, Ordering::Relaxed) & (crate::fabric::tcp::TCP_QP_BIT - 1);
+        let num = self.0.next_qp.fetch_add(1, Ordering::Relaxed) & (crate::fabric::TCP_QP_BIT - 1);
         let info = QpInfo {
             qp_num: num.max(1),
             lid: 0,
             gid: qp::soft_gid(self.0.incarnation, self.0.pid),
-            psn: (sys::random_u64() & 0x00ff_ffff) as u32,
+            psn: (crate::entropy::random_u64() & 0x00ff_ffff) as u32,
             path_mtu: qp::SOFT_PATH_MTU,
         };
         SoftQp::new(

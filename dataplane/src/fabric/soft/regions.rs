@@ -195,7 +195,7 @@ impl RegionTable {
             slots: Mutex::new(Slots {
                 free: (0..CAPACITY as u16).rev().collect(),
                 registrations: vec![0; CAPACITY],
-                secret: super::random_u64(),
+                secret: crate::entropy::random_u64(),
             }),
         })
     }

@@ -380,20 +380,3 @@ pub(crate) fn recv_with_fds(socket: &UnixStream, buf: &mut [u8]) -> io::Result<V
     (&*socket).read_exact(&mut buf[received..])?;
     Ok(fds)
 }
-
-/// 64 bits from the kernel's random source (for incarnations and first PSNs).
-pub(crate) fn random_u64() -> u64 {
-    let mut bytes = [0u8; 8];
-    // SAFETY:
-    // - `bytes` is writable for its length; getrandom writes at most that many bytes.
-    let filled = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
-    if filled == bytes.len() as isize {
-        u64::from_le_bytes(bytes)
-    } else {
-        // No entropy source: still distinct per process and moment.
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        now ^ (u64::from(std::process::id()) << 32)
-    }
-}

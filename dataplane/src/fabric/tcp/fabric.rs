@@ -470,7 +470,7 @@ struct ServeIo<'a> {
 
 /// What one round's initiators share.
 struct Round<'a> {
-    plan: &'a crate::fabric::soft::FaultPlan,
+    plan: &'a crate::fabric::faults::FaultPlan,
     device: &'a TcpDevice,
     epoll: &'a Epoll,
     cq: &'a mut VecDeque<WorkCompletion>,

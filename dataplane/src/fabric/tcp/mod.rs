@@ -71,16 +71,14 @@ use std::time::{Duration, Instant};
 
 pub use fabric::{REQUESTS_PER_SEND, TcpFabric};
 
-use super::soft::{FaultHandle, SoftDevice};
+pub use super::TCP_QP_BIT;
+use super::faults::FaultHandle;
+use super::soft::SoftDevice;
 use super::staging::Staging;
 use super::{QpInfo, QpNum};
 use crate::ring::{self, Consumer, Producer};
 use crate::{EndpointId, Epoch};
 use wire::Hello;
-
-/// Queue-pair numbers of TCP queue pairs have this bit set (24-bit numbers, as in verbs);
-/// soft queue pairs never do, so one poller can drive both fabrics.
-pub const TCP_QP_BIT: u32 = 1 << 23;
 
 /// Whether `qp` is a TCP queue pair's number.
 pub fn is_tcp_qp(qp: QpNum) -> bool {
@@ -544,7 +542,7 @@ impl TcpDevice {
     pub fn create_target(&self, advertise: IpAddr) -> (TcpTarget, QpInfo, TcpAttachment) {
         let num = self.next_num();
         let token = loop {
-            let token = super::soft::random_u64();
+            let token = crate::entropy::random_u64();
             if token != 0 && !self.pending().contains_key(&token) {
                 break token;
             }
