@@ -63,7 +63,9 @@ bench: deps
 	$(CARGO) bench --bench ring --bench slice_path
 	$(CARGO) run --release --example soft_bandwidth
 
+# No import cycle between files (scripts/import_cycles.py), then rustfmt, clippy and rustdoc.
 lint: deps
+	python3 scripts/import_cycles.py
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features etcd,sabotage -- -D warnings
