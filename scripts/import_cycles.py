@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-CRATES = ["topology/src", "dataplane/src", "control/src", "src", "python/src"]
+CRATES = ["topology/src", "dataplane/src", "control/src", "engine/src", "src", "python/src"]
 PATH = re.compile(r"\b(crate|super|self)((?:::[A-Za-z_][A-Za-z0-9_]*)+)")
 USE_GROUP = re.compile(r"\buse\s+(crate|super|self)((?:::[A-Za-z_][A-Za-z0-9_]*)*)::\{([^;]*)\};", re.S)
 

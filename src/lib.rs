@@ -2,13 +2,16 @@
 //!
 //! A prefill process writes KV-cache blocks straight into a decode process's memory, over
 //! RDMA where the host has it and over software fabrics where it does not. This root crate
-//! wires the three layers together under the Engine API:
+//! is the top layer — the `railyard` CLI, the chaos scenarios and the log subscriber — and
+//! re-exports the layers below it under their usual paths:
 //!
 //! - [`topology`]: hwloc discovery, rails and the poller placement plan.
 //! - [`dataplane`]: SPSC rings, epoch-tagged slices, pollers, batches and fabrics.
 //! - [`control`]: endpoint lifecycle, handshakes, directory and failure policy.
-//! - [`engine`]: the Engine API — memory, peers, transfers, notifications, stats.
-//! - [`metrics`]: Prometheus metrics of an engine, and a server for `/metrics`.
+//! - [`engine`]: the Engine API — memory, peers, transfers, notifications, stats (the
+//!   `railyard-engine` crate, which an application may depend on alone).
+//! - [`metrics`]: Prometheus metrics of an engine, and a server for `/metrics` (part of the
+//!   engine crate).
 //! - [`logging`]: the rate limit of repeated warnings, as a `tracing` layer, and the CLI's
 //!   subscriber.
 //! - [`chaos`]: deterministic reproductions of the production failures railyard exists to
@@ -24,10 +27,10 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod chaos;
-pub mod engine;
 pub mod logging;
-pub mod metrics;
 
 pub use railyard_control as control;
 pub use railyard_dataplane as dataplane;
+pub use railyard_engine as engine;
+pub use railyard_engine::metrics;
 pub use railyard_topology as topology;

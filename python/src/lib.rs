@@ -17,11 +17,11 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use railyard::control::NotificationBody;
-use railyard::control::wire::MAX_NOTIFY;
-use railyard::dataplane::FailReason;
-use railyard::dataplane::{Batch as NativeBatch, IdleStrategy, RequestOutcome};
-use railyard::engine::{
+use railyard_control::NotificationBody;
+use railyard_control::wire::MAX_NOTIFY;
+use railyard_dataplane::FailReason;
+use railyard_dataplane::{Batch as NativeBatch, IdleStrategy, RequestOutcome};
+use railyard_engine::{
     DirectoryChoice, Engine as NativeEngine, FabricChoice, MemoryError, Op, Peer, PeerAccess,
     RailChoice, RawTransfer, Region, SubmitterPool, TransferError as TransferError_, default_name,
 };
@@ -431,7 +431,7 @@ impl Engine {
         let secret_file =
             secret_file.or_else(|| std::env::var_os("RAILYARD_SECRET_FILE").map(Into::into));
         if let Some(path) = secret_file {
-            let secret = railyard::engine::ClusterSecret::from_file(&path)
+            let secret = railyard_engine::ClusterSecret::from_file(&path)
                 .map_err(|error| PyValueError::new_err(error.to_string()))?;
             builder = builder.secret(secret);
         }
@@ -942,7 +942,7 @@ impl Engine {
 
 fn notifications_dict(
     py: Python<'_>,
-    received: Vec<railyard::control::Notification>,
+    received: Vec<railyard_control::Notification>,
 ) -> PyResult<Bound<'_, PyDict>> {
     let dict = PyDict::new(py);
     for notification in received {
@@ -1036,9 +1036,12 @@ impl Batch {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // At import, before any engine starts a thread: it writes the environment libfabric
     // reads when it starts.
-    railyard::dataplane::fabric::ofi::settle_parameters();
+    railyard_dataplane::fabric::ofi::settle_parameters();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("METRICS_CONTENT_TYPE", railyard::metrics::CONTENT_TYPE)?;
+    m.add(
+        "METRICS_CONTENT_TYPE",
+        railyard_engine::metrics::CONTENT_TYPE,
+    )?;
     m.add("TransferError", m.py().get_type::<TransferError>())?;
     m.add_class::<Engine>()?;
     m.add_class::<Batch>()?;

@@ -170,6 +170,26 @@ mod tests {
     }
 
     #[test]
+    fn the_requests_posted_on_a_queue_pair_are_its_busy_slots_with_their_ids() {
+        let mut inflight = Inflight::default();
+        let first = inflight.insert(1, EndpointId(1), QP, 0);
+        let elsewhere = inflight.insert(2, EndpointId(1), QpNum(8), 0);
+        let second = inflight.insert(3, EndpointId(2), QP, 0);
+        let done = inflight.insert(4, EndpointId(2), QP, 0);
+        assert!(inflight.take(done).is_some());
+        let posted: Vec<_> = inflight
+            .posted_on(QP)
+            .map(|(id, slice)| (id, slice.copied()))
+            .collect();
+        assert_eq!(posted, [(first, Some(1)), (second, Some(3))]);
+        let posted: Vec<_> = inflight.posted_on(QpNum(8)).map(|(id, _)| id).collect();
+        assert_eq!(posted, [elsewhere]);
+        // The ids given are the ones that take the slots.
+        assert_eq!(inflight.take(second), Some((EndpointId(2), QP, Some(3))));
+        assert_eq!(inflight.posted_on(QP).count(), 1);
+    }
+
+    #[test]
     fn a_key_is_in_use_until_every_request_through_it_completed() {
         let mut inflight = Inflight::default();
         let first = inflight.insert(1, EndpointId(1), QP, 4);

@@ -676,7 +676,7 @@ mod tests {
     fn on_the_production_plan_memory_stays_on_its_nodes_rails() {
         let fixture = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/topology/hicache-12nic.xml"
+            "/../tests/fixtures/topology/hicache-12nic.xml"
         );
         let topology =
             railyard_topology::HostTopology::from_xml_file(std::path::Path::new(fixture))

@@ -18,7 +18,7 @@ const HUGE_PAGE: usize = 2 << 20;
 /// Concurrent access to its bytes is the RDMA contract (transfers resolve before the
 /// application reads what they wrote).
 #[derive(Debug)]
-pub(crate) struct HostMemory {
+pub struct HostMemory {
     pages: Pages,
     len: usize,
     backing: Backing,
@@ -91,7 +91,10 @@ fn thp_allowed() -> bool {
 
 impl HostMemory {
     /// `len` bytes (more than 0).
-    pub(crate) fn new(len: usize) -> io::Result<Self> {
+    ///
+    /// # Errors
+    /// `InvalidInput` for 0 bytes; the mapping's error when there is no memory to map.
+    pub fn new(len: usize) -> io::Result<Self> {
         if len == 0 {
             return Err(io::ErrorKind::InvalidInput.into());
         }
@@ -127,15 +130,22 @@ impl HostMemory {
         })
     }
 
-    pub(crate) fn addr(&self) -> u64 {
+    /// Its first byte's address.
+    pub fn addr(&self) -> u64 {
         self.pages.first() as u64
     }
 
-    pub(crate) fn len(&self) -> usize {
+    /// Its length in bytes.
+    #[allow(
+        clippy::len_without_is_empty,
+        reason = "never empty: `new` refuses 0 bytes"
+    )]
+    pub fn len(&self) -> usize {
         self.len
     }
 
-    pub(crate) fn backing(&self) -> Backing {
+    /// Which pages it got.
+    pub fn backing(&self) -> Backing {
         self.backing
     }
 

@@ -1,7 +1,9 @@
-//! The Engine: railyard as an application embeds it.
+//! railyard's engine: railyard as an application embeds it, with nothing of the CLI, the
+//! chaos scenarios or clap (the `railyard` crate re-exports it as `railyard::engine`, and
+//! this crate's [`metrics`] as `railyard::metrics`).
 //!
 //! ```no_run
-//! use railyard::engine::{Engine, Op, Transfer};
+//! use railyard_engine::{Engine, Op, Transfer};
 //! # fn main() -> anyhow::Result<()> {
 //! let engine = Engine::builder("prefill-0").build()?;
 //! let pool = engine.alloc(64 << 20, None)?;
@@ -52,7 +54,8 @@
 
 mod directory;
 mod error;
-pub(crate) mod memory;
+pub mod memory;
+pub mod metrics;
 mod rails;
 mod session;
 mod transfer;
