@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -69,37 +69,43 @@ fn never_reads(addr: SocketAddr) {
     socket.connect(&addr.into()).expect("connects");
     let mut stream: TcpStream = socket.into();
     stream.write_all(&hello("never-reads", 1)).expect("writes");
-    // About 5 MiB of requests whose answers are about 40 MiB: more than the kernel's
-    // buffers on both sides and the target's bound together.
+    // Requests in rounds of about 1 MiB, whose answers are about 10 MiB a round, and not
+    // one answer read: more than the kernel's buffers on both sides and the target's bound
+    // together after two rounds. Once the target closes this peer, a write fails (reset or
+    // broken pipe). (Reading answers between rounds would let a fast target answer them all
+    // within its bound, and prove nothing.)
     let request = Message::GetDescriptor.encode();
-    let requests: Vec<u8> = request
+    let round: Vec<u8> = request
         .iter()
         .copied()
         .cycle()
-        .take(request.len() * 400_000)
+        .take(request.len() * 100_000)
         .collect();
     stream.set_write_timeout(Some(BOUND)).expect("a timeout");
-    if stream.write_all(&requests).is_err() {
-        return; // closed under us: the target gave up on this peer already
-    }
-    // Now drain what is buffered: the stream must end, well before all answers came.
-    stream
-        .set_read_timeout(Some(BOUND))
-        .expect("a read timeout");
-    let mut sink = vec![0u8; 1 << 20];
-    let mut answered = 0usize;
-    loop {
-        match stream.read(&mut sink) {
-            Ok(0) => break,
-            Ok(n) => answered += n,
-            Err(error) if error.kind() == ErrorKind::ConnectionReset => break,
-            Err(error) => panic!("the target kept a peer that does not read: {error}"),
+    const ROUNDS: usize = 12;
+    for sent in 0..ROUNDS {
+        match stream.write_all(&round) {
+            Ok(()) => {}
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    ErrorKind::ConnectionReset | ErrorKind::BrokenPipe
+                ) =>
+            {
+                return;
+            }
+            Err(error) => {
+                panic!(
+                    "the target neither read nor closed a peer that does not read ({sent} rounds in): {error}"
+                )
+            }
         }
-        assert!(
-            answered < 24 << 20,
-            "the target queued {answered} bytes of answers for a peer that does not read"
-        );
     }
+    panic!(
+        "the target kept a peer that does not read through {ROUNDS} rounds of requests \
+         (about {} MiB of answers)",
+        ROUNDS * 10
+    );
 }
 
 /// Connections that each start a frame of the largest size and never finish it, and one
