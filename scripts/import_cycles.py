@@ -3,9 +3,13 @@
 
 A file imports another when it names an item of that file's module by path (`use`
 statements and paths in code alike): `crate::a::b`, `super::x`, `self::y`. A path resolves
-to the deepest module file it reaches, and an item a module re-exports counts as that
-module's. A module's `mod` declarations are not imports (a parent owns its children), and
-comments are ignored. Run from the repository root: `python3 scripts/import_cycles.py`.
+to the deepest module file it reaches; a name a module re-exports (`pub use`) resolves to
+the file that defines it, so `crate::EndpointId` is an arrow to the file where
+`EndpointId` lives, not to the crate root. A module's own children are part of it: a
+parent's `mod` declarations and its paths into its children are not arrows (a child may
+name its parent, not a sibling that names it back). Comments are ignored, and a binary's
+`main.rs` is not a module of the library. Run from the repository root:
+`python3 scripts/import_cycles.py`.
 """
 
 import re
@@ -14,6 +18,9 @@ from pathlib import Path
 
 CRATES = ["topology/src", "dataplane/src", "control/src", "engine/src", "src", "python/src"]
 PATH = re.compile(r"\b(crate|super|self)((?:::[A-Za-z_][A-Za-z0-9_]*)+)")
+PUB_USE = re.compile(
+    r"\bpub(?:\([^)]*\))?\s+use\s+((?:[A-Za-z_][A-Za-z0-9_]*::)*)(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*(?:\s+as\s+[A-Za-z_][A-Za-z0-9_]*)?))\s*;"
+)
 USE_GROUP = re.compile(r"\buse\s+(crate|super|self)((?:::[A-Za-z_][A-Za-z0-9_]*)*)::\{([^;]*)\};", re.S)
 
 
@@ -44,20 +51,48 @@ def cycles_in(root: Path) -> list:
     for file in root.rglob("*.rs"):
         if file.name in ("build.rs",) or "tests" in file.relative_to(root).parts[:-1]:
             continue
+        if file.relative_to(root) == Path("main.rs") and (root / "lib.rs").exists():
+            continue
         files[module_of(root, file)] = file
     edges = {module: set() for module in files}
+    texts = {module: strip_comments(file.read_text()) for module, file in files.items()}
 
-    def resolve(base: tuple, rest: list) -> tuple:
+    # What each module re-exports: (module, name) -> (anchor, path) of the item's origin.
+    reexports = {}
+    for module, text in texts.items():
+        for head, group, single in PUB_USE.findall(text):
+            segments = [p for p in head.split("::") if p]
+            items = re.split(r",", group) if group else [single]
+            for item in items:
+                item = item.strip().strip("{} ")
+                if not item:
+                    continue
+                parts = [p.strip() for p in item.split(" as ")]
+                path = segments + [p for p in parts[0].split("::") if p]
+                name = parts[-1].split("::")[-1]
+                if path and name.isidentifier() and name != "self":
+                    reexports[(module, name)] = path
+
+    def resolve(base: tuple, rest: list, depth: int = 0) -> tuple:
         path = base
-        for name in rest:
+        for index, name in enumerate(rest):
             if path + (name,) in files:
                 path = path + (name,)
-            else:
-                break
+                continue
+            origin = reexports.get((path, name))
+            if origin and depth < 8:
+                anchor, tail = origin[0], origin[1:]
+                if anchor in ("crate", "super", "self"):
+                    start, tail = targets(path, anchor, tail)
+                elif path + (anchor,) in files:
+                    start = path + (anchor,)
+                else:
+                    break  # another crate's item
+                return resolve(start, tail + rest[index + 1 :], depth + 1)
+            break
         return path
 
-    for module, file in files.items():
-        text = strip_comments(file.read_text())
+    for module, text in texts.items():
         # `mod x;` and `#[cfg(test)] mod tests;` declare children: not imports.
         text = re.sub(r"^\s*(pub(\([^)]*\))?\s+)?mod\s+\w+\s*;", "", text, flags=re.M)
         paths = []

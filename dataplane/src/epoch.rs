@@ -1,6 +1,12 @@
-//! Epochs: which incarnation of an endpoint's queue pair a slice was prepared for.
+//! Endpoints and their epochs: which endpoint a slice is for, and which incarnation of its
+//! queue pair it was prepared for.
 
 use std::fmt;
+
+/// Identifies an endpoint (one peer rail) within a poller. Dense small numbers chosen by the
+/// owner of endpoints; the poller indexes a table by them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointId(pub u32);
 
 /// The generation of an endpoint's queue pair. Every reconnect gives the endpoint a newer
 /// epoch; a slice carries the epoch it was prepared for (addresses, lengths and keys are

@@ -37,10 +37,10 @@ mod submitter;
 mod sync;
 
 pub use batch::{Batch, BatchStatus, FailReason, RequestFailure, RequestOutcome};
-pub use epoch::Epoch;
+pub use epoch::{EndpointId, Epoch};
 pub use poller::{
     COMMAND_WAIT, Command, CounterSnapshot, Event, FailStale, IdleStrategy, PollerConfig,
     PollerHandle, PollerStopped, RepairCause, Reprepare, SpawnError,
 };
-pub use slice::{EndpointId, Slice, SliceSpec};
+pub use slice::{Slice, SliceSpec};
 pub use submitter::{DEFAULT_DEADLINE, SubmitError, Submitter};

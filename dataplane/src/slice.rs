@@ -11,14 +11,9 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::Epoch;
 use crate::batch::{BatchState, FailReason, RequestFailure};
+use crate::epoch::{EndpointId, Epoch};
 use crate::fabric::Opcode;
-
-/// Identifies an endpoint (one peer rail) within a poller. Dense small numbers chosen by the
-/// owner of endpoints; the poller indexes a table by them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EndpointId(pub u32);
 
 /// What a submitter says about one slice; see [`crate::Submitter::submit`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -66,16 +66,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant};
 
+pub use railyard_control as control;
 pub use railyard_control::{ClusterSecret, SecretError};
 use railyard_control::{
     ControlConfig, ControlPlane, ControlShared, ControlStats, EndpointView, HostMode, Incarnation,
     Notification, Policy, RegionDescriptor, SegmentDescriptor,
 };
+pub use railyard_dataplane as dataplane;
 use railyard_dataplane::fabric::MemoryRegion;
 use railyard_dataplane::fabric::soft::{Backing, FaultHandle};
 pub use railyard_dataplane::fabric::tcp::ServedStats;
 pub use railyard_dataplane::fabric::verbs::RailConfig;
 use railyard_dataplane::{Batch, CounterSnapshot, DEFAULT_DEADLINE, IdleStrategy, PollerHandle};
+pub use railyard_topology as topology;
 use railyard_topology::{HostTopology, PlanOptions, RailKind};
 
 pub use error::{BuildError, MemoryError, PeerError, RevokeError, TransferError};

@@ -17,10 +17,10 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use railyard_control::NotificationBody;
-use railyard_control::wire::MAX_NOTIFY;
-use railyard_dataplane::FailReason;
-use railyard_dataplane::{Batch as NativeBatch, IdleStrategy, RequestOutcome};
+use railyard_engine::control::NotificationBody;
+use railyard_engine::control::wire::MAX_NOTIFY;
+use railyard_engine::dataplane::FailReason;
+use railyard_engine::dataplane::{Batch as NativeBatch, IdleStrategy, RequestOutcome};
 use railyard_engine::{
     DirectoryChoice, Engine as NativeEngine, FabricChoice, MemoryError, Op, Peer, PeerAccess,
     RailChoice, RawTransfer, Region, SubmitterPool, TransferError as TransferError_, default_name,
@@ -942,7 +942,7 @@ impl Engine {
 
 fn notifications_dict(
     py: Python<'_>,
-    received: Vec<railyard_control::Notification>,
+    received: Vec<railyard_engine::control::Notification>,
 ) -> PyResult<Bound<'_, PyDict>> {
     let dict = PyDict::new(py);
     for notification in received {
@@ -1036,7 +1036,7 @@ impl Batch {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // At import, before any engine starts a thread: it writes the environment libfabric
     // reads when it starts.
-    railyard_dataplane::fabric::ofi::settle_parameters();
+    railyard_engine::dataplane::fabric::ofi::settle_parameters();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "METRICS_CONTENT_TYPE",
