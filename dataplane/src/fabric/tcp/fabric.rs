@@ -631,7 +631,13 @@ impl Initiator {
                 // Also while the connection is still being set up.
                 Err(error) if would_block(&error) => return Ok(moved),
                 Err(_) => {
-                    self.connection_failed(round);
+                    // A target that refused the head answers at its header and closes while
+                    // the payload still goes: its answer may wait in the socket behind the
+                    // broken send, and says why (else the connection just broke).
+                    let mut ample = usize::MAX;
+                    if self.receive(round, &mut ample).is_ok() {
+                        self.connection_failed(round);
+                    }
                     return Err(());
                 }
             };
