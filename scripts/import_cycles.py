@@ -5,9 +5,9 @@ A file imports another when it names an item of that file's module by path (`use
 statements and paths in code alike): `crate::a::b`, `super::x`, `self::y`. A path resolves
 to the deepest module file it reaches; a name a module re-exports (`pub use`) resolves to
 the file that defines it, so `crate::EndpointId` is an arrow to the file where
-`EndpointId` lives, not to the crate root. A module's own children are part of it: a
-parent's `mod` declarations and its paths into its children are not arrows (a child may
-name its parent, not a sibling that names it back). Comments are ignored, and a binary's
+`EndpointId` lives, not to the crate root. A parent's `mod` declarations are not
+arrows, but its paths into its children are (`pub use child::X;` included), so a child that
+names its parent while the parent names it back is a cycle. Comments are ignored, and a binary's
 `main.rs` is not a module of the library. Run from the repository root:
 `python3 scripts/import_cycles.py`.
 """
@@ -106,6 +106,11 @@ def cycles_in(root: Path) -> list:
                     paths.append((anchor, stem))
         for anchor, tail in PATH.findall(text):
             paths.append((anchor, [p for p in tail.split("::") if p]))
+        # Bare paths into a child module (`use child::X;`, `child::f()`).
+        for m in re.finditer(r"(?<![:\w])([a-z_][a-z0-9_]*)::", text):
+            if module + (m.group(1),) in files:
+                rest = re.match(r"(?:[A-Za-z_][A-Za-z0-9_]*::)*[A-Za-z_][A-Za-z0-9_]*", text[m.start():]).group(0)
+                paths.append(("self", rest.split("::")))
         for anchor, rest in paths:
             base, rest = targets(module, anchor, rest)
             if anchor == "super" and module == ():
