@@ -28,7 +28,10 @@ declare -A TESTS=(
 
 # The core files, by owning crate.
 declare -A CORE=(
-  [railyard-control]="control/src/endpoint.rs control/src/handshake.rs control/src/wire.rs"
+  [railyard-control]="control/src/endpoint.rs control/src/wire.rs
+    control/src/handshake/state.rs control/src/handshake/admission.rs
+    control/src/handshake/descriptors.rs control/src/handshake/queue_pairs.rs
+    control/src/handshake/liveness.rs control/src/handshake/retirement.rs"
   [railyard-dataplane]="dataplane/src/ring.rs dataplane/src/batch.rs dataplane/src/epoch.rs
     dataplane/src/poller/rule.rs dataplane/src/poller/credits.rs
     dataplane/src/poller/deadline.rs dataplane/src/poller/inflight.rs"

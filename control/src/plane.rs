@@ -1,5 +1,5 @@
 //! The control plane's public handle: [`ControlPlane`] starts the control thread — the I/O
-//! driver (`driver.rs`) around the sans-IO handshake core (`handshake.rs`) — and
+//! driver (`driver.rs`) around the sans-IO handshake core (`handshake/`) — and
 //! passes the application's requests to it over a channel plus a wake-up socket.
 //!
 //! # Endpoints and ids
@@ -17,7 +17,7 @@
 //! The listener answers ConnectQp idempotently: a request naming the same initiator
 //! incarnation, rails and queue-pair number as the passive queue pair it already has is
 //! answered with that queue pair's side and changes nothing. Identity, restarts and which
-//! reply belongs to which endpoint are the core's: see `handshake.rs`.
+//! reply belongs to which endpoint are the core's: see `handshake/`.
 //!
 //! # Notifications
 //! Bytes go over the control connection ([`ControlPlane::notify`]), addressed to one

@@ -1,6 +1,6 @@
 //! The peer table on virtual time: liveness and redials, what the directory says about
 //! peers, and the queue pairs passed between them (the network and fake fabric of
-//! `handshake_tests`).
+//! `handshake::tests`).
 
 use std::sync::mpsc::TryRecvError;
 

@@ -11,9 +11,21 @@ use std::time::{Duration, Instant};
 use railyard_dataplane::fabric::{QpInfo, WcStatus};
 use railyard_dataplane::{Command, EndpointId, Epoch, Event};
 
+use super::state::{EVICTABLE_AFTER, MAX_HELD};
 use super::*;
+use crate::auth::ClusterSecret;
 use crate::descriptor::RailDescriptor;
+use crate::descriptor::SegmentDescriptor;
+use crate::endpoint::{Incarnation, Phase};
+use crate::error::ControlError;
+use crate::host::HostId;
+use crate::policy::Policy;
+use crate::rail::{PeerLink, RailFabric, Revocation};
 use crate::shared::ControlShared;
+use crate::shared::{EndpointView, NotificationBody};
+use crate::warn::WarningKind;
+use crate::wire::{Message, NONCE_LEN, QpSide, WireKey};
+use railyard_dataplane::fabric::tcp::TcpAttachment;
 
 /// Who owns every fake queue pair, and what each process staged.
 #[derive(Default)]
@@ -2478,7 +2490,7 @@ fn immediates_on_a_target_queue_pair_reach_the_application_at_the_next_tick() {
 
 /// The peer table's tests: liveness, redials, directory changes, queue pairs and their
 /// retirement (the same network and fake fabric as above).
-#[path = "handshake_peer_tests.rs"]
+#[path = "peer_tests.rs"]
 mod peer_tests;
 
 /// Fails the endpoint's queue pair at `view`'s epoch and lets it reconnect.

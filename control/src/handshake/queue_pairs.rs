@@ -1,0 +1,593 @@
+//! Queue pairs: the ConnectQp handshake on both sides, creating and staging queue pairs,
+//! driving each endpoint's state machine into commands for its poller, poller events, and
+//! the notifications carried on immediates.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use railyard_dataplane::fabric::tcp::TcpAttachment;
+use railyard_dataplane::sabotage::{self, Protection};
+use railyard_dataplane::{Command, EndpointId, Epoch, Event};
+
+use super::state::{Action, ConnId, Core, Passive, Pending, warning};
+use crate::directory::Directory;
+use crate::endpoint::{Incarnation, Input, Output, Phase};
+use crate::rail::{PeerLink, RailFabric};
+use crate::shared::{Notification, NotificationBody, bump};
+use crate::warn::{WarningKind, control_warning};
+use crate::wire::{Message, QpSide, WireKey};
+
+impl<F: RailFabric> Core<F> {
+    pub(super) fn on_notify(&mut self, conn: ConnId, target: Incarnation, bytes: Vec<u8>) {
+        let Some(from) = self.conns.get(&conn).and_then(|state| state.peer) else {
+            return;
+        };
+        let name = self.peer_name(from);
+        if target != self.me.incarnation {
+            bump(&self.shared.counters.notifications_refused);
+            warning!(
+                self,
+                Handshake,
+                peer = %name,
+                incarnation = %from,
+                target = %target,
+                "refusing a notification meant for another incarnation"
+            );
+            return;
+        }
+        self.shared.deliver([Notification {
+            from: name,
+            incarnation: from,
+            body: NotificationBody::Bytes(bytes),
+        }]);
+    }
+
+    /// What is known of the peer `incarnation` reached over `conn`.
+    pub(super) fn link(&self, conn: ConnId, incarnation: Incarnation) -> PeerLink {
+        PeerLink {
+            same_host: self
+                .peers
+                .get(&incarnation)
+                .is_some_and(|peer| peer.host.same_host_as(&self.me.host)),
+            local_ip: self
+                .conns
+                .get(&conn)
+                .and_then(|state| state.local_ip)
+                .unwrap_or(self.me.local_addr.ip()),
+        }
+    }
+
+    pub(super) fn on_connect_qp(
+        &mut self,
+        conn: ConnId,
+        key: WireKey,
+        epoch: u64,
+        handshake: u64,
+        side: &QpSide,
+    ) {
+        let speaker = self.conns.get(&conn).and_then(|state| state.peer);
+        let result = if speaker == Some(key.initiator) {
+            let link = self.link(conn, key.initiator);
+            self.answer_connect_qp(key, side, &link, conn)
+        } else {
+            bump(&self.shared.counters.refused);
+            let reason = format!(
+                "the queue pair is asked for {} on the connection of {}",
+                key.initiator,
+                speaker.map_or_else(|| "no one".into(), |s| s.to_string())
+            );
+            warning!(
+                self,
+                Handshake,
+                incarnation = %key.initiator,
+                speaker = speaker.map(display),
+                rail = key.target_rail,
+                epoch,
+                reason,
+                "refusing a ConnectQp"
+            );
+            Err(reason)
+        };
+        let fence = self.fences.get(&key.initiator).copied().unwrap_or(0);
+        self.send(
+            conn,
+            Message::ConnectQpReply {
+                key,
+                epoch,
+                handshake,
+                fence,
+                result,
+            },
+        );
+    }
+
+    pub(super) fn answer_connect_qp(
+        &mut self,
+        key: WireKey,
+        side: &QpSide,
+        link: &PeerLink,
+        conn: ConnId,
+    ) -> Result<QpSide, String> {
+        if key.target != self.me.incarnation {
+            bump(&self.shared.counters.refused);
+            return Err(format!(
+                "the queue pair is meant for incarnation {}, this process is {}",
+                key.target, self.me.incarnation
+            ));
+        }
+        let Some(fabric) = self.fabrics.get(usize::from(key.target_rail)) else {
+            bump(&self.shared.counters.refused);
+            return Err(format!(
+                "rail {} does not exist (this process has {})",
+                key.target_rail,
+                self.fabrics.len()
+            ));
+        };
+        let existing = self.passive.get(&key);
+        if let Some(existing) = existing {
+            if existing.remote_qp_num == side.info.qp_num
+                && !sabotage::is_off(Protection::IdempotentReplies)
+            {
+                bump(&self.shared.counters.idempotent_replies);
+                return Ok(existing.local.clone());
+            }
+            if existing.conn > conn {
+                bump(&self.shared.counters.refused);
+                return Err(
+                    "a ConnectQp from an older connection than the queue pair it would replace"
+                        .into(),
+                );
+            }
+        } else {
+            let of_peer = self
+                .passive
+                .keys()
+                .filter(|held| held.initiator == key.initiator)
+                .count();
+            if of_peer >= self.policy.max_queue_pairs_per_peer
+                || self.passive.len() >= self.policy.max_target_queue_pairs
+            {
+                bump(&self.shared.counters.refused);
+                return Err(format!(
+                    "too many queue pairs: {of_peer} of {} held here (at most {} per peer, {} in all)",
+                    key.initiator,
+                    self.policy.max_queue_pairs_per_peer,
+                    self.policy.max_target_queue_pairs
+                ));
+            }
+        }
+        let connected = fabric
+            .create_target_qp(link, side)
+            .and_then(|(qp, local)| Ok((fabric.connect_qp(qp, side)?, local)));
+        let (qp, local) = match connected {
+            Ok(connected) => connected,
+            Err(reason) => {
+                bump(&self.shared.counters.refused);
+                return Err(reason);
+            }
+        };
+        bump(&self.shared.counters.passive_qps);
+        self.count_fabric(&local);
+        let replaced = self.passive.insert(
+            key,
+            Passive {
+                qp,
+                remote_qp_num: side.info.qp_num,
+                local: local.clone(),
+                conn,
+            },
+        );
+        if replaced.is_some() {
+            bump(&self.shared.counters.teardowns);
+        }
+        Ok(local)
+    }
+
+    /// Counts a new queue pair by fabric (its side's attachment says which).
+    pub(super) fn count_fabric(&self, side: &QpSide) {
+        if TcpAttachment::is_tcp(&side.attachment) {
+            bump(&self.shared.counters.tcp_qps);
+        }
+    }
+
+    // ---- the initiator's side of a handshake -------------------------------------------
+
+    /// A ConnectQp reply for `(epoch, handshake)`, with the peer's fence generation for this
+    /// side: when it changed since the endpoint's previous queue pair, the peer revoked this
+    /// side meanwhile, and every slice prepared for an older epoch fails `Revoked` before
+    /// the new queue pair reaches the poller.
+    pub(super) fn on_connect_reply(
+        &mut self,
+        conn: ConnId,
+        key: WireKey,
+        (epoch, handshake): (u64, u64),
+        fence: u64,
+        result: Result<QpSide, String>,
+        now: Instant,
+    ) {
+        let speaker = self.conns.get(&conn).and_then(|state| state.peer);
+        let endpoint = self.handshakes.get(&handshake).copied();
+        let found = endpoint.and_then(|endpoint| Some((endpoint, self.active.get_mut(&endpoint)?)));
+        let me = self.me.incarnation;
+        let Some(((rail, id), active)) = found.filter(|(_, active)| {
+            let machine_key = active.machine.key();
+            let expected = WireKey {
+                initiator: me,
+                target: machine_key.peer,
+                initiator_rail: machine_key.local_rail,
+                target_rail: machine_key.remote_rail,
+            };
+            key == expected
+                && speaker == Some(machine_key.peer)
+                && active.pending.as_ref().is_some_and(|pending| {
+                    pending.handshake == handshake
+                        && pending.conn == conn
+                        && pending.epoch.get() == epoch
+                })
+        }) else {
+            bump(&self.shared.counters.stray_replies);
+            return;
+        };
+        self.handshakes.remove(&handshake);
+        let Some(pending) = active.pending.take() else {
+            return;
+        };
+        let epoch = pending.epoch;
+        if active.fence.is_some_and(|known| known != fence) {
+            active.view.revoke_before(epoch);
+        }
+        active.fence = Some(fence);
+        let fabric = &self.fabrics[usize::from(rail)];
+        let outcome = result
+            .and_then(|side| fabric.connect_qp(pending.qp, &side))
+            .and_then(|connected| fabric.stage(id, epoch, connected));
+        let span = active.span.clone();
+        let _entered = span.enter();
+        match outcome {
+            Ok(()) => {
+                let took = now.saturating_duration_since(pending.sent);
+                self.shared.counters.handshake_times.record(took);
+                tracing::info!(
+                    target: "railyard::control",
+                    epoch = epoch.get(),
+                    took = ?took,
+                    "queue pair connected"
+                );
+                self.handle_input(rail, id, Input::HandshakeDone { epoch }, now);
+            }
+            Err(reason) => {
+                warning!(
+                    self,
+                    Handshake,
+                    peer = %active.view.peer_name,
+                    incarnation = %key.target,
+                    endpoint = id.0,
+                    rail,
+                    epoch = epoch.get(),
+                    reason,
+                    "the peer refused a queue pair"
+                );
+                self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
+            }
+        }
+    }
+
+    /// Creates a queue pair for `epoch` and sends its ConnectQp with a fresh handshake id
+    /// (fetching the descriptor first on a reconnect, on the same ordered connection).
+    pub(super) fn create_qp(&mut self, rail: u16, id: EndpointId, epoch: Epoch, now: Instant) {
+        let Some(active) = self.active.get(&(rail, id)) else {
+            return;
+        };
+        let (addr, key, peer) = (
+            active.addr,
+            active.machine.key(),
+            active.view.peer_name.clone(),
+        );
+        let reconnect = epoch != active.view.first_epoch;
+        let span = active.span.clone();
+        let _entered = span.enter();
+        let conn = self.conn_to(addr, now);
+        let link = self.link(conn, key.peer);
+        let (qp, side) = match self.fabrics[usize::from(rail)].create_qp(&link) {
+            Ok(created) => created,
+            Err(reason) => {
+                warning!(
+                    self,
+                    Handshake,
+                    peer = %peer,
+                    incarnation = %key.peer,
+                    endpoint = id.0,
+                    rail,
+                    epoch = epoch.get(),
+                    reason,
+                    "cannot create a queue pair"
+                );
+                return self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
+            }
+        };
+        bump(&self.shared.counters.active_qps);
+        self.count_fabric(&side);
+        // The queue pair this one replaces is out of service for good.
+        self.announce_retired_qp(rail, id, None, now);
+        let qp_num = side.info.qp_num;
+        if reconnect {
+            bump(&self.shared.counters.reconnects);
+            warning!(
+                self,
+                Reconnect,
+                peer = %peer,
+                incarnation = %key.peer,
+                addr = %addr,
+                endpoint = id.0,
+                rail,
+                epoch = epoch.get(),
+                "reconnecting"
+            );
+            self.descriptors.invalidate(key.peer);
+            self.ask_descriptor(conn);
+        }
+        let handshake = self.rng.next_u64();
+        tracing::info!(
+            target: "railyard::control",
+            epoch = epoch.get(),
+            qp_num,
+            "queue pair offered"
+        );
+        self.send(
+            conn,
+            Message::ConnectQp {
+                key: WireKey {
+                    initiator: self.me.incarnation,
+                    target: key.peer,
+                    initiator_rail: key.local_rail,
+                    target_rail: key.remote_rail,
+                },
+                epoch: epoch.get(),
+                handshake,
+                side,
+            },
+        );
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        if let Some(replaced) = active.pending.replace(Pending {
+            epoch,
+            handshake,
+            conn,
+            qp,
+            sent: now,
+        }) {
+            self.handshakes.remove(&replaced.handshake);
+        }
+        active.offered = Some((epoch, qp_num));
+        self.handshakes.insert(handshake, (rail, id));
+    }
+
+    /// Sends `bytes` to incarnation `target` at `addr`.
+    pub(crate) fn notify(
+        &mut self,
+        addr: SocketAddr,
+        target: Incarnation,
+        bytes: Vec<u8>,
+        now: Instant,
+    ) {
+        let conn = self.conn_to(addr, now);
+        self.send(conn, Message::Notify { target, bytes });
+    }
+
+    /// A poller reported `event` on rail `rail`.
+    pub(crate) fn poller_event(&mut self, rail: u16, event: Event, now: Instant) {
+        match event {
+            Event::QpFailed {
+                endpoint,
+                epoch,
+                status,
+            } => {
+                self.announce_retired_qp(rail, endpoint, Some(epoch), now);
+                self.handle_input(rail, endpoint, Input::QpError { epoch, status }, now);
+            }
+            Event::QpFatal { endpoint, epoch } => {
+                self.announce_retired_qp(rail, endpoint, Some(epoch), now);
+                self.handle_input(rail, endpoint, Input::QpFatal { epoch }, now);
+            }
+            Event::ConnectFailed {
+                endpoint, epoch, ..
+            } => {
+                self.announce_retired_qp(rail, endpoint, Some(epoch), now);
+                self.handle_input(rail, endpoint, Input::HandshakeFailed { epoch }, now);
+            }
+            Event::Confirmed { endpoint, epoch } => {
+                self.handle_input(rail, endpoint, Input::Confirmed { epoch }, now);
+            }
+            Event::EndpointDrained { endpoint } => self.drained(rail, endpoint),
+            _ => {}
+        }
+    }
+
+    pub(super) fn handle_input(&mut self, rail: u16, id: EndpointId, input: Input, now: Instant) {
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        active.machine.handle(input, now);
+        let span = active.span.clone();
+        let _entered = span.enter();
+        self.drive(rail, id, now);
+    }
+
+    /// Carries out an endpoint's outputs, then cancels a handshake it no longer waits for.
+    /// Each new phase is published for submitters by an [`Action::Publish`] behind the
+    /// commands before it: an endpoint is seen ready only once the poller has the commands
+    /// that make it so (a slice sent to it then finds its circuit closed).
+    pub(super) fn drive(&mut self, rail: u16, id: EndpointId, now: Instant) {
+        loop {
+            let Some(active) = self.active.get_mut(&(rail, id)) else {
+                return;
+            };
+            let phase = active.machine.phase();
+            let probation = active.machine.on_probation();
+            if active.published != Some((phase, probation)) {
+                // In order with the commands before it (all of one step's actions run
+                // before the next step's).
+                active.published = Some((phase, probation));
+                let view = active.view.clone();
+                self.actions.push_back(Action::Publish {
+                    view,
+                    phase,
+                    probation,
+                });
+            }
+            let Some(output) = active.machine.poll_output() else {
+                break;
+            };
+            match output {
+                Output::CreateQp { epoch } => self.create_qp(rail, id, epoch, now),
+                Output::ConnectQp { epoch } => {
+                    let view = active.view.clone();
+                    self.actions
+                        .push_back(Action::AddEndpoint { rail, view, epoch });
+                }
+                Output::RefreshDescriptor => {
+                    let (addr, peer) = (active.addr, active.machine.key().peer);
+                    self.descriptors.invalidate(peer);
+                    if let Some(&conn) = self.dialed.get(&addr) {
+                        self.ask_descriptor(conn);
+                    }
+                }
+                Output::RetireEndpoint { reason } => {
+                    bump(&self.shared.counters.teardowns);
+                    warning!(
+                        self,
+                        Retire,
+                        peer = %active.view.peer_name,
+                        incarnation = %active.machine.key().peer,
+                        addr = %active.addr,
+                        endpoint = id.0,
+                        rail,
+                        epoch = active.machine.epoch().map(Epoch::get),
+                        reason = %reason,
+                        "endpoint retired"
+                    );
+                    self.actions.push_back(Action::Command {
+                        rail,
+                        command: Command::RetireEndpoint {
+                            endpoint: id,
+                            reason,
+                        },
+                    });
+                    self.announce_retired_qp(rail, id, None, now);
+                }
+                Output::OpenCircuit => {
+                    bump(&self.shared.counters.circuit_openings);
+                    warning!(
+                        self,
+                        Circuit,
+                        peer = %active.view.peer_name,
+                        incarnation = %active.machine.key().peer,
+                        addr = %active.addr,
+                        endpoint = id.0,
+                        rail,
+                        "circuit opened: work for the peer fails fast with PeerUnavailable"
+                    );
+                    self.actions.push_back(Action::Command {
+                        rail,
+                        command: Command::SetCircuit {
+                            endpoint: id,
+                            open: true,
+                        },
+                    });
+                }
+                Output::Unreachable => {
+                    self.actions.push_back(Action::Command {
+                        rail,
+                        command: Command::Unreachable { endpoint: id },
+                    });
+                    self.announce_retired_qp(rail, id, None, now);
+                }
+                Output::CloseCircuit => {
+                    self.actions.push_back(Action::Command {
+                        rail,
+                        command: Command::SetCircuit {
+                            endpoint: id,
+                            open: false,
+                        },
+                    });
+                }
+            }
+        }
+        self.cancel_abandoned_handshake(rail, id);
+    }
+
+    /// An endpoint that is no longer connecting at its pending handshake's epoch (retired,
+    /// timed out, moved on) cancels it: a late reply finds no one waiting.
+    pub(super) fn cancel_abandoned_handshake(&mut self, rail: u16, id: EndpointId) {
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        let waiting_for_it = active.pending.as_ref().is_some_and(|pending| {
+            active.machine.phase() == Phase::Connecting
+                && active.machine.epoch() == Some(pending.epoch)
+        });
+        if !waiting_for_it {
+            if let Some(abandoned) = active.pending.take() {
+                self.handshakes.remove(&abandoned.handshake);
+            }
+        }
+    }
+
+    // ---- immediates --------------------------------------------------------------------
+
+    /// Turns the immediates that arrived on passive queue pairs into notifications; drops
+    /// passive queue pairs that broke (their initiator sees its side fail and reconnects).
+    pub(super) fn take_immediates(&mut self) {
+        let keys: Vec<WireKey> = self.passive.keys().copied().collect();
+        for key in keys {
+            let Some(mut passive) = self.passive.remove(&key) else {
+                continue;
+            };
+            match self.deliver_immediates(key, &mut passive.qp) {
+                Ok(()) => {
+                    self.passive.insert(key, passive);
+                }
+                Err(reason) => {
+                    bump(&self.shared.counters.teardowns);
+                    warning!(
+                        self,
+                        Handshake,
+                        incarnation = %key.initiator,
+                        rail = key.target_rail,
+                        initiator_rail = key.initiator_rail,
+                        reason,
+                        "dropping a target queue pair that broke"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Queues the immediates that arrived on `qp` (the passive queue pair of `key`) as
+    /// notifications.
+    ///
+    /// # Errors
+    /// The fabric's reason when the queue pair is broken.
+    pub(super) fn deliver_immediates(
+        &mut self,
+        key: WireKey,
+        qp: &mut F::Connected,
+    ) -> Result<(), String> {
+        let Some(fabric) = self.fabrics.get(usize::from(key.target_rail)) else {
+            return Ok(());
+        };
+        self.immediates.clear();
+        let taken = fabric.take_immediates(qp, &mut self.immediates);
+        if !self.immediates.is_empty() {
+            let from = self.peer_name(key.initiator);
+            self.shared
+                .deliver(self.immediates.iter().map(|&imm| Notification {
+                    from: from.clone(),
+                    incarnation: key.initiator,
+                    body: NotificationBody::Immediate(imm),
+                }));
+        }
+        taken
+    }
+}

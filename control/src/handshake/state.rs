@@ -1,0 +1,341 @@
+//! The peer table's state: what the handshake core knows about connections, peers and
+//! endpoints, the actions it queues for the driver, and how a frame is queued on a
+//! connection (held until the peer proved the cluster secret).
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::mpsc::Sender;
+use std::time::{Duration, Instant};
+
+use railyard_dataplane::rng::SplitMix64;
+use railyard_dataplane::{Command, EndpointId, Epoch};
+
+use crate::auth::ClusterSecret;
+use crate::directory::P2pDirectory;
+use crate::endpoint::{Endpoint, EndpointKey, Incarnation, Phase};
+use crate::error::ControlError;
+use crate::host::HostId;
+use crate::policy::Policy;
+use crate::rail::RailFabric;
+use crate::shared::{ControlShared, EndpointView, bump};
+use crate::wire::{Message, NONCE_LEN, QpSide, WireKey};
+
+/// How long an accepted connection is safe from eviction before its Hello: time for the
+/// driver to read a Hello sent right after the connect.
+pub(crate) const EVICTABLE_AFTER: Duration = Duration::from_millis(100);
+
+/// Messages that may wait on a connection for its peer to prove the cluster secret; one more
+/// closes it at the next tick.
+pub(super) const MAX_HELD: usize = 1024;
+
+/// Counts and emits a warning of kind `$kind` for `$core` (see
+/// [`control_warning`](crate::warn::control_warning)).
+macro_rules! warning {
+    ($core:expr, $kind:ident, $($fields:tt)+) => {
+        control_warning!($core.shared, $core.me.name, WarningKind::$kind, $($fields)+)
+    };
+}
+pub(super) use warning;
+
+/// A control connection, as the core names it. Never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct ConnId(pub(crate) u64);
+
+/// What the driver must do, in order.
+#[derive(Debug)]
+pub(crate) enum Action {
+    /// Open a TCP connection to `addr` for `conn` and report it with [`Core::dialed`], or
+    /// [`Core::closed`] if it fails at once.
+    Dial {
+        /// The connection's id.
+        conn: ConnId,
+        /// The peer's handshake listener.
+        addr: SocketAddr,
+    },
+    /// Queue `message` on `conn` (ignored if the driver has already closed it).
+    Send {
+        /// The connection.
+        conn: ConnId,
+        /// The frame.
+        message: Message,
+    },
+    /// Close `conn`; the core has forgotten it.
+    Close {
+        /// The connection.
+        conn: ConnId,
+    },
+    /// Send `command` to rail `rail`'s poller.
+    Command {
+        /// The rail.
+        rail: u16,
+        /// The command.
+        command: Command,
+    },
+    /// Send AddEndpoint for `view` at `epoch` to rail `rail`'s poller, and only then
+    /// publish the epoch in the view: a slice prepared for it is always pushed after the
+    /// command, and the poller (which drains submissions before commands) finds the
+    /// endpoint at that epoch.
+    AddEndpoint {
+        /// The rail.
+        rail: u16,
+        /// The endpoint.
+        view: Arc<EndpointView>,
+        /// Its new epoch.
+        epoch: Epoch,
+    },
+    /// Publish `phase` (and whether the circuit is half-open) in `view`, after the actions
+    /// before it (commands to the poller).
+    Publish {
+        /// The endpoint.
+        view: Arc<EndpointView>,
+        /// Its phase.
+        phase: Phase,
+        /// Its circuit is half-open.
+        probation: bool,
+    },
+}
+
+/// What the core is told about this process.
+#[derive(Clone, Debug)]
+pub(crate) struct Identity {
+    /// Segment name (a label).
+    pub(crate) name: String,
+    /// This process's incarnation.
+    pub(crate) incarnation: Incarnation,
+    /// Where the handshake listener is.
+    pub(crate) local_addr: SocketAddr,
+    /// This process's host.
+    pub(crate) host: HostId,
+    /// The cluster secret peers must prove, if the cluster has one ([`crate::auth`]).
+    pub(crate) secret: Option<ClusterSecret>,
+}
+
+/// A peer incarnation as its Hello described it.
+#[derive(Clone, Debug)]
+pub(super) struct PeerInfo {
+    pub(super) name: String,
+    pub(super) host: HostId,
+    /// Where it says it listens (from an accepted connection's Hello): where this side
+    /// probes before giving up on its target queue pairs.
+    pub(super) listen: Option<SocketAddr>,
+}
+
+/// One control connection, either direction.
+#[derive(Debug)]
+pub(super) struct Conn {
+    /// Dialed: the peer's handshake listener. Accepted: the peer's source address.
+    pub(super) addr: SocketAddr,
+    pub(super) dialed: bool,
+    /// The local address the connection uses, once known.
+    pub(super) local_ip: Option<IpAddr>,
+    /// The incarnation its Hello announced, once it is admitted (with a cluster secret:
+    /// once both sides proved it).
+    pub(super) peer: Option<Incarnation>,
+    /// This side's Hello nonce on it.
+    pub(super) nonce: [u8; NONCE_LEN],
+    /// The peer's Hello, while its proof of the cluster secret is awaited.
+    pub(super) unproven: Option<Message>,
+    /// Messages to send once the peer is admitted (nothing but Hello, Auth and Bye goes
+    /// out before that).
+    pub(super) held: Vec<Message>,
+    /// Descriptors asked for on it (GetDescriptor) and not yet received; a Descriptor
+    /// nobody asked for closes the connection.
+    pub(super) descriptors_asked: u32,
+    pub(super) opened: Instant,
+    /// When the peer last said anything on it.
+    pub(super) last_heard: Instant,
+    /// When this side last sent a Ping on it.
+    pub(super) last_ping: Option<Instant>,
+    /// Its `handshake` span.
+    pub(super) span: tracing::Span,
+}
+
+/// An application's connect waiting for the peer's Hello and descriptor.
+pub(super) struct Waiting {
+    pub(super) conn: ConnId,
+    pub(super) local_rail: u16,
+    pub(super) remote_rail: u16,
+    pub(super) reply: Sender<Result<Arc<EndpointView>, ControlError>>,
+    pub(super) deadline: Instant,
+}
+
+/// The handshake an endpoint waits for.
+pub(super) struct Pending<Q> {
+    pub(super) epoch: Epoch,
+    pub(super) handshake: u64,
+    /// The connection the ConnectQp went out on: the only one its reply is taken from.
+    pub(super) conn: ConnId,
+    pub(super) qp: Q,
+    /// When the ConnectQp went out.
+    pub(super) sent: Instant,
+}
+
+pub(super) struct Active<Q> {
+    pub(super) machine: Endpoint,
+    pub(super) view: Arc<EndpointView>,
+    /// The peer's handshake listener.
+    pub(super) addr: SocketAddr,
+    pub(super) pending: Option<Pending<Q>>,
+    /// The epoch and number of the newest queue pair offered to the peer, until it is
+    /// announced retired (RetireQp).
+    pub(super) offered: Option<(Epoch, u32)>,
+    /// The phase (and probation) last handed to the driver to publish in `view`.
+    pub(super) published: Option<(Phase, bool)>,
+    /// The peer's fence generation for this side, as its last ConnectQp reply told it.
+    pub(super) fence: Option<u64>,
+    /// Its `endpoint` span.
+    pub(super) span: tracing::Span,
+}
+
+/// An initiator with target queue pairs here and no control connection.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Orphan {
+    /// Since when it has had none.
+    pub(super) since: Instant,
+    /// When a probe of its listener was started, if one was.
+    pub(super) probed: Option<Instant>,
+}
+
+pub(super) struct Passive<Q> {
+    /// The peer's queue pair is connected to it; immediates arrive on it.
+    pub(super) qp: Q,
+    pub(super) remote_qp_num: u32,
+    pub(super) local: QpSide,
+    /// The connection its ConnectQp came on: a ConnectQp still buffered on an older one
+    /// (which the initiator gave up) never replaces it.
+    pub(super) conn: ConnId,
+}
+
+/// The peer table and handshake state machine. See the module docs.
+pub(crate) struct Core<F: RailFabric> {
+    pub(super) me: Identity,
+    pub(super) policy: Policy,
+    pub(super) shared: Arc<ControlShared>,
+    pub(super) fabrics: Vec<F>,
+    pub(super) conns: HashMap<ConnId, Conn>,
+    pub(super) next_conn: u64,
+    /// The open dialed connection to each handshake address.
+    pub(super) dialed: HashMap<SocketAddr, ConnId>,
+    /// Which incarnation listens at each address dialed: the newest Hello's.
+    pub(super) listeners: HashMap<SocketAddr, Incarnation>,
+    /// What each peer incarnation's Hello said.
+    pub(super) peers: HashMap<Incarnation, PeerInfo>,
+    pub(super) descriptors: P2pDirectory,
+    pub(super) active: HashMap<(u16, EndpointId), Active<F::Qp>>,
+    pub(super) by_key: HashMap<EndpointKey, EndpointId>,
+    /// Ids whose endpoint drained, per rail.
+    pub(super) free_ids: Vec<(u16, EndpointId)>,
+    /// The next first epoch of each id that was used (epochs continue across occupants).
+    pub(super) next_epochs: HashMap<(u16, EndpointId), Epoch>,
+    /// Handshakes waiting for their reply, by id.
+    pub(super) handshakes: HashMap<u64, (u16, EndpointId)>,
+    pub(super) passive: HashMap<WireKey, Passive<F::Connected>>,
+    /// This side's fence generation for each initiator it revoked (absent: 0), told in every
+    /// ConnectQp reply. Kept for good: an initiator that reconnects after any number of
+    /// revokes must still see that one happened.
+    pub(super) fences: HashMap<Incarnation, u64>,
+    /// Initiators holding target queue pairs here with no control connection left.
+    pub(super) orphans: HashMap<Incarnation, Orphan>,
+    /// When each listener was last dialed again for endpoints left without a connection
+    /// (at most once per keepalive interval).
+    pub(super) redialed: HashMap<SocketAddr, Instant>,
+    pub(super) waiting: Vec<Waiting>,
+    pub(super) rng: SplitMix64,
+    pub(super) actions: VecDeque<Action>,
+    /// Scratch for immediates taken from passive queue pairs.
+    pub(super) immediates: Vec<u32>,
+    /// Only with [`Protection::IncarnationCheck`] off: each newcomer taken for the
+    /// predecessor at its address (newcomer → predecessor).
+    #[cfg(feature = "sabotage")]
+    pub(super) mistaken: HashMap<Incarnation, Incarnation>,
+}
+
+impl<F: RailFabric> Core<F> {
+    /// A core over `fabrics` (one per rail), drawing endpoint jitter and handshake ids from
+    /// `seed`.
+    pub(crate) fn new(
+        me: Identity,
+        policy: Policy,
+        seed: u64,
+        fabrics: Vec<F>,
+        shared: Arc<ControlShared>,
+    ) -> Self {
+        Self {
+            rng: SplitMix64::new(seed ^ me.incarnation.0),
+            me,
+            policy,
+            shared,
+            fabrics,
+            conns: HashMap::new(),
+            next_conn: 0,
+            dialed: HashMap::new(),
+            listeners: HashMap::new(),
+            peers: HashMap::new(),
+            descriptors: P2pDirectory::new(),
+            active: HashMap::new(),
+            by_key: HashMap::new(),
+            free_ids: Vec::new(),
+            next_epochs: HashMap::new(),
+            handshakes: HashMap::new(),
+            passive: HashMap::new(),
+            fences: HashMap::new(),
+            orphans: HashMap::new(),
+            redialed: HashMap::new(),
+            waiting: Vec::new(),
+            actions: VecDeque::new(),
+            immediates: Vec::new(),
+            #[cfg(feature = "sabotage")]
+            mistaken: HashMap::new(),
+        }
+    }
+
+    /// Whether `conn`'s peer is admitted (said Hello, and proved the secret if there is one).
+    pub(crate) fn admitted(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(&conn)
+            .is_some_and(|state| state.peer.is_some())
+    }
+
+    /// Whether peers must prove the cluster secret before anything but Hello and Auth.
+    pub(crate) fn proof_required(&self) -> bool {
+        self.me.secret.is_some()
+    }
+
+    /// The next thing the driver must do.
+    pub(crate) fn next_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Queues `message` on `conn`; with a cluster secret, holds all but Hello, Auth and Bye
+    /// until the peer has proven it.
+    pub(super) fn send(&mut self, conn: ConnId, message: Message) {
+        #[cfg(feature = "sabotage")]
+        let message = self.undo_mistaken_identity(message);
+        let proof_required = self.me.secret.is_some();
+        if let Some(state) = self.conns.get_mut(&conn) {
+            let handshake = matches!(
+                message,
+                Message::Hello { .. } | Message::Auth { .. } | Message::Bye
+            );
+            if proof_required && state.peer.is_none() && !handshake {
+                // Nothing for a peer that has not proven the secret yet.
+                // One past the bound marks the connection, which closes at the next tick.
+                if state.held.len() <= MAX_HELD {
+                    state.held.push(message);
+                } else if matches!(message, Message::Notify { .. }) {
+                    bump(&self.shared.counters.notifications_dropped);
+                }
+                return;
+            }
+        }
+        self.actions.push_back(Action::Send { conn, message });
+    }
+
+    /// The name `peer`'s Hello gave (empty if it never said Hello).
+    pub(super) fn peer_name(&self, peer: Incarnation) -> String {
+        self.peers
+            .get(&peer)
+            .map_or_else(String::new, |info| info.name.clone())
+    }
+}
