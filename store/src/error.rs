@@ -1,0 +1,166 @@
+//! The store's one error type: which key (or segment) it concerns, what went wrong, and the
+//! Mooncake Store error code that means the same.
+
+use thiserror::Error;
+
+/// The longest key, in bytes of UTF-8.
+pub const MAX_KEY_LEN: usize = 256;
+
+/// A store operation failed for `key` (empty when the operation names no key: mounting or
+/// unmounting a segment).
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("{}{kind}", if key.is_empty() { String::new() } else { format!("key {key:?}: ") })]
+pub struct StoreError {
+    /// The key the operation was about.
+    pub key: String,
+    /// What went wrong.
+    pub kind: StoreErrorKind,
+}
+
+impl StoreError {
+    /// `kind` for `key`.
+    pub fn new(key: &str, kind: StoreErrorKind) -> Self {
+        Self {
+            key: key.to_owned(),
+            kind,
+        }
+    }
+
+    /// Mooncake Store's error code for the same failure (its `ErrorCode`, `types.h`).
+    pub fn code(&self) -> i32 {
+        self.kind.code()
+    }
+}
+
+/// What went wrong, one variant per cause a caller may act on.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum StoreErrorKind {
+    /// The key is empty.
+    #[error("empty key")]
+    EmptyKey,
+    /// The key is longer than [`MAX_KEY_LEN`] bytes.
+    #[error("key of {len} bytes; at most {MAX_KEY_LEN}")]
+    KeyTooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// A value of 0 bytes.
+    #[error("value of 0 bytes")]
+    EmptyValue,
+    /// The value does not fit in any segment mounted.
+    #[error("value of {size} bytes is larger than the largest segment ({largest} bytes)")]
+    ValueTooLarge {
+        /// The value's size.
+        size: u64,
+        /// The largest segment's capacity (0: none is mounted).
+        largest: u64,
+    },
+    /// More replicas than segments to put them on.
+    #[error("{asked} replicas asked for, {segments} segments mounted")]
+    TooManyReplicas {
+        /// Replicas asked for.
+        asked: usize,
+        /// Segments that take writes.
+        segments: usize,
+    },
+    /// A replica count of 0.
+    #[error("replica_num is 0")]
+    NoReplicas,
+    /// No complete object has this key.
+    #[error("object not found")]
+    NotFound,
+    /// The key already names an object, complete or being written.
+    #[error("object already exists")]
+    AlreadyExists,
+    /// A reader holds a lease on the object: not removed (without force).
+    #[error("object has a lease")]
+    HasLease,
+    /// The object is being written: not readable, removable or replaceable yet.
+    #[error("object is being written (replica not ready)")]
+    NotReady,
+    /// Not enough free space on enough segments, even after eviction.
+    #[error("no space for {replicas} replicas of {size} bytes")]
+    NoSpace {
+        /// The value's size.
+        size: u64,
+        /// Replicas asked for.
+        replicas: usize,
+    },
+    /// The write is no longer pending: it ended, was revoked, or passed the put timeout and
+    /// was abandoned.
+    #[error("no write in progress with this id (ended, revoked or timed out)")]
+    PutNotPending,
+    /// The write was started by another client.
+    #[error("the write belongs to another client")]
+    NotWriter,
+    /// No segment of that name or id is mounted.
+    #[error("segment {segment:?} is not mounted")]
+    UnknownSegment {
+        /// The segment.
+        segment: String,
+    },
+    /// A segment of that name is mounted already.
+    #[error("segment {segment:?} is mounted already")]
+    SegmentExists {
+        /// The segment.
+        segment: String,
+    },
+    /// A segment that cannot be mounted (empty, too large, overflowing the address space).
+    #[error("segment {segment:?} cannot be mounted: {reason}")]
+    InvalidSegment {
+        /// The segment.
+        segment: String,
+        /// Why.
+        reason: String,
+    },
+    /// Moving the bytes through the engine failed.
+    #[error("transfer failed: {detail}")]
+    TransferFailed {
+        /// The engine's reason.
+        detail: String,
+    },
+    /// The master did not answer.
+    #[error("master unreachable: {detail}")]
+    MasterUnreachable {
+        /// Why.
+        detail: String,
+    },
+}
+
+impl StoreErrorKind {
+    /// Mooncake Store's error code for the same failure.
+    pub fn code(&self) -> i32 {
+        match self {
+            Self::EmptyKey | Self::KeyTooLong { .. } => -400, // INVALID_KEY
+            Self::EmptyValue
+            | Self::ValueTooLarge { .. }
+            | Self::TooManyReplicas { .. }
+            | Self::NoReplicas
+            | Self::InvalidSegment { .. } => -600, // INVALID_PARAMS
+            Self::NotWriter => -601,                          // ILLEGAL_CLIENT
+            Self::NotReady => -703,                           // REPLICA_IS_NOT_READY
+            Self::NotFound | Self::PutNotPending => -704,     // OBJECT_NOT_FOUND
+            Self::AlreadyExists => -705,                      // OBJECT_ALREADY_EXISTS
+            Self::HasLease => -706,                           // OBJECT_HAS_LEASE
+            Self::NoSpace { .. } => -200,                     // NO_AVAILABLE_HANDLE
+            Self::UnknownSegment { .. } => -101,              // SEGMENT_NOT_FOUND
+            Self::SegmentExists { .. } => -102,               // SEGMENT_ALREADY_EXISTS
+            Self::TransferFailed { .. } => -800,              // TRANSFER_FAIL
+            Self::MasterUnreachable { .. } => -900,           // RPC_FAIL
+        }
+    }
+}
+
+/// Checks that `key` can name an object.
+pub fn check_key(key: &str) -> Result<(), StoreError> {
+    if key.is_empty() {
+        return Err(StoreError::new(key, StoreErrorKind::EmptyKey));
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(StoreError::new(
+            key,
+            StoreErrorKind::KeyTooLong { len: key.len() },
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,28 @@
+//! railyard's KV-cache store: objects (a UTF-8 key and a value) kept as replicas in memory
+//! segments that member processes contribute, placed and tracked by a master that holds
+//! only metadata and never touches data.
+//!
+//! The store is the layer above the engine (`railyard-engine`): clients ask the master where
+//! to put or find an object, then move the bytes themselves, zero-copy through the engine,
+//! client to segment. Nothing below this crate knows about it.
+//!
+//! - [`master`]: the master's sans-IO core — segments and their free space, objects and
+//!   their replicas, two-phase writes, leases, pins and eviction — fed requests and the
+//!   time, answering with results and [`master::MasterAction`]s.
+//! - [`config`]: what a write asks for ([`ReplicaConfig`]) and how the master behaves
+//!   ([`MasterPolicy`]).
+//! - [`error`]: one error enum naming the key and the cause, with Mooncake Store's codes.
+//!
+//! # Thread safety
+//! [`master::MasterCore`] is a plain state machine (`Send`, not shared): one thread owns it.
+//!
+//! # Resource cleanup
+//! Dropping a [`master::MasterCore`] forgets its metadata; segments' memory belongs to the
+//! processes that mounted it.
+
+pub mod config;
+pub mod error;
+pub mod master;
+
+pub use config::{MasterPolicy, ReplicaConfig};
+pub use error::{StoreError, StoreErrorKind};

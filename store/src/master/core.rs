@@ -1,0 +1,681 @@
+//! The master's state machine: mounting and unmounting segments, two-phase writes
+//! (put-start, put-end, put-revoke, upsert), reads under leases, removal, abandoned writes
+//! fenced before their space is reused, and the timers that drive it all.
+//!
+//! It reads no clock and owns no socket: every call carries `now`, and what others must do
+//! (fence a zombie writer, learn that an unmount finished) comes out of
+//! [`MasterCore::next_action`], so tests replay any interleaving on virtual time.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use crate::config::{MasterPolicy, ReplicaConfig};
+use crate::error::{StoreError, StoreErrorKind, check_key};
+use crate::master::objects::{Object, PutId, Replica, Version, Write};
+use crate::master::segments::{ClientId, SegmentId, SegmentSpec, Segments};
+use crate::master::space::Extent;
+
+/// Where one replica of an object lives: enough for a client to read or write it through
+/// its engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaDescriptor {
+    /// The segment.
+    pub segment: SegmentId,
+    /// Its name.
+    pub segment_name: String,
+    /// Its host.
+    pub host: String,
+    /// Its owner engine's handshake address.
+    pub handshake_addr: String,
+    /// Address of the replica's first byte in the owner's address space.
+    pub addr: u64,
+    /// The value's size.
+    pub len: u64,
+}
+
+/// A write the master has placed: write every replica, then put-end (or put-revoke).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PutTicket {
+    /// The write's id, for put-end and put-revoke.
+    pub put: PutId,
+    /// Where to write the value, one entry per replica.
+    pub replicas: Vec<ReplicaDescriptor>,
+}
+
+/// A complete object a reader may read until `lease_until`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectLease {
+    /// The value's size.
+    pub size: u64,
+    /// Its complete replicas.
+    pub replicas: Vec<ReplicaDescriptor>,
+    /// The object is neither evicted nor removed (without force) before then; a reader
+    /// whose transfer ends later must not trust what it read.
+    pub lease_until: Instant,
+}
+
+/// A fence the master waits for, as it names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FenceId(pub u64);
+
+/// What the master needs others to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MasterAction {
+    /// A write by `writer` into `segment` was abandoned (put timeout, or removed by force):
+    /// `owner` must revoke `writer` on its engine (`Engine::revoke`), so that none of its
+    /// late bytes can land, and then report [`MasterCore::fenced`]. Until then the space
+    /// stays reserved.
+    Fence {
+        /// The fence to report.
+        fence: FenceId,
+        /// The segment written.
+        segment: SegmentId,
+        /// Its owner, who revokes.
+        owner: ClientId,
+        /// The zombie writer.
+        writer: ClientId,
+    },
+    /// `segment`'s unmount is over: no replica points into it any more; `owner` may
+    /// deregister its memory.
+    Unmounted {
+        /// The segment.
+        segment: SegmentId,
+        /// Its owner.
+        owner: ClientId,
+    },
+}
+
+/// Counters since the master started.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MasterCounters {
+    /// Writes started (put-start and upsert-start that placed replicas).
+    pub puts_started: u64,
+    /// Writes completed (put-end).
+    pub puts_completed: u64,
+    /// Writes revoked by their writer.
+    pub puts_revoked: u64,
+    /// Writes abandoned past the put timeout or removed by force while in progress.
+    pub puts_abandoned: u64,
+    /// Reads granted (a lease handed out).
+    pub gets: u64,
+    /// Objects evicted.
+    pub evictions: u64,
+    /// Bytes of values evicted.
+    pub evicted_bytes: u64,
+    /// Removes refused because a reader held a lease.
+    pub lease_refusals: u64,
+    /// Writes refused for lack of space after eviction.
+    pub no_space: u64,
+}
+
+/// One segment's usage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentUsage {
+    /// The segment.
+    pub segment: SegmentId,
+    /// Its name.
+    pub name: String,
+    /// Its host.
+    pub host: String,
+    /// Bytes it manages.
+    pub capacity: u64,
+    /// Bytes reserved by replicas (complete, being written, or waiting for a fence or a
+    /// lease to end).
+    pub reserved: u64,
+    /// Live replicas' extents (and those waiting for a fence or a lease to end).
+    pub extents: u32,
+    /// Being unmounted.
+    pub draining: bool,
+}
+
+/// What the master holds, for `stat` and metrics.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MasterStats {
+    /// Complete objects.
+    pub objects: u64,
+    /// Writes in progress.
+    pub writes: u64,
+    /// Bytes of complete values (one replica each).
+    pub bytes: u64,
+    /// Each segment.
+    pub segments: Vec<SegmentUsage>,
+    /// Fences waited for.
+    pub fences_pending: u64,
+    /// Counters.
+    pub counters: MasterCounters,
+}
+
+/// Space of an abandoned write, freed once the segment's owner has fenced the writer.
+pub(super) struct PendingFence {
+    pub(super) segment: SegmentId,
+    pub(super) extents: Vec<Extent>,
+}
+
+/// The master's state machine. See the module docs.
+pub struct MasterCore {
+    pub(super) policy: MasterPolicy,
+    pub(super) segments: Segments,
+    pub(super) objects: HashMap<String, Object>,
+    next_put: u64,
+    next_fence: u64,
+    /// Logical time of reads and completed writes, for least-recently-used eviction.
+    clock: u64,
+    pub(super) fences: HashMap<FenceId, PendingFence>,
+    /// Replicas no reader can be pointed at any more but one may still be reading, freed
+    /// when the lease they were handed out under ends.
+    pub(super) retired: Vec<(Instant, Replica)>,
+    actions: VecDeque<MasterAction>,
+    pub(super) counters: MasterCounters,
+}
+
+impl MasterCore {
+    /// A master with no segment.
+    pub fn new(policy: MasterPolicy) -> Self {
+        Self {
+            policy,
+            segments: Segments::default(),
+            objects: HashMap::new(),
+            next_put: 0,
+            next_fence: 0,
+            clock: 0,
+            fences: HashMap::new(),
+            retired: Vec::new(),
+            actions: VecDeque::new(),
+            counters: MasterCounters::default(),
+        }
+    }
+
+    /// Its policy.
+    pub fn policy(&self) -> &MasterPolicy {
+        &self.policy
+    }
+
+    /// The next thing others must do.
+    pub fn next_action(&mut self) -> Option<MasterAction> {
+        self.actions.pop_front()
+    }
+
+    /// Mounts `spec`, contributed by `owner`.
+    pub fn mount_segment(
+        &mut self,
+        owner: ClientId,
+        spec: SegmentSpec,
+    ) -> Result<SegmentId, StoreError> {
+        self.segments.mount(owner, spec)
+    }
+
+    /// Starts unmounting `segment`: from now on no replica is placed on it and no read is
+    /// pointed at it (objects left with no replica are gone; writes with a replica on it
+    /// are abandoned). After `grace`, for readers already pointed at it to finish,
+    /// [`MasterAction::Unmounted`] tells its owner its memory is free.
+    pub fn unmount_segment(
+        &mut self,
+        segment: SegmentId,
+        grace: Duration,
+        now: Instant,
+    ) -> Result<(), StoreError> {
+        let Some(state) = self.segments.get_mut(segment) else {
+            return Err(StoreError::new(
+                "",
+                StoreErrorKind::UnknownSegment {
+                    segment: format!("#{}", segment.0),
+                },
+            ));
+        };
+        if state.draining_until.is_some() {
+            return Ok(());
+        }
+        state.draining_until = Some(now + grace);
+        let affected: Vec<String> = self
+            .objects
+            .iter()
+            .filter(|(_, object)| {
+                let on = |version: &Version| version.replicas.iter().any(|r| r.segment == segment);
+                object.complete.as_ref().is_some_and(on)
+                    || object.write.as_ref().is_some_and(|w| on(&w.version))
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in affected {
+            if let Some(object) = self.objects.get_mut(&key)
+                && let Some(write) = object
+                    .write
+                    .take_if(|w| w.version.replicas.iter().any(|r| r.segment == segment))
+            {
+                self.abandon(write);
+            }
+            let Some(object) = self.objects.get_mut(&key) else {
+                continue;
+            };
+            if let Some(version) = object.complete.as_mut() {
+                let (gone, kept): (Vec<Replica>, Vec<Replica>) = version
+                    .replicas
+                    .drain(..)
+                    .partition(|r| r.segment == segment);
+                version.replicas = kept;
+                let until = object.lease_until.unwrap_or(now).max(now);
+                self.retired.extend(gone.into_iter().map(|r| (until, r)));
+                if version.replicas.is_empty() {
+                    object.complete = None;
+                }
+            }
+            if object.complete.is_none() && object.write.is_none() {
+                self.objects.remove(&key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Places `config.replica_num` replicas of a `size`-byte value for `key`, written by
+    /// `client`: write them, then [`Self::put_end`]. The key must not name an object yet.
+    pub fn put_start(
+        &mut self,
+        client: ClientId,
+        key: &str,
+        size: u64,
+        config: &ReplicaConfig,
+        now: Instant,
+    ) -> Result<PutTicket, StoreError> {
+        self.start(client, key, size, config, false, now)
+    }
+
+    /// Like [`Self::put_start`], but over a complete object too: its current value stays
+    /// readable until put-end replaces it.
+    pub fn upsert_start(
+        &mut self,
+        client: ClientId,
+        key: &str,
+        size: u64,
+        config: &ReplicaConfig,
+        now: Instant,
+    ) -> Result<PutTicket, StoreError> {
+        self.start(client, key, size, config, true, now)
+    }
+
+    fn start(
+        &mut self,
+        client: ClientId,
+        key: &str,
+        size: u64,
+        config: &ReplicaConfig,
+        upsert: bool,
+        now: Instant,
+    ) -> Result<PutTicket, StoreError> {
+        check_key(key)?;
+        let fail = |kind| StoreError::new(key, kind);
+        self.segments.check_placeable(size, config).map_err(fail)?;
+        if let Some(object) = self.objects.get(key) {
+            if object.write.is_some() {
+                return Err(fail(if upsert {
+                    StoreErrorKind::NotReady
+                } else {
+                    StoreErrorKind::AlreadyExists
+                }));
+            }
+            if !upsert {
+                return Err(fail(StoreErrorKind::AlreadyExists));
+            }
+        }
+        let placed = match self.segments.place(size, config) {
+            Some(placed) => placed,
+            None => {
+                let want = self
+                    .eviction_target()
+                    .max(size.saturating_mul(config.replica_num as u64));
+                self.evict(want, now);
+                match self.segments.place(size, config) {
+                    Some(placed) => placed,
+                    None => {
+                        self.counters.no_space += 1;
+                        return Err(fail(StoreErrorKind::NoSpace {
+                            size,
+                            replicas: config.replica_num,
+                        }));
+                    }
+                }
+            }
+        };
+        let put = PutId(self.next_put);
+        self.next_put += 1;
+        let replicas: Vec<Replica> = placed
+            .into_iter()
+            .map(|(segment, extent)| Replica { segment, extent })
+            .collect();
+        let descriptors = self.describe(&replicas, size);
+        let write = Write {
+            version: Version { size, replicas },
+            writer: client,
+            put,
+            deadline: now + self.policy.put_timeout,
+            soft_pin: config.soft_pin,
+            hard_pin: config.hard_pin,
+        };
+        self.objects
+            .entry(key.to_owned())
+            .or_insert_with(|| Object {
+                complete: None,
+                write: None,
+                lease_until: None,
+                last_used: 0,
+                soft_pin_until: None,
+                hard_pin: false,
+            })
+            .write = Some(write);
+        self.counters.puts_started += 1;
+        if self.over_watermark() {
+            self.evict(self.eviction_target(), now);
+        }
+        Ok(PutTicket {
+            put,
+            replicas: descriptors,
+        })
+    }
+
+    /// `client` wrote every replica of `put`: the object becomes visible (replacing the
+    /// value an upsert wrote over).
+    pub fn put_end(
+        &mut self,
+        client: ClientId,
+        key: &str,
+        put: PutId,
+        now: Instant,
+    ) -> Result<(), StoreError> {
+        let write = self.take_write(client, key, put)?;
+        self.clock += 1;
+        let clock = self.clock;
+        let object = self
+            .objects
+            .get_mut(key)
+            .expect("take_write found the object");
+        let old = object.complete.replace(write.version);
+        if let Some(old) = old {
+            let until = object.lease_until.unwrap_or(now).max(now);
+            self.retired
+                .extend(old.replicas.into_iter().map(|replica| (until, replica)));
+        }
+        object.lease_until = None;
+        object.last_used = clock;
+        object.soft_pin_until = write.soft_pin.map(|pin| now + pin);
+        object.hard_pin = write.hard_pin;
+        self.counters.puts_completed += 1;
+        self.free_retired(now);
+        Ok(())
+    }
+
+    /// `client` gives up `put` after every transfer of it has resolved (the engine reports
+    /// nothing before that, so none of its bytes can land later): its space is free at
+    /// once.
+    pub fn put_revoke(
+        &mut self,
+        client: ClientId,
+        key: &str,
+        put: PutId,
+    ) -> Result<(), StoreError> {
+        let write = self.take_write(client, key, put)?;
+        for replica in write.version.replicas {
+            self.segments.free(replica.segment, replica.extent);
+        }
+        if self
+            .objects
+            .get(key)
+            .is_some_and(|object| object.complete.is_none())
+        {
+            self.objects.remove(key);
+        }
+        self.counters.puts_revoked += 1;
+        Ok(())
+    }
+
+    /// Takes `key`'s write `put` by `client` out of its object.
+    fn take_write(&mut self, client: ClientId, key: &str, put: PutId) -> Result<Write, StoreError> {
+        check_key(key)?;
+        let fail = |kind| StoreError::new(key, kind);
+        let object = self
+            .objects
+            .get_mut(key)
+            .ok_or_else(|| fail(StoreErrorKind::PutNotPending))?;
+        match &object.write {
+            Some(write) if write.put == put && write.writer == client => {}
+            Some(write) if write.put == put => return Err(fail(StoreErrorKind::NotWriter)),
+            _ => return Err(fail(StoreErrorKind::PutNotPending)),
+        }
+        Ok(object.write.take().expect("matched above"))
+    }
+
+    /// The complete replicas of `key` and a lease on them: the object is neither evicted
+    /// nor removed (without force) before the lease ends.
+    pub fn get(&mut self, key: &str, now: Instant) -> Result<ObjectLease, StoreError> {
+        check_key(key)?;
+        let fail = |kind| StoreError::new(key, kind);
+        let lease_until = now + self.policy.lease_ttl;
+        self.clock += 1;
+        let clock = self.clock;
+        let object = self
+            .objects
+            .get_mut(key)
+            .ok_or_else(|| fail(StoreErrorKind::NotFound))?;
+        let Some(version) = object.complete.as_ref() else {
+            return Err(fail(StoreErrorKind::NotReady));
+        };
+        object.lease_until = Some(
+            object
+                .lease_until
+                .map_or(lease_until, |u| u.max(lease_until)),
+        );
+        object.last_used = clock;
+        let size = version.size;
+        let object = &self.objects[key];
+        let replicas = self.describe(&object.complete.as_ref().expect("checked").replicas, size);
+        self.counters.gets += 1;
+        Ok(ObjectLease {
+            size,
+            replicas,
+            lease_until,
+        })
+    }
+
+    /// Whether `key` names a complete object (one being written does not exist yet).
+    pub fn exists(&self, key: &str) -> Result<bool, StoreError> {
+        check_key(key)?;
+        Ok(self
+            .objects
+            .get(key)
+            .is_some_and(|object| object.complete.is_some()))
+    }
+
+    /// [`Self::exists`] for each key: one result per key.
+    pub fn batch_exists<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<bool, StoreError>> {
+        keys.iter().map(|key| self.exists(key.as_ref())).collect()
+    }
+
+    /// Removes `key`. Without `force`, a leased object answers
+    /// [`StoreErrorKind::HasLease`] and one being written [`StoreErrorKind::NotReady`];
+    /// with it, both go (a write in progress is abandoned behind a fence).
+    pub fn remove(&mut self, key: &str, force: bool, now: Instant) -> Result<(), StoreError> {
+        check_key(key)?;
+        let fail = |kind| StoreError::new(key, kind);
+        let object = self
+            .objects
+            .get(key)
+            .ok_or_else(|| fail(StoreErrorKind::NotFound))?;
+        if !force {
+            if object.write.is_some() {
+                return Err(fail(StoreErrorKind::NotReady));
+            }
+            if object.leased(now) {
+                self.counters.lease_refusals += 1;
+                return Err(fail(StoreErrorKind::HasLease));
+            }
+        }
+        let mut object = self.objects.remove(key).expect("found above");
+        if let Some(write) = object.write.take() {
+            self.abandon(write);
+        }
+        if let Some(version) = object.complete.take() {
+            for replica in version.replicas {
+                self.segments.free(replica.segment, replica.extent);
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes every object [`Self::remove`] would; returns how many went.
+    pub fn remove_all(&mut self, force: bool, now: Instant) -> usize {
+        let keys: Vec<String> = self
+            .objects
+            .iter()
+            .filter(|(_, object)| force || object.complete.is_some())
+            .map(|(key, _)| key.clone())
+            .collect();
+        keys.iter()
+            .filter(|key| self.remove(key, force, now).is_ok())
+            .count()
+    }
+
+    /// Keys of complete objects, sorted.
+    pub fn keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = self
+            .objects
+            .iter()
+            .filter(|(_, object)| object.complete.is_some())
+            .map(|(key, _)| key.clone())
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    /// `segment`'s owner revoked the writer of `fence`: its space is free again.
+    pub fn fenced(&mut self, fence: FenceId) {
+        if let Some(pending) = self.fences.remove(&fence) {
+            for extent in pending.extents {
+                self.segments.free(pending.segment, extent);
+            }
+        }
+    }
+
+    /// Timers: writes past the put timeout are abandoned, replicas whose last lease ended
+    /// are freed, unmounts whose grace ended finish, and usage above the high watermark is
+    /// evicted.
+    pub fn tick(&mut self, now: Instant) {
+        let overdue: Vec<String> = self
+            .objects
+            .iter()
+            .filter(|(_, object)| object.write.as_ref().is_some_and(|w| w.deadline <= now))
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in overdue {
+            let Some(object) = self.objects.get_mut(&key) else {
+                continue;
+            };
+            if let Some(write) = object.write.take() {
+                if object.complete.is_none() {
+                    self.objects.remove(&key);
+                }
+                self.abandon(write);
+            }
+        }
+        self.free_retired(now);
+        let finished: Vec<SegmentId> = self
+            .segments
+            .iter()
+            .filter(|(_, segment)| segment.draining_until.is_some_and(|until| until <= now))
+            .map(|(id, _)| id)
+            .collect();
+        for segment in finished {
+            self.retired
+                .retain(|(_, replica)| replica.segment != segment);
+            self.fences.retain(|_, pending| pending.segment != segment);
+            if let Some(gone) = self.segments.remove(segment) {
+                self.actions.push_back(MasterAction::Unmounted {
+                    segment,
+                    owner: gone.owner,
+                });
+            }
+        }
+        if self.over_watermark() {
+            self.evict(self.eviction_target(), now);
+        }
+    }
+
+    /// What the master holds.
+    pub fn stats(&self) -> MasterStats {
+        let complete = self.objects.values().filter_map(|o| o.complete.as_ref());
+        MasterStats {
+            objects: complete.clone().count() as u64,
+            writes: self.objects.values().filter(|o| o.write.is_some()).count() as u64,
+            bytes: complete.map(|version| version.size).sum(),
+            segments: self
+                .segments
+                .iter()
+                .map(|(id, segment)| SegmentUsage {
+                    segment: id,
+                    name: segment.spec.name.clone(),
+                    host: segment.spec.host.clone(),
+                    capacity: segment.space.capacity(),
+                    reserved: segment.space.reserved(),
+                    extents: segment.space.extents(),
+                    draining: segment.draining_until.is_some(),
+                })
+                .collect(),
+            fences_pending: self.fences.len() as u64,
+            counters: self.counters.clone(),
+        }
+    }
+
+    /// Abandons `write` (its object already let go of it): its space waits for each
+    /// segment's owner to fence the writer.
+    fn abandon(&mut self, write: Write) {
+        self.counters.puts_abandoned += 1;
+        let mut by_segment: HashMap<SegmentId, Vec<Extent>> = HashMap::new();
+        for replica in write.version.replicas {
+            by_segment
+                .entry(replica.segment)
+                .or_default()
+                .push(replica.extent);
+        }
+        let mut segments: Vec<SegmentId> = by_segment.keys().copied().collect();
+        segments.sort();
+        for segment in segments {
+            let extents = by_segment.remove(&segment).unwrap_or_default();
+            let Some(owner) = self.segments.get(segment).map(|s| s.owner) else {
+                continue;
+            };
+            let fence = FenceId(self.next_fence);
+            self.next_fence += 1;
+            self.fences.insert(fence, PendingFence { segment, extents });
+            self.actions.push_back(MasterAction::Fence {
+                fence,
+                segment,
+                owner,
+                writer: write.writer,
+            });
+        }
+    }
+
+    /// Frees retired replicas whose lease ended.
+    fn free_retired(&mut self, now: Instant) {
+        let (due, kept): (Vec<_>, Vec<_>) =
+            self.retired.drain(..).partition(|(until, _)| *until <= now);
+        self.retired = kept;
+        for (_, replica) in due {
+            self.segments.free(replica.segment, replica.extent);
+        }
+    }
+
+    fn describe(&self, replicas: &[Replica], size: u64) -> Vec<ReplicaDescriptor> {
+        replicas
+            .iter()
+            .filter_map(|replica| {
+                let segment = self.segments.get(replica.segment)?;
+                Some(ReplicaDescriptor {
+                    segment: replica.segment,
+                    segment_name: segment.spec.name.clone(),
+                    host: segment.spec.host.clone(),
+                    handshake_addr: segment.spec.handshake_addr.clone(),
+                    addr: segment.spec.base + replica.extent.offset,
+                    len: size,
+                })
+            })
+            .collect()
+    }
+}

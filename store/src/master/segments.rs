@@ -1,0 +1,249 @@
+//! Mounted segments: who contributed each, where it lives, its free space, and on which
+//! segments a new object's replicas go (placement).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Instant;
+
+use crate::config::ReplicaConfig;
+use crate::error::{StoreError, StoreErrorKind};
+use crate::master::space::{Extent, GRANULE, MAX_SEGMENT_BYTES, Space};
+
+/// A mounted segment, as the master names it. Never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SegmentId(pub u64);
+
+/// A process taking part in the store, by its engine incarnation: what its engine's peers
+/// call it, so a segment's owner can fence it ([`crate::master::MasterAction::Fence`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ClientId(pub u64);
+
+/// Memory a process contributes: registered with its engine, readable and writable by every
+/// member through it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentSpec {
+    /// A name unique in the cluster.
+    pub name: String,
+    /// The host it lives on (replicas of one object go to different hosts when they can).
+    pub host: String,
+    /// Its owner engine's handshake address: where writers and readers connect.
+    pub handshake_addr: String,
+    /// Address of its first byte in the owner's address space (as registered).
+    pub base: u64,
+    /// Its size in bytes.
+    pub size: u64,
+}
+
+/// A mounted segment.
+pub(crate) struct Segment {
+    pub(crate) spec: SegmentSpec,
+    pub(crate) owner: ClientId,
+    pub(crate) space: Space,
+    /// Set by an unmount: takes no new replicas, and goes at this time.
+    pub(crate) draining_until: Option<Instant>,
+}
+
+/// Every mounted segment.
+#[derive(Default)]
+pub(crate) struct Segments {
+    by_id: BTreeMap<SegmentId, Segment>,
+    by_name: HashMap<String, SegmentId>,
+    next: u64,
+}
+
+impl Segments {
+    /// Mounts `spec` for `owner`.
+    pub(crate) fn mount(
+        &mut self,
+        owner: ClientId,
+        spec: SegmentSpec,
+    ) -> Result<SegmentId, StoreError> {
+        let invalid = |reason: String| {
+            StoreError::new(
+                "",
+                StoreErrorKind::InvalidSegment {
+                    segment: spec.name.clone(),
+                    reason,
+                },
+            )
+        };
+        if spec.name.is_empty() {
+            return Err(invalid("empty name".into()));
+        }
+        if spec.size < GRANULE {
+            return Err(invalid(format!("{} bytes; at least {GRANULE}", spec.size)));
+        }
+        if spec.size > MAX_SEGMENT_BYTES {
+            return Err(invalid(format!(
+                "{} bytes; at most {MAX_SEGMENT_BYTES}",
+                spec.size
+            )));
+        }
+        let Some(end) = spec.base.checked_add(spec.size) else {
+            return Err(invalid("base + size overflows the address space".into()));
+        };
+        if self.by_name.contains_key(&spec.name) {
+            return Err(StoreError::new(
+                "",
+                StoreErrorKind::SegmentExists {
+                    segment: spec.name.clone(),
+                },
+            ));
+        }
+        if let Some(other) = self.by_id.values().find(|other| {
+            other.owner == owner
+                && spec.base < other.spec.base + other.spec.size
+                && other.spec.base < end
+        }) {
+            return Err(invalid(format!(
+                "overlaps segment {:?} of the same process",
+                other.spec.name
+            )));
+        }
+        let id = SegmentId(self.next);
+        self.next += 1;
+        self.by_name.insert(spec.name.clone(), id);
+        self.by_id.insert(
+            id,
+            Segment {
+                space: Space::new(spec.size),
+                spec,
+                owner,
+                draining_until: None,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Forgets `id` (its extents die with it).
+    pub(crate) fn remove(&mut self, id: SegmentId) -> Option<Segment> {
+        let segment = self.by_id.remove(&id)?;
+        self.by_name.remove(&segment.spec.name);
+        Some(segment)
+    }
+
+    pub(crate) fn get(&self, id: SegmentId) -> Option<&Segment> {
+        self.by_id.get(&id)
+    }
+
+    pub(crate) fn get_mut(&mut self, id: SegmentId) -> Option<&mut Segment> {
+        self.by_id.get_mut(&id)
+    }
+
+    pub(crate) fn by_name(&self, name: &str) -> Option<SegmentId> {
+        self.by_name.get(name).copied()
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (SegmentId, &Segment)> {
+        self.by_id.iter().map(|(&id, segment)| (id, segment))
+    }
+
+    /// Returns `extent` to `segment`'s space (dropped if the segment is gone).
+    pub(crate) fn free(&mut self, segment: SegmentId, extent: Extent) {
+        if let Some(segment) = self.by_id.get_mut(&segment) {
+            segment.space.free(extent);
+        }
+    }
+
+    /// Segments that take new replicas.
+    fn writable(&self) -> impl Iterator<Item = (SegmentId, &Segment)> {
+        self.iter()
+            .filter(|(_, segment)| segment.draining_until.is_none())
+    }
+
+    /// (capacity, reserved) of all segments that take new replicas.
+    pub(crate) fn usage(&self) -> (u64, u64) {
+        self.writable()
+            .fold((0, 0), |(capacity, reserved), (_, s)| {
+                (capacity + s.space.capacity(), reserved + s.space.reserved())
+            })
+    }
+
+    /// Checks that `size` bytes × `config.replica_num` can ever be placed.
+    pub(crate) fn check_placeable(
+        &self,
+        size: u64,
+        config: &ReplicaConfig,
+    ) -> Result<(), StoreErrorKind> {
+        if size == 0 {
+            return Err(StoreErrorKind::EmptyValue);
+        }
+        if config.replica_num == 0 {
+            return Err(StoreErrorKind::NoReplicas);
+        }
+        let segments = self.writable().count();
+        if config.replica_num > segments {
+            return Err(StoreErrorKind::TooManyReplicas {
+                asked: config.replica_num,
+                segments,
+            });
+        }
+        let largest = self
+            .writable()
+            .map(|(_, s)| s.space.capacity())
+            .max()
+            .unwrap_or(0);
+        if size > largest {
+            return Err(StoreErrorKind::ValueTooLarge { size, largest });
+        }
+        Ok(())
+    }
+
+    /// Reserves `config.replica_num` extents of `size` bytes on as many different segments:
+    /// the preferred ones first (in order), then segments on hosts no replica is on yet, then
+    /// any, least loaded first. All or nothing: `None` when they do not fit.
+    pub(crate) fn place(
+        &mut self,
+        size: u64,
+        config: &ReplicaConfig,
+    ) -> Option<Vec<(SegmentId, Extent)>> {
+        let preferred: Vec<SegmentId> = config
+            .preferred_segments
+            .iter()
+            .filter_map(|name| self.by_name(name))
+            .filter(|id| self.by_id[id].draining_until.is_none())
+            .collect();
+        let mut others: Vec<(SegmentId, u64)> = self
+            .writable()
+            .filter(|(id, _)| !preferred.contains(id))
+            .map(|(id, s)| (id, s.space.capacity() - s.space.reserved()))
+            .collect();
+        // Least loaded (most free bytes) first; the id breaks ties so placement is
+        // deterministic.
+        others.sort_by_key(|&(id, free)| (std::cmp::Reverse(free), id));
+        let preferred_count = preferred.len();
+        let order: Vec<SegmentId> = preferred
+            .into_iter()
+            .chain(others.into_iter().map(|(id, _)| id))
+            .collect();
+
+        let mut placed: Vec<(SegmentId, Extent)> = Vec::with_capacity(config.replica_num);
+        let mut hosts: HashSet<String> = HashSet::new();
+        // First pass: a new host for each replica; second: any segment not used yet.
+        for distinct_hosts in [true, false] {
+            for (rank, &id) in order.iter().enumerate() {
+                if placed.len() == config.replica_num {
+                    break;
+                }
+                if placed.iter().any(|(used, _)| *used == id) {
+                    continue;
+                }
+                let segment = self.by_id.get_mut(&id)?;
+                // A preferred segment is taken even on a host already used.
+                if distinct_hosts && rank >= preferred_count && hosts.contains(&segment.spec.host) {
+                    continue;
+                }
+                if let Some(extent) = segment.space.allocate(size) {
+                    hosts.insert(segment.spec.host.clone());
+                    placed.push((id, extent));
+                }
+            }
+        }
+        if placed.len() < config.replica_num {
+            for (id, extent) in placed {
+                self.free(id, extent);
+            }
+            return None;
+        }
+        Some(placed)
+    }
+}
