@@ -66,7 +66,7 @@ impl Rounds {
 mod loom_models {
     use loom::thread;
 
-    use super::Rounds;
+    use crate::quiesce::Rounds;
     use crate::sync::{Arc, AtomicUsize, Ordering};
 
     /// A key is withdrawn, then the waiter waits for the rounds and "unmaps". The poller

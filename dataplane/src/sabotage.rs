@@ -72,7 +72,7 @@ pub fn turn_off_from_env() {
 mod switches {
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use super::Protection;
+    use crate::sabotage::Protection;
 
     static OFF: [AtomicBool; 4] = [const { AtomicBool::new(false) }; 4];
 
