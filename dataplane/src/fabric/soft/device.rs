@@ -91,8 +91,9 @@ impl SoftDevice {
     /// [`Self::quiesce_peers`] returned true.
     ///
     /// # Errors
-    /// [`RegionError::BadRange`] for an empty, null or wrapping range;
-    /// [`RegionError::TableFull`] past [`REGION_CAPACITY`] registrations.
+    /// [`RegionError::BadRange`](super::RegionError::BadRange) for an empty, null or
+    /// wrapping range; [`RegionError::TableFull`](super::RegionError::TableFull) past
+    /// [`REGION_CAPACITY`](super::REGION_CAPACITY) registrations.
     pub unsafe fn register(
         &self,
         addr: *const u8,
@@ -117,7 +118,8 @@ impl SoftDevice {
     /// [`Self::register`] for the fence that waits for it.
     ///
     /// # Errors
-    /// [`RegionError::UnknownKey`] when it is not registered (any more).
+    /// [`RegionError::UnknownKey`](super::RegionError::UnknownKey) when it is not registered
+    /// (any more).
     pub fn deregister(&self, region: &MemoryRegion) -> Result<(), SoftError> {
         Ok(self.0.table.deregister(region.rkey)?)
     }

@@ -3,9 +3,10 @@
 //!
 //! For hosts without RDMA NICs and for tests. The pieces mirror verbs:
 //! - [`SoftDevice`]: one rail's device context and protection domain. [`SoftDevice::register`]
-//!   returns lkey/rkey with [`Access`] flags and exact bounds; the registrations live in a
-//!   region table in shared memory the process owns (module `regions`), which peers map read-only
-//!   and check on every work request — a deregistration is seen by the next one.
+//!   returns lkey/rkey with [`Access`](crate::fabric::Access) flags and exact bounds; the
+//!   registrations live in a region table in shared memory the process owns (module
+//!   `regions`), which peers map read-only and check on every work request — a
+//!   deregistration is seen by the next one.
 //! - [`SoftQp`]: an RC queue pair with verbs' state machine (RESET → INIT → RTR → RTS → ERR),
 //!   connected by exchanging `QpInfo` over a Unix socket together
 //!   with the descriptors of the region table and of the queue pair's inbox
