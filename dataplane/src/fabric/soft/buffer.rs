@@ -8,8 +8,10 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
+use super::device::SoftDevice;
+use super::error::SoftError;
+use super::regions::RegionError;
 use super::sys::{self, Mapping};
-use super::{RegionError, SoftDevice, SoftError};
 use crate::fabric::{Access, MemoryRegion};
 
 /// What backs a [`SoftBuffer`]'s pages.

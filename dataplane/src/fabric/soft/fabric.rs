@@ -11,9 +11,11 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
+use super::config::SoftConfig;
+use super::device::SoftDevice;
+use super::error::SoftError;
 use super::nic::{self, Execution};
 use super::qp::SoftQp;
-use super::{SoftConfig, SoftDevice, SoftError};
 use crate::fabric::delayed::DelayedCompletions;
 use crate::fabric::faults::{FaultPlan, FaultView, QpFaultState, Verdict};
 use crate::fabric::{
@@ -55,8 +57,15 @@ pub struct SoftFabric {
     events: VecDeque<AsyncEvent>,
 }
 
+impl SoftDevice {
+    /// A fabric for this device's poller.
+    pub fn fabric(&self) -> SoftFabric {
+        SoftFabric::new(self.clone())
+    }
+}
+
 impl SoftFabric {
-    pub(crate) fn new(device: SoftDevice) -> Self {
+    fn new(device: SoftDevice) -> Self {
         let faults = FaultView::new(device.faults());
         Self {
             device,

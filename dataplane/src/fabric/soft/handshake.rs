@@ -20,9 +20,10 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
+use super::device::SoftDevice;
+use super::error::SoftError;
 use super::qp::{Peer, PeerFacts, SoftQp};
 use super::sys;
-use super::{SoftDevice, SoftError};
 use crate::fabric::{Access, QpInfo};
 
 const MAGIC: [u8; 8] = *b"RYSHAKE1";

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
-use super::SoftError;
+use super::error::SoftError;
 use super::fence::Guests;
 use super::inbox::{InboxWatch, InboxWriter, RecvQueue};
 use super::regions::{PROBE_WORD, RegionTable, Registration, RemoteTable};
