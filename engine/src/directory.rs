@@ -1,6 +1,7 @@
-//! The engine's directory: p2p (peers by address; nothing to run) or etcd (feature `etcd`:
-//! this engine published under its name with a lease, peers opened by name, their
-//! restarts and deaths reported to the control plane by the watch).
+//! Where an engine finds its peers ([`DirectoryChoice`]), and the directory it runs for that:
+//! p2p (peers by address; nothing to run) or etcd (feature `etcd`: this engine published
+//! under its name with a lease, peers opened by name, their restarts and deaths reported to
+//! the control plane by the watch).
 
 use std::sync::{Mutex, PoisonError};
 
@@ -9,7 +10,20 @@ use railyard_control::{ControlPlane, SegmentDescriptor};
 #[cfg(feature = "etcd")]
 use railyard_control::etcd::{EtcdConfig, EtcdDirectory};
 
-use super::{BuildError, DirectoryChoice, PeerError};
+use super::error::{BuildError, PeerError};
+
+/// Where an engine finds its peers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DirectoryChoice {
+    /// By address only: each peer's own handshake listener describes it (the default).
+    P2p,
+    /// An etcd cluster (`etcd://HOST:PORT[,HOST:PORT...]`, or `etcd+tls://…?ca=FILE`, with
+    /// `credentials=FILE` for an etcd that authenticates; see
+    /// `railyard_control::etcd::EtcdConfig::from_url`): this engine publishes itself
+    /// under its name with a lease, peers are opened by name, and a peer that restarts or
+    /// dies is seen through etcd's watch (needs the cargo feature `etcd`).
+    Etcd(String),
+}
 
 /// The running directory (or none).
 #[derive(Debug)]

@@ -24,8 +24,11 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Registry, Unit};
 use railyard_control::{Phase, TIME_BUCKET_BOUNDS_US, TimeHistogram, WarningKind};
 use railyard_dataplane::FailReason;
+use railyard_dataplane::fabric::tcp::ServedStats;
 
-use crate::{Engine, Op, WeakEngine};
+use crate::op::Op;
+use crate::state::{Engine, WeakEngine};
+use crate::stats::{OpTotals, PeerStats, RailStats};
 
 /// The content type of [`Engine::metrics_text`]: the Prometheus text format, 0.0.4.
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -132,13 +135,13 @@ impl Collector for EngineMetrics {
         )?;
 
         // Per peer: what the application submitted to it.
-        let peer = |p: &crate::PeerStats| {
+        let peer = |p: &PeerStats| {
             [
                 ("peer", p.name.clone()),
                 ("incarnation", p.incarnation.to_string()),
             ]
         };
-        let by_op = |value: fn(&crate::OpTotals) -> u64| {
+        let by_op = |value: fn(&OpTotals) -> u64| {
             stats.peers.iter().flat_map(move |p| {
                 Op::ALL.map(|op| {
                     let mut labels: Labels = peer(p).into();
@@ -168,7 +171,7 @@ impl Collector for EngineMetrics {
 
         // Per rail: its poller.
         let rail = |name: &str| labels([("rail", name.to_string())]);
-        let per_rail = |value: fn(&crate::RailStats) -> u64| {
+        let per_rail = |value: fn(&RailStats) -> u64| {
             stats.rails.iter().map(move |r| (rail(&r.name), value(r)))
         };
         family.counter(
@@ -286,7 +289,7 @@ impl Collector for EngineMetrics {
             None,
             per_rail(|r| r.poller.rail_ups),
         )?;
-        let served = |value: fn(&crate::ServedStats) -> [u64; 2]| {
+        let served = |value: fn(&ServedStats) -> [u64; 2]| {
             stats.rails.iter().flat_map(move |r| {
                 let values = r.served.as_ref().map(value).unwrap_or_default();
                 [("write", values[0]), ("read", values[1])].map(|(op, value)| {

@@ -7,25 +7,16 @@
 //! so that a slow open of one peer never holds up submissions to another. A submitter owns
 //! its index of the local regions, rebuilt only when the engine's regions change.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use railyard_dataplane::Batch;
 
-use super::transfer::EngineSubmitter;
-use super::{Engine, Op, Peer, PeerError, Transfer, TransferError};
-
-/// The engine's peers by session string (see the module docs).
-pub(crate) type SessionTable = Mutex<HashMap<String, Arc<Mutex<Session>>>>;
-
-/// What is known of one session: the peer opened, or the last open that failed.
-#[derive(Debug, Default)]
-pub(crate) struct Session {
-    peer: Option<Peer>,
-    /// When the last open failed, and why.
-    failed: Option<(Instant, String)>,
-}
+use super::error::{PeerError, TransferError};
+use super::op::Op;
+use super::peer::{Peer, Session};
+use super::state::Engine;
+use super::transfer::{EngineSubmitter, Transfer};
 
 /// How long a failed open is the answer for a session: threads that were waiting for it
 /// get the same error at once instead of each waiting out an open of its own.

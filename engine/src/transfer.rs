@@ -15,15 +15,20 @@
 //! other way round.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use railyard_control::{EndpointView, Incarnation, SegmentDescriptor};
 use railyard_dataplane::fabric::{MemoryRegion, Opcode};
 use railyard_dataplane::{Batch, EndpointId, Epoch, SliceSpec, Submitter};
 
-use super::{Engine, OpTotals, Peer, PeerStats, Region, TransferError};
+use super::error::TransferError;
+use super::op::Op;
+use super::peer::Peer;
+use super::region::Region;
+use super::state::Engine;
+use super::stats::PeerCounters;
 
 /// Longest a submission waits for a peer's descriptor to be fetched again when it names a
 /// remote range the descriptor does not hold (a region the peer registered since).
@@ -31,15 +36,6 @@ pub const REFRESH_WAIT: Duration = Duration::from_secs(1);
 
 /// How often a refresh looks whether the new descriptor has arrived.
 const REFRESH_POLL: Duration = Duration::from_micros(200);
-
-/// The direction of a transfer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    /// Local range → remote range.
-    Write,
-    /// Remote range → local range.
-    Read,
-}
 
 /// One transfer: a local range of a registered region and a remote range of the peer's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,62 +59,6 @@ pub struct SubmitTiming {
     pub prepare: Duration,
     /// Handing the slices to the pollers.
     pub post: Duration,
-}
-
-/// What an engine counts per peer.
-#[derive(Debug, Default)]
-pub(crate) struct PeerCounters {
-    name: Mutex<String>,
-    /// Requests and bytes, by [`Op::index`].
-    requests: [AtomicU64; 2],
-    bytes: [AtomicU64; 2],
-    slices: AtomicU64,
-}
-
-impl Op {
-    /// Both ops, in the order of [`Self::index`].
-    pub const ALL: [Op; 2] = [Op::Write, Op::Read];
-
-    /// Its position in [`Self::ALL`].
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    /// `write` or `read` (the `op` label of the metrics).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Op::Write => "write",
-            Op::Read => "read",
-        }
-    }
-}
-
-pub(crate) type PeerTable = Mutex<HashMap<Incarnation, Arc<PeerCounters>>>;
-
-pub(crate) fn peer_stats(engine: &Engine) -> Vec<PeerStats> {
-    let table = engine
-        .inner
-        .peers
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    let mut stats: Vec<PeerStats> = table
-        .iter()
-        .map(|(incarnation, counters)| PeerStats {
-            name: counters
-                .name
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone(),
-            incarnation: *incarnation,
-            by_op: std::array::from_fn(|op| OpTotals {
-                requests: counters.requests[op].load(Ordering::Relaxed),
-                bytes: counters.bytes[op].load(Ordering::Relaxed),
-            }),
-            slices: counters.slices.load(Ordering::Relaxed),
-        })
-        .collect();
-    stats.sort_by(|a, b| a.name.cmp(&b.name));
-    stats
 }
 
 /// One thread's way to submit transfers. `Send`, not `Sync`.
@@ -535,6 +475,14 @@ pub(crate) fn least_loaded(
 }
 
 impl Engine {
+    /// A submitter for this thread.
+    ///
+    /// # Errors
+    /// [`TransferError::PollerStopped`] when a rail's poller has stopped.
+    pub fn submitter(&self) -> Result<EngineSubmitter, TransferError> {
+        EngineSubmitter::new(self.clone())
+    }
+
     /// Asks `peer` for its descriptor again and waits (until `deadline`) for it to arrive:
     /// true when a new one did.
     pub fn refresh_descriptor(&self, peer: &Peer, deadline: Instant) -> bool {

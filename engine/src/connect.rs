@@ -1,0 +1,149 @@
+//! How an engine reaches its peers: opening one with an endpoint on every rail, looking a
+//! name up in the directory, and the notifications sent to them and taken from them.
+
+use std::net::ToSocketAddrs;
+use std::time::Instant;
+
+use railyard_control::{Notification, SegmentDescriptor};
+use railyard_dataplane::Batch;
+
+use super::error::PeerError;
+use super::peer::Peer;
+use super::state::Engine;
+
+impl Engine {
+    /// Connects to the engine at `target` — `host:port`, or with a directory, a segment
+    /// name — with an endpoint on every local rail, its descriptor fetched. Waits for the
+    /// queue pairs (up to the connect timeout).
+    ///
+    /// # Errors
+    /// [`PeerError`] when the address is bad, the name unknown, the peer cannot be reached
+    /// in time, or the process answering is not the one asked for (the directory's record
+    /// is stale, or it restarted while being opened).
+    pub fn open(&self, target: &str) -> Result<Peer, PeerError> {
+        let resolved;
+        let (target, expected) = if target.contains(':') {
+            (target, None)
+        } else {
+            let descriptor = self.inner.directory.resolve(target)?;
+            resolved = descriptor.handshake_addr;
+            (resolved.as_str(), Some(descriptor.incarnation))
+        };
+        let addr = target
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut addrs| addrs.next())
+            .ok_or_else(|| PeerError::BadAddress {
+                name: target.to_string(),
+            })?;
+        let unreachable = |reason: String| PeerError::Unreachable { addr, reason };
+        let first = self
+            .inner
+            .control
+            .connect(addr, 0, 0)
+            .map_err(|error| unreachable(error.to_string()))?;
+        let incarnation = first.key.peer;
+        if let Some(expected) = expected.filter(|&expected| expected != incarnation) {
+            // Not the process asked for: nothing is kept of it.
+            let _ = self.inner.control.retire(&first);
+            return Err(unreachable(format!(
+                "the directory names incarnation {expected} there, but {incarnation} answers: \
+                 the record is stale (look the name up again)"
+            )));
+        }
+        let deadline = Instant::now() + self.inner.connect_timeout;
+        if !first.wait_ready(deadline) {
+            return Err(unreachable(format!(
+                "no queue pair within the connect timeout ({:?})",
+                first.phase()
+            )));
+        }
+        let remote_rails = first.descriptor().map_or(1, |d| d.rails.len().max(1));
+        let mut views = vec![first];
+        for rail in 1..self.rails() {
+            let view = self
+                .inner
+                .control
+                .connect(addr, rail as u16, (rail % remote_rails) as u16)
+                .map_err(|error| unreachable(error.to_string()))?;
+            if view.key.peer != incarnation {
+                for opened in views.iter().chain([&view]) {
+                    let _ = self.inner.control.retire(opened);
+                }
+                return Err(unreachable(format!(
+                    "the process there changed while it was being opened ({incarnation}, then \
+                     {}); open it again",
+                    view.key.peer
+                )));
+            }
+            if !view.wait_ready(deadline) {
+                return Err(unreachable(format!("rail {rail} did not connect")));
+            }
+            views.push(view);
+        }
+        Ok(Peer { addr, views })
+    }
+
+    /// What the segment named `name` last published in the directory (its incarnation,
+    /// address, rails and regions), without connecting to it. A segment with a cluster secret
+    /// publishes no regions: peers get them through the authenticated handshake, not from
+    /// whoever can read the directory.
+    ///
+    /// # Errors
+    /// [`PeerError::UnknownName`] when there is no directory or no such live segment.
+    pub fn lookup(&self, name: &str) -> Result<SegmentDescriptor, PeerError> {
+        self.inner.directory.resolve(name)
+    }
+
+    /// Sends `bytes` to `peer` now.
+    ///
+    /// # Errors
+    /// [`PeerError::Control`] when the control plane has stopped.
+    pub fn notify(&self, peer: &Peer, bytes: Vec<u8>) -> Result<(), PeerError> {
+        Ok(self
+            .inner
+            .control
+            .notify(peer.addr, peer.incarnation(), bytes, None)?)
+    }
+
+    /// Sends `bytes` to `peer` once `batch` has completed successfully (all its data is in
+    /// place before the notification leaves), and not at all if it failed.
+    ///
+    /// # Errors
+    /// [`PeerError::Control`] when the control plane has stopped or `bytes` is larger than
+    /// one notification carries.
+    pub fn notify_after(
+        &self,
+        peer: &Peer,
+        bytes: Vec<u8>,
+        batch: &Batch,
+    ) -> Result<(), PeerError> {
+        Ok(self
+            .inner
+            .control
+            .notify(peer.addr, peer.incarnation(), bytes, Some(batch.clone()))?)
+    }
+
+    pub(crate) fn signal_after(
+        &self,
+        peer: &Peer,
+        value: u32,
+        batch: &Batch,
+    ) -> Result<(), PeerError> {
+        Ok(self
+            .inner
+            .control
+            .signal(peer.views.clone(), value, batch.clone())?)
+    }
+
+    /// Takes the notifications peers sent, oldest first.
+    pub fn drain_notifications(&self) -> Vec<Notification> {
+        self.inner.shared.drain_notifications()
+    }
+
+    /// Takes the notifications peers sent, oldest first, waiting until at least one has
+    /// arrived or `deadline` passes (then it returns none).
+    pub fn wait_notifications(&self, deadline: Instant) -> Vec<Notification> {
+        self.inner.shared.wait_notifications(deadline)
+    }
+}

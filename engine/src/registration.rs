@@ -1,0 +1,428 @@
+//! How an engine's memory comes and goes: allocating and registering regions on every rail,
+//! re-keying them, the deregistration fence, and the region table that peers and submitters
+//! read.
+
+use std::sync::atomic::Ordering;
+use std::sync::{MutexGuard, PoisonError};
+use std::time::Instant;
+
+use railyard_control::RegionDescriptor;
+use railyard_dataplane::fabric::MemoryRegion;
+
+use super::error::MemoryError;
+use super::memory;
+use super::rails::Memory;
+use super::region::{DEREGISTER_WAIT, PeerAccess, Region, RegionEntry};
+use super::state::Engine;
+
+impl Engine {
+    /// Allocates `len` bytes registered on every rail (the rails in parallel): huge pages where it can (then
+    /// transparent huge pages, then normal pages: [`Region::backing`] says which), bound to
+    /// NUMA node `numa` (default: the first rail's), prefaulted. Peers may read and write it
+    /// ([`PeerAccess::ReadWrite`]); [`Self::alloc_with_access`] gives less.
+    ///
+    /// # Errors
+    /// [`MemoryError`] naming what failed.
+    pub fn alloc(&self, len: u64, numa: Option<u32>) -> Result<Region, MemoryError> {
+        self.alloc_with_access(len, numa, PeerAccess::ReadWrite)
+    }
+
+    /// [`Self::alloc`], with what peers may do to the region.
+    ///
+    /// # Errors
+    /// As [`Self::alloc`].
+    pub fn alloc_with_access(
+        &self,
+        len: u64,
+        numa: Option<u32>,
+        peer_access: PeerAccess,
+    ) -> Result<Region, MemoryError> {
+        if len == 0 {
+            return Err(MemoryError::BadRange { addr: 0, len });
+        }
+        if let Some(total) = memory::host_memory().filter(|&total| len > total) {
+            // Prefaulting more than the host has would summon the OOM killer instead.
+            return Err(MemoryError::Alloc {
+                len,
+                reason: format!("more than this host's {total} bytes of memory"),
+            });
+        }
+        let mut memory = self.inner.rails.allocate(len, peer_access.access())?;
+        let node = numa.or_else(|| self.inner.rail_numa.first().copied());
+        let mut bound = None;
+        if let (Some(node), Some(topology)) = (node, self.inner.topology.as_ref()) {
+            // SAFETY: the memory is fresh; nothing transfers into it yet.
+            let area = unsafe { memory.as_slice() };
+            match topology.bind_memory(area, node) {
+                Ok(()) => bound = Some(node),
+                Err(error) if numa.is_some() => {
+                    return Err(MemoryError::Bind {
+                        node,
+                        len,
+                        reason: error.to_string(),
+                    });
+                }
+                Err(_) => {}
+            }
+        }
+        memory.prefault();
+        let registrations =
+            self.inner
+                .rails
+                .register_memory(&memory, len, false, peer_access.access())?;
+        let region = Region {
+            id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
+            addr: memory.addr(),
+            len,
+            backing: Some(memory.backing()),
+            numa: bound,
+            peer_access,
+        };
+        self.insert(RegionEntry {
+            region,
+            memory: Some(memory),
+            registrations,
+            generation: region.id,
+            lingering: Vec::new(),
+            rekeyed: Vec::new(),
+            withdrawn: false,
+        });
+        Ok(region)
+    }
+
+    /// Registers memory the application owns, on every rail (in parallel).
+    ///
+    /// # Safety
+    /// `len` bytes at `ptr` must stay mapped, readable and writable until
+    /// [`Self::deregister`] returns `Ok` (or the engine ends): peers read and write them at
+    /// any time, as a NIC would. After [`MemoryError::Busy`] they are still in use.
+    ///
+    /// Registering exactly the range of a region registered already returns that region
+    /// (nothing changes); a range that overlaps another region without being it is refused.
+    /// So every registered byte belongs to one region, and an address names one.
+    ///
+    /// # Errors
+    /// [`MemoryError::BadRange`] for an empty, null or wrapping range;
+    /// [`MemoryError::NotHostMemory`] when the range is not readable and writable memory
+    /// mapped in this process (device memory, say, or nothing);
+    /// [`MemoryError::Overlaps`] for a range overlapping another region;
+    /// [`MemoryError::Register`] when a rail refuses.
+    pub unsafe fn register(&self, ptr: *mut u8, len: usize) -> Result<Region, MemoryError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.register_with_access(ptr, len, PeerAccess::ReadWrite) }
+    }
+
+    /// [`Self::register`], with what peers may do to the region. Registering the range of a
+    /// region registered already with other access is refused as an overlap.
+    ///
+    /// # Safety
+    /// As [`Self::register`].
+    ///
+    /// # Errors
+    /// As [`Self::register`].
+    pub unsafe fn register_with_access(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        peer_access: PeerAccess,
+    ) -> Result<Region, MemoryError> {
+        let addr = ptr as u64;
+        let len = len as u64;
+        if ptr.is_null() || len == 0 || addr.checked_add(len).is_none() {
+            return Err(MemoryError::BadRange { addr, len });
+        }
+        if !memory::mapped_read_write(addr, len) {
+            return Err(MemoryError::NotHostMemory { addr, len });
+        }
+        // Held across the check and the registration, so that two threads registering one
+        // range get one region; the regions' lock is taken only to read and then to insert,
+        // so submitters never wait for a rail pinning memory.
+        let _registering = self
+            .inner
+            .registering
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let overlapping =
+            self.find_region(|region| region.addr < addr + len && addr < region.addr + region.len);
+        if let Some(existing) = overlapping {
+            if existing.addr == addr && existing.len == len && existing.peer_access == peer_access {
+                return Ok(existing);
+            }
+            return Err(MemoryError::Overlaps {
+                addr,
+                len,
+                region: existing.id,
+                region_addr: existing.addr,
+                region_len: existing.len,
+            });
+        }
+        // SAFETY: the caller's contract is the rails'.
+        let registrations = unsafe {
+            self.inner
+                .rails
+                .register_user(addr, len, peer_access.access())
+        }?;
+        let region = Region {
+            id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
+            addr,
+            len,
+            backing: None,
+            numa: None,
+            peer_access,
+        };
+        self.insert(RegionEntry {
+            region,
+            memory: None,
+            registrations,
+            generation: region.id,
+            lingering: Vec::new(),
+            rekeyed: Vec::new(),
+            withdrawn: false,
+        });
+        Ok(region)
+    }
+
+    /// The registered region holding all of `addr..addr + len`, if one does.
+    pub fn region_at(&self, addr: u64, len: u64) -> Option<Region> {
+        self.find_region(|region| region.contains(addr, len))
+    }
+
+    /// The first registered region `matches` accepts.
+    fn find_region(&self, matches: impl Fn(&Region) -> bool) -> Option<Region> {
+        self.inner
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|entry| entry.region)
+            .find(|region| matches(region))
+    }
+
+    /// Every registered region (allocated or the application's), by address.
+    pub fn regions(&self) -> Vec<Region> {
+        let mut regions: Vec<Region> = self
+            .inner
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|entry| entry.region)
+            .collect();
+        regions.sort_by_key(|region| region.addr);
+        regions
+    }
+
+    /// Registers a region's memory anew — new keys on every rail — and withdraws its old
+    /// keys; returns the region under its new id (the old id is gone). The memory, its address
+    /// and its contents stay. Work requests that name an old key are refused before any byte
+    /// moves (`RemoteAccess`); a peer holding the old keys refreshes this process's
+    /// descriptor when that happens, and its work continues under the new ones (the region
+    /// keeps its generation: it is the same memory, unlike a deregister and a register). A request a
+    /// peer had already begun with an old key may finish: into the same memory. For rotating
+    /// keys that may have leaked, or a rebuilt cache announcing itself. This engine's own
+    /// transfers from or into the region that are in flight meanwhile carry the old local
+    /// key and may fail (`LocalProtection`): rotate between them.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownRegion`]; [`MemoryError::Register`] when a rail refuses (the
+    /// region then keeps its old keys and id); [`MemoryError::Withdraw`] when the new keys
+    /// are in place (under the id the error names) but a rail refused to withdraw an old
+    /// one: the old key stays live there until [`Self::deregister`] withdraws it.
+    pub fn reregister(&self, region: Region) -> Result<Region, MemoryError> {
+        let mut regions = self
+            .inner
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let entry = regions
+            .iter_mut()
+            .find(|entry| entry.region.id == region.id)
+            .ok_or(MemoryError::UnknownRegion { id: region.id })?;
+        let fresh = match &entry.memory {
+            Some(memory) => self.inner.rails.register_memory(
+                memory,
+                entry.region.len,
+                true,
+                entry.region.peer_access.access(),
+            )?,
+            // SAFETY: the application's promise for this memory (see `register`) holds until
+            // it deregisters the region, which now owns these registrations.
+            None => unsafe {
+                self.inner.rails.register_user(
+                    entry.region.addr,
+                    entry.region.len,
+                    entry.region.peer_access.access(),
+                )
+            }?,
+        };
+        let withdrawn = std::mem::replace(&mut entry.registrations, fresh);
+        entry.region.id = self.inner.next_region.fetch_add(1, Ordering::Relaxed);
+        let renewed = entry.region;
+        let refused = self.inner.rails.deregister(&withdrawn);
+        if refused.is_err() {
+            entry.lingering.push(withdrawn);
+        } else {
+            entry.rekeyed.push(withdrawn);
+        }
+        if let Some(Memory::Soft(buffer)) = entry.memory.as_mut() {
+            // Its own key (rail 0's first registration) is among the withdrawn ones.
+            buffer.own_key_withdrawn();
+        }
+        self.publish(&regions);
+        match refused {
+            Ok(()) => Ok(renewed),
+            Err((rail, reason)) => Err(MemoryError::Withdraw {
+                id: renewed.id,
+                addr: renewed.addr,
+                len: renewed.len,
+                rail,
+                reason,
+            }),
+        }
+    }
+
+    fn insert(&self, entry: RegionEntry) {
+        let mut regions = self
+            .inner
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        regions.push(entry);
+        self.publish(&regions);
+    }
+
+    /// The regions' version ([`Inner::regions_version`](crate::state::Inner::regions_version)).
+    pub(crate) fn regions_version(&self) -> u64 {
+        self.inner.regions_version.load(Ordering::Acquire)
+    }
+
+    fn publish(&self, regions: &[RegionEntry]) {
+        // Release, under the regions' write lock: a submitter that sees the new version
+        // finds the new table.
+        self.inner.regions_version.fetch_add(1, Ordering::Release);
+        self.inner.shared.set_regions(
+            regions
+                .iter()
+                .filter(|entry| entry.region.peer_access != PeerAccess::None)
+                .map(|entry| RegionDescriptor {
+                    base: entry.region.addr,
+                    len: entry.region.len,
+                    rkeys: entry.registrations.iter().map(|r| r.rkey).collect(),
+                    generation: entry.generation,
+                    access: entry.region.peer_access.access(),
+                })
+                .collect(),
+        );
+        self.inner
+            .directory
+            .publish(|| self.inner.control.descriptor());
+    }
+
+    /// Withdraws a region from every rail and, once nothing can touch it any more, frees it
+    /// (if the engine allocated it) and returns. Work requests that name it afterwards fail;
+    /// peers learn of it at their next descriptor refresh.
+    ///
+    /// **When it returns `Ok`, no poller of this engine and no peer will read or write the
+    /// region again, whatever is registered at its address later**: its keys are withdrawn
+    /// on every rail (a peer's request that arrives later is refused before any byte moves,
+    /// and peers fail work prepared against it with `RegionWithdrawn` rather than re-prepare
+    /// it for a new registration of the same memory), every poller has finished the round in
+    /// which it might have checked a key before the withdrawal, every request this engine
+    /// posted through the region's local keys has completed or been flushed (a READ still
+    /// in flight would land in it), and every peer process that copies itself (soft fabric)
+    /// has left any copy it started before. The application may unmap
+    /// or reuse registered memory at once. It waits at most [`DEREGISTER_WAIT`].
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownRegion`]; [`MemoryError::Busy`] when a poller, a request posted
+    /// through it or a peer is still inside the region at the deadline (a stopped process,
+    /// say): the region stays withdrawn
+    /// and mapped, and calling `deregister` again waits again; [`MemoryError::Withdraw`]
+    /// when a rail refused to withdraw it (the provider's error): it stays mapped (and
+    /// registered on that rail), and calling `deregister` again tries again. Either way
+    /// the region is gone from this engine's descriptor: no new work names it.
+    pub fn deregister(&self, region: Region) -> Result<(), MemoryError> {
+        let mut regions = self
+            .inner
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut entry = match regions
+            .iter()
+            .position(|entry| entry.region.id == region.id)
+        {
+            Some(index) => {
+                let entry = regions.remove(index);
+                self.publish(&regions);
+                entry
+            }
+            None => {
+                let mut fencing = self.fencing();
+                let index = fencing
+                    .iter()
+                    .position(|entry| entry.region.id == region.id)
+                    .ok_or(MemoryError::UnknownRegion { id: region.id })?;
+                fencing.remove(index)
+            }
+        };
+        drop(regions);
+        let local_keys = entry.local_keys();
+        if let Err((rail, reason)) = entry.withdraw(&self.inner.rails) {
+            let region = entry.region;
+            self.fencing().push(entry);
+            return Err(MemoryError::Withdraw {
+                id: region.id,
+                addr: region.addr,
+                len: region.len,
+                rail,
+                reason,
+            });
+        }
+        let deadline = Instant::now() + DEREGISTER_WAIT;
+        // Once every poller finished the round that might have posted through a withdrawn
+        // key, wait for what it posted before to complete: some providers land a READ's
+        // bytes in local memory whether or not its registration is still open.
+        let quiet = self
+            .inner
+            .pollers
+            .iter()
+            .all(|poller| poller.quiesce(deadline))
+            && self
+                .inner
+                .pollers
+                .iter()
+                .zip(&local_keys)
+                .all(|(poller, lkeys)| poller.drain_local(lkeys, deadline))
+            && self.inner.rails.quiesce_peers(deadline);
+        if !quiet {
+            let region = entry.region;
+            self.fencing().push(entry);
+            return Err(MemoryError::Busy {
+                id: region.id,
+                addr: region.addr,
+                len: region.len,
+                waited: DEREGISTER_WAIT,
+            });
+        }
+        drop(entry);
+        Ok(())
+    }
+
+    fn fencing(&self) -> MutexGuard<'_, Vec<RegionEntry>> {
+        self.inner
+            .fencing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The registrations of region `id` on each rail.
+    pub(crate) fn registrations(&self, id: u64) -> Option<(Region, Vec<MemoryRegion>)> {
+        self.inner
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|entry| entry.region.id == id)
+            .map(|entry| (entry.region, entry.registrations.clone()))
+    }
+}
