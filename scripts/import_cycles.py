@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-CRATES = ["topology/src", "dataplane/src", "control/src", "engine/src", "store/src", "src", "python/src"]
+CRATES = ["topology/src", "dataplane/src", "control/src", "engine/src", "store/src", "chaos/src", "src", "python/src"]
 PATH = re.compile(r"\b(crate|super|self)((?:::[A-Za-z_][A-Za-z0-9_]*)+)")
 PUB_USE = re.compile(
     r"\bpub(?:\([^)]*\))?\s+use\s+((?:[A-Za-z_][A-Za-z0-9_]*::)*)(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*(?:\s+as\s+[A-Za-z_][A-Za-z0-9_]*)?))\s*;"

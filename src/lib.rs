@@ -2,8 +2,8 @@
 //!
 //! A prefill process writes KV-cache blocks straight into a decode process's memory, over
 //! RDMA where the host has it and over software fabrics where it does not. This root crate
-//! is the top layer — the `railyard` CLI, the chaos scenarios and the log subscriber — and
-//! re-exports the layers below it under their usual paths:
+//! is the top layer — the `railyard` CLI and the log subscriber — and re-exports the layers
+//! below it under their usual paths:
 //!
 //! - [`topology`]: hwloc discovery, rails and the poller placement plan.
 //! - [`dataplane`]: SPSC rings, epoch-tagged slices, pollers, batches and fabrics.
@@ -15,7 +15,7 @@
 //! - [`logging`]: the rate limit of repeated warnings, as a `tracing` layer, and the CLI's
 //!   subscriber.
 //! - [`chaos`]: deterministic reproductions of the production failures railyard exists to
-//!   prevent (`railyard chaos`).
+//!   prevent (`railyard chaos`; the `railyard-chaos` crate).
 //!
 //! # Thread safety
 //! Everything re-exported here documents its own thread safety.
@@ -26,9 +26,9 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-pub mod chaos;
 pub mod logging;
 
+pub use railyard_chaos as chaos;
 pub use railyard_control as control;
 pub use railyard_dataplane as dataplane;
 pub use railyard_engine as engine;

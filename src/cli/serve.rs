@@ -13,6 +13,7 @@ use railyard::control::NotificationBody;
 use railyard::engine::{DirectoryChoice, Engine, FabricChoice, RailChoice, Region, default_name};
 use railyard::metrics::MetricsServer;
 
+use super::engine_args::{SecretArgs, VerbsArgs, parse_directory, parse_fabric};
 use super::size::{format_size, parse_size};
 
 #[derive(Debug, Args)]
@@ -24,11 +25,11 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_parser = parse_size, default_value = "256MiB")]
     pool: u64,
     /// auto, soft, tcp, verbs or ofi (libfabric: --ofi-provider).
-    #[arg(long, value_parser = super::parse_fabric, default_value = "auto")]
+    #[arg(long, value_parser = parse_fabric, default_value = "auto")]
     pub(crate) fabric: FabricChoice,
     /// Where peers find this process: p2p (by address) or etcd://HOST:PORT[,HOST:PORT...]
     /// (published under --name with a lease).
-    #[arg(long, value_parser = super::parse_directory, default_value = "p2p")]
+    #[arg(long, value_parser = parse_directory, default_value = "p2p")]
     directory: DirectoryChoice,
     /// Software rails (default: one per NUMA node, from the topology plan).
     #[arg(long)]
@@ -52,9 +53,9 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     metrics: Option<SocketAddr>,
     #[command(flatten)]
-    verbs: super::VerbsArgs,
+    verbs: VerbsArgs,
     #[command(flatten)]
-    secret: super::SecretArgs,
+    secret: SecretArgs,
     /// With --secret-file, still read and discard a raw byte stream on the TCP data port: the
     /// ceiling `railyard bench` measures against a target on another host (without a secret
     /// it is read anyway). Bound to no handshake: for benchmarks only.

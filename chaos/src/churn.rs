@@ -16,16 +16,18 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use railyard_control::wire::{FrameDecoder, Message, QpSide, WireKey};
-use railyard_control::{HostId, Incarnation, PeerLink, Policy, RailFabric};
-use railyard_dataplane::fabric::ofi::{OfiConfig, OfiRail};
-use railyard_dataplane::fabric::soft::{SoftConfig, SoftDevice};
-use railyard_dataplane::{RequestOutcome, Submitter};
+use railyard_engine::control::wire::{FrameDecoder, Message, QpSide, WireKey};
+use railyard_engine::control::{HostId, Incarnation, PeerLink, Policy, RailFabric};
+use railyard_engine::dataplane::fabric::ofi::{OfiConfig, OfiRail};
+use railyard_engine::dataplane::fabric::soft::{SoftConfig, SoftDevice};
+use railyard_engine::dataplane::{RequestOutcome, Submitter};
 use serde::Serialize;
 
+use super::fabric::ChaosFabric;
+use super::harness::{BOUND, any_port, write_slice};
 use super::node::Node;
+use super::pattern::digest;
 use super::process::Target;
-use super::{BOUND, ChaosFabric, any_port, write_slice};
 
 /// What happened.
 #[derive(Debug, Serialize)]
@@ -127,7 +129,7 @@ pub fn handshake_once(
         incarnation,
         host: HostId::this_process(),
         listen: String::new(),
-        nonce: [0; railyard_control::wire::NONCE_LEN],
+        nonce: [0; railyard_engine::control::wire::NONCE_LEN],
     }
     .encode();
     frames.extend(
@@ -271,10 +273,7 @@ pub fn run(seed: u64, binary: &std::path::Path, fabric: &ChaosFabric) -> Result<
     }
     // Each initiator's 64 KiB, where it was meant to land (digests from the target).
     let landed = target.digests(target.pool_id, 0, 2 << 16, 1 << 16)?;
-    let meant = [
-        super::digest(&[0xA0; 1 << 16]),
-        super::digest(&[0xA1; 1 << 16]),
-    ];
+    let meant = [digest(&[0xA0; 1 << 16]), digest(&[0xA1; 1 << 16])];
     peers_distinct &= landed == meant;
 
     let passive_qps = target.stat("passive_qps")?;

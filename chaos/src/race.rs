@@ -19,15 +19,18 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use railyard_control::{EndpointView, Policy};
-use railyard_dataplane::fabric::WcStatus;
-use railyard_dataplane::fabric::soft::{Fault, FaultPlan, QpMatch};
-use railyard_dataplane::{Batch, PollerHandle, SliceSpec, Submitter};
+use railyard_engine::control::{EndpointView, Policy};
+use railyard_engine::dataplane::fabric::WcStatus;
+use railyard_engine::dataplane::fabric::soft::{Fault, FaultPlan, QpMatch};
+use railyard_engine::dataplane::{Batch, PollerHandle, SliceSpec, Submitter};
 use serde::Serialize;
 
+use super::fabric::ChaosFabric;
+use super::harness::{BOUND, any_port, write_slice};
 use super::node::Node;
+use super::pattern::{digest, fill_pattern};
 use super::process::Target;
-use super::{BOUND, ChaosFabric, RequestTally, any_port, write_slice};
+use super::tally::RequestTally;
 
 /// What happened.
 #[derive(Debug, Serialize)]
@@ -115,7 +118,7 @@ impl Tally {
         let resolved = outcomes.iter().flatten().count() as u64;
         let done = outcomes
             .iter()
-            .filter(|o| **o == Some(railyard_dataplane::RequestOutcome::Done))
+            .filter(|o| **o == Some(railyard_engine::dataplane::RequestOutcome::Done))
             .count() as u64;
         debug_assert!(resolved <= requests);
         self.resolved.fetch_add(resolved, Ordering::Relaxed);
@@ -130,7 +133,7 @@ fn submit_loop(
     rail: usize,
     poller: &PollerHandle,
     views: &[Mutex<Arc<EndpointView>>],
-    source: railyard_dataplane::fabric::MemoryRegion,
+    source: railyard_engine::dataplane::fabric::MemoryRegion,
     target_bases: &[u64],
     tally: &Tally,
     stop: &AtomicBool,
@@ -219,7 +222,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<RaceReport>
     // SAFETY: nothing transfers yet.
     let sent = unsafe { initiator.bytes_mut(source) };
     for (n, part) in sent.chunks_mut(SLOTS as usize * SLICE_LEN).enumerate() {
-        super::fill_pattern(part, seed ^ (n as u64 + 1) << 40);
+        fill_pattern(part, seed ^ (n as u64 + 1) << 40);
     }
     for rail in 0..RAILS {
         initiator.faults(rail).set(
@@ -303,14 +306,14 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<RaceReport>
     // computed in the target processes).
     // SAFETY: every transfer has resolved (or the bound passed; the report says which).
     let sent = unsafe { initiator.regions()[source].buffer.as_slice() };
-    let untouched = super::digest(&[0; SLICE_LEN]);
+    let untouched = digest(&[0; SLICE_LEN]);
     let (mut misplaced_slots, mut verified_slots) = (0, 0);
     for (n, target) in targets.iter_mut().enumerate() {
         let pool_len = SLOTS * SLICE_LEN as u64;
         let landed = target.digests(target.pool_id, 0, pool_len, SLICE_LEN as u64)?;
         let meant = &sent[n * pool_len as usize..][..pool_len as usize];
         for (slot, expected) in landed.iter().zip(meant.chunks(SLICE_LEN)) {
-            if *slot == super::digest(expected) {
+            if *slot == digest(expected) {
                 verified_slots += 1;
             } else if *slot != untouched {
                 misplaced_slots += 1;

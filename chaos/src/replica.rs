@@ -31,12 +31,14 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
+use railyard_engine::dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
+use railyard_engine::{Engine, Op, Peer, RailChoice, Region, Transfer};
 use serde::Serialize;
 
+use super::fabric::ChaosFabric;
+use super::harness::{BOUND, any_port, read_through_fresh_peer, region_bytes};
+use super::pattern::fill_pattern;
 use super::process::Target;
-use super::{BOUND, ChaosFabric, any_port, fill_pattern, read_through_fresh_peer, region_bytes};
-use crate::engine::{Engine, Op, Peer, RailChoice, Region, Transfer};
 
 /// What happened.
 #[derive(Debug, Serialize)]

@@ -22,15 +22,18 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
-use railyard_control::Policy;
-use railyard_dataplane::fabric::WcStatus;
-use railyard_dataplane::fabric::soft::{Fault, FaultPlan, QpMatch};
-use railyard_dataplane::{FailReason, RequestOutcome, Submitter};
+use railyard_engine::control::Policy;
+use railyard_engine::dataplane::fabric::WcStatus;
+use railyard_engine::dataplane::fabric::soft::{Fault, FaultPlan, QpMatch};
+use railyard_engine::dataplane::{FailReason, RequestOutcome, Submitter};
 use serde::Serialize;
 
+use super::fabric::ChaosFabric;
+use super::harness::{BOUND, any_port, write_slice};
 use super::node::Node;
+use super::pattern::{digest, fill_pattern};
 use super::process::{RemoteRegion, Target};
-use super::{BOUND, ChaosFabric, RequestTally, any_port, fill_pattern, write_slice};
+use super::tally::RequestTally;
 
 /// What happened.
 #[derive(Debug, Serialize)]
@@ -155,7 +158,9 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<StormReport
     let Some(descriptor) = view.descriptor() else {
         bail!("no descriptor after the handshake");
     };
-    let epoch = view.epoch().unwrap_or(railyard_dataplane::Epoch::FIRST);
+    let epoch = view
+        .epoch()
+        .unwrap_or(railyard_engine::dataplane::Epoch::FIRST);
     let failing = 8 + seed % 24;
     let local = initiator.regions()[source].regions[0];
     // Slice i goes to region A for i < failing - 1, else to region B, at the same offset.
@@ -240,7 +245,7 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<StormReport
 /// slice (digests computed in the target process).
 fn landed_as_sent(target: &mut Target, id: u64, offset: u64, sent: &[u8]) -> Result<bool> {
     let landed = target.digests(id, offset, sent.len() as u64, SLICE_LEN as u64)?;
-    let meant: Vec<u64> = sent.chunks(SLICE_LEN).map(super::digest).collect();
+    let meant: Vec<u64> = sent.chunks(SLICE_LEN).map(digest).collect();
     Ok(landed == meant)
 }
 
@@ -253,7 +258,7 @@ const BAD_SLICES: u32 = 64;
 fn bad_descriptor_phase(
     initiator: &mut Node,
     target: &mut Target,
-    view: &railyard_control::EndpointView,
+    view: &railyard_engine::control::EndpointView,
     source: usize,
     region_a: RemoteRegion,
     region_c: RemoteRegion,
@@ -270,7 +275,9 @@ fn bad_descriptor_phase(
     };
     target.deregister(region_c.id)?;
     let local = initiator.regions()[source].regions[0];
-    let epoch = view.epoch().unwrap_or(railyard_dataplane::Epoch::FIRST);
+    let epoch = view
+        .epoch()
+        .unwrap_or(railyard_engine::dataplane::Epoch::FIRST);
     let specs: Vec<_> = (0..2 * BAD_SLICES)
         .map(|i| {
             let offset = u64::from(i / 2) * SLICE_LEN as u64;

@@ -26,14 +26,15 @@ use std::sync::{Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
-use railyard_dataplane::fabric::WcStatus;
-use railyard_dataplane::fabric::soft::{Fault, QpMatch};
-use railyard_dataplane::rng::SplitMix64;
-use railyard_dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
+use railyard_engine::dataplane::fabric::WcStatus;
+use railyard_engine::dataplane::fabric::soft::{Fault, QpMatch};
+use railyard_engine::dataplane::rng::SplitMix64;
+use railyard_engine::dataplane::{DEFAULT_DEADLINE, FailReason, IdleStrategy, RequestOutcome};
+use railyard_engine::{DirectoryChoice, Engine, Op, Peer, RailChoice, Region, Transfer};
 
+use super::fabric::ChaosFabric;
+use super::harness::{read_through_fresh_peer, region_bytes};
 use super::process::Target;
-use super::{ChaosFabric, read_through_fresh_peer, region_bytes};
-use crate::engine::{DirectoryChoice, Engine, Op, Peer, RailChoice, Region, Transfer};
 
 #[cfg(feature = "etcd")]
 use super::etcd_server::EtcdServer;
@@ -435,7 +436,7 @@ pub fn run(config: &SoakConfig) -> Result<SoakReport> {
     }
     let engine = config
         .fabric
-        .builder(crate::engine::default_name("soak"))
+        .builder(railyard_engine::default_name("soak"))
         .rails(RailChoice::Count(NonZeroUsize::MIN))
         .idle(IdleStrategy::gentle())
         .directory(
@@ -726,7 +727,7 @@ const PROBE_OFFSET: u64 = WORKERS as u64 * SLOTS * BLOCK;
 /// The injector's own writes to a stopped target, to time how soon it fails fast.
 struct Prober {
     source: Region,
-    submitter: crate::engine::EngineSubmitter,
+    submitter: railyard_engine::EngineSubmitter,
 }
 
 impl Prober {
@@ -902,7 +903,7 @@ fn slot_stopped(slot: &RwLock<Slot>) -> bool {
 /// refused, `None` lost (unresolved past its deadline and the slack). Counts everything,
 /// and a stopped target's first fast failure.
 fn transfer(
-    submitter: &mut crate::engine::EngineSubmitter,
+    submitter: &mut railyard_engine::EngineSubmitter,
     peer: &Peer,
     transfer: Transfer,
     index: usize,

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 
-use super::BOUND;
+use super::harness::BOUND;
 
 /// A running (or stopped) etcd.
 pub struct EtcdServer {

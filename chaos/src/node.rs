@@ -12,20 +12,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use railyard_control::{
+use railyard_engine::control::{
     ControlConfig, ControlPlane, ControlRail, ControlShared, Incarnation, Policy, RegionDescriptor,
 };
-use railyard_dataplane::fabric::faulted::Faulted;
-use railyard_dataplane::fabric::ofi::{OfiConfig, OfiRail};
-use railyard_dataplane::fabric::soft::{FaultHandle, SoftBuffer, SoftConfig, SoftDevice};
-use railyard_dataplane::fabric::{
+use railyard_engine::dataplane::fabric::faulted::Faulted;
+use railyard_engine::dataplane::fabric::ofi::{OfiConfig, OfiRail};
+use railyard_engine::dataplane::fabric::soft::{FaultHandle, SoftBuffer, SoftConfig, SoftDevice};
+use railyard_engine::dataplane::fabric::{
     Access, AsyncEvent, Fabric, FabricError, FabricLimits, MemoryRegion, PostError, QpNum,
     WcStatus, WorkCompletion, WorkRequest,
 };
-use railyard_dataplane::{EndpointId, Epoch, IdleStrategy, PollerConfig, PollerHandle};
+use railyard_engine::dataplane::{EndpointId, Epoch, IdleStrategy, PollerConfig, PollerHandle};
+use railyard_engine::memory::HostMemory;
 
-use super::ChaosFabric;
-use crate::engine::memory::HostMemory;
+use super::fabric::ChaosFabric;
 
 /// What an [`Observed`] fabric saw.
 #[derive(Debug, Default)]

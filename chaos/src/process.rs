@@ -16,9 +16,10 @@ use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
-use railyard_control::Incarnation;
+use railyard_engine::control::Incarnation;
 
-use super::{BOUND, ChaosFabric};
+use super::fabric::ChaosFabric;
+use super::harness::BOUND;
 
 /// How long a target may take to say where it listens: a newcomer under a name a dead
 /// process held in etcd first waits that name's lease out.
@@ -103,8 +104,8 @@ impl Target {
         // A protection a test switched off is off in its targets too.
         #[cfg(feature = "sabotage")]
         command.env(
-            railyard_dataplane::sabotage::ENV,
-            railyard_dataplane::sabotage::switched_off(),
+            railyard_engine::dataplane::sabotage::ENV,
+            railyard_engine::dataplane::sabotage::switched_off(),
         );
         die_with_parent(&mut command);
         // SAFETY: the closure runs in the child between fork and exec and calls only
