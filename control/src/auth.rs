@@ -188,7 +188,7 @@ pub fn verify(
 }
 
 /// Fresh random bytes for a Hello, from the kernel.
-pub(crate) fn nonce() -> [u8; NONCE_LEN] {
+pub fn nonce() -> [u8; NONCE_LEN] {
     let mut bytes = [0u8; NONCE_LEN];
     for chunk in bytes.chunks_mut(8) {
         chunk.copy_from_slice(&crate::random::random_u64().to_le_bytes());

@@ -4,7 +4,7 @@
 //! [`crate::rng`].)
 
 /// 64 bits from the kernel's random source.
-pub(crate) fn random_u64() -> u64 {
+pub fn random_u64() -> u64 {
     let mut bytes = [0u8; 8];
     // SAFETY:
     // - `bytes` is writable for its length; getrandom writes at most that many bytes.

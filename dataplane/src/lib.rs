@@ -24,7 +24,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 mod batch;
-mod entropy;
+pub mod entropy;
 mod epoch;
 pub mod fabric;
 mod poller;

@@ -1,10 +1,12 @@
 //! What a write asks of its replicas ([`ReplicaConfig`]) and the master's limits and timers
 //! ([`MasterPolicy`]).
 
+use serde::{Deserialize, Serialize};
+
 use std::time::Duration;
 
 /// How many replicas a write asks for and how they are kept.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplicaConfig {
     /// Replicas of the object, each on a different segment (and, when the cluster has them,
     /// on different hosts). At least 1.
@@ -30,7 +32,7 @@ impl Default for ReplicaConfig {
 }
 
 /// The master's limits and timers.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MasterPolicy {
     /// How long a read's lease keeps the object from eviction and from `remove` without
     /// force (5 s).

@@ -1,6 +1,7 @@
 //! The store's one error type: which key (or segment) it concerns, what went wrong, and the
 //! Mooncake Store error code that means the same.
 
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// The longest key, in bytes of UTF-8.
@@ -8,7 +9,7 @@ pub const MAX_KEY_LEN: usize = 256;
 
 /// A store operation failed for `key` (empty when the operation names no key: mounting or
 /// unmounting a segment).
-#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[derive(Clone, Debug, PartialEq, Eq, Error, Serialize, Deserialize)]
 #[error("{}{kind}", if key.is_empty() { String::new() } else { format!("key {key:?}: ") })]
 pub struct StoreError {
     /// The key the operation was about.
@@ -33,7 +34,7 @@ impl StoreError {
 }
 
 /// What went wrong, one variant per cause a caller may act on.
-#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[derive(Clone, Debug, PartialEq, Eq, Error, Serialize, Deserialize)]
 pub enum StoreErrorKind {
     /// The key is empty.
     #[error("empty key")]
@@ -113,6 +114,16 @@ pub enum StoreErrorKind {
         /// Why.
         reason: String,
     },
+    /// An argument that cannot work: a range outside its region or not registered, a
+    /// buffer smaller than the value, as many keys as values expected.
+    #[error("invalid argument: {detail}")]
+    InvalidArgument {
+        /// What is wrong.
+        detail: String,
+    },
+    /// A read's lease ended before its transfer did: what it read may have been replaced.
+    #[error("lease expired before the data transfer completed")]
+    LeaseExpired,
     /// Moving the bytes through the engine failed.
     #[error("transfer failed: {detail}")]
     TransferFailed {
@@ -136,12 +147,14 @@ impl StoreErrorKind {
             | Self::ValueTooLarge { .. }
             | Self::TooManyReplicas { .. }
             | Self::NoReplicas
-            | Self::InvalidSegment { .. } => -600, // INVALID_PARAMS
+            | Self::InvalidSegment { .. }
+            | Self::InvalidArgument { .. } => -600, // INVALID_PARAMS
             Self::NotWriter => -601,                          // ILLEGAL_CLIENT
             Self::NotReady => -703,                           // REPLICA_IS_NOT_READY
             Self::NotFound | Self::PutNotPending => -704,     // OBJECT_NOT_FOUND
             Self::AlreadyExists => -705,                      // OBJECT_ALREADY_EXISTS
             Self::HasLease => -706,                           // OBJECT_HAS_LEASE
+            Self::LeaseExpired => -707,                       // LEASE_EXPIRED
             Self::NoSpace { .. } => -200,                     // NO_AVAILABLE_HANDLE
             Self::UnknownSegment { .. } => -101,              // SEGMENT_NOT_FOUND
             Self::SegmentExists { .. } => -102,               // SEGMENT_ALREADY_EXISTS

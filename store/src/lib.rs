@@ -12,17 +12,28 @@
 //! - [`config`]: what a write asks for ([`ReplicaConfig`]) and how the master behaves
 //!   ([`MasterPolicy`]).
 //! - [`error`]: one error enum naming the key and the cause, with Mooncake Store's codes.
+//! - [`protocol`]: the frames between master and clients, after railyard's handshake.
+//! - [`server`]: the master as a service ([`MasterServer`], `railyard master`).
+//! - [`client`]: [`Store`], a process's client: mount segments, put and get objects
+//!   through its engine, batches with one result per key.
 //!
 //! # Thread safety
-//! [`master::MasterCore`] is a plain state machine (`Send`, not shared): one thread owns it.
+//! [`master::MasterCore`] is a plain state machine (`Send`, not shared): one thread owns it
+//! ([`MasterServer`] keeps it behind a lock). [`Store`] is `Send + Sync`.
 //!
 //! # Resource cleanup
 //! Dropping a [`master::MasterCore`] forgets its metadata; segments' memory belongs to the
 //! processes that mounted it.
 
+pub mod client;
 pub mod config;
 pub mod error;
+mod handshake;
 pub mod master;
+pub mod protocol;
+pub mod server;
 
+pub use client::{LocalRange, Store, StoreOptions};
 pub use config::{MasterPolicy, ReplicaConfig};
 pub use error::{StoreError, StoreErrorKind};
+pub use server::{MasterConfig, MasterServer};

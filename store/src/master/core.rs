@@ -6,6 +6,8 @@
 //! (fence a zombie writer, learn that an unmount finished) comes out of
 //! [`MasterCore::next_action`], so tests replay any interleaving on virtual time.
 
+use serde::{Deserialize, Serialize};
+
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -17,7 +19,7 @@ use crate::master::space::Extent;
 
 /// Where one replica of an object lives: enough for a client to read or write it through
 /// its engine.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplicaDescriptor {
     /// The segment.
     pub segment: SegmentId,
@@ -34,7 +36,7 @@ pub struct ReplicaDescriptor {
 }
 
 /// A write the master has placed: write every replica, then put-end (or put-revoke).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PutTicket {
     /// The write's id, for put-end and put-revoke.
     pub put: PutId,
@@ -55,11 +57,11 @@ pub struct ObjectLease {
 }
 
 /// A fence the master waits for, as it names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct FenceId(pub u64);
 
 /// What the master needs others to do.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MasterAction {
     /// A write by `writer` into `segment` was abandoned (put timeout, or removed by force):
     /// `owner` must revoke `writer` on its engine (`Engine::revoke`), so that none of its
@@ -86,7 +88,7 @@ pub enum MasterAction {
 }
 
 /// Counters since the master started.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MasterCounters {
     /// Writes started (put-start and upsert-start that placed replicas).
     pub puts_started: u64,
@@ -109,7 +111,7 @@ pub struct MasterCounters {
 }
 
 /// One segment's usage.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SegmentUsage {
     /// The segment.
     pub segment: SegmentId,
@@ -129,7 +131,7 @@ pub struct SegmentUsage {
 }
 
 /// What the master holds, for `stat` and metrics.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MasterStats {
     /// Complete objects.
     pub objects: u64,
@@ -542,6 +544,17 @@ impl MasterCore {
             .collect();
         keys.sort();
         keys
+    }
+
+    /// Who owns `segment`, if it is mounted.
+    pub fn segment_owner(&self, segment: SegmentId) -> Option<ClientId> {
+        self.segments.get(segment).map(|s| s.owner)
+    }
+
+    /// Who must report `fence`: the owner of the segment it waits on.
+    pub fn fence_owner(&self, fence: FenceId) -> Option<ClientId> {
+        let pending = self.fences.get(&fence)?;
+        self.segment_owner(pending.segment)
     }
 
     /// `segment`'s owner revoked the writer of `fence`: its space is free again.

@@ -1,13 +1,15 @@
 //! The object table's records: an object's complete version, the write in progress, its
 //! lease, pins and recency — and what makes an object readable, removable or evictable.
 
+use serde::{Deserialize, Serialize};
+
 use std::time::Instant;
 
 use crate::master::segments::{ClientId, SegmentId};
 use crate::master::space::Extent;
 
 /// A write in progress, as the master names it: put-end and put-revoke must name it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct PutId(pub u64);
 
 /// One replica's space.

@@ -1,6 +1,8 @@
 //! Mounted segments: who contributed each, where it lives, its free space, and on which
 //! segments a new object's replicas go (placement).
 
+use serde::{Deserialize, Serialize};
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
@@ -9,17 +11,17 @@ use crate::error::{StoreError, StoreErrorKind};
 use crate::master::space::{Extent, GRANULE, MAX_SEGMENT_BYTES, Space};
 
 /// A mounted segment, as the master names it. Never reused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct SegmentId(pub u64);
 
 /// A process taking part in the store, by its engine incarnation: what its engine's peers
 /// call it, so a segment's owner can fence it ([`crate::master::MasterAction::Fence`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ClientId(pub u64);
 
 /// Memory a process contributes: registered with its engine, readable and writable by every
 /// member through it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SegmentSpec {
     /// A name unique in the cluster.
     pub name: String,

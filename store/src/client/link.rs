@@ -1,0 +1,157 @@
+//! A client's connection to the master: requests sent with ids, one reader thread handing
+//! each reply to the caller that waits for it and each event (fences, finished unmounts)
+//! to the store.
+
+use std::collections::HashMap;
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
+
+use railyard_engine::control::ClusterSecret;
+
+use crate::error::StoreErrorKind;
+use crate::handshake::{self, Identity};
+use crate::master::ClientId;
+use crate::protocol::{
+    PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster, read_frame, write_frame,
+};
+
+type Waiting = Arc<Mutex<HashMap<u64, Sender<Reply>>>>;
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn unreachable(detail: impl Into<String>) -> StoreErrorKind {
+    StoreErrorKind::MasterUnreachable {
+        detail: detail.into(),
+    }
+}
+
+/// An open, admitted connection to the master.
+pub(crate) struct MasterLink {
+    writer: Mutex<TcpStream>,
+    waiting: Waiting,
+    next_id: AtomicU64,
+    reader: Option<JoinHandle<()>>,
+    /// What the master knows this client as.
+    pub(crate) client: ClientId,
+    /// The master's address.
+    pub(crate) addr: SocketAddr,
+}
+
+impl MasterLink {
+    /// Connects to the master at `master` as `me`, within `timeout`; events go to `events`.
+    pub(crate) fn connect(
+        master: &str,
+        me: &Identity,
+        secret: Option<&ClusterSecret>,
+        timeout: Duration,
+        events: Sender<ToClient>,
+    ) -> Result<Self, StoreErrorKind> {
+        let addr = master
+            .to_socket_addrs()
+            .map_err(|error| unreachable(format!("{master}: {error}")))?
+            .next()
+            .ok_or_else(|| unreachable(format!("{master}: no address")))?;
+        let mut stream = TcpStream::connect_timeout(&addr, timeout)
+            .map_err(|error| unreachable(format!("{addr}: {error}")))?;
+        let _ = stream.set_nodelay(true);
+        stream
+            .set_read_timeout(Some(timeout))
+            .map_err(|error| unreachable(error.to_string()))?;
+        handshake::dial(&mut stream, addr, me, secret)
+            .map_err(|reason| unreachable(format!("{addr}: {reason}")))?;
+        stream
+            .set_read_timeout(None)
+            .map_err(|error| unreachable(error.to_string()))?;
+        let mut reader_stream = stream
+            .try_clone()
+            .map_err(|error| unreachable(error.to_string()))?;
+        let waiting: Waiting = Arc::default();
+        let reader = {
+            let waiting = Arc::clone(&waiting);
+            thread::Builder::new()
+                .name("store-link".into())
+                .spawn(move || {
+                    while let Ok(frame) = read_frame::<ToClient>(&mut reader_stream) {
+                        match frame {
+                            ToClient::Reply { id, reply } => {
+                                if let Some(caller) = lock(&waiting).remove(&id) {
+                                    let _ = caller.send(reply);
+                                }
+                            }
+                            event => {
+                                let _ = events.send(event);
+                            }
+                        }
+                    }
+                    // The master is gone: every caller still waiting hears so.
+                    lock(&waiting).clear();
+                })
+                .map_err(|error| unreachable(error.to_string()))?
+        };
+        let mut link = Self {
+            writer: Mutex::new(stream),
+            waiting,
+            next_id: AtomicU64::new(0),
+            reader: Some(reader),
+            client: ClientId(me.incarnation.0),
+            addr,
+        };
+        match link.call(
+            Request::Open {
+                version: PROTOCOL_VERSION,
+            },
+            timeout,
+        )? {
+            Reply::Opened { client, .. } => link.client = client,
+            Reply::Refused(reason) => return Err(unreachable(format!("{addr}: {reason}"))),
+            other => return Err(unreachable(format!("{addr}: answered Open with {other:?}"))),
+        }
+        Ok(link)
+    }
+
+    /// Sends `request` and waits at most `timeout` for its reply.
+    pub(crate) fn call(
+        &self,
+        request: Request,
+        timeout: Duration,
+    ) -> Result<Reply, StoreErrorKind> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (sender, receiver) = mpsc::channel();
+        lock(&self.waiting).insert(id, sender);
+        if let Err(error) = write_frame(&mut *lock(&self.writer), &ToMaster { id, request }) {
+            lock(&self.waiting).remove(&id);
+            return Err(unreachable(format!("{}: {error}", self.addr)));
+        }
+        match receiver.recv_timeout(timeout) {
+            Ok(Reply::Refused(reason)) => {
+                Err(unreachable(format!("{}: refused: {reason}", self.addr)))
+            }
+            Ok(reply) => Ok(reply),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                lock(&self.waiting).remove(&id);
+                Err(unreachable(format!(
+                    "{}: no answer within {timeout:?}",
+                    self.addr
+                )))
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(unreachable(format!("{}: connection lost", self.addr)))
+            }
+        }
+    }
+}
+
+impl Drop for MasterLink {
+    fn drop(&mut self) {
+        let _ = lock(&self.writer).shutdown(Shutdown::Both);
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+}

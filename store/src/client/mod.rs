@@ -1,0 +1,9 @@
+//! The store's client: a process's view of the store through its [`railyard_engine::Engine`]
+//! — mounting segments, putting and getting objects zero-copy through the engine, batches —
+//! talking to the master over one admitted connection.
+
+mod link;
+mod staging;
+mod store;
+
+pub use store::{LocalRange, Store, StoreOptions};

@@ -1,0 +1,1124 @@
+//! [`Store`]: one process's client of the store. It asks the master where to put or find
+//! objects and moves the bytes itself through its engine — zero-copy from and into memory
+//! registered with the engine, through a registered bounce buffer for plain byte slices —
+//! and, as the owner of the segments it mounted, fences zombie writers when the master asks.
+//!
+//! Batches answer one result per key: a failure of one key never fails another.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use railyard_engine::control::{ClusterSecret, HostId};
+use railyard_engine::dataplane::{Batch, RequestOutcome};
+use railyard_engine::{Engine, EngineSubmitter, Op, Peer, Region, Transfer};
+
+use crate::client::link::MasterLink;
+use crate::client::staging::Staging;
+use crate::config::ReplicaConfig;
+use crate::error::{StoreError, StoreErrorKind};
+use crate::handshake::Identity;
+use crate::master::{
+    ClientId, MasterStats, PutId, PutTicket, ReplicaDescriptor, SegmentId, SegmentSpec,
+};
+use crate::protocol::{PutItem, Reply, Request, ToClient, WireLease};
+
+/// How a [`Store`] reaches its master and bounds its calls.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// The master's address (`host:port`).
+    pub master: String,
+    /// The cluster secret, if the cluster has one.
+    pub secret: Option<ClusterSecret>,
+    /// How long one call may take: its master round trips and its transfers (10 s).
+    pub timeout: Duration,
+    /// Bytes of the registered bounce buffer for `put` and `get` of plain slices (64 MiB).
+    pub staging: u64,
+    /// This process's host, for placing replicas on different hosts and reading the
+    /// nearest one (default: the kernel's host name).
+    pub host: Option<String>,
+}
+
+impl StoreOptions {
+    /// Defaults for the master at `master`.
+    pub fn new(master: impl Into<String>) -> Self {
+        Self {
+            master: master.into(),
+            secret: None,
+            timeout: Duration::from_secs(10),
+            staging: 64 << 20,
+            host: None,
+        }
+    }
+}
+
+/// Bytes of memory registered with the store's engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalRange {
+    /// The region.
+    pub region: Region,
+    /// Offset of the first byte in it.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl LocalRange {
+    /// The whole of `region`.
+    pub fn whole(region: Region) -> Self {
+        Self {
+            region,
+            offset: 0,
+            len: region.len,
+        }
+    }
+}
+
+/// A client of the store. See the module docs.
+///
+/// `Send + Sync`: threads share one store. Dropping it closes the connection to the master;
+/// segments it mounted stay mounted until the master learns the process is gone.
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    engine: Engine,
+    link: MasterLink,
+    options: StoreOptions,
+    host: String,
+    staging: Staging,
+    peers: Mutex<HashMap<String, Peer>>,
+    submitters: Mutex<Vec<EngineSubmitter>>,
+    /// Segments this process mounted: their memory, and whether the store allocated it.
+    mounted: Mutex<HashMap<SegmentId, (Region, bool)>>,
+    unmounted: (Mutex<HashSet<SegmentId>>, Condvar),
+    next_segment: Mutex<u64>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One replica write or read: which request of which batch, for which item.
+struct Pending {
+    item: usize,
+    batch: usize,
+    request: usize,
+}
+
+impl Store {
+    /// Connects `engine` to the master of `options`.
+    ///
+    /// # Errors
+    /// [`StoreErrorKind::MasterUnreachable`] when the master cannot be reached, refuses
+    /// the handshake or speaks another protocol version; [`StoreErrorKind::TransferFailed`]
+    /// when the bounce buffer cannot be registered.
+    pub fn connect(engine: &Engine, options: StoreOptions) -> Result<Self, StoreError> {
+        let fail = |kind| StoreError::new("", kind);
+        let me = Identity {
+            name: engine.name().to_owned(),
+            incarnation: engine.incarnation(),
+            host: HostId::this_process(),
+        };
+        let (events_tx, events_rx) = mpsc::channel();
+        let link = MasterLink::connect(
+            &options.master,
+            &me,
+            options.secret.as_ref(),
+            options.timeout,
+            events_tx,
+        )
+        .map_err(fail)?;
+        let staging = Staging::new(engine, options.staging).map_err(|error| {
+            fail(StoreErrorKind::TransferFailed {
+                detail: format!("the bounce buffer: {error}"),
+            })
+        })?;
+        let host = options.host.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|name| name.trim().to_owned())
+                .unwrap_or_else(|_| "localhost".into())
+        });
+        let inner = Arc::new(Inner {
+            engine: engine.clone(),
+            link,
+            options,
+            host,
+            staging,
+            peers: Mutex::new(HashMap::new()),
+            submitters: Mutex::new(Vec::new()),
+            mounted: Mutex::new(HashMap::new()),
+            unmounted: (Mutex::new(HashSet::new()), Condvar::new()),
+            next_segment: Mutex::new(0),
+        });
+        // It ends by itself when the link's reader does (the link goes with the last
+        // `Arc`): it holds only a weak reference.
+        let weak = Arc::downgrade(&inner);
+        thread::Builder::new()
+            .name("store-events".into())
+            .spawn(move || handle_events(&weak, &events_rx))
+            .map_err(|error| {
+                fail(StoreErrorKind::TransferFailed {
+                    detail: format!("no thread for the master's events: {error}"),
+                })
+            })?;
+        Ok(Self { inner })
+    }
+
+    /// What the master knows this process as.
+    pub fn client_id(&self) -> ClientId {
+        self.inner.link.client
+    }
+
+    /// The host this process says it is on.
+    pub fn hostname(&self) -> &str {
+        &self.inner.host
+    }
+
+    /// The engine it moves bytes with.
+    pub fn engine(&self) -> &Engine {
+        &self.inner.engine
+    }
+
+    /// Allocates `size` bytes with the engine (huge pages where it can) and mounts them as
+    /// a segment other members write and read.
+    pub fn mount(&self, size: u64) -> Result<SegmentId, StoreError> {
+        let region = self.inner.engine.alloc(size, None).map_err(|error| {
+            StoreError::new(
+                "",
+                StoreErrorKind::InvalidSegment {
+                    segment: format!("{} bytes", size),
+                    reason: error.to_string(),
+                },
+            )
+        })?;
+        let mounted = self.mount_with(region, true);
+        if mounted.is_err() {
+            let _ = self.inner.engine.deregister(region);
+        }
+        mounted
+    }
+
+    /// Mounts memory already registered with the engine as a segment (it stays the
+    /// caller's: [`Self::unmount`] does not deregister it).
+    pub fn mount_region(&self, region: Region) -> Result<SegmentId, StoreError> {
+        self.mount_with(region, false)
+    }
+
+    fn mount_with(&self, region: Region, owned: bool) -> Result<SegmentId, StoreError> {
+        let index = {
+            let mut next = lock(&self.inner.next_segment);
+            *next += 1;
+            *next
+        };
+        let spec = SegmentSpec {
+            name: format!(
+                "{}@{}#{index}",
+                self.inner.engine.name(),
+                self.inner.engine.incarnation()
+            ),
+            host: self.inner.host.clone(),
+            handshake_addr: self.inner.engine.addr().to_string(),
+            base: region.addr,
+            size: region.len,
+        };
+        match self.call(Request::Mount(spec))? {
+            Reply::Mounted(Ok(segment)) => {
+                lock(&self.inner.mounted).insert(segment, (region, owned));
+                Ok(segment)
+            }
+            Reply::Mounted(Err(error)) => Err(error),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Unmounts `segment`: no new replica goes to it and no read is pointed at it from now
+    /// on; after `grace` (for readers already pointed at it) the master lets go of it, and
+    /// memory the store allocated for it is deregistered and freed. Returns then.
+    pub fn unmount(&self, segment: SegmentId, grace: Duration) -> Result<(), StoreError> {
+        if !lock(&self.inner.mounted).contains_key(&segment) {
+            return Err(StoreError::new(
+                "",
+                StoreErrorKind::UnknownSegment {
+                    segment: format!("#{}", segment.0),
+                },
+            ));
+        }
+        match self.call(Request::Unmount { segment, grace })? {
+            Reply::Done(Ok(())) => {}
+            Reply::Done(Err(error)) => return Err(error),
+            other => return Err(unexpected(&other)),
+        }
+        let deadline = Instant::now() + grace + self.inner.options.timeout;
+        let (set, changed) = &self.inner.unmounted;
+        let mut gone = lock(set);
+        while !gone.remove(&segment) {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(StoreError::new(
+                    "",
+                    StoreErrorKind::MasterUnreachable {
+                        detail: format!(
+                            "segment #{} not released within {grace:?} and the timeout",
+                            segment.0
+                        ),
+                    },
+                ));
+            }
+            gone = changed
+                .wait_timeout(gone, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        drop(gone);
+        if let Some((region, true)) = lock(&self.inner.mounted).remove(&segment) {
+            self.inner.engine.deregister(region).map_err(|error| {
+                StoreError::new(
+                    "",
+                    StoreErrorKind::TransferFailed {
+                        detail: format!("deregistering segment #{}: {error}", segment.0),
+                    },
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    // ---- writes ------------------------------------------------------------------------
+
+    /// Stores `value` under `key` (a new key: an existing one answers
+    /// [`StoreErrorKind::AlreadyExists`]).
+    pub fn put(&self, key: &str, value: &[u8], config: &ReplicaConfig) -> Result<(), StoreError> {
+        self.put_parts(key, &[value], config)
+    }
+
+    /// Stores the concatenation of `parts` under `key`.
+    pub fn put_parts(
+        &self,
+        key: &str,
+        parts: &[&[u8]],
+        config: &ReplicaConfig,
+    ) -> Result<(), StoreError> {
+        self.put_bytes(key, parts, config, false)
+    }
+
+    /// Stores `value` under `key`, replacing a complete object of that key (readers see the
+    /// old value until the new one is complete).
+    pub fn upsert(
+        &self,
+        key: &str,
+        value: &[u8],
+        config: &ReplicaConfig,
+    ) -> Result<(), StoreError> {
+        self.put_bytes(key, &[value], config, true)
+    }
+
+    /// Stores the bytes of registered memory `range` under `key`, zero-copy.
+    pub fn put_from(
+        &self,
+        key: &str,
+        range: LocalRange,
+        config: &ReplicaConfig,
+    ) -> Result<(), StoreError> {
+        one(key, self.batch_put_from(&[key], &[range], config))
+    }
+
+    /// [`Self::put_from`] for each key: one result per key.
+    pub fn batch_put_from<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        ranges: &[LocalRange],
+        config: &ReplicaConfig,
+    ) -> Vec<Result<(), StoreError>> {
+        let parts: Vec<Vec<LocalRange>> = ranges.iter().map(|range| vec![*range]).collect();
+        self.put_ranges(keys, &parts, config, false)
+    }
+
+    /// Stores, for each key, the concatenation of its ranges (scatter-gather): one result
+    /// per key.
+    pub fn batch_put_from_multi<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        parts: &[Vec<LocalRange>],
+        config: &ReplicaConfig,
+    ) -> Vec<Result<(), StoreError>> {
+        self.put_ranges(keys, parts, config, false)
+    }
+
+    /// [`Self::put_from`], replacing a complete object of that key.
+    pub fn upsert_from(
+        &self,
+        key: &str,
+        range: LocalRange,
+        config: &ReplicaConfig,
+    ) -> Result<(), StoreError> {
+        one(key, self.put_ranges(&[key], &[vec![range]], config, true))
+    }
+
+    /// Writes plain bytes through the bounce buffer, a chunk at a time.
+    fn put_bytes(
+        &self,
+        key: &str,
+        parts: &[&[u8]],
+        config: &ReplicaConfig,
+        upsert: bool,
+    ) -> Result<(), StoreError> {
+        let size: u64 = parts.iter().map(|part| part.len() as u64).sum();
+        let ticket = self
+            .start(
+                &[PutItem {
+                    key: key.to_owned(),
+                    size,
+                }],
+                config,
+                upsert,
+            )
+            .remove(0)?;
+        let deadline = Instant::now() + self.inner.options.timeout;
+        let mut written = 0u64;
+        let mut outcome: Result<(), String> = Ok(());
+        let mut sources = parts.iter().flat_map(|part| part.iter().copied());
+        while written < size && outcome.is_ok() {
+            let mut chunk = self.inner.staging.chunk(size - written);
+            let len = chunk.len.min(size - written);
+            for (slot, byte) in chunk.bytes()[..len as usize]
+                .iter_mut()
+                .zip(sources.by_ref())
+            {
+                *slot = byte;
+            }
+            let source = LocalRange {
+                region: self.inner.staging.region(),
+                offset: chunk.offset,
+                len,
+            };
+            let writes: Vec<(usize, Transfer, &ReplicaDescriptor)> = ticket
+                .replicas
+                .iter()
+                .map(|replica| {
+                    (
+                        0,
+                        Transfer {
+                            op: Op::Write,
+                            local: source.region,
+                            local_offset: source.offset,
+                            remote_addr: replica.addr + written,
+                            len,
+                        },
+                        replica,
+                    )
+                })
+                .collect();
+            outcome = self.move_bytes(writes, 1, deadline).remove(0);
+            written += len;
+        }
+        self.finish(vec![(key.to_owned(), ticket.put, outcome)])
+            .remove(0)
+    }
+
+    fn put_ranges<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        parts: &[Vec<LocalRange>],
+        config: &ReplicaConfig,
+        upsert: bool,
+    ) -> Vec<Result<(), StoreError>> {
+        if keys.len() != parts.len() {
+            return keys
+                .iter()
+                .map(|key| {
+                    Err(StoreError::new(
+                        key.as_ref(),
+                        StoreErrorKind::InvalidArgument {
+                            detail: format!("{} keys and {} values", keys.len(), parts.len()),
+                        },
+                    ))
+                })
+                .collect();
+        }
+        let mut results: Vec<Option<Result<(), StoreError>>> = vec![None; keys.len()];
+        let mut items = Vec::new();
+        let mut asked = Vec::new();
+        for (index, (key, ranges)) in keys.iter().zip(parts).enumerate() {
+            match self.check_ranges(key.as_ref(), ranges) {
+                Ok(size) => {
+                    items.push(PutItem {
+                        key: key.as_ref().to_owned(),
+                        size,
+                    });
+                    asked.push(index);
+                }
+                Err(error) => results[index] = Some(Err(error)),
+            }
+        }
+        let tickets = self.start(&items, config, upsert);
+        let deadline = Instant::now() + self.inner.options.timeout;
+        let mut writes = Vec::new();
+        let mut started = Vec::new();
+        for (slot, ticket) in tickets.into_iter().enumerate() {
+            let index = asked[slot];
+            match ticket {
+                Ok(ticket) => {
+                    let item = started.len();
+                    let mut at = 0;
+                    for range in &parts[index] {
+                        for replica in &ticket.replicas {
+                            writes.push((
+                                item,
+                                Transfer {
+                                    op: Op::Write,
+                                    local: range.region,
+                                    local_offset: range.offset,
+                                    remote_addr: replica.addr + at,
+                                    len: range.len,
+                                },
+                                replica.clone(),
+                            ));
+                        }
+                        at += range.len;
+                    }
+                    started.push((index, ticket));
+                }
+                Err(error) => results[index] = Some(Err(error)),
+            }
+        }
+        let borrowed: Vec<(usize, Transfer, &ReplicaDescriptor)> = writes
+            .iter()
+            .map(|(item, transfer, replica)| (*item, *transfer, replica))
+            .collect();
+        let outcomes = self.move_bytes(borrowed, started.len(), deadline);
+        let finished = self.finish(
+            started
+                .iter()
+                .zip(outcomes)
+                .map(|((index, ticket), outcome)| {
+                    (keys[*index].as_ref().to_owned(), ticket.put, outcome)
+                })
+                .collect(),
+        );
+        for ((index, _), result) in started.iter().zip(finished) {
+            results[*index] = Some(result);
+        }
+        results
+            .into_iter()
+            .map(|result| {
+                result.unwrap_or_else(|| Err(StoreError::new("", StoreErrorKind::NotFound)))
+            })
+            .collect()
+    }
+
+    /// Checks that every range lies in its region; returns the value's size.
+    fn check_ranges(&self, key: &str, ranges: &[LocalRange]) -> Result<u64, StoreError> {
+        let mut size = 0u64;
+        for range in ranges {
+            let inside = range
+                .offset
+                .checked_add(range.len)
+                .is_some_and(|end| end <= range.region.len);
+            let registered = self
+                .inner
+                .engine
+                .region_at(range.region.addr, range.region.len)
+                .is_some();
+            if !inside || !registered {
+                return Err(StoreError::new(
+                    key,
+                    StoreErrorKind::InvalidArgument {
+                        detail: format!(
+                            "{} bytes at offset {} of a region of {} bytes{}",
+                            range.len,
+                            range.offset,
+                            range.region.len,
+                            if registered {
+                                ""
+                            } else {
+                                " not registered with the engine"
+                            }
+                        ),
+                    },
+                ));
+            }
+            size += range.len;
+        }
+        Ok(size)
+    }
+
+    /// Put-start for each item (one request).
+    fn start(
+        &self,
+        items: &[PutItem],
+        config: &ReplicaConfig,
+        upsert: bool,
+    ) -> Vec<Result<PutTicket, StoreError>> {
+        if items.is_empty() {
+            return Vec::new();
+        }
+        let request = Request::PutStart {
+            items: items.to_vec(),
+            config: config.clone(),
+            upsert,
+        };
+        match self.call(request) {
+            Ok(Reply::Tickets(tickets)) if tickets.len() == items.len() => tickets,
+            Ok(other) => items
+                .iter()
+                .map(|item| Err(rekey(&item.key, unexpected(&other))))
+                .collect(),
+            Err(error) => items
+                .iter()
+                .map(|item| Err(rekey(&item.key, error.clone())))
+                .collect(),
+        }
+    }
+
+    /// Put-end for the writes that moved, put-revoke for those that failed (their transfers
+    /// all resolved). A write whose transfers did not resolve is left to the put timeout
+    /// and its fence.
+    fn finish(
+        &self,
+        writes: Vec<(String, PutId, Result<(), String>)>,
+    ) -> Vec<Result<(), StoreError>> {
+        let mut ends = Vec::new();
+        let mut revokes = Vec::new();
+        let mut results: Vec<Option<Result<(), StoreError>>> = Vec::new();
+        for (index, (key, put, outcome)) in writes.iter().enumerate() {
+            match outcome {
+                Ok(()) => {
+                    ends.push((index, (key.clone(), *put)));
+                    results.push(None);
+                }
+                Err(detail) => {
+                    if !detail.starts_with(UNRESOLVED) {
+                        revokes.push((key.clone(), *put));
+                    }
+                    results.push(Some(Err(StoreError::new(
+                        key,
+                        StoreErrorKind::TransferFailed {
+                            detail: detail.clone(),
+                        },
+                    ))));
+                }
+            }
+        }
+        if !revokes.is_empty() {
+            // Best effort: a revoke that does not reach the master leaves the space to the
+            // put timeout.
+            let _ = self.call(Request::PutRevoke { items: revokes });
+        }
+        if !ends.is_empty() {
+            let request = Request::PutEnd {
+                items: ends.iter().map(|(_, item)| item.clone()).collect(),
+            };
+            let answers = match self.call(request) {
+                Ok(Reply::Each(answers)) if answers.len() == ends.len() => answers,
+                Ok(other) => ends
+                    .iter()
+                    .map(|(_, (key, _))| Err(rekey(key, unexpected(&other))))
+                    .collect(),
+                Err(error) => ends
+                    .iter()
+                    .map(|(_, (key, _))| Err(rekey(key, error.clone())))
+                    .collect(),
+            };
+            for ((index, _), answer) in ends.iter().zip(answers) {
+                results[*index] = Some(answer);
+            }
+        }
+        results
+            .into_iter()
+            .map(|result| result.unwrap_or(Ok(())))
+            .collect()
+    }
+
+    // ---- reads -------------------------------------------------------------------------
+
+    /// The value of `key`.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        let lease = self.lease(&[key]).remove(0)?;
+        let size = lease.0.size;
+        let deadline = Instant::now() + self.inner.options.timeout;
+        let mut value = Vec::with_capacity(size as usize);
+        while (value.len() as u64) < size {
+            let at = value.len() as u64;
+            let mut chunk = self.inner.staging.chunk(size - at);
+            let len = chunk.len.min(size - at);
+            let target = LocalRange {
+                region: self.inner.staging.region(),
+                offset: chunk.offset,
+                len,
+            };
+            self.read_replica(key, &lease, &[target], at, deadline)?;
+            value.extend_from_slice(&chunk.bytes()[..len as usize]);
+        }
+        Ok(value)
+    }
+
+    /// Reads the value of `key` into registered memory `range`, zero-copy; returns its size.
+    pub fn get_into(&self, key: &str, range: LocalRange) -> Result<u64, StoreError> {
+        one(key, self.batch_get_into(&[key], &[range]))
+    }
+
+    /// [`Self::get_into`] for each key: one result per key.
+    pub fn batch_get_into<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        ranges: &[LocalRange],
+    ) -> Vec<Result<u64, StoreError>> {
+        let parts: Vec<Vec<LocalRange>> = ranges.iter().map(|range| vec![*range]).collect();
+        self.batch_get_into_multi(keys, &parts)
+    }
+
+    /// Reads each key's value into its ranges, in order (scatter-gather): one result per
+    /// key, its size.
+    pub fn batch_get_into_multi<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        parts: &[Vec<LocalRange>],
+    ) -> Vec<Result<u64, StoreError>> {
+        if keys.len() != parts.len() {
+            return keys
+                .iter()
+                .map(|key| {
+                    Err(StoreError::new(
+                        key.as_ref(),
+                        StoreErrorKind::InvalidArgument {
+                            detail: format!("{} keys and {} buffers", keys.len(), parts.len()),
+                        },
+                    ))
+                })
+                .collect();
+        }
+        let mut results: Vec<Result<u64, StoreError>> = Vec::with_capacity(keys.len());
+        let mut wanted = Vec::new();
+        for (key, ranges) in keys.iter().zip(parts) {
+            match self.check_ranges(key.as_ref(), ranges) {
+                Ok(_) => {
+                    wanted.push(key.as_ref());
+                    results.push(Ok(0));
+                }
+                Err(error) => results.push(Err(error)),
+            }
+        }
+        let mut leases = self.lease(&wanted).into_iter();
+        let deadline = Instant::now() + self.inner.options.timeout;
+        for ((key, ranges), result) in keys.iter().zip(parts).zip(results.iter_mut()) {
+            if result.is_err() {
+                continue;
+            }
+            let lease = match leases.next() {
+                Some(Ok(lease)) => lease,
+                Some(Err(error)) => {
+                    *result = Err(error);
+                    continue;
+                }
+                None => continue,
+            };
+            let size = lease.0.size;
+            let room: u64 = ranges.iter().map(|range| range.len).sum();
+            if room < size {
+                *result = Err(StoreError::new(
+                    key.as_ref(),
+                    StoreErrorKind::InvalidArgument {
+                        detail: format!("a buffer of {room} bytes for a value of {size}"),
+                    },
+                ));
+                continue;
+            }
+            *result = self
+                .read_replica(key.as_ref(), &lease, ranges, 0, deadline)
+                .map(|()| size);
+        }
+        results
+    }
+
+    /// Get for each key (one request): a lease on its replicas, best first.
+    fn lease(&self, keys: &[&str]) -> Vec<Result<(WireLease, Instant), StoreError>> {
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let asked = Instant::now();
+        let request = Request::Get {
+            keys: keys.iter().map(|key| (*key).to_owned()).collect(),
+        };
+        let leases = match self.call(request) {
+            Ok(Reply::Leases(leases)) if leases.len() == keys.len() => leases,
+            Ok(other) => {
+                return keys
+                    .iter()
+                    .map(|key| Err(rekey(key, unexpected(&other))))
+                    .collect();
+            }
+            Err(error) => {
+                return keys
+                    .iter()
+                    .map(|key| Err(rekey(key, error.clone())))
+                    .collect();
+            }
+        };
+        leases
+            .into_iter()
+            .map(|lease| {
+                lease.map(|mut lease| {
+                    self.rank(&mut lease.replicas);
+                    // The lease counts from when the master answered, which is after the
+                    // request left: measured from then, it ends no later than the master's.
+                    let until = asked + lease.lease;
+                    (lease, until)
+                })
+            })
+            .collect()
+    }
+
+    /// Orders replicas best first: this process's own segment, then this host, then the rest.
+    fn rank(&self, replicas: &mut [ReplicaDescriptor]) {
+        let own = self.inner.engine.addr().to_string();
+        replicas.sort_by_key(|replica| {
+            if replica.handshake_addr == own {
+                0
+            } else if replica.host == self.inner.host {
+                1
+            } else {
+                2
+            }
+        });
+    }
+
+    /// Reads `lease`'s value from `at` into `targets`, trying each replica in turn until one
+    /// succeeds, and checks the lease outlived the transfer.
+    fn read_replica(
+        &self,
+        key: &str,
+        (lease, until): &(WireLease, Instant),
+        targets: &[LocalRange],
+        at: u64,
+        deadline: Instant,
+    ) -> Result<(), StoreError> {
+        let mut last = String::from("no replica");
+        for replica in &lease.replicas {
+            let mut from = at;
+            let reads: Vec<(usize, Transfer, &ReplicaDescriptor)> = targets
+                .iter()
+                .filter_map(|target| {
+                    let len = target.len.min(lease.size.saturating_sub(from));
+                    let transfer = Transfer {
+                        op: Op::Read,
+                        local: target.region,
+                        local_offset: target.offset,
+                        remote_addr: replica.addr + from,
+                        len,
+                    };
+                    from += len;
+                    (len > 0).then_some((0, transfer, replica))
+                })
+                .collect();
+            match self.move_bytes(reads, 1, deadline).remove(0) {
+                Ok(()) if Instant::now() <= *until => return Ok(()),
+                Ok(()) => {
+                    return Err(StoreError::new(key, StoreErrorKind::LeaseExpired));
+                }
+                Err(detail) => last = detail,
+            }
+        }
+        Err(StoreError::new(
+            key,
+            StoreErrorKind::TransferFailed { detail: last },
+        ))
+    }
+
+    // ---- metadata ----------------------------------------------------------------------
+
+    /// Whether `key` names a complete object.
+    pub fn exists(&self, key: &str) -> Result<bool, StoreError> {
+        one(key, self.batch_exists(&[key]))
+    }
+
+    /// [`Self::exists`] for each key: one result per key.
+    pub fn batch_exists<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Result<bool, StoreError>> {
+        let request = Request::Exists {
+            keys: keys.iter().map(|key| key.as_ref().to_owned()).collect(),
+        };
+        match self.call(request) {
+            Ok(Reply::Exists(answers)) if answers.len() == keys.len() => answers,
+            Ok(other) => keys
+                .iter()
+                .map(|key| Err(rekey(key.as_ref(), unexpected(&other))))
+                .collect(),
+            Err(error) => keys
+                .iter()
+                .map(|key| Err(rekey(key.as_ref(), error.clone())))
+                .collect(),
+        }
+    }
+
+    /// Removes `key`; without `force`, a leased object answers [`StoreErrorKind::HasLease`].
+    pub fn remove(&self, key: &str, force: bool) -> Result<(), StoreError> {
+        one(key, self.batch_remove(&[key], force))
+    }
+
+    /// [`Self::remove`] for each key: one result per key.
+    pub fn batch_remove<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        force: bool,
+    ) -> Vec<Result<(), StoreError>> {
+        let request = Request::Remove {
+            keys: keys.iter().map(|key| key.as_ref().to_owned()).collect(),
+            force,
+        };
+        match self.call(request) {
+            Ok(Reply::Each(answers)) if answers.len() == keys.len() => answers,
+            Ok(other) => keys
+                .iter()
+                .map(|key| Err(rekey(key.as_ref(), unexpected(&other))))
+                .collect(),
+            Err(error) => keys
+                .iter()
+                .map(|key| Err(rekey(key.as_ref(), error.clone())))
+                .collect(),
+        }
+    }
+
+    /// Removes every object [`Self::remove`] would; returns how many went.
+    pub fn remove_all(&self, force: bool) -> Result<u64, StoreError> {
+        match self.call(Request::RemoveAll { force })? {
+            Reply::Removed(count) => Ok(count),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Where `key`'s complete replicas live (a read lease comes with the answer).
+    pub fn replica_descriptors(&self, key: &str) -> Result<Vec<ReplicaDescriptor>, StoreError> {
+        self.lease(&[key])
+            .remove(0)
+            .map(|(lease, _)| lease.replicas)
+    }
+
+    /// Keys of complete objects, sorted.
+    pub fn keys(&self) -> Result<Vec<String>, StoreError> {
+        match self.call(Request::Keys)? {
+            Reply::Keys(keys) => Ok(keys),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// What the master holds.
+    pub fn master_stats(&self) -> Result<MasterStats, StoreError> {
+        match self.call(Request::Stats)? {
+            Reply::Stats(stats) => Ok(*stats),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    // ---- plumbing ----------------------------------------------------------------------
+
+    fn call(&self, request: Request) -> Result<Reply, StoreError> {
+        self.inner
+            .link
+            .call(request, self.inner.options.timeout)
+            .map_err(|kind| StoreError::new("", kind))
+    }
+
+    /// Moves `transfers` (each tagged with the item it belongs to, `items` in all) to their
+    /// replicas; returns each item's outcome once every transfer of it has resolved.
+    fn move_bytes(
+        &self,
+        transfers: Vec<(usize, Transfer, &ReplicaDescriptor)>,
+        items: usize,
+        deadline: Instant,
+    ) -> Vec<Result<(), String>> {
+        let mut outcomes: Vec<Result<(), String>> = vec![Ok(()); items];
+        let own = self.inner.engine.addr().to_string();
+        let mut by_peer: HashMap<&str, Vec<(usize, Transfer)>> = HashMap::new();
+        for (item, transfer, replica) in transfers {
+            if replica.handshake_addr == own {
+                if let Err(detail) = self.copy_locally(&transfer) {
+                    outcomes[item] = Err(detail);
+                }
+                continue;
+            }
+            by_peer
+                .entry(replica.handshake_addr.as_str())
+                .or_default()
+                .push((item, transfer));
+        }
+        let mut submitter = match self.submitter() {
+            Ok(submitter) => submitter,
+            Err(detail) => return vec![Err(detail); items],
+        };
+        let mut batches: Vec<Batch> = Vec::new();
+        let mut pending: Vec<Pending> = Vec::new();
+        for (addr, group) in &by_peer {
+            let submitted = self.peer(addr).and_then(|peer| {
+                let transfers: Vec<Transfer> =
+                    group.iter().map(|(_, transfer)| *transfer).collect();
+                submitter
+                    .submit(&peer, &transfers)
+                    .map_err(|error| error.to_string())
+            });
+            match submitted {
+                Ok(batch) => {
+                    for (request, (item, _)) in group.iter().enumerate() {
+                        pending.push(Pending {
+                            item: *item,
+                            batch: batches.len(),
+                            request,
+                        });
+                    }
+                    batches.push(batch);
+                }
+                Err(detail) => {
+                    for (item, _) in group {
+                        outcomes[*item] = Err(format!("{addr}: {detail}"));
+                    }
+                }
+            }
+        }
+        lock(&self.inner.submitters).push(submitter);
+        let mut resolved = vec![true; batches.len()];
+        for (index, batch) in batches.iter().enumerate() {
+            // The engine resolves every request by its own deadline; past ours, wait for that
+            // too, so that "failed" always means "nothing of it moves any more".
+            let status = batch.wait(deadline);
+            if !status.is_complete() && !batch.wait(deadline + RESOLVE_GRACE).is_complete() {
+                resolved[index] = false;
+            }
+        }
+        for Pending {
+            item,
+            batch,
+            request,
+        } in pending
+        {
+            if !resolved[batch] {
+                outcomes[item] = Err(format!(
+                    "{UNRESOLVED} within {RESOLVE_GRACE:?} after the deadline"
+                ));
+                continue;
+            }
+            if let Some(RequestOutcome::Failed(reason)) = batches[batch].outcome(request)
+                && outcomes[item].is_ok()
+            {
+                outcomes[item] = Err(format!("{reason:?}"));
+            }
+        }
+        outcomes
+    }
+
+    /// A transfer to a replica in this process's own segment: a plain copy.
+    fn copy_locally(&self, transfer: &Transfer) -> Result<(), String> {
+        let mounted = lock(&self.inner.mounted);
+        if !mounted
+            .values()
+            .any(|(region, _)| region.contains(transfer.remote_addr, transfer.len))
+        {
+            return Err(format!(
+                "{:#x}: not in a segment this process mounted",
+                transfer.remote_addr
+            ));
+        }
+        let local = transfer.local.addr + transfer.local_offset;
+        let (from, to) = match transfer.op {
+            Op::Write => (local, transfer.remote_addr),
+            Op::Read => (transfer.remote_addr, local),
+        };
+        // SAFETY:
+        // - Both ranges are in memory registered with this process's engine: the local one
+        //   was checked against its region, the remote one lies in a mounted segment, which stays
+        //   registered while it is mounted (the lock on `mounted` keeps an unmount from
+        //   deregistering it during the copy).
+        // - They do not overlap: a segment's replica space is never a caller's buffer (both
+        //   are registered regions, and registered regions never overlap).
+        unsafe {
+            std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, transfer.len as usize);
+        }
+        Ok(())
+    }
+
+    fn submitter(&self) -> Result<EngineSubmitter, String> {
+        if let Some(submitter) = lock(&self.inner.submitters).pop() {
+            return Ok(submitter);
+        }
+        self.inner
+            .engine
+            .submitter()
+            .map_err(|error| error.to_string())
+    }
+
+    /// The engine's peer at `addr`, opened once and again after it retired.
+    fn peer(&self, addr: &str) -> Result<Peer, String> {
+        if let Some(peer) = lock(&self.inner.peers)
+            .get(addr)
+            .filter(|peer| !peer.is_retired())
+        {
+            return Ok(peer.clone());
+        }
+        let peer = self
+            .inner
+            .engine
+            .open(addr)
+            .map_err(|error| error.to_string())?;
+        lock(&self.inner.peers).insert(addr.to_owned(), peer.clone());
+        Ok(peer)
+    }
+}
+
+/// How long past a call's deadline it waits for the engine to resolve its transfers.
+const RESOLVE_GRACE: Duration = Duration::from_secs(30);
+/// How an outcome says its transfers never resolved (so its space waits for a fence).
+const UNRESOLVED: &str = "transfers not resolved";
+
+/// The master's pushed events: fence a zombie writer (revoke it on this engine, then tell
+/// the master), or note a finished unmount.
+fn handle_events(inner: &Weak<Inner>, events: &Receiver<ToClient>) {
+    while let Ok(event) = events.recv() {
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        match event {
+            ToClient::Fence { fence, writer, .. } => {
+                match inner
+                    .engine
+                    .revoke(railyard_engine::control::Incarnation(writer.0))
+                {
+                    Ok(()) => {
+                        let _ = inner
+                            .link
+                            .call(Request::Fenced { fence }, inner.options.timeout);
+                    }
+                    Err(error) => {
+                        // The space stays reserved: better lost than written by a zombie.
+                        tracing::warn!(fence = fence.0, writer = writer.0, %error, "store: could not fence a zombie writer");
+                    }
+                }
+            }
+            ToClient::Unmounted { segment } => {
+                let (set, changed) = &inner.unmounted;
+                lock(set).insert(segment);
+                changed.notify_all();
+            }
+            ToClient::Reply { .. } => {}
+        }
+    }
+}
+
+fn one<T>(key: &str, mut results: Vec<Result<T, StoreError>>) -> Result<T, StoreError> {
+    results
+        .pop()
+        .unwrap_or_else(|| Err(StoreError::new(key, StoreErrorKind::NotFound)))
+}
+
+fn rekey(key: &str, error: StoreError) -> StoreError {
+    StoreError::new(key, error.kind)
+}
+
+fn unexpected(reply: &Reply) -> StoreError {
+    StoreError::new(
+        "",
+        StoreErrorKind::MasterUnreachable {
+            detail: format!("unexpected answer: {reply:?}"),
+        },
+    )
+}

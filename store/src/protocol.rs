@@ -1,0 +1,213 @@
+//! What the master and its clients say to each other after the handshake: requests, replies
+//! and the events the master pushes (fences, finished unmounts), each frame a 4-byte
+//! little-endian length and a `postcard` body.
+//!
+//! A connection opens with the control plane's own handshake (`Hello`, then with a cluster
+//! secret `Auth` both ways, [`railyard_engine::control::auth`]), so the master admits exactly
+//! the processes a railyard peer would.
+
+use std::io::{self, Read, Write};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::ReplicaConfig;
+use crate::error::StoreError;
+use crate::master::{
+    ClientId, FenceId, MasterStats, PutId, PutTicket, ReplicaDescriptor, SegmentId, SegmentSpec,
+};
+
+/// The protocol's version, in the first frame after the handshake.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The largest frame either side accepts (a batch of many keys).
+pub const MAX_FRAME: usize = 64 << 20;
+
+/// One value of a batch put-start.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutItem {
+    /// The key.
+    pub key: String,
+    /// The value's size in bytes.
+    pub size: u64,
+}
+
+/// A complete object's replicas and how long the reader's lease lasts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireLease {
+    /// The value's size.
+    pub size: u64,
+    /// Its complete replicas.
+    pub replicas: Vec<ReplicaDescriptor>,
+    /// The lease, from when the master answered.
+    pub lease: Duration,
+}
+
+/// A request to the master. Batch requests answer one result per item.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// The first frame: the client's protocol version.
+    Open {
+        /// [`PROTOCOL_VERSION`].
+        version: u32,
+    },
+    /// Mount a segment the client contributes.
+    Mount(SegmentSpec),
+    /// Start unmounting a segment ([`crate::master::MasterCore::unmount_segment`]).
+    Unmount {
+        /// The segment.
+        segment: SegmentId,
+        /// Time for readers pointed at it to finish.
+        grace: Duration,
+    },
+    /// Place replicas for each value (upsert: over a complete object too).
+    PutStart {
+        /// The values.
+        items: Vec<PutItem>,
+        /// How every one of them is replicated.
+        config: ReplicaConfig,
+        /// Replace complete objects.
+        upsert: bool,
+    },
+    /// The writes are complete.
+    PutEnd {
+        /// (key, write) pairs.
+        items: Vec<(String, PutId)>,
+    },
+    /// The writes failed; every transfer of them has resolved.
+    PutRevoke {
+        /// (key, write) pairs.
+        items: Vec<(String, PutId)>,
+    },
+    /// Complete replicas and a lease, per key.
+    Get {
+        /// The keys.
+        keys: Vec<String>,
+    },
+    /// Whether each key names a complete object.
+    Exists {
+        /// The keys.
+        keys: Vec<String>,
+    },
+    /// Remove each key.
+    Remove {
+        /// The keys.
+        keys: Vec<String>,
+        /// Despite leases and writes in progress.
+        force: bool,
+    },
+    /// Remove every object `Remove` would.
+    RemoveAll {
+        /// Despite leases and writes in progress.
+        force: bool,
+    },
+    /// Keys of complete objects.
+    Keys,
+    /// What the master holds.
+    Stats,
+    /// The client, as the owner of a segment, fenced a zombie writer.
+    Fenced {
+        /// The fence.
+        fence: FenceId,
+    },
+}
+
+/// The master's answer to one request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    /// To `Open`: the master's version and the id it knows the client by.
+    Opened {
+        /// The master's [`PROTOCOL_VERSION`].
+        version: u32,
+        /// The client (its engine incarnation, from its Hello).
+        client: ClientId,
+    },
+    /// To `Mount`.
+    Mounted(Result<SegmentId, StoreError>),
+    /// To `Unmount`, `Fenced`.
+    Done(Result<(), StoreError>),
+    /// To `PutStart`.
+    Tickets(Vec<Result<PutTicket, StoreError>>),
+    /// To `PutEnd`, `PutRevoke`, `Remove`.
+    Each(Vec<Result<(), StoreError>>),
+    /// To `Get`.
+    Leases(Vec<Result<WireLease, StoreError>>),
+    /// To `Exists`.
+    Exists(Vec<Result<bool, StoreError>>),
+    /// To `RemoveAll`.
+    Removed(u64),
+    /// To `Keys`.
+    Keys(Vec<String>),
+    /// To `Stats`.
+    Stats(Box<MasterStats>),
+    /// The request could not be read or is not allowed on this connection.
+    Refused(String),
+}
+
+/// A frame from the client.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToMaster {
+    /// Echoed in the reply.
+    pub id: u64,
+    /// The request.
+    pub request: Request,
+}
+
+/// A frame from the master.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ToClient {
+    /// The answer to request `id`.
+    Reply {
+        /// The request's id.
+        id: u64,
+        /// The answer.
+        reply: Reply,
+    },
+    /// The client owns `segment`: revoke `writer` on its engine, then send
+    /// [`Request::Fenced`].
+    Fence {
+        /// The fence.
+        fence: FenceId,
+        /// The segment written.
+        segment: SegmentId,
+        /// The zombie writer.
+        writer: ClientId,
+    },
+    /// The client's segment is unmounted: its memory may be deregistered.
+    Unmounted {
+        /// The segment.
+        segment: SegmentId,
+    },
+}
+
+/// Writes `value` as one frame.
+pub fn write_frame<T: Serialize>(stream: &mut impl Write, value: &T) -> io::Result<()> {
+    let body = postcard::to_stdvec(value)
+        .map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))?;
+    if body.len() > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("a frame of {} bytes; at most {MAX_FRAME}", body.len()),
+        ));
+    }
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&body);
+    stream.write_all(&frame)
+}
+
+/// Reads one frame; a malformed or oversized one is an `InvalidData` error.
+pub fn read_frame<T: for<'de> Deserialize<'de>>(stream: &mut impl Read) -> io::Result<T> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a frame of {len} bytes; at most {MAX_FRAME}"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body)?;
+    postcard::from_bytes(&body).map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))
+}

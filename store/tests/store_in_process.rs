@@ -1,0 +1,175 @@
+//! The store end to end inside one process: a master, two engines that mount segments and
+//! a third that only reads and writes, all on the soft fabric — every client call, batches
+//! with good and bad keys, values checked byte for byte.
+
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use railyard_engine::dataplane::IdleStrategy;
+use railyard_engine::{Engine, RailChoice};
+use railyard_store::{
+    LocalRange, MasterConfig, MasterPolicy, MasterServer, ReplicaConfig, Store, StoreErrorKind,
+    StoreOptions,
+};
+
+fn engine(name: &str) -> Engine {
+    Engine::builder(name)
+        .rails(RailChoice::Count(NonZeroUsize::new(1).expect("one")))
+        .idle(IdleStrategy::gentle())
+        .build()
+        .expect("the engine starts")
+}
+
+fn master() -> MasterServer {
+    MasterServer::start(MasterConfig {
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        policy: MasterPolicy::default(),
+        secret: None,
+        name: "master".into(),
+    })
+    .expect("the master starts")
+}
+
+fn options(master: &MasterServer) -> StoreOptions {
+    StoreOptions {
+        staging: 8 << 20,
+        timeout: Duration::from_secs(10),
+        ..StoreOptions::new(master.addr().to_string())
+    }
+}
+
+/// A value whose every byte depends on its key and position.
+fn value_of(key: &str, len: usize) -> Vec<u8> {
+    let seed = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    (0..len)
+        .map(|i| {
+            (seed
+                .wrapping_add(i as u64)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                >> 56) as u8
+        })
+        .collect()
+}
+
+#[test]
+fn objects_written_by_one_client_are_read_back_byte_for_byte_by_another() {
+    let master = master();
+    let segment_a = engine("segment-a");
+    let segment_b = engine("segment-b");
+    let client = engine("client");
+    let a = Store::connect(&segment_a, options(&master)).expect("connects");
+    let b = Store::connect(&segment_b, options(&master)).expect("connects");
+    let c = Store::connect(&client, options(&master)).expect("connects");
+    a.mount(32 << 20).expect("mounts");
+    b.mount(32 << 20).expect("mounts");
+
+    let two = ReplicaConfig {
+        replica_num: 2,
+        ..ReplicaConfig::default()
+    };
+    for (key, len) in [
+        ("small", 1usize),
+        ("page", 4096),
+        ("big", 3 << 20),
+        ("odd", 12_345),
+    ] {
+        let value = value_of(key, len);
+        c.put(key, &value, &two).expect("put");
+        assert_eq!(c.get(key).expect("get"), value, "{key}");
+        assert_eq!(
+            a.get(key).expect("get from a segment owner"),
+            value,
+            "{key} via a"
+        );
+        assert_eq!(c.replica_descriptors(key).expect("replicas").len(), 2);
+    }
+    assert!(c.exists("big").expect("valid key"));
+    assert!(!c.exists("never").expect("valid key"));
+    assert_eq!(
+        c.put("big", b"again", &two).expect_err("exists").kind,
+        StoreErrorKind::AlreadyExists
+    );
+    c.upsert("big", b"replaced", &two).expect("upsert");
+    assert_eq!(c.get("big").expect("get"), b"replaced");
+    c.put_parts("parts", &[b"ab", b"", b"cde"], &ReplicaConfig::default())
+        .expect("put_parts");
+    assert_eq!(c.get("parts").expect("get"), b"abcde");
+
+    // Zero-copy from and into registered memory, in batches with bad keys among good ones.
+    let source = client.alloc(1 << 20, None).expect("alloc");
+    let sink = client.alloc(1 << 20, None).expect("alloc");
+    // SAFETY: `source` is engine-allocated, 1 MiB, and nothing transfers into it yet.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(source.addr as *mut u8, 1 << 20) };
+    let keys = ["z0", "", "z2", "z3"];
+    for (i, key) in keys.iter().enumerate() {
+        bytes[i * 4096..(i + 1) * 4096].copy_from_slice(&value_of(key, 4096));
+    }
+    let ranges: Vec<LocalRange> = (0..4)
+        .map(|i| LocalRange {
+            region: source,
+            offset: i * 4096,
+            len: 4096,
+        })
+        .collect();
+    let results = c.batch_put_from(&keys, &ranges, &ReplicaConfig::default());
+    assert!(
+        results[0].is_ok() && results[2].is_ok() && results[3].is_ok(),
+        "{results:?}"
+    );
+    assert_eq!(
+        results[1].as_ref().expect_err("empty key").kind,
+        StoreErrorKind::EmptyKey
+    );
+    let outside = LocalRange {
+        region: sink,
+        offset: (1 << 20) - 100,
+        len: 4096,
+    };
+    let sinks = vec![
+        LocalRange {
+            region: sink,
+            offset: 0,
+            len: 4096,
+        },
+        LocalRange {
+            region: sink,
+            offset: 4096,
+            len: 4096,
+        },
+        outside,
+    ];
+    let got = c.batch_get_into(&["z0", "missing", "z3"], &sinks);
+    assert_eq!(got[0], Ok(4096));
+    assert_eq!(
+        got[1].as_ref().expect_err("missing").kind,
+        StoreErrorKind::NotFound
+    );
+    assert!(matches!(
+        got[2].as_ref().expect_err("outside").kind,
+        StoreErrorKind::InvalidArgument { .. }
+    ));
+    // SAFETY: `sink` is engine-allocated, 1 MiB; the reads into it have resolved.
+    let read = unsafe { std::slice::from_raw_parts(sink.addr as *const u8, 8192) };
+    assert_eq!(&read[..4096], value_of("z0", 4096).as_slice());
+
+    // Remove: a lease holds it off without force.
+    c.get("z2").expect("leased now");
+    assert_eq!(
+        c.remove("z2", false).expect_err("leased").kind,
+        StoreErrorKind::HasLease
+    );
+    c.remove("z2", true).expect("forced");
+    assert!(!c.exists("z2").expect("valid"));
+    let removed = c.batch_remove(&["z0", "nope"], true);
+    assert!(removed[0].is_ok());
+    assert_eq!(
+        removed[1].as_ref().expect_err("missing").kind,
+        StoreErrorKind::NotFound
+    );
+    assert!(c.remove_all(true).expect("remove_all") >= 4);
+    assert!(c.keys().expect("keys").is_empty());
+    assert_eq!(master.stats().objects, 0);
+}
