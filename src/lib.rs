@@ -12,6 +12,8 @@
 //!   `railyard-engine` crate, which an application may depend on alone).
 //! - [`metrics`]: Prometheus metrics of an engine, and a server for `/metrics` (part of the
 //!   engine crate).
+//! - [`store`]: the distributed KV-cache store on the engine — its master, segments and
+//!   client (the `railyard-store` crate).
 //! - [`logging`]: the rate limit of repeated warnings, as a `tracing` layer, and the CLI's
 //!   subscriber.
 //! - [`chaos`]: deterministic reproductions of the production failures railyard exists to
@@ -33,4 +35,5 @@ pub use railyard_control as control;
 pub use railyard_dataplane as dataplane;
 pub use railyard_engine as engine;
 pub use railyard_engine::metrics;
+pub use railyard_store as store;
 pub use railyard_topology as topology;

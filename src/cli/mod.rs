@@ -2,9 +2,12 @@
 
 mod bench;
 mod chaos;
+mod duration;
 mod engine_args;
+mod master;
 mod serve;
 mod size;
+mod store;
 mod topology;
 
 use clap::{Parser, Subcommand};
@@ -50,6 +53,11 @@ enum Command {
     /// blocks (32 layers × K and V) of 64 KiB (16 tokens × 16 KV heads × 128 dims × fp16)
     /// at random slots of the target's pool, written as one batch.
     Bench(bench::BenchArgs),
+    /// The store's master: metadata of a distributed KV-cache store whose clients move the
+    /// bytes themselves.
+    Master(master::MasterArgs),
+    /// The store: serve a memory segment, or put, get, list and inspect objects.
+    Store(store::StoreArgs),
 }
 
 impl Cli {
@@ -88,6 +96,8 @@ impl Cli {
             Command::Chaos(args) => chaos::run(&args),
             Command::Serve(args) => serve::run(&args).map(|()| std::process::ExitCode::SUCCESS),
             Command::Bench(args) => bench::run(&args).map(|()| std::process::ExitCode::SUCCESS),
+            Command::Master(args) => master::run(&args).map(|()| std::process::ExitCode::SUCCESS),
+            Command::Store(args) => store::run(&args).map(|()| std::process::ExitCode::SUCCESS),
         }
     }
 }

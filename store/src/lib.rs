@@ -17,6 +17,35 @@
 //! - [`client`]: [`Store`], a process's client: mount segments, put and get objects
 //!   through its engine, batches with one result per key.
 //!
+//! ```
+//! use std::num::NonZeroUsize;
+//! use railyard_engine::{Engine, RailChoice};
+//! use railyard_store::{MasterConfig, MasterPolicy, MasterServer, ReplicaConfig, Store, StoreOptions};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // The master: metadata only (`railyard master` runs the same as a process).
+//! let master = MasterServer::start(MasterConfig {
+//!     listen: "127.0.0.1:0".parse()?,
+//!     policy: MasterPolicy::default(),
+//!     secret: None,
+//!     name: "master".into(),
+//! })?;
+//! let engine = |name: &str| {
+//!     Engine::builder(name).rails(RailChoice::Count(NonZeroUsize::MIN)).build()
+//! };
+//! // A member contributes 16 MiB of memory as a segment...
+//! let decode = engine("decode-0")?;
+//! let member = Store::connect(&decode, StoreOptions::new(master.addr().to_string()))?;
+//! member.mount(16 << 20)?;
+//! // ...and any client puts and gets values through its own engine.
+//! let prefill = engine("prefill-0")?;
+//! let client = Store::connect(&prefill, StoreOptions::new(master.addr().to_string()))?;
+//! client.put("layer0/block7", b"kv bytes", &ReplicaConfig::default())?;
+//! assert_eq!(client.get("layer0/block7")?, b"kv bytes");
+//! assert!(client.exists("layer0/block7")?);
+//! client.remove("layer0/block7", true)?;
+//! # Ok(()) }
+//! ```
+//!
 //! # Thread safety
 //! [`master::MasterCore`] is a plain state machine (`Send`, not shared): one thread owns it
 //! ([`MasterServer`] keeps it behind a lock). [`Store`] is `Send + Sync`.
@@ -30,6 +59,7 @@ pub mod config;
 pub mod error;
 mod handshake;
 pub mod master;
+mod metrics;
 pub mod protocol;
 pub mod server;
 

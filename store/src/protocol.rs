@@ -112,6 +112,27 @@ pub enum Request {
     },
 }
 
+impl Request {
+    /// Its name in metrics (`put_start`, `get`, …).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Open { .. } => "open",
+            Self::Mount(_) => "mount",
+            Self::Unmount { .. } => "unmount",
+            Self::PutStart { .. } => "put_start",
+            Self::PutEnd { .. } => "put_end",
+            Self::PutRevoke { .. } => "put_revoke",
+            Self::Get { .. } => "get",
+            Self::Exists { .. } => "exists",
+            Self::Remove { .. } => "remove",
+            Self::RemoveAll { .. } => "remove_all",
+            Self::Keys => "keys",
+            Self::Stats => "stats",
+            Self::Fenced { .. } => "fenced",
+        }
+    }
+}
+
 /// The master's answer to one request.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Reply {

@@ -16,6 +16,7 @@ use railyard_engine::control::{ClusterSecret, HostId, Incarnation};
 use crate::config::MasterPolicy;
 use crate::handshake::{self, Identity};
 use crate::master::{ClientId, MasterAction, MasterCore, MasterStats};
+use crate::metrics::{Latencies, MetricsServer};
 use crate::protocol::{
     PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster, WireLease, read_frame, write_frame,
 };
@@ -45,6 +46,7 @@ pub struct MasterServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    metrics: Mutex<Option<MetricsServer>>,
 }
 
 /// A connection's sending half, shared by its reader (replies) and the ticker (events).
@@ -60,6 +62,7 @@ struct Shared {
     secret: Option<ClusterSecret>,
     addr: SocketAddr,
     stop: AtomicBool,
+    latencies: Latencies,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -84,6 +87,7 @@ impl MasterServer {
             secret: config.secret,
             addr,
             stop: AtomicBool::new(false),
+            latencies: Latencies::new(),
         });
         let acceptor = {
             let shared = Arc::clone(&shared);
@@ -111,6 +115,7 @@ impl MasterServer {
             addr,
             shared,
             threads: vec![acceptor, ticker],
+            metrics: Mutex::new(None),
         })
     }
 
@@ -123,11 +128,29 @@ impl MasterServer {
     pub fn stats(&self) -> MasterStats {
         lock(&self.shared.core).stats()
     }
+
+    /// Serves Prometheus metrics at `http://addr/metrics` (port 0: any) until the master
+    /// stops; returns where.
+    ///
+    /// # Errors
+    /// The address cannot be bound.
+    pub fn serve_metrics(&self, addr: SocketAddr) -> io::Result<SocketAddr> {
+        let server = MetricsServer::start(
+            addr,
+            Arc::downgrade(&self.shared),
+            |shared: &Shared| lock(&shared.core).stats(),
+            |shared: &Shared| &shared.latencies,
+        )?;
+        let addr = server.addr();
+        *lock(&self.metrics) = Some(server);
+        Ok(addr)
+    }
 }
 
 impl Drop for MasterServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
+        lock(&self.metrics).take();
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
@@ -183,8 +206,9 @@ impl Read for Patient<'_> {
                     ) =>
                 {
                     if self.stop.load(Ordering::Relaxed) {
+                        // Not `Interrupted`: `read_exact` retries that forever.
                         return Err(io::Error::new(
-                            io::ErrorKind::Interrupted,
+                            io::ErrorKind::ConnectionAborted,
                             "master stopping",
                         ));
                     }
@@ -261,6 +285,7 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
 /// Answers `request` from `client`; returns the reply and the core's actions.
 fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<MasterAction>) {
     let now = Instant::now();
+    let kind = request.kind();
     let mut core = lock(&shared.core);
     let reply = match request {
         Request::Open { version } if version == PROTOCOL_VERSION => Reply::Opened {
@@ -335,7 +360,10 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<Ma
             None => Reply::Done(Ok(())),
         },
     };
-    (reply, drain_actions(&mut core))
+    let actions = drain_actions(&mut core);
+    drop(core);
+    shared.latencies.observe(kind, now.elapsed());
+    (reply, actions)
 }
 
 fn drain_actions(core: &mut MasterCore) -> Vec<MasterAction> {

@@ -1,0 +1,107 @@
+//! `railyard master`: the store's master as a process — metadata only, clients move the
+//! bytes themselves.
+
+use std::io::{BufRead, Write};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use clap::Args;
+use railyard::store::{MasterConfig, MasterPolicy, MasterServer};
+
+use super::duration::parse_duration;
+use super::engine_args::SecretArgs;
+
+#[derive(Debug, Args)]
+pub(crate) struct MasterArgs {
+    /// Where clients connect (port 0: any free port; the first line says which).
+    #[arg(long, default_value = "127.0.0.1:7500")]
+    listen: SocketAddr,
+    /// How long a read's lease keeps its object from eviction and from remove without force.
+    #[arg(long, value_parser = parse_duration, default_value = "5s")]
+    lease_ttl: Duration,
+    /// Share of all segments' space above which objects are evicted (0 < x ≤ 1).
+    #[arg(long, default_value_t = 0.9)]
+    eviction_high_watermark: f64,
+    /// Share of all segments' space one eviction frees (0 < x ≤ 1).
+    #[arg(long, default_value_t = 0.05)]
+    eviction_ratio: f64,
+    /// How long a write may stay between put-start and put-end before it is abandoned and
+    /// its space fenced.
+    #[arg(long, value_parser = parse_duration, default_value = "30s")]
+    put_timeout: Duration,
+    /// Serve Prometheus metrics at http://ADDR/metrics (port 0: any free port; the first
+    /// line then ends with `metrics ADDR`).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
+    #[command(flatten)]
+    secret: SecretArgs,
+    /// Exit when standard input closes (how tests and scripts stop it).
+    #[arg(long)]
+    until_stdin_closes: bool,
+}
+
+pub(crate) fn run(args: &MasterArgs) -> anyhow::Result<()> {
+    for (name, value) in [
+        ("--eviction-high-watermark", args.eviction_high_watermark),
+        ("--eviction-ratio", args.eviction_ratio),
+    ] {
+        if !(value > 0.0 && value <= 1.0) {
+            bail!("{name} {value}: must be more than 0 and at most 1");
+        }
+    }
+    if args.lease_ttl.is_zero() || args.put_timeout.is_zero() {
+        bail!("--lease-ttl and --put-timeout must be more than 0");
+    }
+    let secret = args
+        .secret
+        .secret_file
+        .as_deref()
+        .map(railyard::engine::ClusterSecret::from_file)
+        .transpose()?;
+    if secret.is_none() {
+        tracing::warn!(
+            target: "railyard::master",
+            "no --secret-file: any process that can reach the master is admitted"
+        );
+    }
+    let server = MasterServer::start(MasterConfig {
+        listen: args.listen,
+        policy: MasterPolicy {
+            lease_ttl: args.lease_ttl,
+            eviction_high_watermark: args.eviction_high_watermark,
+            eviction_ratio: args.eviction_ratio,
+            put_timeout: args.put_timeout,
+        },
+        secret,
+        name: railyard::engine::default_name("master"),
+    })
+    .with_context(|| format!("listening on {}", args.listen))?;
+    let metrics = args
+        .metrics
+        .map(|addr| {
+            server
+                .serve_metrics(addr)
+                .with_context(|| format!("serving metrics on {addr}"))
+        })
+        .transpose()?;
+    let mut out = std::io::stdout().lock();
+    write!(out, "listening {}", server.addr())?;
+    match metrics {
+        Some(addr) => writeln!(out, " metrics {addr}")?,
+        None => writeln!(out)?,
+    }
+    out.flush()?;
+    drop(out);
+    if args.until_stdin_closes {
+        let mut stdin = std::io::stdin().lock();
+        let mut line = Vec::new();
+        while matches!(stdin.read_until(b'\n', &mut line), Ok(read) if read > 0) {
+            line.clear();
+        }
+        return Ok(());
+    }
+    loop {
+        std::thread::park();
+    }
+}
