@@ -1,7 +1,7 @@
 //! An endpoint's credits on its current queue pair: how many of its work requests that
 //! queue pair holds (at most its send queue's depth), whether the fabric said the send
 //! queue is full, and — with the rail's count of requests in flight, flushes to come
-//! included — whether one more may be posted. The poller (`super`) owns one per endpoint.
+//! included — whether one more may be posted. The poller (`state.rs`) owns one per endpoint.
 
 use crate::fabric::FabricLimits;
 

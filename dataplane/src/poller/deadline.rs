@@ -2,7 +2,8 @@
 //! an overdue posted slice calls for. Posted work cannot be recalled, only flushed: the
 //! first sweep past its deadline marks it and takes its queue pair out of service; if the
 //! fabric has not handed it back within the flush grace after that, the queue pair is torn
-//! down without its flush and the work resolved. The poller (`super`) owns the clock and carries these decisions out.
+//! down without its flush and the work resolved. The poller (`state.rs`) owns the clock;
+//! `sweep.rs` carries these decisions out.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

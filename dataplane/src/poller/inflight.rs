@@ -1,7 +1,7 @@
 //! The poller's posted work requests, by slot. A work-request id carries its slot and the
 //! slot's generation, so a completion for a slot that moved on (a request resolved without
 //! its completion, then the slot reused) is recognised and ignored, never matched to the
-//! newer request. The poller (`super`) owns the table; slots hold its slices.
+//! newer request. The poller (`state.rs`) owns the table; slots hold its slices.
 
 use crate::EndpointId;
 use crate::fabric::{QpNum, WrId};

@@ -1,8 +1,9 @@
 //! The poller's rules, as pure functions of what it knows: the epoch rule, where a slice
 //! then goes on its endpoint (posted, queued for credits, backlogged within its bound,
 //! re-prepared or failed), what a re-prepared slice becomes, and what a failed work request
-//! earns (a retry, charged or not, or its failure). The poller's loop (`super`) applies
-//! them; the loom model of the control/poller hand-off shares the epoch rule.
+//! earns (a retry, charged or not, or its failure). The poller's loop (`run.rs`,
+//! `posting.rs`) applies them; the loom model of the control/poller hand-off shares the
+//! epoch rule.
 
 use crate::Epoch;
 use crate::batch::FailReason;

@@ -138,8 +138,8 @@ impl SoftDevice {
     /// # Errors
     /// [`SoftError::Io`] when its inbox cannot be created.
     pub fn create_qp(&self, access: Access) -> Result<SoftQp, SoftError> {
-        // 23 bits: numbers with bit 23 set are the TCP fabric's.
-        let num = self.0.next_qp.fetch_add(1, Ordering::Relaxed) & (crate::fabric::TCP_QP_BIT - 1);
+        // The low half of the number space: the high half is another fabric's.
+        let num = QpNum::low(self.0.next_qp.fetch_add(1, Ordering::Relaxed)).0;
         let info = QpInfo {
             qp_num: num.max(1),
             lid: 0,

@@ -18,7 +18,7 @@ use super::wire::Hello;
 use crate::fabric::faults::FaultHandle;
 use crate::fabric::soft::SoftDevice;
 use crate::fabric::staging::Staging;
-use crate::fabric::{QpInfo, QpNum, TCP_QP_BIT};
+use crate::fabric::{QpInfo, QpNum};
 use crate::{EndpointId, Epoch};
 
 #[derive(Debug)]
@@ -95,8 +95,7 @@ impl TcpDevice {
     }
 
     pub(super) fn next_num(&self) -> QpNum {
-        let n = self.0.next_qp.fetch_add(1, Ordering::Relaxed) & (TCP_QP_BIT - 1);
-        QpNum(TCP_QP_BIT | n)
+        QpNum::high(self.0.next_qp.fetch_add(1, Ordering::Relaxed))
     }
 
     pub(super) fn info(num: QpNum) -> QpInfo {

@@ -4,11 +4,11 @@
 use std::net::TcpStream;
 
 use super::wire::HELLO_LEN;
-use crate::fabric::{QpNum, TCP_QP_BIT};
+use crate::fabric::QpNum;
 
 /// Whether `qp` is a TCP queue pair's number.
 pub fn is_tcp_qp(qp: QpNum) -> bool {
-    qp.0 & TCP_QP_BIT != 0
+    qp.is_high()
 }
 
 /// An initiator's queue pair before it is connected.
