@@ -288,6 +288,76 @@ fn a_master_two_segment_servers_and_clients_in_separate_processes() {
     assert_eq!(&read[..65536], value_of("b0", 65536).as_slice());
     assert_eq!(&read[2 * 65536..], value_of("b2", 65536).as_slice());
 
+    // Scatter-gather: one key's value from (and into) several ranges; single-key forms.
+    let multi_keys = ["sg-0", "sg-1"];
+    let parts: Vec<Vec<LocalRange>> = (0..2u64)
+        .map(|k| {
+            (0..3u64)
+                .map(|p| LocalRange {
+                    region: source,
+                    offset: k * 196_608 + p * 65536,
+                    len: 65536,
+                })
+                .collect()
+        })
+        .collect();
+    for result in store.batch_put_from_multi(&multi_keys, &parts, &two) {
+        result.expect("put from parts");
+    }
+    let scattered: Vec<Vec<LocalRange>> = (0..2u64)
+        .map(|k| {
+            vec![
+                LocalRange {
+                    region: sink,
+                    offset: k * 196_608,
+                    len: 100_000,
+                },
+                LocalRange {
+                    region: sink,
+                    offset: k * 196_608 + 100_000,
+                    len: 96_608,
+                },
+            ]
+        })
+        .collect();
+    assert_eq!(
+        store.batch_get_into_multi(&multi_keys, &scattered),
+        [Ok(196_608), Ok(196_608)]
+    );
+    // SAFETY: both engine-allocated, 1 MiB; every transfer of them resolved.
+    let (written, read) = unsafe {
+        (
+            std::slice::from_raw_parts(source.addr as *const u8, 2 * 196_608),
+            std::slice::from_raw_parts(sink.addr as *const u8, 2 * 196_608),
+        )
+    };
+    assert!(written == read, "scatter-gather round trip");
+    let whole = LocalRange {
+        region: sink,
+        offset: 0,
+        len: 1 << 20,
+    };
+    assert_eq!(
+        store.get_into("page", whole).expect("fits"),
+        4096,
+        "get_into answers the value's size"
+    );
+    assert_eq!(
+        store
+            .batch_exists(&["page", "nope", ""])
+            .into_iter()
+            .map(|r| r.map_err(|e| e.kind))
+            .collect::<Vec<_>>(),
+        [Ok(true), Ok(false), Err(StoreErrorKind::EmptyKey)]
+    );
+    assert!(matches!(
+        store
+            .get_into("megs", whole)
+            .expect_err("a buffer too small")
+            .kind,
+        StoreErrorKind::InvalidArgument { .. }
+    ));
+
     // An unmount with a grace period: objects with a replica left stay readable; its
     // process exits cleanly once the master let go.
     let single = ReplicaConfig::default();

@@ -9,6 +9,7 @@ mod master;
 mod serve;
 mod size;
 mod store;
+mod store_bench;
 mod topology;
 
 pub(crate) use command::Cli;

@@ -36,6 +36,8 @@ enum StoreCommand {
     Ls(ClientArgs),
     /// What the master holds: objects, bytes, segments, counters.
     Stat(ClientArgs),
+    /// Throughput and latency of puts and gets against a live master.
+    Bench(super::store_bench::StoreBenchArgs),
 }
 
 /// How a store command reaches the cluster.
@@ -149,6 +151,7 @@ impl ClientArgs {
 pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
     match &args.command {
         StoreCommand::Serve(args) => serve(args),
+        StoreCommand::Bench(args) => super::store_bench::run(args),
         StoreCommand::Put(args) => {
             let value = match (&args.value, &args.file) {
                 (Some(text), _) => text.clone().into_bytes(),
