@@ -102,6 +102,14 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// A read of one key's value (from byte `at`) into `targets`, under `lease`.
+struct Read<'a> {
+    key: &'a str,
+    lease: &'a (WireLease, Instant),
+    targets: &'a [LocalRange],
+    at: u64,
+}
+
 /// One replica write or read: which request of which batch, for which item.
 struct Pending {
     item: usize,
@@ -702,16 +710,19 @@ impl Store {
                 Err(error) => results.push(Err(error)),
             }
         }
-        let mut leases = self.lease(&wanted).into_iter();
+        let leases = self.lease(&wanted);
+        let mut leases = leases.iter();
         let deadline = Instant::now() + self.inner.options.timeout;
-        for ((key, ranges), result) in keys.iter().zip(parts).zip(results.iter_mut()) {
-            if result.is_err() {
+        let mut reads: Vec<Read<'_>> = Vec::new();
+        let mut read_of: Vec<(usize, u64)> = Vec::new();
+        for (index, (key, ranges)) in keys.iter().zip(parts).enumerate() {
+            if results[index].is_err() {
                 continue;
             }
             let lease = match leases.next() {
                 Some(Ok(lease)) => lease,
                 Some(Err(error)) => {
-                    *result = Err(error);
+                    results[index] = Err(error.clone());
                     continue;
                 }
                 None => continue,
@@ -719,7 +730,7 @@ impl Store {
             let size = lease.0.size;
             let room: u64 = ranges.iter().map(|range| range.len).sum();
             if room < size {
-                *result = Err(StoreError::new(
+                results[index] = Err(StoreError::new(
                     key.as_ref(),
                     StoreErrorKind::InvalidArgument {
                         detail: format!("a buffer of {room} bytes for a value of {size}"),
@@ -727,9 +738,16 @@ impl Store {
                 ));
                 continue;
             }
-            *result = self
-                .read_replica(key.as_ref(), &lease, ranges, 0, deadline)
-                .map(|()| size);
+            reads.push(Read {
+                key: key.as_ref(),
+                lease,
+                targets: ranges,
+                at: 0,
+            });
+            read_of.push((index, size));
+        }
+        for ((index, size), read) in read_of.into_iter().zip(self.read_many(&reads, deadline)) {
+            results[index] = read.map(|()| size);
         }
         results
     }
@@ -791,41 +809,88 @@ impl Store {
     fn read_replica(
         &self,
         key: &str,
-        (lease, until): &(WireLease, Instant),
+        lease: &(WireLease, Instant),
         targets: &[LocalRange],
         at: u64,
         deadline: Instant,
     ) -> Result<(), StoreError> {
-        let mut last = String::from("no replica");
-        for replica in &lease.replicas {
-            let mut from = at;
-            let reads: Vec<(usize, Transfer, &ReplicaDescriptor)> = targets
-                .iter()
-                .filter_map(|target| {
+        let item = Read {
+            key,
+            lease,
+            targets,
+            at,
+        };
+        self.read_many(&[item], deadline).remove(0)
+    }
+
+    /// Reads every item at once — one batch per replica holder, not one round trip per key —
+    /// moving each failed item to its next replica and trying again until every item has
+    /// succeeded or run out of replicas; checks each lease outlived its transfer.
+    fn read_many(&self, items: &[Read<'_>], deadline: Instant) -> Vec<Result<(), StoreError>> {
+        let mut results: Vec<Option<Result<(), StoreError>>> = vec![None; items.len()];
+        let mut attempt = vec![0usize; items.len()];
+        let mut last: Vec<String> = vec![String::from("no replica"); items.len()];
+        loop {
+            let pending: Vec<usize> = (0..items.len()).filter(|&i| results[i].is_none()).collect();
+            if pending.is_empty() {
+                break;
+            }
+            let mut reads: Vec<(usize, Transfer, &ReplicaDescriptor)> = Vec::new();
+            for (slot, &i) in pending.iter().enumerate() {
+                let Read {
+                    lease, targets, at, ..
+                } = &items[i];
+                let (lease, _) = lease;
+                let Some(replica) = lease.replicas.get(attempt[i]) else {
+                    continue;
+                };
+                let mut from = *at;
+                for target in targets.iter() {
                     let len = target.len.min(lease.size.saturating_sub(from));
-                    let transfer = Transfer {
-                        op: Op::Read,
-                        local: target.region,
-                        local_offset: target.offset,
-                        remote_addr: replica.addr + from,
-                        len,
-                    };
+                    if len > 0 {
+                        reads.push((
+                            slot,
+                            Transfer {
+                                op: Op::Read,
+                                local: target.region,
+                                local_offset: target.offset,
+                                remote_addr: replica.addr + from,
+                                len,
+                            },
+                            replica,
+                        ));
+                    }
                     from += len;
-                    (len > 0).then_some((0, transfer, replica))
-                })
-                .collect();
-            match self.move_bytes(reads, 1, deadline).remove(0) {
-                Ok(()) if Instant::now() <= *until => return Ok(()),
-                Ok(()) => {
-                    return Err(StoreError::new(key, StoreErrorKind::LeaseExpired));
                 }
-                Err(detail) => last = detail,
+            }
+            let outcomes = self.move_bytes(reads, pending.len(), deadline);
+            for (&i, outcome) in pending.iter().zip(outcomes) {
+                let Read { key, lease, .. } = &items[i];
+                let (lease, until) = lease;
+                if attempt[i] >= lease.replicas.len() {
+                    results[i] = Some(Err(StoreError::new(
+                        key,
+                        StoreErrorKind::TransferFailed {
+                            detail: last[i].clone(),
+                        },
+                    )));
+                    continue;
+                }
+                results[i] = match outcome {
+                    Ok(()) if Instant::now() <= *until => Some(Ok(())),
+                    Ok(()) => Some(Err(StoreError::new(key, StoreErrorKind::LeaseExpired))),
+                    Err(detail) => {
+                        last[i] = detail;
+                        attempt[i] += 1;
+                        None
+                    }
+                };
             }
         }
-        Err(StoreError::new(
-            key,
-            StoreErrorKind::TransferFailed { detail: last },
-        ))
+        results
+            .into_iter()
+            .map(|result| result.unwrap_or(Ok(())))
+            .collect()
     }
 
     // ---- metadata ----------------------------------------------------------------------
