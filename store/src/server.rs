@@ -410,3 +410,7 @@ fn deliver_to(shared: &Shared, client: ClientId, events: Vec<ToClient>) {
             .push(event);
     }
 }
+
+#[cfg(test)]
+#[path = "server_tests.rs"]
+mod tests;

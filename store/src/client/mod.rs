@@ -2,7 +2,7 @@
 //! — mounting segments, putting and getting objects zero-copy through the engine, batches —
 //! talking to the master over one admitted connection.
 
-mod link;
+pub(crate) mod link;
 mod staging;
 mod store;
 

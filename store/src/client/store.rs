@@ -375,6 +375,7 @@ impl Store {
         upsert: bool,
     ) -> Result<(), StoreError> {
         let size: u64 = parts.iter().map(|part| part.len() as u64).sum();
+        let sent = Instant::now();
         let ticket = self
             .start(
                 &[PutItem {
@@ -385,6 +386,7 @@ impl Store {
                 upsert,
             )
             .remove(0)?;
+        let expires = submit_by(sent, &ticket);
         let deadline = Instant::now() + self.inner.options.timeout;
         let mut written = 0u64;
         let mut outcome: Result<(), String> = Ok(());
@@ -420,7 +422,11 @@ impl Store {
                     )
                 })
                 .collect();
-            outcome = self.move_bytes(writes, 1, deadline).remove(0);
+            outcome = if Instant::now() < expires {
+                self.move_bytes(writes, 1, deadline).remove(0)
+            } else {
+                Err(EXPIRED.into())
+            };
             written += len;
         }
         self.finish(vec![(key.to_owned(), ticket.put, outcome)])
@@ -462,6 +468,7 @@ impl Store {
                 Err(error) => results[index] = Some(Err(error)),
             }
         }
+        let sent = Instant::now();
         let tickets = self.start(&items, config, upsert);
         let deadline = Instant::now() + self.inner.options.timeout;
         let mut writes = Vec::new();
@@ -497,7 +504,16 @@ impl Store {
             .iter()
             .map(|(item, transfer, replica)| (*item, *transfer, replica))
             .collect();
-        let outcomes = self.move_bytes(borrowed, started.len(), deadline);
+        // Every write goes out before the earliest of their expiries, or none does.
+        let expires = started
+            .iter()
+            .map(|(_, ticket)| submit_by(sent, ticket))
+            .min();
+        let outcomes = if expires.is_none_or(|expires| Instant::now() < expires) {
+            self.move_bytes(borrowed, started.len(), deadline)
+        } else {
+            vec![Err(EXPIRED.into()); started.len()]
+        };
         let finished = self.finish(
             started
                 .iter()
@@ -790,17 +806,19 @@ impl Store {
             .collect()
     }
 
-    /// Orders replicas best first: this process's own segment, then this host, then the rest.
+    /// Orders replicas best first: this process's own segment, then this host, then the rest,
+    /// each group least loaded first.
     fn rank(&self, replicas: &mut [ReplicaDescriptor]) {
         let own = self.inner.engine.addr().to_string();
         replicas.sort_by_key(|replica| {
-            if replica.handshake_addr == own {
+            let near = if replica.handshake_addr == own {
                 0
             } else if replica.host == self.inner.host {
                 1
             } else {
                 2
-            }
+            };
+            (near, replica.load)
         });
     }
 
@@ -1128,6 +1146,17 @@ impl Store {
         lock(&self.inner.peers).insert(addr.to_owned(), peer.clone());
         Ok(peer)
     }
+}
+
+/// How a write that could not be submitted before its put timeout fails.
+const EXPIRED: &str = "the put timed out before its transfers were submitted";
+
+/// When a write must have submitted its transfers: its put timeout, counted from before
+/// put-start was sent (so never later than the master counts it), less a tenth for the
+/// submission itself. Past it the writer submits nothing: its space may be someone else's
+/// by the time its bytes land (transfers already submitted are the fence's to stop).
+fn submit_by(sent: Instant, ticket: &PutTicket) -> Instant {
+    sent + ticket.expires_in - ticket.expires_in / 10
 }
 
 /// How long past a call's deadline it waits for the engine to resolve its transfers.

@@ -33,6 +33,9 @@ pub struct ReplicaDescriptor {
     pub addr: u64,
     /// The value's size.
     pub len: u64,
+    /// Reads recently pointed at its segment (halved every lease period): the client reads
+    /// the least loaded of equally near replicas.
+    pub load: u64,
 }
 
 /// A write the master has placed: write every replica, then put-end (or put-revoke).
@@ -42,6 +45,9 @@ pub struct PutTicket {
     pub put: PutId,
     /// Where to write the value, one entry per replica.
     pub replicas: Vec<ReplicaDescriptor>,
+    /// How long from put-start the write may take before it is abandoned (the master's
+    /// put timeout): a writer submits none of its transfers later than that.
+    pub expires_in: Duration,
 }
 
 /// A complete object a reader may read until `lease_until`.
@@ -168,6 +174,8 @@ pub struct MasterCore {
     pub(super) retired: Vec<(Instant, Replica)>,
     actions: VecDeque<MasterAction>,
     pub(super) counters: MasterCounters,
+    /// When segments' recent reads were last halved.
+    load_decayed: Instant,
 }
 
 impl MasterCore {
@@ -184,6 +192,7 @@ impl MasterCore {
             retired: Vec::new(),
             actions: VecDeque::new(),
             counters: MasterCounters::default(),
+            load_decayed: Instant::now(),
         }
     }
 
@@ -370,6 +379,7 @@ impl MasterCore {
         Ok(PutTicket {
             put,
             replicas: descriptors,
+            expires_in: self.policy.put_timeout,
         })
     }
 
@@ -468,6 +478,11 @@ impl MasterCore {
         let size = version.size;
         let object = &self.objects[key];
         let replicas = self.describe(&object.complete.as_ref().expect("checked").replicas, size);
+        for replica in &replicas {
+            if let Some(segment) = self.segments.get_mut(replica.segment) {
+                segment.recent_reads += 1;
+            }
+        }
         self.counters.gets += 1;
         Ok(ObjectLease {
             size,
@@ -588,6 +603,10 @@ impl MasterCore {
             }
         }
         self.free_retired(now);
+        if now.saturating_duration_since(self.load_decayed) >= self.policy.lease_ttl {
+            self.load_decayed = now;
+            self.segments.halve_recent_reads();
+        }
         let finished: Vec<SegmentId> = self
             .segments
             .iter()
@@ -687,6 +706,7 @@ impl MasterCore {
                     handshake_addr: segment.spec.handshake_addr.clone(),
                     addr: segment.spec.base + replica.extent.offset,
                     len: size,
+                    load: segment.recent_reads,
                 })
             })
             .collect()

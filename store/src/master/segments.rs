@@ -42,6 +42,8 @@ pub(crate) struct Segment {
     pub(crate) space: Space,
     /// Set by an unmount: takes no new replicas, and goes at this time.
     pub(crate) draining_until: Option<Instant>,
+    /// Reads pointed at it lately (halved every lease period).
+    pub(crate) recent_reads: u64,
 }
 
 /// Every mounted segment.
@@ -111,6 +113,7 @@ impl Segments {
                 spec,
                 owner,
                 draining_until: None,
+                recent_reads: 0,
             },
         );
         Ok(id)
@@ -137,6 +140,13 @@ impl Segments {
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (SegmentId, &Segment)> {
         self.by_id.iter().map(|(&id, segment)| (id, segment))
+    }
+
+    /// Halves every segment's count of recent reads.
+    pub(crate) fn halve_recent_reads(&mut self) {
+        for segment in self.by_id.values_mut() {
+            segment.recent_reads /= 2;
+        }
     }
 
     /// Returns `extent` to `segment`'s space (dropped if the segment is gone).
