@@ -400,6 +400,43 @@ fn a_master_two_segment_servers_and_clients_in_separate_processes() {
         "placement spread them over both segments"
     );
 
+    // Replacing and removing, from this process and from a command process.
+    store
+        .put_parts("parts", &[b"head-", b"", b"tail"], &single)
+        .expect("put_parts");
+    assert_eq!(store.get("parts").expect("get"), b"head-tail");
+    let upsert = store_command(
+        &master_addr,
+        &["put", "parts", "--upsert", "--value", "replaced"],
+        None,
+    );
+    assert!(
+        upsert.status.success(),
+        "{}",
+        String::from_utf8_lossy(&upsert.stderr)
+    );
+    assert_eq!(store.get("parts").expect("get"), b"replaced");
+    store.upsert("parts", b"again", &single).expect("upsert");
+    assert_eq!(store.get("parts").expect("get"), b"again");
+    store.remove("parts", true).expect("remove");
+    assert_eq!(
+        store.get("parts").expect_err("removed").kind,
+        StoreErrorKind::NotFound
+    );
+    let removed = store.batch_remove(&["b0", "never-there"], true);
+    assert!(removed[0].is_ok());
+    assert_eq!(
+        removed[1].as_ref().expect_err("missing").kind,
+        StoreErrorKind::NotFound
+    );
+    let rm = store_command(&master_addr, &["rm", "b2", "--force"], None);
+    assert!(
+        rm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rm.stderr)
+    );
+    assert!(!store.exists("b2").expect("valid"));
+
     let listed = store_command(&master_addr, &["ls"], None);
     assert!(
         String::from_utf8_lossy(&listed.stdout)

@@ -22,6 +22,8 @@ enum BenchOp {
     Put,
     Get,
     Mixed,
+    /// `batch_exists` of the batch's keys: the master's rate, no data moved.
+    Exists,
 }
 
 #[derive(Debug, Args)]
@@ -41,7 +43,7 @@ pub(crate) struct StoreBenchArgs {
     /// Replicas per value.
     #[arg(long, default_value_t = 1)]
     replicas: usize,
-    /// put, get or mixed (alternating batches).
+    /// put, get, mixed (alternating batches) or exists (batch_exists: the master alone).
     #[arg(long, value_enum, default_value = "put")]
     op: BenchOp,
     /// How long to measure.
@@ -81,7 +83,7 @@ pub(crate) fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
         .transpose()?;
     let stop = AtomicBool::new(false);
     let progress = AtomicU64::new(0);
-    let tallies: [Mutex<Tally>; 2] = Default::default();
+    let tallies: [Mutex<Tally>; 3] = Default::default();
     let started = Instant::now();
     let results: Vec<anyhow::Result<()>> = std::thread::scope(|scope| {
         let clients: Vec<_> = (0..args.clients.get())
@@ -127,7 +129,7 @@ pub(crate) fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
     }
     let mut out = std::io::stdout().lock();
     let mut reports = Vec::new();
-    for (name, tally) in ["put", "get"].iter().zip(&tallies) {
+    for (name, tally) in ["put", "get", "exists"].iter().zip(&tallies) {
         let mut tally = tally
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -135,7 +137,11 @@ pub(crate) fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
             continue;
         }
         tally.batches.sort();
-        let bytes = tally.objects * args.value_size;
+        let bytes = if *name == "exists" {
+            0
+        } else {
+            tally.objects * args.value_size
+        };
         let seconds = elapsed.as_secs_f64();
         let gbps = bytes as f64 / seconds / 1e9;
         let objects_per_s = tally.objects as f64 / seconds;
@@ -187,7 +193,7 @@ fn bench_client(
     secret: Option<railyard::engine::ClusterSecret>,
     stop: &AtomicBool,
     progress: &AtomicU64,
-    tallies: &[Mutex<Tally>; 2],
+    tallies: &[Mutex<Tally>; 3],
 ) -> anyhow::Result<()> {
     let mut builder = Engine::builder(default_name(&format!("store-bench-{client}")))
         .listen("127.0.0.1:0".parse()?)
@@ -238,14 +244,20 @@ fn bench_client(
         }
     }
     while !stop.load(Ordering::Relaxed) {
-        let put = match args.op {
-            BenchOp::Put => true,
-            BenchOp::Get => false,
-            BenchOp::Mixed => round % 2 == 0,
+        // 0: put, 1: get, 2: exists.
+        let op = match args.op {
+            BenchOp::Put => 0,
+            BenchOp::Get => 1,
+            BenchOp::Mixed => usize::from(round % 2 == 1),
+            BenchOp::Exists => 2,
         };
         round += 1;
         let began = Instant::now();
-        let (ok, failed, written) = if put {
+        let (ok, failed, written) = if op == 2 {
+            let answers = store.batch_exists(&resident);
+            let ok = answers.iter().filter(|a| matches!(a, Ok(true))).count() as u64;
+            (ok, answers.len() as u64 - ok, None)
+        } else if op == 0 {
             let keys: Vec<String> = (0..args.batch.get())
                 .map(|i| format!("{prefix}/{round}/{i}"))
                 .collect();
@@ -259,7 +271,7 @@ fn bench_client(
         };
         let took = began.elapsed();
         {
-            let mut tally = tallies[usize::from(!put)]
+            let mut tally = tallies[op]
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             tally.batches.push(took);
