@@ -4,8 +4,8 @@
 
 use std::io::{IsTerminal, Write};
 use std::num::NonZeroUsize;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
@@ -84,17 +84,20 @@ pub(crate) fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
     let stop = AtomicBool::new(false);
     let progress = AtomicU64::new(0);
     let tallies: [Mutex<Tally>; 3] = Default::default();
-    let started = Instant::now();
-    let results: Vec<anyhow::Result<()>> = std::thread::scope(|scope| {
+    // The clock starts once every client has its engine, its connection and its values.
+    let ready = Barrier::new(args.clients.get() + 1);
+    let results = std::thread::scope(|scope| {
         let clients: Vec<_> = (0..args.clients.get())
             .map(|client| {
-                let (stop, progress, tallies, secret) =
-                    (&stop, &progress, &tallies, secret.clone());
+                let (stop, progress, tallies, secret, ready) =
+                    (&stop, &progress, &tallies, secret.clone(), &ready);
                 scope.spawn(move || {
-                    bench_client(args, client, buffer, secret, stop, progress, tallies)
+                    bench_client(args, client, buffer, secret, stop, progress, tallies, ready)
                 })
             })
             .collect();
+        ready.wait();
+        let started = Instant::now();
         let terminal = std::io::stderr().is_terminal() && !args.json;
         while started.elapsed() < args.duration && !clients.iter().all(|c| c.is_finished()) {
             std::thread::sleep(Duration::from_millis(250));
@@ -114,16 +117,18 @@ pub(crate) fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
             eprintln!();
         }
         stop.store(true, Ordering::Relaxed);
-        clients
+        let elapsed = started.elapsed();
+        let joined: Vec<anyhow::Result<()>> = clients
             .into_iter()
             .map(|client| {
                 client
                     .join()
                     .unwrap_or_else(|_| Err(anyhow::anyhow!("a client panicked")))
             })
-            .collect()
+            .collect();
+        (joined, elapsed)
     });
-    let elapsed = started.elapsed();
+    let (results, elapsed) = results;
     for result in results {
         result?;
     }
@@ -185,7 +190,9 @@ pub(crate) fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One client: its own engine and store, putting (and getting) batches until told to stop.
+/// One client, which reaches `ready` whether or not it could set itself up (so that nobody
+/// waits there for it forever).
+#[allow(clippy::too_many_arguments)]
 fn bench_client(
     args: &StoreBenchArgs,
     client: usize,
@@ -194,6 +201,38 @@ fn bench_client(
     stop: &AtomicBool,
     progress: &AtomicU64,
     tallies: &[Mutex<Tally>; 3],
+    ready: &Barrier,
+) -> anyhow::Result<()> {
+    let mut waited = false;
+    let result = run_client(
+        args,
+        client,
+        buffer,
+        secret,
+        stop,
+        progress,
+        tallies,
+        ready,
+        &mut waited,
+    );
+    if !waited {
+        ready.wait();
+    }
+    result
+}
+
+/// One client: its own engine and store, putting (and getting) batches until told to stop.
+#[allow(clippy::too_many_arguments)]
+fn run_client(
+    args: &StoreBenchArgs,
+    client: usize,
+    buffer: u64,
+    secret: Option<railyard::engine::ClusterSecret>,
+    stop: &AtomicBool,
+    progress: &AtomicU64,
+    tallies: &[Mutex<Tally>; 3],
+    ready: &Barrier,
+    waited: &mut bool,
 ) -> anyhow::Result<()> {
     let mut builder = Engine::builder(default_name(&format!("store-bench-{client}")))
         .listen("127.0.0.1:0".parse()?)
@@ -243,6 +282,8 @@ fn bench_client(
             result.context("writing the values to read")?;
         }
     }
+    ready.wait();
+    *waited = true;
     while !stop.load(Ordering::Relaxed) {
         // 0: put, 1: get, 2: exists.
         let op = match args.op {

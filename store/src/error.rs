@@ -56,12 +56,12 @@ pub enum StoreErrorKind {
         /// The largest segment's capacity (0: none is mounted).
         largest: u64,
     },
-    /// More replicas than segments to put them on.
-    #[error("{asked} replicas asked for, {segments} segments mounted")]
+    /// More replicas than segments that could ever hold the value.
+    #[error("{asked} replicas asked for, {segments} segments take writes of this size")]
     TooManyReplicas {
         /// Replicas asked for.
         asked: usize,
-        /// Segments that take writes.
+        /// Segments that take writes and are at least as large as the value.
         segments: usize,
     },
     /// A replica count of 0.

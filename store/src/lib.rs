@@ -62,6 +62,7 @@ pub mod master;
 mod metrics;
 pub mod protocol;
 pub mod server;
+mod time;
 
 pub use client::{LocalRange, Store, StoreOptions};
 pub use config::{MasterPolicy, ReplicaConfig};

@@ -25,6 +25,8 @@ use crate::protocol::{
 const TICK: Duration = Duration::from_millis(20);
 /// How long a connection may take to say Hello and prove the secret.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a write to one client may block before its connection is given up.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often blocked reads look up to see whether the master is stopping.
 const STOP_CHECK: Duration = Duration::from_millis(100);
 
@@ -238,6 +240,9 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
     let Ok(writer) = stream.try_clone() else {
         return;
     };
+    // A client that stops reading holds up only its own frames: a write blocked this long
+    // fails, and the connection goes (the ticker that pushes events never waits longer).
+    let _ = writer.set_write_timeout(Some(WRITE_TIMEOUT));
     let outbox: Outbox = Arc::new(Mutex::new(writer));
     lock(&shared.clients)
         .entry(client)
@@ -400,9 +405,12 @@ fn deliver_to(shared: &Shared, client: ClientId, events: Vec<ToClient>) {
         .unwrap_or_default();
     'events: for event in events {
         for outbox in &outboxes {
-            if write_frame(&mut *lock(outbox), &event).is_ok() {
+            let mut stream = lock(outbox);
+            if write_frame(&mut *stream, &event).is_ok() {
                 continue 'events;
             }
+            // Perhaps half a frame went out: the connection is no good any more.
+            let _ = stream.shutdown(std::net::Shutdown::Both);
         }
         lock(&shared.undelivered)
             .entry(client)

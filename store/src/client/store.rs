@@ -21,9 +21,11 @@ use crate::config::ReplicaConfig;
 use crate::error::{StoreError, StoreErrorKind};
 use crate::handshake::Identity;
 use crate::master::{
-    ClientId, MasterStats, PutId, PutTicket, ReplicaDescriptor, SegmentId, SegmentSpec,
+    ClientId, GRANULE, MAX_SEGMENT_BYTES, MasterStats, PutId, PutTicket, ReplicaDescriptor,
+    SegmentId, SegmentSpec,
 };
 use crate::protocol::{PutItem, Reply, Request, ToClient, WireLease};
+use crate::time::after;
 
 /// How a [`Store`] reaches its master and bounds its calls.
 #[derive(Clone, Debug)]
@@ -194,6 +196,15 @@ impl Store {
     /// Allocates `size` bytes with the engine (huge pages where it can) and mounts them as
     /// a segment other members write and read.
     pub fn mount(&self, size: u64) -> Result<SegmentId, StoreError> {
+        if !(GRANULE..=MAX_SEGMENT_BYTES).contains(&size) {
+            return Err(StoreError::new(
+                "",
+                StoreErrorKind::InvalidSegment {
+                    segment: format!("{size} bytes"),
+                    reason: format!("a segment is {GRANULE} to {MAX_SEGMENT_BYTES} bytes"),
+                },
+            ));
+        }
         let region = self.inner.engine.alloc(size, None).map_err(|error| {
             StoreError::new(
                 "",
@@ -260,7 +271,7 @@ impl Store {
             Reply::Done(Err(error)) => return Err(error),
             other => return Err(unexpected(&other)),
         }
-        let deadline = Instant::now() + grace + self.inner.options.timeout;
+        let deadline = after(after(Instant::now(), grace), self.inner.options.timeout);
         let (set, changed) = &self.inner.unmounted;
         let mut gone = lock(set);
         while !gone.remove(&segment) {
@@ -387,7 +398,7 @@ impl Store {
             )
             .remove(0)?;
         let expires = submit_by(sent, &ticket);
-        let deadline = Instant::now() + self.inner.options.timeout;
+        let deadline = after(Instant::now(), self.inner.options.timeout);
         let mut written = 0u64;
         let mut outcome: Result<(), String> = Ok(());
         let mut sources = parts.iter().flat_map(|part| part.iter().copied());
@@ -470,7 +481,7 @@ impl Store {
         }
         let sent = Instant::now();
         let tickets = self.start(&items, config, upsert);
-        let deadline = Instant::now() + self.inner.options.timeout;
+        let deadline = after(Instant::now(), self.inner.options.timeout);
         let mut writes = Vec::new();
         let mut started = Vec::new();
         for (slot, ticket) in tickets.into_iter().enumerate() {
@@ -479,7 +490,8 @@ impl Store {
                 Ok(ticket) => {
                     let item = started.len();
                     let mut at = 0;
-                    for range in &parts[index] {
+                    // An empty part moves nothing (and a transfer of 0 bytes is refused).
+                    for range in parts[index].iter().filter(|range| range.len > 0) {
                         for replica in &ticket.replicas {
                             writes.push((
                                 item,
@@ -546,7 +558,20 @@ impl Store {
                 .inner
                 .engine
                 .region_at(range.region.addr, range.region.len)
-                .is_some();
+                .is_some_and(|region| region.id == range.region.id);
+            let mounted = lock(&self.inner.mounted)
+                .values()
+                .any(|(segment, _)| segment.id == range.region.id);
+            if mounted {
+                return Err(StoreError::new(
+                    key,
+                    StoreErrorKind::InvalidArgument {
+                        detail:
+                            "a range in a segment this process mounted: that memory is the store's"
+                                .into(),
+                    },
+                ));
+            }
             if !inside || !registered {
                 return Err(StoreError::new(
                     key,
@@ -663,7 +688,7 @@ impl Store {
     pub fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
         let lease = self.lease(&[key]).remove(0)?;
         let size = lease.0.size;
-        let deadline = Instant::now() + self.inner.options.timeout;
+        let deadline = after(Instant::now(), self.inner.options.timeout);
         let mut value = Vec::with_capacity(size as usize);
         while (value.len() as u64) < size {
             let at = value.len() as u64;
@@ -728,7 +753,7 @@ impl Store {
         }
         let leases = self.lease(&wanted);
         let mut leases = leases.iter();
-        let deadline = Instant::now() + self.inner.options.timeout;
+        let deadline = after(Instant::now(), self.inner.options.timeout);
         let mut reads: Vec<Read<'_>> = Vec::new();
         let mut read_of: Vec<(usize, u64)> = Vec::new();
         for (index, (key, ranges)) in keys.iter().zip(parts).enumerate() {
@@ -799,7 +824,7 @@ impl Store {
                     self.rank(&mut lease.replicas);
                     // The lease counts from when the master answered, which is after the
                     // request left: measured from then, it ends no later than the master's.
-                    let until = asked + lease.lease;
+                    let until = after(asked, lease.lease);
                     (lease, until)
                 })
             })
@@ -1065,7 +1090,7 @@ impl Store {
             // The engine resolves every request by its own deadline; past ours, wait for that
             // too, so that "failed" always means "nothing of it moves any more".
             let status = batch.wait(deadline);
-            if !status.is_complete() && !batch.wait(deadline + RESOLVE_GRACE).is_complete() {
+            if !status.is_complete() && !batch.wait(after(deadline, RESOLVE_GRACE)).is_complete() {
                 resolved[index] = false;
             }
         }
@@ -1156,7 +1181,7 @@ const EXPIRED: &str = "the put timed out before its transfers were submitted";
 /// submission itself. Past it the writer submits nothing: its space may be someone else's
 /// by the time its bytes land (transfers already submitted are the fence's to stop).
 fn submit_by(sent: Instant, ticket: &PutTicket) -> Instant {
-    sent + ticket.expires_in - ticket.expires_in / 10
+    after(sent, ticket.expires_in - ticket.expires_in / 10)
 }
 
 /// How long past a call's deadline it waits for the engine to resolve its transfers.

@@ -16,6 +16,7 @@ use crate::error::{StoreError, StoreErrorKind, check_key};
 use crate::master::objects::{Object, PutId, Replica, Version, Write};
 use crate::master::segments::{ClientId, SegmentId, SegmentSpec, Segments};
 use crate::master::space::Extent;
+use crate::time::after;
 
 /// Where one replica of an object lives: enough for a client to read or write it through
 /// its engine.
@@ -174,8 +175,8 @@ pub struct MasterCore {
     pub(super) retired: Vec<(Instant, Replica)>,
     actions: VecDeque<MasterAction>,
     pub(super) counters: MasterCounters,
-    /// When segments' recent reads were last halved.
-    load_decayed: Instant,
+    /// When segments' recent reads were last halved (none before the first tick).
+    load_decayed: Option<Instant>,
 }
 
 impl MasterCore {
@@ -192,7 +193,7 @@ impl MasterCore {
             retired: Vec::new(),
             actions: VecDeque::new(),
             counters: MasterCounters::default(),
-            load_decayed: Instant::now(),
+            load_decayed: None,
         }
     }
 
@@ -236,7 +237,7 @@ impl MasterCore {
         if state.draining_until.is_some() {
             return Ok(());
         }
-        state.draining_until = Some(now + grace);
+        state.draining_until = Some(after(now, grace));
         let affected: Vec<String> = self
             .objects
             .iter()
@@ -357,7 +358,7 @@ impl MasterCore {
             version: Version { size, replicas },
             writer: client,
             put,
-            deadline: now + self.policy.put_timeout,
+            deadline: after(now, self.policy.put_timeout),
             soft_pin: config.soft_pin,
             hard_pin: config.hard_pin,
         };
@@ -407,7 +408,7 @@ impl MasterCore {
         }
         object.lease_until = None;
         object.last_used = clock;
-        object.soft_pin_until = write.soft_pin.map(|pin| now + pin);
+        object.soft_pin_until = write.soft_pin.map(|pin| after(now, pin));
         object.hard_pin = write.hard_pin;
         self.counters.puts_completed += 1;
         self.free_retired(now);
@@ -459,7 +460,7 @@ impl MasterCore {
     pub fn get(&mut self, key: &str, now: Instant) -> Result<ObjectLease, StoreError> {
         check_key(key)?;
         let fail = |kind| StoreError::new(key, kind);
-        let lease_until = now + self.policy.lease_ttl;
+        let lease_until = after(now, self.policy.lease_ttl);
         self.clock += 1;
         let clock = self.clock;
         let object = self
@@ -529,9 +530,12 @@ impl MasterCore {
             self.abandon(write);
         }
         if let Some(version) = object.complete.take() {
-            for replica in version.replicas {
-                self.segments.free(replica.segment, replica.extent);
-            }
+            // Forced past a lease: gone for new readers at once, its space free only once
+            // the readers already pointed at it are done.
+            let until = object.lease_until.unwrap_or(now).max(now);
+            self.retired
+                .extend(version.replicas.into_iter().map(|replica| (until, replica)));
+            self.free_retired(now);
         }
         Ok(())
     }
@@ -603,8 +607,9 @@ impl MasterCore {
             }
         }
         self.free_retired(now);
-        if now.saturating_duration_since(self.load_decayed) >= self.policy.lease_ttl {
-            self.load_decayed = now;
+        let since = self.load_decayed.get_or_insert(now);
+        if now.saturating_duration_since(*since) >= self.policy.lease_ttl {
+            *since = now;
             self.segments.halve_recent_reads();
         }
         let finished: Vec<SegmentId> = self

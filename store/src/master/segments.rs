@@ -197,6 +197,17 @@ impl Segments {
         if size > largest {
             return Err(StoreErrorKind::ValueTooLarge { size, largest });
         }
+        // Enough segments must be able to hold it at all, or evicting for it is in vain.
+        let holding = self
+            .writable()
+            .filter(|(_, s)| s.space.capacity() >= size)
+            .count();
+        if config.replica_num > holding {
+            return Err(StoreErrorKind::TooManyReplicas {
+                asked: config.replica_num,
+                segments: holding,
+            });
+        }
         Ok(())
     }
 

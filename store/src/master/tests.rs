@@ -203,12 +203,28 @@ fn a_lease_holds_off_remove_until_it_ends_and_force_ignores_it() {
     put(&mut core, "k", 100, &one(1), now);
     put(&mut core, "j", 100, &one(1), now);
     core.get("k", now).expect("leased");
-    core.get("j", now).expect("leased");
+    let j = core.get("j", now).expect("leased");
     assert_eq!(kind(core.remove("k", false, now)), StoreErrorKind::HasLease);
     assert_eq!(core.stats().counters.lease_refusals, 1);
     let ended = now + policy.lease_ttl;
     core.remove("k", false, ended).expect("lease over");
     core.remove("j", true, now).expect("forced");
+    assert_eq!(
+        kind(core.get("j", now)),
+        StoreErrorKind::NotFound,
+        "gone for new readers"
+    );
+    // Its space waits for the reader already pointed at it: nothing is placed over it.
+    assert!(reserved(&core) > 0, "held until the lease ends");
+    let next = core
+        .put_start(WRITER, "next", 100, &one(1), now)
+        .expect("placed");
+    assert_ne!(
+        next.replicas[0].addr, j.replicas[0].addr,
+        "not over a leased replica"
+    );
+    core.put_revoke(WRITER, "next", next.put).expect("revoked");
+    core.tick(ended);
     assert_eq!(reserved(&core), 0);
     assert_eq!(
         kind(core.remove("k", false, ended)),
@@ -422,6 +438,28 @@ fn bad_input_is_named_and_allocates_nothing() {
         .code(),
         -200
     );
+}
+
+#[test]
+fn a_put_no_set_of_segments_could_hold_is_refused_before_anything_is_evicted() {
+    let now = Instant::now();
+    let (mut core, _) = master(MasterPolicy::default(), &[8 * MIB, MIB], &["a", "b"]);
+    for i in 0..6 {
+        put(&mut core, &format!("k{i}"), MIB, &one(1), now);
+    }
+    assert_eq!(
+        kind(core.put_start(WRITER, "big", 2 * MIB, &one(2), now)),
+        StoreErrorKind::TooManyReplicas {
+            asked: 2,
+            segments: 1
+        }
+    );
+    assert_eq!(
+        core.stats().counters.evictions,
+        0,
+        "nothing evicted in vain"
+    );
+    assert_eq!(core.stats().objects, 6);
 }
 
 #[test]
