@@ -222,7 +222,8 @@ impl Store {
     }
 
     /// Mounts memory already registered with the engine as a segment (it stays the
-    /// caller's: [`Self::unmount`] does not deregister it).
+    /// caller's: [`Self::unmount`] does not deregister it). Deregister it only after
+    /// [`Self::unmount`] returned: until then the store reads and writes it.
     pub fn mount_region(&self, region: Region) -> Result<SegmentId, StoreError> {
         self.mount_with(region, false)
     }
@@ -1118,14 +1119,30 @@ impl Store {
     /// A transfer to a replica in this process's own segment: a plain copy.
     fn copy_locally(&self, transfer: &Transfer) -> Result<(), String> {
         let mounted = lock(&self.inner.mounted);
-        if !mounted
+        let Some(segment) = mounted
             .values()
-            .any(|(region, _)| region.contains(transfer.remote_addr, transfer.len))
-        {
+            .map(|(region, _)| *region)
+            .find(|region| region.contains(transfer.remote_addr, transfer.len))
+        else {
             return Err(format!(
                 "{:#x}: not in a segment this process mounted",
                 transfer.remote_addr
             ));
+        };
+        // Both ranges must still be the engine's: a region deregistered behind the store's
+        // back is memory it may no longer touch.
+        for region in [segment, transfer.local] {
+            let live = self
+                .inner
+                .engine
+                .region_at(region.addr, region.len)
+                .is_some_and(|live| live.id == region.id);
+            if !live {
+                return Err(format!(
+                    "region {} ({:#x}, {} bytes) is no longer registered",
+                    region.id, region.addr, region.len
+                ));
+            }
         }
         let local = transfer.local.addr + transfer.local_offset;
         let (from, to) = match transfer.op {
@@ -1133,12 +1150,13 @@ impl Store {
             Op::Read => (transfer.remote_addr, local),
         };
         // SAFETY:
-        // - Both ranges are in memory registered with this process's engine: the local one
-        //   was checked against its region, the remote one lies in a mounted segment, which stays
-        //   registered while it is mounted (the lock on `mounted` keeps an unmount from
-        //   deregistering it during the copy).
-        // - They do not overlap: a segment's replica space is never a caller's buffer (both
-        //   are registered regions, and registered regions never overlap).
+        // - Both ranges lie in regions registered with this process's engine, checked just
+        //   above: the local one was checked against its region's bounds, the remote one lies
+        //   in a mounted segment. The lock on `mounted` keeps the store's own unmount from
+        //   deregistering the segment during the copy; `mount_region`'s contract keeps the
+        //   caller from doing so while it is mounted.
+        // - They do not overlap: a caller's range is never in a mounted segment
+        //   (`check_ranges` refuses that), and registered regions never overlap.
         unsafe {
             std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, transfer.len as usize);
         }
