@@ -613,14 +613,11 @@ impl Store {
         };
         match self.call(request) {
             Ok(Reply::Tickets(tickets)) if tickets.len() == items.len() => tickets,
-            Ok(other) => items
-                .iter()
-                .map(|item| Err(rekey(&item.key, unexpected(&other))))
-                .collect(),
-            Err(error) => items
-                .iter()
-                .map(|item| Err(rekey(&item.key, error.clone())))
-                .collect(),
+            Ok(other) => each_failed(
+                items.iter().map(|item| item.key.as_str()),
+                &unexpected(&other),
+            ),
+            Err(error) => each_failed(items.iter().map(|item| item.key.as_str()), &error),
         }
     }
 
@@ -805,18 +802,8 @@ impl Store {
         };
         let leases = match self.call(request) {
             Ok(Reply::Leases(leases)) if leases.len() == keys.len() => leases,
-            Ok(other) => {
-                return keys
-                    .iter()
-                    .map(|key| Err(rekey(key, unexpected(&other))))
-                    .collect();
-            }
-            Err(error) => {
-                return keys
-                    .iter()
-                    .map(|key| Err(rekey(key, error.clone())))
-                    .collect();
-            }
+            Ok(other) => return each_failed(keys.iter().copied(), &unexpected(&other)),
+            Err(error) => return each_failed(keys.iter().copied(), &error),
         };
         leases
             .into_iter()
@@ -951,14 +938,8 @@ impl Store {
         };
         match self.call(request) {
             Ok(Reply::Exists(answers)) if answers.len() == keys.len() => answers,
-            Ok(other) => keys
-                .iter()
-                .map(|key| Err(rekey(key.as_ref(), unexpected(&other))))
-                .collect(),
-            Err(error) => keys
-                .iter()
-                .map(|key| Err(rekey(key.as_ref(), error.clone())))
-                .collect(),
+            Ok(other) => each_failed(keys.iter().map(AsRef::as_ref), &unexpected(&other)),
+            Err(error) => each_failed(keys.iter().map(AsRef::as_ref), &error),
         }
     }
 
@@ -979,14 +960,8 @@ impl Store {
         };
         match self.call(request) {
             Ok(Reply::Each(answers)) if answers.len() == keys.len() => answers,
-            Ok(other) => keys
-                .iter()
-                .map(|key| Err(rekey(key.as_ref(), unexpected(&other))))
-                .collect(),
-            Err(error) => keys
-                .iter()
-                .map(|key| Err(rekey(key.as_ref(), error.clone())))
-                .collect(),
+            Ok(other) => each_failed(keys.iter().map(AsRef::as_ref), &unexpected(&other)),
+            Err(error) => each_failed(keys.iter().map(AsRef::as_ref), &error),
         }
     }
 
@@ -1245,6 +1220,16 @@ fn one<T>(key: &str, mut results: Vec<Result<T, StoreError>>) -> Result<T, Store
     results
         .pop()
         .unwrap_or_else(|| Err(StoreError::new(key, StoreErrorKind::NotFound)))
+}
+
+/// `error` once per key: how a batch answers when its call to the master failed as a whole.
+fn each_failed<'k, T>(
+    keys: impl IntoIterator<Item = &'k str>,
+    error: &StoreError,
+) -> Vec<Result<T, StoreError>> {
+    keys.into_iter()
+        .map(|key| Err(rekey(key, error.clone())))
+        .collect()
 }
 
 fn rekey(key: &str, error: StoreError) -> StoreError {
