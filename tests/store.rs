@@ -107,7 +107,34 @@ fn store_command(master: &str, args: &[&str], stdin: Option<&[u8]>) -> Output {
             .expect("stdin takes the value");
     }
     drop(child.stdin.take());
-    child.wait_with_output().expect("railyard store ends")
+    let drain = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as Box<_>));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as Box<_>));
+    let end = Instant::now() + BOUND;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waitable") {
+            break status;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("railyard store {args:?} still running after {BOUND:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: stdout.join().expect("the reader ends with the child"),
+        stderr: stderr.join().expect("the reader ends with the child"),
+    }
 }
 
 /// A value whose every byte depends on its key and position.
