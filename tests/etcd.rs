@@ -86,6 +86,9 @@ fn round_trip(engine: &Engine, peer: &Peer, fill: u8) -> bool {
 fn signal(child: &Child, signal: i32) {
     // SAFETY: kill(2) on our own child's pid; no memory is involved.
     unsafe { libc::kill(child.id() as i32, signal) };
+    if signal == libc::SIGSTOP {
+        common::wait_until_stopped(child.id());
+    }
 }
 
 #[test]

@@ -16,6 +16,26 @@ use railyard::engine::{Op, Region, Transfer};
 
 pub const BOUND: Duration = Duration::from_secs(10);
 
+/// Waits (within [`BOUND`]) until the kernel reports process `pid` stopped (state `T` in
+/// `/proc/PID/stat`, the field after the parenthesised command name).
+pub fn wait_until_stopped(pid: u32) {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/PID/stat");
+        let state = stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next());
+        if state == Some('T') {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "process {pid} not stopped after {BOUND:?}: state {state:?}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A `railyard serve` child; killed when dropped.
 pub struct Serve {
     pub child: Child,
@@ -110,11 +130,16 @@ impl Serve {
         }
     }
 
-    /// Sends `signal` (SIGSTOP, SIGCONT, SIGKILL…) to the child.
+    /// Sends `signal` (SIGSTOP, SIGCONT, SIGKILL…) to the child. For SIGSTOP it returns
+    /// once the child is stopped: kill(2) returns before the signal is delivered, and a
+    /// child still running on another core would complete what the test submits next.
     pub fn signal(&self, signal: libc::c_int) {
         // SAFETY: kill(2) on our own child's pid, alive (not reaped) until `self` drops.
         let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
         assert_eq!(sent, 0, "kill({signal})");
+        if signal == libc::SIGSTOP {
+            wait_until_stopped(self.child.id());
+        }
     }
 
     /// Sends one stdin command; returns its one-line answer (skipping what serve prints
