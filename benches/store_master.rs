@@ -24,6 +24,7 @@ fn master(now: Instant) -> MasterCore {
                 base: 1 << 40,
                 size: 4 << 30,
             },
+            now,
         )
         .expect("mounts");
     }

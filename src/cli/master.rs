@@ -30,6 +30,16 @@ pub(crate) struct MasterArgs {
     /// its space fenced.
     #[arg(long, value_parser = parse_duration, default_value = "30s")]
     put_timeout: Duration,
+    /// How long a member that contributes a segment may be silent (its pings stopped, e.g.
+    /// a stopped process) before its segments are suspected: no put placed, no get pointed
+    /// there. A dropped connection makes it suspected at once.
+    #[arg(long, value_parser = parse_duration, default_value = "1500ms")]
+    member_silence: Duration,
+    /// How long a suspected member keeps its data: heard again within it (the same
+    /// incarnation), its segments serve as before; past it, they and their replicas are
+    /// forgotten.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    suspect_grace: Duration,
     /// Serve Prometheus metrics at http://ADDR/metrics (port 0: any free port; the first
     /// line then ends with `metrics ADDR`).
     #[arg(long, value_name = "ADDR")]
@@ -50,8 +60,8 @@ pub(crate) fn run(args: &MasterArgs) -> anyhow::Result<()> {
             bail!("{name} {value}: must be more than 0 and at most 1");
         }
     }
-    if args.lease_ttl.is_zero() || args.put_timeout.is_zero() {
-        bail!("--lease-ttl and --put-timeout must be more than 0");
+    if args.lease_ttl.is_zero() || args.put_timeout.is_zero() || args.member_silence.is_zero() {
+        bail!("--lease-ttl, --put-timeout and --member-silence must be more than 0");
     }
     let secret = args
         .secret
@@ -72,6 +82,8 @@ pub(crate) fn run(args: &MasterArgs) -> anyhow::Result<()> {
             eviction_high_watermark: args.eviction_high_watermark,
             eviction_ratio: args.eviction_ratio,
             put_timeout: args.put_timeout,
+            member_silence: args.member_silence,
+            suspect_grace: args.suspect_grace,
         },
         secret,
         name: railyard::engine::default_name("master"),

@@ -44,6 +44,12 @@ pub struct MasterPolicy {
     /// How long a write may stay between put-start and put-end (30 s). Past it the write is
     /// abandoned and its space is handed out again only behind a fence of the writer.
     pub put_timeout: Duration,
+    /// How long a member that contributes a segment may stay silent before it is suspected
+    /// (1.5 s, the control plane's liveness timeout; members speak every quarter of it).
+    pub member_silence: Duration,
+    /// How long a suspected member keeps its data (10 s): heard again within it, its
+    /// segments serve as before; past it, they are gone.
+    pub suspect_grace: Duration,
 }
 
 impl Default for MasterPolicy {
@@ -53,6 +59,8 @@ impl Default for MasterPolicy {
             eviction_high_watermark: 0.90,
             eviction_ratio: 0.05,
             put_timeout: Duration::from_secs(30),
+            member_silence: Duration::from_millis(1500),
+            suspect_grace: Duration::from_secs(10),
         }
     }
 }

@@ -91,6 +91,18 @@ pub enum StoreErrorKind {
     /// was abandoned.
     #[error("no write in progress with this id (ended, revoked or timed out)")]
     PutNotPending,
+    /// The write passed the master's put timeout before put-end: it was abandoned, its
+    /// space fenced.
+    #[error("the write passed the put timeout and was abandoned")]
+    PutTimedOut,
+    /// A segment the write had a replica in went away (its process died, or it was
+    /// unmounted) before put-end: the write was abandoned. Writing it again places it on
+    /// live segments.
+    #[error("segment {segment:?} holding a replica of the write went away")]
+    ReplicaLost {
+        /// The segment.
+        segment: String,
+    },
     /// The write was started by another client.
     #[error("the write belongs to another client")]
     NotWriter,
@@ -154,7 +166,8 @@ impl StoreErrorKind {
             Self::NotFound | Self::PutNotPending => -704,     // OBJECT_NOT_FOUND
             Self::AlreadyExists => -705,                      // OBJECT_ALREADY_EXISTS
             Self::HasLease => -706,                           // OBJECT_HAS_LEASE
-            Self::LeaseExpired => -707,                       // LEASE_EXPIRED
+            Self::LeaseExpired | Self::PutTimedOut => -707,   // LEASE_EXPIRED
+            Self::ReplicaLost { .. } => -712,                 // REPLICA_IS_GONE
             Self::NoSpace { .. } => -200,                     // NO_AVAILABLE_HANDLE
             Self::UnknownSegment { .. } => -101,              // SEGMENT_NOT_FOUND
             Self::SegmentExists { .. } => -102,               // SEGMENT_ALREADY_EXISTS

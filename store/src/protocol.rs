@@ -18,7 +18,7 @@ use crate::master::{
 };
 
 /// The protocol's version, in the first frame after the handshake.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The largest frame either side accepts (a batch of many keys).
 pub const MAX_FRAME: usize = 64 << 20;
@@ -68,6 +68,9 @@ pub enum Request {
         config: ReplicaConfig,
         /// Replace complete objects.
         upsert: bool,
+        /// Handshake addresses of holders not to place on: dead as far as the client's
+        /// engine can tell, which the master may not know yet.
+        avoid: Vec<String>,
     },
     /// The writes are complete.
     PutEnd {
@@ -110,7 +113,15 @@ pub enum Request {
         /// The fence.
         fence: FenceId,
     },
+    /// Nothing: the client is alive (sent every [`KEEPALIVE`], the master's only sign of
+    /// life from an idle member).
+    Ping,
 }
+
+/// How often a client speaks to the master when it has nothing else to say: a quarter of
+/// the master's default silence bound, as the control plane's keepalives are of its
+/// liveness timeout.
+pub const KEEPALIVE: Duration = Duration::from_millis(250);
 
 impl Request {
     /// Its name in metrics (`put_start`, `get`, …).
@@ -129,6 +140,7 @@ impl Request {
             Self::Keys => "keys",
             Self::Stats => "stats",
             Self::Fenced { .. } => "fenced",
+            Self::Ping => "ping",
         }
     }
 }

@@ -283,6 +283,14 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
         outboxes.retain(|other| !Arc::ptr_eq(other, &outbox));
         if outboxes.is_empty() {
             clients.remove(&client);
+            drop(clients);
+            // Its last connection is gone (a killed process's reset arrives at once): its
+            // segments serve nothing until it is heard again.
+            let mut core = lock(&shared.core);
+            core.disconnected(client, Instant::now());
+            let actions = drain_actions(&mut core);
+            drop(core);
+            deliver(shared, actions);
         }
     }
 }
@@ -292,6 +300,7 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<Ma
     let now = Instant::now();
     let kind = request.kind();
     let mut core = lock(&shared.core);
+    core.heard(client, now);
     let reply = match request {
         Request::Open { version } if version == PROTOCOL_VERSION => Reply::Opened {
             version: PROTOCOL_VERSION,
@@ -300,7 +309,7 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<Ma
         Request::Open { version } => Reply::Refused(format!(
             "store protocol version {version}; this master speaks {PROTOCOL_VERSION}"
         )),
-        Request::Mount(spec) => Reply::Mounted(core.mount_segment(client, spec)),
+        Request::Mount(spec) => Reply::Mounted(core.mount_segment(client, spec, now)),
         Request::Unmount { segment, grace } => {
             if core.segment_owner(segment) == Some(client) {
                 Reply::Done(core.unmount_segment(segment, grace, now))
@@ -312,16 +321,11 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<Ma
             items,
             config,
             upsert,
+            avoid,
         } => Reply::Tickets(
             items
                 .iter()
-                .map(|item| {
-                    if upsert {
-                        core.upsert_start(client, &item.key, item.size, &config, now)
-                    } else {
-                        core.put_start(client, &item.key, item.size, &config, now)
-                    }
-                })
+                .map(|item| core.start(client, &item.key, item.size, &config, upsert, &avoid, now))
                 .collect(),
         ),
         Request::PutEnd { items } => Reply::Each(
@@ -364,6 +368,7 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<Ma
             Some(_) => Reply::Refused(format!("fence #{} is another client's", fence.0)),
             None => Reply::Done(Ok(())),
         },
+        Request::Ping => Reply::Done(Ok(())),
     };
     let actions = drain_actions(&mut core);
     drop(core);
@@ -393,6 +398,14 @@ fn deliver(shared: &Shared, actions: Vec<MasterAction>) {
                 },
             ),
             MasterAction::Unmounted { segment, owner } => (owner, ToClient::Unmounted { segment }),
+            MasterAction::MemberGone { client } => {
+                tracing::warn!(
+                    client = client.0,
+                    "store master: a member is gone; its segments and their replicas are forgotten"
+                );
+                lock(&shared.undelivered).remove(&client);
+                continue;
+            }
         };
         deliver_to(shared, owner, vec![event]);
     }

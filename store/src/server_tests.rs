@@ -75,6 +75,7 @@ fn a_zombie_writers_space_returns_only_after_its_owner_fenced_it() {
         }],
         config: ReplicaConfig::default(),
         upsert: false,
+        avoid: Vec::new(),
     };
     let Ok(Reply::Tickets(mut tickets)) = link.call(request, BOUND) else {
         panic!("put-start answered");
@@ -136,7 +137,7 @@ fn a_zombie_writers_space_returns_only_after_its_owner_fenced_it() {
     };
     assert_eq!(
         answers[0].as_ref().expect_err("too late").kind,
-        StoreErrorKind::PutNotPending
+        StoreErrorKind::PutTimedOut
     );
     owner
         .put("next", &[7u8; 4096], &ReplicaConfig::default())

@@ -1,10 +1,11 @@
 //! A client's connection to the master: requests sent with ids, one reader thread handing
 //! each reply to the caller that waits for it and each event (fences, finished unmounts)
-//! to the store.
+//! to the store, and a keepalive thread that pings the master every [`KEEPALIVE`] — how
+//! the master tells a live member from a stopped one.
 
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
@@ -16,7 +17,7 @@ use crate::error::StoreErrorKind;
 use crate::handshake::{self, Identity};
 use crate::master::ClientId;
 use crate::protocol::{
-    PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster, read_frame, write_frame,
+    KEEPALIVE, PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster, read_frame, write_frame,
 };
 
 type Waiting = Arc<Mutex<HashMap<u64, Sender<Reply>>>>;
@@ -33,10 +34,11 @@ fn unreachable(detail: impl Into<String>) -> StoreErrorKind {
 
 /// An open, admitted connection to the master.
 pub(crate) struct MasterLink {
-    writer: Mutex<TcpStream>,
+    writer: Arc<Mutex<TcpStream>>,
     waiting: Waiting,
-    next_id: AtomicU64,
+    next_id: Arc<AtomicU64>,
     reader: Option<JoinHandle<()>>,
+    keepalive: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
     /// What the master knows this client as.
     pub(crate) client: ClientId,
     /// The master's address.
@@ -68,6 +70,10 @@ impl MasterLink {
         stream
             .set_read_timeout(None)
             .map_err(|error| unreachable(error.to_string()))?;
+        // A master that stopped reading fails the write instead of holding every caller.
+        stream
+            .set_write_timeout(Some(timeout))
+            .map_err(|error| unreachable(error.to_string()))?;
         let mut reader_stream = stream
             .try_clone()
             .map_err(|error| unreachable(error.to_string()))?;
@@ -94,11 +100,36 @@ impl MasterLink {
                 })
                 .map_err(|error| unreachable(error.to_string()))?
         };
+        let writer = Arc::new(Mutex::new(stream));
+        let next_id = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let keepalive = {
+            let (writer, next_id, stop) =
+                (Arc::clone(&writer), Arc::clone(&next_id), Arc::clone(&stop));
+            thread::Builder::new()
+                .name("store-keepalive".into())
+                .spawn(move || {
+                    // Its answer has no caller waiting: the reader drops it.
+                    while !stop.load(Ordering::Relaxed) {
+                        let id = next_id.fetch_add(1, Ordering::Relaxed);
+                        let ping = ToMaster {
+                            id,
+                            request: Request::Ping,
+                        };
+                        if write_frame(&mut *lock(&writer), &ping).is_err() {
+                            return;
+                        }
+                        thread::park_timeout(KEEPALIVE);
+                    }
+                })
+                .map_err(|error| unreachable(error.to_string()))?
+        };
         let mut link = Self {
-            writer: Mutex::new(stream),
+            writer,
             waiting,
-            next_id: AtomicU64::new(0),
+            next_id,
             reader: Some(reader),
+            keepalive: Some((stop, keepalive)),
             client: ClientId(me.incarnation.0),
             addr,
         };
@@ -149,6 +180,11 @@ impl MasterLink {
 
 impl Drop for MasterLink {
     fn drop(&mut self) {
+        if let Some((stop, keepalive)) = self.keepalive.take() {
+            stop.store(true, Ordering::Relaxed);
+            keepalive.thread().unpark();
+            let _ = keepalive.join();
+        }
         let _ = lock(&self.writer).shutdown(Shutdown::Both);
         if let Some(reader) = self.reader.take() {
             let _ = reader.join();

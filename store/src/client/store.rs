@@ -11,8 +11,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use railyard_engine::control::{ClusterSecret, HostId};
-use railyard_engine::dataplane::{Batch, RequestOutcome};
+use railyard_engine::control::{ClusterSecret, HostId, Incarnation};
+use railyard_engine::dataplane::{Batch, FailReason, RequestOutcome};
 use railyard_engine::{Engine, EngineSubmitter, Op, Peer, Region, Transfer};
 
 use crate::client::link::MasterLink;
@@ -386,6 +386,28 @@ impl Store {
         config: &ReplicaConfig,
         upsert: bool,
     ) -> Result<(), StoreError> {
+        let deadline = after(Instant::now(), self.inner.options.timeout);
+        let mut attempt = 1;
+        loop {
+            match self.put_bytes_once(key, parts, config, upsert, deadline) {
+                Err((error, true)) if attempt < PUT_ATTEMPTS && Instant::now() < deadline => {
+                    tracing::debug!(key, %error, attempt, "store: writing again on live segments");
+                    attempt += 1;
+                }
+                result => return result.map_err(|(error, _)| error),
+            }
+        }
+    }
+
+    /// One try of [`Self::put_bytes`]; a failure says whether writing again may work.
+    fn put_bytes_once(
+        &self,
+        key: &str,
+        parts: &[&[u8]],
+        config: &ReplicaConfig,
+        upsert: bool,
+        deadline: Instant,
+    ) -> Result<(), (StoreError, bool)> {
         let size: u64 = parts.iter().map(|part| part.len() as u64).sum();
         let sent = Instant::now();
         let ticket = self
@@ -397,11 +419,11 @@ impl Store {
                 config,
                 upsert,
             )
-            .remove(0)?;
+            .remove(0)
+            .map_err(|error| (error, false))?;
         let expires = submit_by(sent, &ticket);
-        let deadline = after(Instant::now(), self.inner.options.timeout);
         let mut written = 0u64;
-        let mut outcome: Result<(), String> = Ok(());
+        let mut outcome: Result<(), MoveFailure> = Ok(());
         let mut sources = parts.iter().flat_map(|part| part.iter().copied());
         while written < size && outcome.is_ok() {
             let mut chunk = self.inner.staging.chunk(size - written);
@@ -437,7 +459,7 @@ impl Store {
             outcome = if Instant::now() < expires {
                 self.move_bytes(writes, 1, deadline).remove(0)
             } else {
-                Err(EXPIRED.into())
+                Err(MoveFailure::expired())
             };
             written += len;
         }
@@ -480,9 +502,47 @@ impl Store {
                 Err(error) => results[index] = Some(Err(error)),
             }
         }
-        let sent = Instant::now();
-        let tickets = self.start(&items, config, upsert);
         let deadline = after(Instant::now(), self.inner.options.timeout);
+        let mut attempt = 1;
+        while !asked.is_empty() {
+            let round = self.put_round(keys, parts, &asked, &items, config, upsert, deadline);
+            let mut again = Vec::new();
+            for ((index, item), result) in asked.into_iter().zip(items).zip(round) {
+                match result {
+                    Err((error, true)) if attempt < PUT_ATTEMPTS && Instant::now() < deadline => {
+                        tracing::debug!(key = item.key, %error, attempt, "store: writing again on live segments");
+                        again.push((index, item));
+                    }
+                    result => results[index] = Some(result.map_err(|(error, _)| error)),
+                }
+            }
+            (asked, items) = again.into_iter().unzip();
+            attempt += 1;
+        }
+        results
+            .into_iter()
+            .map(|result| {
+                result.unwrap_or_else(|| Err(StoreError::new("", StoreErrorKind::NotFound)))
+            })
+            .collect()
+    }
+
+    /// One try of writing `items` (the values of `keys[asked[i]]` in `parts`): placed,
+    /// moved, ended or revoked. A failure says whether writing again may work.
+    #[allow(clippy::too_many_arguments)]
+    fn put_round<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        parts: &[Vec<LocalRange>],
+        asked: &[usize],
+        items: &[PutItem],
+        config: &ReplicaConfig,
+        upsert: bool,
+        deadline: Instant,
+    ) -> Vec<Result<(), (StoreError, bool)>> {
+        let mut results: Vec<Option<Result<(), (StoreError, bool)>>> = vec![None; asked.len()];
+        let sent = Instant::now();
+        let tickets = self.start(items, config, upsert);
         let mut writes = Vec::new();
         let mut started = Vec::new();
         for (slot, ticket) in tickets.into_iter().enumerate() {
@@ -508,9 +568,9 @@ impl Store {
                         }
                         at += range.len;
                     }
-                    started.push((index, ticket));
+                    started.push((slot, ticket));
                 }
-                Err(error) => results[index] = Some(Err(error)),
+                Err(error) => results[slot] = Some(Err((error, false))),
             }
         }
         let borrowed: Vec<(usize, Transfer, &ReplicaDescriptor)> = writes
@@ -525,24 +585,25 @@ impl Store {
         let outcomes = if expires.is_none_or(|expires| Instant::now() < expires) {
             self.move_bytes(borrowed, started.len(), deadline)
         } else {
-            vec![Err(EXPIRED.into()); started.len()]
+            vec![Err(MoveFailure::expired()); started.len()]
         };
         let finished = self.finish(
             started
                 .iter()
                 .zip(outcomes)
-                .map(|((index, ticket), outcome)| {
-                    (keys[*index].as_ref().to_owned(), ticket.put, outcome)
+                .map(|((slot, ticket), outcome)| {
+                    (keys[asked[*slot]].as_ref().to_owned(), ticket.put, outcome)
                 })
                 .collect(),
         );
-        for ((index, _), result) in started.iter().zip(finished) {
-            results[*index] = Some(result);
+        for ((slot, _), result) in started.iter().zip(finished) {
+            results[*slot] = Some(result);
         }
         results
             .into_iter()
             .map(|result| {
-                result.unwrap_or_else(|| Err(StoreError::new("", StoreErrorKind::NotFound)))
+                result
+                    .unwrap_or_else(|| Err((StoreError::new("", StoreErrorKind::NotFound), false)))
             })
             .collect()
     }
@@ -610,6 +671,7 @@ impl Store {
             items: items.to_vec(),
             config: config.clone(),
             upsert,
+            avoid: self.quarantined(),
         };
         match self.call(request) {
             Ok(Reply::Tickets(tickets)) if tickets.len() == items.len() => tickets,
@@ -623,29 +685,34 @@ impl Store {
 
     /// Put-end for the writes that moved, put-revoke for those that failed (their transfers
     /// all resolved). A write whose transfers did not resolve is left to the put timeout
-    /// and its fence.
+    /// and its fence. A failure says whether writing again (placed anew) may work: a
+    /// revoked write's transfers failed, or put-end found a replica's segment gone.
     fn finish(
         &self,
-        writes: Vec<(String, PutId, Result<(), String>)>,
-    ) -> Vec<Result<(), StoreError>> {
+        writes: Vec<(String, PutId, Result<(), MoveFailure>)>,
+    ) -> Vec<Result<(), (StoreError, bool)>> {
         let mut ends = Vec::new();
         let mut revokes = Vec::new();
-        let mut results: Vec<Option<Result<(), StoreError>>> = Vec::new();
+        let mut results: Vec<Option<Result<(), (StoreError, bool)>>> = Vec::new();
         for (index, (key, put, outcome)) in writes.iter().enumerate() {
             match outcome {
                 Ok(()) => {
                     ends.push((index, (key.clone(), *put)));
                     results.push(None);
                 }
-                Err(detail) => {
-                    if !detail.starts_with(UNRESOLVED) {
+                Err(failure) => {
+                    let retryable = !failure.unresolved && !failure.expired;
+                    if !failure.unresolved {
                         revokes.push((key.clone(), *put));
                     }
-                    results.push(Some(Err(StoreError::new(
-                        key,
-                        StoreErrorKind::TransferFailed {
-                            detail: detail.clone(),
-                        },
+                    results.push(Some(Err((
+                        StoreError::new(
+                            key,
+                            StoreErrorKind::TransferFailed {
+                                detail: failure.detail.clone(),
+                            },
+                        ),
+                        retryable,
                     ))));
                 }
             }
@@ -671,7 +738,10 @@ impl Store {
                     .collect(),
             };
             for ((index, _), answer) in ends.iter().zip(answers) {
-                results[*index] = Some(answer);
+                results[*index] = Some(answer.map_err(|error| {
+                    let retryable = matches!(error.kind, StoreErrorKind::ReplicaLost { .. });
+                    (error, retryable)
+                }));
             }
         }
         results
@@ -821,8 +891,11 @@ impl Store {
 
     /// Orders replicas best first: this process's own segment, then this host, then the rest,
     /// each group least loaded first.
+    /// Holders this engine sees dead (its quarantine, kept by the engine's own liveness)
+    /// go last, whatever the master still says.
     fn rank(&self, replicas: &mut [ReplicaDescriptor]) {
         let own = self.inner.engine.addr().to_string();
+        let quarantined = self.quarantined();
         replicas.sort_by_key(|replica| {
             let near = if replica.handshake_addr == own {
                 0
@@ -831,8 +904,24 @@ impl Store {
             } else {
                 2
             };
-            (near, replica.load)
+            (
+                quarantined.contains(&replica.handshake_addr),
+                near,
+                replica.load,
+            )
         });
+    }
+
+    /// Handshake addresses of holders this engine sees dead: their peer's circuit is open
+    /// (it stopped answering or kept failing). A peer replaced by another incarnation is
+    /// not one: its address now belongs to the newcomer, whose own segments are fine (the
+    /// replicas of the one it replaced are refused by incarnation, see [`Self::peer`]).
+    fn quarantined(&self) -> Vec<String> {
+        lock(&self.inner.peers)
+            .iter()
+            .filter(|(_, peer)| peer.is_unavailable() && !peer.is_retired())
+            .map(|(addr, _)| addr.clone())
+            .collect()
     }
 
     /// Reads `lease`'s value from `at` into `targets`, trying each replica in turn until one
@@ -861,6 +950,8 @@ impl Store {
         let mut results: Vec<Option<Result<(), StoreError>>> = vec![None; items.len()];
         let mut attempt = vec![0usize; items.len()];
         let mut last: Vec<String> = vec![String::from("no replica"); items.len()];
+        // Whether every replica tried so far failed because its holder is gone.
+        let mut all_gone = vec![true; items.len()];
         loop {
             let pending: Vec<usize> = (0..items.len()).filter(|&i| results[i].is_none()).collect();
             if pending.is_empty() {
@@ -899,19 +990,24 @@ impl Store {
                 let Read { key, lease, .. } = &items[i];
                 let (lease, until) = lease;
                 if attempt[i] >= lease.replicas.len() {
-                    results[i] = Some(Err(StoreError::new(
-                        key,
+                    // No replica left whose holder lives: the object is gone for readers (the
+                    // master learns it within its silence bound), not a transfer failure.
+                    let kind = if all_gone[i] {
+                        StoreErrorKind::NotFound
+                    } else {
                         StoreErrorKind::TransferFailed {
                             detail: last[i].clone(),
-                        },
-                    )));
+                        }
+                    };
+                    results[i] = Some(Err(StoreError::new(key, kind)));
                     continue;
                 }
                 results[i] = match outcome {
                     Ok(()) if Instant::now() <= *until => Some(Ok(())),
                     Ok(()) => Some(Err(StoreError::new(key, StoreErrorKind::LeaseExpired))),
-                    Err(detail) => {
-                        last[i] = detail;
+                    Err(failure) => {
+                        all_gone[i] &= failure.holder_gone;
+                        last[i] = failure.detail;
                         attempt[i] += 1;
                         None
                     }
@@ -1012,35 +1108,36 @@ impl Store {
         transfers: Vec<(usize, Transfer, &ReplicaDescriptor)>,
         items: usize,
         deadline: Instant,
-    ) -> Vec<Result<(), String>> {
-        let mut outcomes: Vec<Result<(), String>> = vec![Ok(()); items];
+    ) -> Vec<Result<(), MoveFailure>> {
+        let mut outcomes: Vec<Result<(), MoveFailure>> = vec![Ok(()); items];
         let own = self.inner.engine.addr().to_string();
-        let mut by_peer: HashMap<&str, Vec<(usize, Transfer)>> = HashMap::new();
+        let me = ClientId(self.inner.engine.incarnation().0);
+        let mut by_holder: HashMap<(&str, ClientId), Vec<(usize, Transfer)>> = HashMap::new();
         for (item, transfer, replica) in transfers {
-            if replica.handshake_addr == own {
+            if replica.handshake_addr == own && replica.holder == me {
                 if let Err(detail) = self.copy_locally(&transfer) {
-                    outcomes[item] = Err(detail);
+                    outcomes[item] = Err(MoveFailure::failed(detail));
                 }
                 continue;
             }
-            by_peer
-                .entry(replica.handshake_addr.as_str())
+            by_holder
+                .entry((replica.handshake_addr.as_str(), replica.holder))
                 .or_default()
                 .push((item, transfer));
         }
         let mut submitter = match self.submitter() {
             Ok(submitter) => submitter,
-            Err(detail) => return vec![Err(detail); items],
+            Err(detail) => return vec![Err(MoveFailure::failed(detail)); items],
         };
         let mut batches: Vec<Batch> = Vec::new();
         let mut pending: Vec<Pending> = Vec::new();
-        for (addr, group) in &by_peer {
-            let submitted = self.peer(addr).and_then(|peer| {
+        for (&(addr, holder), group) in &by_holder {
+            let submitted = self.peer(addr, holder).and_then(|peer| {
                 let transfers: Vec<Transfer> =
                     group.iter().map(|(_, transfer)| *transfer).collect();
                 submitter
                     .submit(&peer, &transfers)
-                    .map_err(|error| error.to_string())
+                    .map_err(|error| MoveFailure::failed(error.to_string()))
             });
             match submitted {
                 Ok(batch) => {
@@ -1053,9 +1150,12 @@ impl Store {
                     }
                     batches.push(batch);
                 }
-                Err(detail) => {
+                Err(failure) => {
                     for (item, _) in group {
-                        outcomes[*item] = Err(format!("{addr}: {detail}"));
+                        outcomes[*item] = Err(MoveFailure {
+                            detail: format!("{addr}: {}", failure.detail),
+                            ..failure.clone()
+                        });
                     }
                 }
             }
@@ -1077,15 +1177,29 @@ impl Store {
         } in pending
         {
             if !resolved[batch] {
-                outcomes[item] = Err(format!(
-                    "{UNRESOLVED} within {RESOLVE_GRACE:?} after the deadline"
-                ));
+                outcomes[item] = Err(MoveFailure {
+                    detail: format!(
+                        "transfers not resolved within {RESOLVE_GRACE:?} after the deadline"
+                    ),
+                    holder_gone: false,
+                    unresolved: true,
+                    expired: false,
+                });
                 continue;
             }
             if let Some(RequestOutcome::Failed(reason)) = batches[batch].outcome(request)
                 && outcomes[item].is_ok()
             {
-                outcomes[item] = Err(format!("{reason:?}"));
+                let holder_gone = matches!(
+                    reason,
+                    FailReason::PeerUnavailable | FailReason::EndpointRetired
+                );
+                outcomes[item] = Err(MoveFailure {
+                    detail: format!("{reason:?}"),
+                    holder_gone,
+                    unresolved: false,
+                    expired: false,
+                });
             }
         }
         outcomes
@@ -1148,26 +1262,80 @@ impl Store {
             .map_err(|error| error.to_string())
     }
 
-    /// The engine's peer at `addr`, opened once and again after it retired.
-    fn peer(&self, addr: &str) -> Result<Peer, String> {
+    /// The engine's peer at `addr` if it is `holder` (opened once, and again after it
+    /// retired). Another incarnation answering there took a dead holder's port: its memory
+    /// is not the replica's, and the holder is gone.
+    fn peer(&self, addr: &str, holder: ClientId) -> Result<Peer, MoveFailure> {
+        let gone = |incarnation: Incarnation| {
+            MoveFailure::holder_gone(format!(
+                "incarnation {} answers at {addr}, not the holder {}: the holder is gone",
+                incarnation.0, holder.0
+            ))
+        };
         if let Some(peer) = lock(&self.inner.peers)
             .get(addr)
             .filter(|peer| !peer.is_retired())
         {
+            if peer.incarnation().0 != holder.0 {
+                return Err(gone(peer.incarnation()));
+            }
             return Ok(peer.clone());
         }
         let peer = self
             .inner
             .engine
             .open(addr)
-            .map_err(|error| error.to_string())?;
+            .map_err(|error| MoveFailure::holder_gone(error.to_string()))?;
         lock(&self.inner.peers).insert(addr.to_owned(), peer.clone());
+        if peer.incarnation().0 != holder.0 {
+            return Err(gone(peer.incarnation()));
+        }
         Ok(peer)
     }
 }
 
-/// How a write that could not be submitted before its put timeout fails.
-const EXPIRED: &str = "the put timed out before its transfers were submitted";
+/// Why one item's bytes did not move.
+#[derive(Clone, Debug)]
+struct MoveFailure {
+    /// What the engine (or the check that refused it) said.
+    detail: String,
+    /// Its holder is dead or replaced as far as this engine can tell: another replica may
+    /// serve a read, and a write placed elsewhere may work.
+    holder_gone: bool,
+    /// A transfer of it may still land: its space waits for the put timeout and a fence.
+    unresolved: bool,
+    /// Nothing was submitted: the put timed out first (writing again would too).
+    expired: bool,
+}
+
+impl MoveFailure {
+    fn failed(detail: impl Into<String>) -> Self {
+        Self {
+            detail: detail.into(),
+            holder_gone: false,
+            unresolved: false,
+            expired: false,
+        }
+    }
+
+    fn holder_gone(detail: impl Into<String>) -> Self {
+        Self {
+            holder_gone: true,
+            ..Self::failed(detail)
+        }
+    }
+
+    fn expired() -> Self {
+        Self {
+            expired: true,
+            ..Self::failed("the put timed out before its transfers were submitted")
+        }
+    }
+}
+
+/// Tries of one write: the first, and again on live segments after a transfer failed or a
+/// replica's segment went away.
+const PUT_ATTEMPTS: u32 = 3;
 
 /// When a write must have submitted its transfers: its put timeout, counted from before
 /// put-start was sent (so never later than the master counts it), less a tenth for the
@@ -1179,8 +1347,6 @@ fn submit_by(sent: Instant, ticket: &PutTicket) -> Instant {
 
 /// How long past a call's deadline it waits for the engine to resolve its transfers.
 const RESOLVE_GRACE: Duration = Duration::from_secs(30);
-/// How an outcome says its transfers never resolved (so its space waits for a fence).
-const UNRESOLVED: &str = "transfers not resolved";
 
 /// The master's pushed events: fence a zombie writer (revoke it on this engine, then tell
 /// the master), or note a finished unmount.

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::{MasterPolicy, ReplicaConfig};
 use crate::error::{StoreError, StoreErrorKind, check_key};
+use crate::master::members::Member;
 use crate::master::objects::{Object, PutId, Replica, Version, Write};
 use crate::master::segments::{ClientId, SegmentId, SegmentSpec, Segments};
 use crate::master::space::Extent;
@@ -30,6 +31,10 @@ pub struct ReplicaDescriptor {
     pub host: String,
     /// Its owner engine's handshake address.
     pub handshake_addr: String,
+    /// Its owner engine's incarnation: a process answering at `handshake_addr` as another
+    /// incarnation is not the holder (it took a dead one's port), and is neither read nor
+    /// written for this replica.
+    pub holder: ClientId,
     /// Address of the replica's first byte in the owner's address space.
     pub addr: u64,
     /// The value's size.
@@ -92,6 +97,12 @@ pub enum MasterAction {
         /// Its owner.
         owner: ClientId,
     },
+    /// `client` is gone (suspected past the grace period, or replaced by another
+    /// incarnation): its segments are forgotten, and nothing is kept for it any more.
+    MemberGone {
+        /// The member.
+        client: ClientId,
+    },
 }
 
 /// Counters since the master started.
@@ -115,6 +126,10 @@ pub struct MasterCounters {
     pub lease_refusals: u64,
     /// Writes refused for lack of space after eviction.
     pub no_space: u64,
+    /// Members suspected (silent, or their connection dropped).
+    pub members_suspected: u64,
+    /// Members gone (suspected past the grace period, or replaced by a new incarnation).
+    pub members_lost: u64,
 }
 
 /// One segment's usage.
@@ -135,6 +150,8 @@ pub struct SegmentUsage {
     pub extents: u32,
     /// Being unmounted.
     pub draining: bool,
+    /// Its owner is suspected: it takes no replica and serves no read.
+    pub suspected: bool,
 }
 
 /// What the master holds, for `stat` and metrics.
@@ -177,6 +194,11 @@ pub struct MasterCore {
     pub(super) counters: MasterCounters,
     /// When segments' recent reads were last halved (none before the first tick).
     load_decayed: Option<Instant>,
+    /// Members that contribute segments, by liveness.
+    pub(super) members: HashMap<ClientId, Member>,
+    /// Why writes the master let go of ended (answered to a late put-end or put-revoke),
+    /// kept until then.
+    ended: HashMap<PutId, (Instant, StoreErrorKind)>,
 }
 
 impl MasterCore {
@@ -194,6 +216,8 @@ impl MasterCore {
             actions: VecDeque::new(),
             counters: MasterCounters::default(),
             load_decayed: None,
+            members: HashMap::new(),
+            ended: HashMap::new(),
         }
     }
 
@@ -207,12 +231,20 @@ impl MasterCore {
         self.actions.pop_front()
     }
 
-    /// Mounts `spec`, contributed by `owner`.
+    pub(super) fn push_action(&mut self, action: MasterAction) {
+        self.actions.push_back(action);
+    }
+
+    /// Mounts `spec`, contributed by `owner`; from now on `owner`'s liveness counts (see
+    /// [`Self::heard`]). Another incarnation's segment at the same handshake address — a
+    /// dead process whose port `owner` took — is gone first.
     pub fn mount_segment(
         &mut self,
         owner: ClientId,
         spec: SegmentSpec,
+        now: Instant,
     ) -> Result<SegmentId, StoreError> {
+        self.track_member(owner, &spec.handshake_addr, &spec.name, now);
         self.segments.mount(owner, spec)
     }
 
@@ -254,7 +286,13 @@ impl MasterCore {
                     .write
                     .take_if(|w| w.version.replicas.iter().any(|r| r.segment == segment))
             {
-                self.abandon(write);
+                let name = self.segments.get(segment).map(|s| s.spec.name.clone());
+                self.end_write(
+                    write,
+                    StoreErrorKind::ReplicaLost {
+                        segment: name.unwrap_or_default(),
+                    },
+                );
             }
             let Some(object) = self.objects.get_mut(&key) else {
                 continue;
@@ -288,7 +326,7 @@ impl MasterCore {
         config: &ReplicaConfig,
         now: Instant,
     ) -> Result<PutTicket, StoreError> {
-        self.start(client, key, size, config, false, now)
+        self.start(client, key, size, config, false, &[], now)
     }
 
     /// Like [`Self::put_start`], but over a complete object too: its current value stays
@@ -301,16 +339,21 @@ impl MasterCore {
         config: &ReplicaConfig,
         now: Instant,
     ) -> Result<PutTicket, StoreError> {
-        self.start(client, key, size, config, true, now)
+        self.start(client, key, size, config, true, &[], now)
     }
 
-    fn start(
+    /// [`Self::put_start`] (or, with `upsert`, [`Self::upsert_start`]) placing nothing on
+    /// segments whose owner's handshake address is in `avoid`: the writer's engine sees
+    /// them dead, which the master may not know yet.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
         &mut self,
         client: ClientId,
         key: &str,
         size: u64,
         config: &ReplicaConfig,
         upsert: bool,
+        avoid: &[String],
         now: Instant,
     ) -> Result<PutTicket, StoreError> {
         check_key(key)?;
@@ -328,14 +371,14 @@ impl MasterCore {
                 return Err(fail(StoreErrorKind::AlreadyExists));
             }
         }
-        let placed = match self.segments.place(size, config) {
+        let placed = match self.segments.place(size, config, avoid) {
             Some(placed) => placed,
             None => {
                 let want = self
                     .eviction_target()
                     .max(size.saturating_mul(config.replica_num as u64));
                 self.evict(want, now);
-                match self.segments.place(size, config) {
+                match self.segments.place(size, config, avoid) {
                     Some(placed) => placed,
                     None => {
                         self.counters.no_space += 1;
@@ -443,14 +486,18 @@ impl MasterCore {
     fn take_write(&mut self, client: ClientId, key: &str, put: PutId) -> Result<Write, StoreError> {
         check_key(key)?;
         let fail = |kind| StoreError::new(key, kind);
-        let object = self
-            .objects
-            .get_mut(key)
-            .ok_or_else(|| fail(StoreErrorKind::PutNotPending))?;
+        // A write the master let go of says why; one it never knew is not pending.
+        let not_pending = match self.ended.get(&put) {
+            Some((_, why)) => why.clone(),
+            None => StoreErrorKind::PutNotPending,
+        };
+        let Some(object) = self.objects.get_mut(key) else {
+            return Err(fail(not_pending));
+        };
         match &object.write {
             Some(write) if write.put == put && write.writer == client => {}
             Some(write) if write.put == put => return Err(fail(StoreErrorKind::NotWriter)),
-            _ => return Err(fail(StoreErrorKind::PutNotPending)),
+            _ => return Err(fail(not_pending)),
         }
         Ok(object.write.take().expect("matched above"))
     }
@@ -470,6 +517,14 @@ impl MasterCore {
         let Some(version) = object.complete.as_ref() else {
             return Err(fail(StoreErrorKind::NotReady));
         };
+        // Every replica on a suspected segment: nothing a reader could read now.
+        if !version
+            .replicas
+            .iter()
+            .any(|r| self.segments.readable(r.segment))
+        {
+            return Err(fail(StoreErrorKind::NotFound));
+        }
         object.lease_until = Some(
             object
                 .lease_until
@@ -478,7 +533,15 @@ impl MasterCore {
         object.last_used = clock;
         let size = version.size;
         let object = &self.objects[key];
-        let replicas = self.describe(&object.complete.as_ref().expect("checked").replicas, size);
+        let readable: Vec<&Replica> = object
+            .complete
+            .as_ref()
+            .expect("checked")
+            .replicas
+            .iter()
+            .filter(|r| self.segments.readable(r.segment))
+            .collect();
+        let replicas = self.describe(readable, size);
         for replica in &replicas {
             if let Some(segment) = self.segments.get_mut(replica.segment) {
                 segment.recent_reads += 1;
@@ -492,13 +555,21 @@ impl MasterCore {
         })
     }
 
-    /// Whether `key` names a complete object (one being written does not exist yet).
+    /// Whether `key` names a complete object a reader could read now (one being written
+    /// does not exist yet; one whose every replica is on a suspected segment does not
+    /// either, while it is suspected).
     pub fn exists(&self, key: &str) -> Result<bool, StoreError> {
         check_key(key)?;
         Ok(self
             .objects
             .get(key)
-            .is_some_and(|object| object.complete.is_some()))
+            .and_then(|object| object.complete.as_ref())
+            .is_some_and(|version| {
+                version
+                    .replicas
+                    .iter()
+                    .any(|r| self.segments.readable(r.segment))
+            }))
     }
 
     /// [`Self::exists`] for each key: one result per key.
@@ -603,9 +674,11 @@ impl MasterCore {
                 if object.complete.is_none() {
                     self.objects.remove(&key);
                 }
-                self.abandon(write);
+                self.end_write(write, StoreErrorKind::PutTimedOut);
             }
         }
+        self.ended.retain(|_, (until, _)| *until > now);
+        self.check_members(now);
         self.free_retired(now);
         let since = self.load_decayed.get_or_insert(now);
         if now.saturating_duration_since(*since) >= self.policy.lease_ttl {
@@ -623,6 +696,9 @@ impl MasterCore {
                 .retain(|(_, replica)| replica.segment != segment);
             self.fences.retain(|_, pending| pending.segment != segment);
             if let Some(gone) = self.segments.remove(segment) {
+                if self.segments.owned_by(gone.owner).is_empty() {
+                    self.members.remove(&gone.owner);
+                }
                 self.actions.push_back(MasterAction::Unmounted {
                     segment,
                     owner: gone.owner,
@@ -652,11 +728,20 @@ impl MasterCore {
                     reserved: segment.space.reserved(),
                     extents: segment.space.extents(),
                     draining: segment.draining_until.is_some(),
+                    suspected: segment.suspected_since.is_some(),
                 })
                 .collect(),
             fences_pending: self.fences.len() as u64,
             counters: self.counters.clone(),
         }
+    }
+
+    /// Abandons `write` (its object already let go of it) for the reason a late put-end
+    /// or put-revoke of it is told, until the write could not go on anyway.
+    pub(super) fn end_write(&mut self, write: Write, why: StoreErrorKind) {
+        let until = after(write.deadline, self.policy.put_timeout);
+        self.ended.insert(write.put, (until, why));
+        self.abandon(write);
     }
 
     /// Abandons `write` (its object already let go of it): its space waits for each
@@ -699,9 +784,13 @@ impl MasterCore {
         }
     }
 
-    fn describe(&self, replicas: &[Replica], size: u64) -> Vec<ReplicaDescriptor> {
+    fn describe<'r>(
+        &self,
+        replicas: impl IntoIterator<Item = &'r Replica>,
+        size: u64,
+    ) -> Vec<ReplicaDescriptor> {
         replicas
-            .iter()
+            .into_iter()
             .filter_map(|replica| {
                 let segment = self.segments.get(replica.segment)?;
                 Some(ReplicaDescriptor {
@@ -709,6 +798,7 @@ impl MasterCore {
                     segment_name: segment.spec.name.clone(),
                     host: segment.spec.host.clone(),
                     handshake_addr: segment.spec.handshake_addr.clone(),
+                    holder: segment.owner,
                     addr: segment.spec.base + replica.extent.offset,
                     len: size,
                     load: segment.recent_reads,

@@ -6,10 +6,11 @@
 //! comes out as [`MasterAction`]s. Files by concern: `space.rs` (a segment's allocator),
 //! `segments.rs` (mounting and placement), `objects.rs` (the object table's records),
 //! `core.rs` (writes, reads, removal, fences, timers), `eviction.rs` (what goes when space
-//! runs short).
+//! runs short), `members.rs` (which contributing processes are alive, suspected or gone).
 
 mod core;
 mod eviction;
+mod members;
 mod objects;
 mod segments;
 mod space;

@@ -6,6 +6,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
+use railyard_engine::dataplane::rng::SplitMix64;
+
 use crate::config::ReplicaConfig;
 use crate::error::{StoreError, StoreErrorKind};
 use crate::master::space::{Extent, GRANULE, MAX_SEGMENT_BYTES, Space};
@@ -42,16 +44,42 @@ pub(crate) struct Segment {
     pub(crate) space: Space,
     /// Set by an unmount: takes no new replicas, and goes at this time.
     pub(crate) draining_until: Option<Instant>,
+    /// Its owner went silent or lost its connection then: no replica is placed on it and
+    /// no reader is pointed at it until the owner is heard again (or is declared gone).
+    pub(crate) suspected_since: Option<Instant>,
     /// Reads pointed at it lately (halved every lease period).
     pub(crate) recent_reads: u64,
 }
 
+impl Segment {
+    /// Whether new replicas may go here.
+    fn takes_writes(&self) -> bool {
+        self.draining_until.is_none() && self.suspected_since.is_none()
+    }
+
+    fn free_bytes(&self) -> u64 {
+        self.space.capacity() - self.space.reserved()
+    }
+}
+
 /// Every mounted segment.
-#[derive(Default)]
 pub(crate) struct Segments {
     by_id: BTreeMap<SegmentId, Segment>,
     by_name: HashMap<String, SegmentId>,
     next: u64,
+    /// Placement's random choices (a fixed seed keeps the core deterministic).
+    random: SplitMix64,
+}
+
+impl Default for Segments {
+    fn default() -> Self {
+        Self {
+            by_id: BTreeMap::new(),
+            by_name: HashMap::new(),
+            next: 0,
+            random: SplitMix64::new(0x5eed_5e97_e475),
+        }
+    }
 }
 
 impl Segments {
@@ -113,6 +141,7 @@ impl Segments {
                 spec,
                 owner,
                 draining_until: None,
+                suspected_since: None,
                 recent_reads: 0,
             },
         );
@@ -156,10 +185,24 @@ impl Segments {
         }
     }
 
-    /// Segments that take new replicas.
+    /// Segments that take new replicas: neither draining nor suspected.
     fn writable(&self) -> impl Iterator<Item = (SegmentId, &Segment)> {
+        self.iter().filter(|(_, segment)| segment.takes_writes())
+    }
+
+    /// Whether readers may be pointed at `id`: mounted, and its owner not suspected.
+    pub(crate) fn readable(&self, id: SegmentId) -> bool {
+        self.by_id
+            .get(&id)
+            .is_some_and(|segment| segment.suspected_since.is_none())
+    }
+
+    /// The segments `owner` contributed.
+    pub(crate) fn owned_by(&self, owner: ClientId) -> Vec<SegmentId> {
         self.iter()
-            .filter(|(_, segment)| segment.draining_until.is_none())
+            .filter(|(_, segment)| segment.owner == owner)
+            .map(|(id, _)| id)
+            .collect()
     }
 
     /// (capacity, reserved) of all segments that take new replicas.
@@ -211,54 +254,65 @@ impl Segments {
         Ok(())
     }
 
-    /// Reserves `config.replica_num` extents of `size` bytes on as many different segments:
-    /// the preferred ones first (in order), then segments on hosts no replica is on yet, then
-    /// any, least loaded first. All or nothing: `None` when they do not fit.
+    /// Reserves `config.replica_num` extents of `size` bytes on as many different segments
+    /// (none owned at a handshake address in `avoid`): the preferred ones first (in order), then segments on hosts no replica is on yet, then
+    /// any. Among the others each replica goes to the better of two segments drawn at random
+    /// (more free bytes, then fewer recent reads): new objects spread by free space and load,
+    /// and an empty segment that just joined draws its share, not every put. All or
+    /// nothing: `None` when they do not fit.
     pub(crate) fn place(
         &mut self,
         size: u64,
         config: &ReplicaConfig,
+        avoid: &[String],
     ) -> Option<Vec<(SegmentId, Extent)>> {
         let preferred: Vec<SegmentId> = config
             .preferred_segments
             .iter()
             .filter_map(|name| self.by_name(name))
-            .filter(|id| self.by_id[id].draining_until.is_none())
+            .filter(|id| {
+                let segment = &self.by_id[id];
+                segment.takes_writes() && !avoid.contains(&segment.spec.handshake_addr)
+            })
             .collect();
-        let mut others: Vec<(SegmentId, u64)> = self
-            .writable()
-            .filter(|(id, _)| !preferred.contains(id))
-            .map(|(id, s)| (id, s.space.capacity() - s.space.reserved()))
-            .collect();
-        // Least loaded (most free bytes) first; the id breaks ties so placement is
-        // deterministic.
-        others.sort_by_key(|&(id, free)| (std::cmp::Reverse(free), id));
-        let preferred_count = preferred.len();
-        let order: Vec<SegmentId> = preferred
-            .into_iter()
-            .chain(others.into_iter().map(|(id, _)| id))
-            .collect();
-
         let mut placed: Vec<(SegmentId, Extent)> = Vec::with_capacity(config.replica_num);
         let mut hosts: HashSet<String> = HashSet::new();
+        for &id in &preferred {
+            if placed.len() == config.replica_num {
+                break;
+            }
+            let segment = self.by_id.get_mut(&id)?;
+            if let Some(extent) = segment.space.allocate(size) {
+                hosts.insert(segment.spec.host.clone());
+                placed.push((id, extent));
+            }
+        }
         // First pass: a new host for each replica; second: any segment not used yet.
         for distinct_hosts in [true, false] {
-            for (rank, &id) in order.iter().enumerate() {
-                if placed.len() == config.replica_num {
-                    break;
-                }
-                if placed.iter().any(|(used, _)| *used == id) {
-                    continue;
-                }
+            let mut candidates: Vec<SegmentId> = self
+                .writable()
+                .filter(|(id, segment)| {
+                    let used = placed.iter().any(|(used, _)| used == id);
+                    let host_taken = distinct_hosts && hosts.contains(&segment.spec.host);
+                    let avoided = avoid.contains(&segment.spec.handshake_addr);
+                    !used && !host_taken && !avoided && segment.free_bytes() >= size
+                })
+                .map(|(id, _)| id)
+                .collect();
+            while placed.len() < config.replica_num && !candidates.is_empty() {
+                let pick = self.better_of_two(&candidates);
+                let id = candidates.swap_remove(pick);
                 let segment = self.by_id.get_mut(&id)?;
-                // A preferred segment is taken even on a host already used.
-                if distinct_hosts && rank >= preferred_count && hosts.contains(&segment.spec.host) {
+                // Free bytes may be fragmented: a segment that cannot hold it is skipped.
+                let Some(extent) = segment.space.allocate(size) else {
                     continue;
+                };
+                let host = segment.spec.host.clone();
+                placed.push((id, extent));
+                if distinct_hosts {
+                    candidates.retain(|other| self.by_id[other].spec.host != host);
                 }
-                if let Some(extent) = segment.space.allocate(size) {
-                    hosts.insert(segment.spec.host.clone());
-                    placed.push((id, extent));
-                }
+                hosts.insert(host);
             }
         }
         if placed.len() < config.replica_num {
@@ -268,5 +322,24 @@ impl Segments {
             return None;
         }
         Some(placed)
+    }
+
+    /// The index in `candidates` (not empty) of the better of two drawn at random: more free
+    /// bytes, then fewer recent reads.
+    fn better_of_two(&mut self, candidates: &[SegmentId]) -> usize {
+        let first = self.random.below(candidates.len() as u64) as usize;
+        let second = self.random.below(candidates.len() as u64) as usize;
+        let score = |index: usize| {
+            let segment = &self.by_id[&candidates[index]];
+            (
+                segment.free_bytes(),
+                std::cmp::Reverse(segment.recent_reads),
+            )
+        };
+        if score(second) > score(first) {
+            second
+        } else {
+            first
+        }
     }
 }

@@ -19,15 +19,30 @@ fn spec(name: &str, host: &str, base: u64, size: u64) -> SegmentSpec {
     SegmentSpec {
         name: name.into(),
         host: host.into(),
-        handshake_addr: format!("{host}:7000"),
+        // One process per segment: each its own handshake address.
+        handshake_addr: format!("{name}.{host}:7000"),
         base,
         size,
     }
 }
 
-/// A master with `sizes.len()` segments, segment `i` named `s{i}` on host `hosts[i]`.
+/// Long enough that no member of a test falls silent: tests of liveness set their own.
+const NEVER_SILENT: Duration = Duration::from_secs(86_400 * 365);
+
+/// A master with `sizes.len()` segments, segment `i` named `s{i}` on host `hosts[i]`, each
+/// contributed by its own member (`ClientId(100 + i)`). Members are never suspected unless
+/// `policy` bounds their silence below [`NEVER_SILENT`].
 fn master(policy: MasterPolicy, sizes: &[u64], hosts: &[&str]) -> (MasterCore, Vec<SegmentId>) {
-    let mut core = MasterCore::new(policy);
+    let member_silence = if policy.member_silence == MasterPolicy::default().member_silence {
+        NEVER_SILENT
+    } else {
+        policy.member_silence
+    };
+    let mut core = MasterCore::new(MasterPolicy {
+        member_silence,
+        ..policy
+    });
+    let now = Instant::now();
     let ids = sizes
         .iter()
         .zip(hosts)
@@ -36,6 +51,7 @@ fn master(policy: MasterPolicy, sizes: &[u64], hosts: &[&str]) -> (MasterCore, V
             core.mount_segment(
                 ClientId(100 + i as u64),
                 spec(&format!("s{i}"), host, 1 << 40, size),
+                now,
             )
             .expect("mounts")
         })
@@ -173,10 +189,11 @@ fn an_abandoned_write_is_fenced_before_its_space_is_handed_out_again() {
     };
     assert_eq!((segment, owner, writer), (ids[0], ClientId(100), WRITER));
     assert_eq!(core.exists("zombie"), Ok(false));
-    // The zombie's late put-end is refused; its space is still not anyone else's.
+    // The zombie's late put-end is refused, saying why; its space is still not anyone
+    // else's.
     assert_eq!(
         kind(core.put_end(WRITER, "zombie", ticket.put, later)),
-        StoreErrorKind::PutNotPending
+        StoreErrorKind::PutTimedOut
     );
     assert!(matches!(
         kind(core.put_start(ClientId(8), "next", 2 * MIB, &one(1), later)),
@@ -465,7 +482,7 @@ fn a_put_no_set_of_segments_could_hold_is_refused_before_anything_is_evicted() {
 #[test]
 fn segments_are_checked_when_mounted() {
     let mut core = MasterCore::new(MasterPolicy::default());
-    core.mount_segment(OWNER, spec("s", "a", 4096, MIB))
+    core.mount_segment(OWNER, spec("s", "a", 4096, MIB), Instant::now())
         .expect("mounts");
     let refused = [
         (spec("s", "a", 1 << 30, MIB), "mounted already"),
@@ -476,11 +493,13 @@ fn segments_are_checked_when_mounted() {
         (spec("w", "a", 0, MAX_SEGMENT_BYTES + 1), "at most"),
     ];
     for (spec, said) in refused {
-        let error = core.mount_segment(OWNER, spec).expect_err("refused");
+        let error = core
+            .mount_segment(OWNER, spec, Instant::now())
+            .expect_err("refused");
         assert!(error.to_string().contains(said), "{error}");
     }
     // Another process's memory may sit at the same addresses.
-    core.mount_segment(ClientId(2), spec("x", "b", 4096, MIB))
+    core.mount_segment(ClientId(2), spec("x", "b", 4096, MIB), Instant::now())
         .expect("mounts");
 }
 
@@ -541,7 +560,9 @@ fn an_unmount_stops_placements_and_reads_at_once_and_finishes_after_its_grace() 
     assert_eq!(kind(core.get("only-s0", now)), StoreErrorKind::NotFound);
     assert_eq!(
         kind(core.put_end(WRITER, "writing", writing.put, now)),
-        StoreErrorKind::PutNotPending
+        StoreErrorKind::ReplicaLost {
+            segment: "s0".into()
+        }
     );
     assert!(matches!(
         core.next_action(),
@@ -757,3 +778,6 @@ fn no_space_leaks_after_100k_random_operations() {
         "the run exercised abandoned writes"
     );
 }
+
+#[path = "members_tests.rs"]
+mod members;
