@@ -4,6 +4,7 @@
 
 pub mod mapped;
 pub mod stalling;
+pub mod store;
 pub mod tagged;
 
 use std::io::{BufRead, BufReader};
@@ -15,6 +16,21 @@ use railyard::dataplane::RequestOutcome;
 use railyard::engine::{Op, Region, Transfer};
 
 pub const BOUND: Duration = Duration::from_secs(10);
+
+/// Stops `child` (SIGSTOP: no reset, its sockets stay open) and returns once it is stopped.
+pub fn signal_stop(child: &Child) {
+    // SAFETY: kill(2) on our own child's pid, not reaped while `child` is borrowed.
+    let sent = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGSTOP) };
+    assert_eq!(sent, 0, "kill(SIGSTOP)");
+    wait_until_stopped(child.id());
+}
+
+/// Lets a stopped `child` run again.
+pub fn signal_continue(child: &Child) {
+    // SAFETY: kill(2) on our own child's pid, not reaped while `child` is borrowed.
+    let sent = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGCONT) };
+    assert_eq!(sent, 0, "kill(SIGCONT)");
+}
 
 /// Waits (within [`BOUND`]) until the kernel reports process `pid` stopped (state `T` in
 /// `/proc/PID/stat`, the field after the parenthesised command name).

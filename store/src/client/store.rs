@@ -1272,13 +1272,12 @@ impl Store {
                 incarnation.0, holder.0
             ))
         };
+        // A peer of another incarnation is opened again: the one cached may be the dead
+        // holder (not yet retired) that the holder asked for replaced.
         if let Some(peer) = lock(&self.inner.peers)
             .get(addr)
-            .filter(|peer| !peer.is_retired())
+            .filter(|peer| !peer.is_retired() && peer.incarnation().0 == holder.0)
         {
-            if peer.incarnation().0 != holder.0 {
-                return Err(gone(peer.incarnation()));
-            }
             return Ok(peer.clone());
         }
         let peer = self
