@@ -243,17 +243,17 @@ pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
                     segment.host,
                     format_size(segment.reserved),
                     format_size(segment.capacity),
-                    if segment.draining {
-                        " (unmounting)"
-                    } else {
-                        ""
+                    match (segment.draining, segment.suspected) {
+                        (true, _) => " (unmounting)",
+                        (false, true) => " (owner suspected: serves nothing)",
+                        (false, false) => "",
                     }
                 )?;
             }
             let c = &stats.counters;
             writeln!(
                 out,
-                "puts started {} completed {} revoked {} abandoned {}; gets {}; evictions {} ({}); lease refusals {}; no space {}",
+                "puts started {} completed {} revoked {} abandoned {}; gets {}; evictions {} ({}); lease refusals {}; no space {}; members suspected {} lost {}",
                 c.puts_started,
                 c.puts_completed,
                 c.puts_revoked,
@@ -262,7 +262,9 @@ pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
                 c.evictions,
                 format_size(c.evicted_bytes),
                 c.lease_refusals,
-                c.no_space
+                c.no_space,
+                c.members_suspected,
+                c.members_lost
             )?;
             Ok(())
         }

@@ -151,6 +151,25 @@ impl Collector for StatsCollector {
             "Writes refused for lack of space after eviction.",
             counters.no_space,
         )?;
+        counter(
+            e,
+            "railyard_store_members_suspected",
+            "Members suspected (silent, or their connection dropped).",
+            counters.members_suspected,
+        )?;
+        counter(
+            e,
+            "railyard_store_members_lost",
+            "Members gone: suspected past the grace, or replaced by another incarnation.",
+            counters.members_lost,
+        )?;
+        gauge(
+            e,
+            "railyard_store_segments_suspected",
+            "Segments whose owner is suspected: no replica placed, no read pointed there.",
+            None,
+            stats.segments.iter().filter(|s| s.suspected).count() as i64,
+        )?;
         for (name, help, value) in [
             (
                 "railyard_store_segment_capacity",
