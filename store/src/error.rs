@@ -103,6 +103,10 @@ pub enum StoreErrorKind {
         /// The segment.
         segment: String,
     },
+    /// The object was removed by force while the write was in progress: the write was
+    /// abandoned.
+    #[error("the object was removed by force while being written")]
+    PutRemoved,
     /// The write was started by another client.
     #[error("the write belongs to another client")]
     NotWriter,
@@ -162,6 +166,7 @@ impl StoreErrorKind {
             | Self::InvalidSegment { .. }
             | Self::InvalidArgument { .. } => -600, // INVALID_PARAMS
             Self::NotWriter => -601,                          // ILLEGAL_CLIENT
+            Self::PutRemoved => -700,                         // INVALID_WRITE
             Self::NotReady => -703,                           // REPLICA_IS_NOT_READY
             Self::NotFound | Self::PutNotPending => -704,     // OBJECT_NOT_FOUND
             Self::AlreadyExists => -705,                      // OBJECT_ALREADY_EXISTS

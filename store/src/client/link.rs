@@ -101,35 +101,12 @@ impl MasterLink {
                 .map_err(|error| unreachable(error.to_string()))?
         };
         let writer = Arc::new(Mutex::new(stream));
-        let next_id = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let keepalive = {
-            let (writer, next_id, stop) =
-                (Arc::clone(&writer), Arc::clone(&next_id), Arc::clone(&stop));
-            thread::Builder::new()
-                .name("store-keepalive".into())
-                .spawn(move || {
-                    // Its answer has no caller waiting: the reader drops it.
-                    while !stop.load(Ordering::Relaxed) {
-                        let id = next_id.fetch_add(1, Ordering::Relaxed);
-                        let ping = ToMaster {
-                            id,
-                            request: Request::Ping,
-                        };
-                        if write_frame(&mut *lock(&writer), &ping).is_err() {
-                            return;
-                        }
-                        thread::park_timeout(KEEPALIVE);
-                    }
-                })
-                .map_err(|error| unreachable(error.to_string()))?
-        };
         let mut link = Self {
             writer,
             waiting,
-            next_id,
+            next_id: Arc::new(AtomicU64::new(0)),
             reader: Some(reader),
-            keepalive: Some((stop, keepalive)),
+            keepalive: None,
             client: ClientId(me.incarnation.0),
             addr,
         };
@@ -143,7 +120,42 @@ impl MasterLink {
             Reply::Refused(reason) => return Err(unreachable(format!("{addr}: {reason}"))),
             other => return Err(unreachable(format!("{addr}: answered Open with {other:?}"))),
         }
+        link.start_keepalive()?;
         Ok(link)
+    }
+
+    /// Pings the master every [`KEEPALIVE`] (after Open: a master of another version hears
+    /// nothing it cannot read). A ping that cannot be written closes the connection, so that
+    /// every caller sees the link is down instead of the master seeing a silent member.
+    fn start_keepalive(&mut self) -> Result<(), StoreErrorKind> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (writer, next_id, stopping) = (
+            Arc::clone(&self.writer),
+            Arc::clone(&self.next_id),
+            Arc::clone(&stop),
+        );
+        let keepalive = thread::Builder::new()
+            .name("store-keepalive".into())
+            .spawn(move || {
+                // Its answer has no caller waiting: the reader drops it.
+                while !stopping.load(Ordering::Relaxed) {
+                    let id = next_id.fetch_add(1, Ordering::Relaxed);
+                    let ping = ToMaster {
+                        id,
+                        request: Request::Ping,
+                    };
+                    let mut stream = lock(&writer);
+                    if write_frame(&mut *stream, &ping).is_err() {
+                        let _ = stream.shutdown(Shutdown::Both);
+                        return;
+                    }
+                    drop(stream);
+                    thread::park_timeout(KEEPALIVE);
+                }
+            })
+            .map_err(|error| unreachable(error.to_string()))?;
+        self.keepalive = Some((stop, keepalive));
+        Ok(())
     }
 
     /// Sends `request` and waits at most `timeout` for its reply.
@@ -155,7 +167,16 @@ impl MasterLink {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (sender, receiver) = mpsc::channel();
         lock(&self.waiting).insert(id, sender);
-        if let Err(error) = write_frame(&mut *lock(&self.writer), &ToMaster { id, request }) {
+        let written = {
+            let mut stream = lock(&self.writer);
+            let written = write_frame(&mut *stream, &ToMaster { id, request });
+            if written.is_err() {
+                // Perhaps half a frame went out: nothing after it could be read right.
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+            written
+        };
+        if let Err(error) = written {
             lock(&self.waiting).remove(&id);
             return Err(unreachable(format!("{}: {error}", self.addr)));
         }

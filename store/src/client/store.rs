@@ -1280,11 +1280,13 @@ impl Store {
         {
             return Ok(peer.clone());
         }
+        // Not opening is no proof the holder is gone (it may be slow, or refuse for a while):
+        // only a dead peer's transfers or another incarnation's answer are.
         let peer = self
             .inner
             .engine
             .open(addr)
-            .map_err(|error| MoveFailure::holder_gone(error.to_string()))?;
+            .map_err(|error| MoveFailure::failed(error.to_string()))?;
         lock(&self.inner.peers).insert(addr.to_owned(), peer.clone());
         if peer.incarnation().0 != holder.0 {
             return Err(gone(peer.incarnation()));

@@ -244,8 +244,20 @@ impl MasterCore {
         spec: SegmentSpec,
         now: Instant,
     ) -> Result<SegmentId, StoreError> {
-        self.track_member(owner, &spec.handshake_addr, &spec.name, now);
-        self.segments.mount(owner, spec)
+        let (addr, name) = (spec.handshake_addr.clone(), spec.name.clone());
+        let mounted = match self.segments.mount(owner, spec.clone()) {
+            Err(error) if matches!(error.kind, StoreErrorKind::SegmentExists { .. }) => {
+                // Its name may be a suspected member's: replaced, it is free.
+                if !self.replace_members(owner, &addr, &name) {
+                    return Err(error);
+                }
+                self.segments.mount(owner, spec)?
+            }
+            mounted => mounted?,
+        };
+        self.replace_members(owner, &addr, &name);
+        self.track_member(owner, now);
+        Ok(mounted)
     }
 
     /// Starts unmounting `segment`: from now on no replica is placed on it and no read is
@@ -358,7 +370,9 @@ impl MasterCore {
     ) -> Result<PutTicket, StoreError> {
         check_key(key)?;
         let fail = |kind| StoreError::new(key, kind);
-        self.segments.check_placeable(size, config).map_err(fail)?;
+        self.segments
+            .check_placeable(size, config, avoid)
+            .map_err(fail)?;
         if let Some(object) = self.objects.get(key) {
             if object.write.is_some() {
                 return Err(fail(if upsert {
@@ -367,7 +381,15 @@ impl MasterCore {
                     StoreErrorKind::AlreadyExists
                 }));
             }
-            if !upsert {
+            // An object no reader can read now (every replica on a suspected segment) is
+            // replaced as an upsert would: a cache that missed it refills it.
+            let readable = object.complete.as_ref().is_some_and(|version| {
+                version
+                    .replicas
+                    .iter()
+                    .any(|r| self.segments.readable(r.segment))
+            });
+            if !upsert && readable {
                 return Err(fail(StoreErrorKind::AlreadyExists));
             }
         }
@@ -598,7 +620,7 @@ impl MasterCore {
         }
         let mut object = self.objects.remove(key).expect("found above");
         if let Some(write) = object.write.take() {
-            self.abandon(write);
+            self.end_write(write, StoreErrorKind::PutRemoved);
         }
         if let Some(version) = object.complete.take() {
             // Forced past a lease: gone for new readers at once, its space free only once

@@ -26,6 +26,15 @@ impl MasterCore {
             .objects
             .iter()
             .filter(|(_, object)| object.evictable(now))
+            // Freeing only suspected or draining segments makes no room for new writes.
+            .filter(|(_, object)| {
+                object.complete.as_ref().is_some_and(|version| {
+                    version
+                        .replicas
+                        .iter()
+                        .any(|r| self.segments.writable_id(r.segment))
+                })
+            })
             .map(|(key, object)| (object.soft_pinned(now), object.last_used, key.clone()))
             .collect();
         // Unpinned before soft-pinned, then least recently used first.

@@ -46,12 +46,11 @@ impl MasterCore {
         self.suspect(client, now);
     }
 
-    /// Starts tracking `owner`'s liveness (it mounts a segment), and declares gone whoever
-    /// another incarnation replaces: the owner of a segment at the same handshake address
-    /// (a process that took over a dead one's port), or a suspected owner of a segment of
-    /// the same name.
-    pub(super) fn track_member(&mut self, owner: ClientId, addr: &str, name: &str, now: Instant) {
-        let replaced: Vec<ClientId> = self
+    /// Declares gone whoever `owner` replaces: the owner of a segment at the same handshake
+    /// address `addr` (a process that took over a dead one's port), or a suspected owner of
+    /// a segment named `name`. Returns whether one was.
+    pub(super) fn replace_members(&mut self, owner: ClientId, addr: &str, name: &str) -> bool {
+        let mut replaced: Vec<ClientId> = self
             .segments
             .iter()
             .filter(|(_, segment)| segment.owner != owner)
@@ -61,9 +60,16 @@ impl MasterCore {
             })
             .map(|(_, segment)| segment.owner)
             .collect();
-        for gone in replaced {
+        replaced.sort_unstable();
+        replaced.dedup();
+        for &gone in &replaced {
             self.lose_member(gone);
         }
+        !replaced.is_empty()
+    }
+
+    /// Starts tracking `owner`'s liveness (it mounted a segment).
+    pub(super) fn track_member(&mut self, owner: ClientId, now: Instant) {
         self.members.entry(owner).or_insert(Member {
             last_heard: now,
             suspected_since: None,
@@ -115,12 +121,18 @@ impl MasterCore {
         }
     }
 
-    /// `client` is gone: every segment of it is lost.
+    /// `client` is gone: every segment of it is lost. Each is reported unmounted to it, in
+    /// case it is alive after all (stopped past the grace, its connection still open): it
+    /// learns its memory is no longer the store's.
     fn lose_member(&mut self, client: ClientId) {
         self.members.remove(&client);
         self.counters.members_lost += 1;
         for segment in self.segments.owned_by(client) {
             self.lose_segment(segment);
+            self.push_action(MasterAction::Unmounted {
+                segment,
+                owner: client,
+            });
         }
         self.push_action(MasterAction::MemberGone { client });
     }

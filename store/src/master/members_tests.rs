@@ -231,3 +231,88 @@ fn a_segment_that_joins_empty_draws_its_share_of_puts_not_all_of_them() {
         "{to_joined} of 400 puts went to the empty newcomer"
     );
 }
+
+#[test]
+fn what_a_writer_avoids_is_never_placed_on_and_never_evicts_for_nothing() {
+    let now = Instant::now();
+    let (mut core, [s0, s1]) = two_members(now);
+    for i in 0..8 {
+        put(&mut core, &format!("old-{i}"), MIB, &on("s1"), now);
+    }
+    let both = ReplicaConfig {
+        replica_num: 2,
+        ..ReplicaConfig::default()
+    };
+    let avoid = vec!["s1.b:7000".to_owned()];
+    // Two replicas cannot go anywhere but s1: refused at once, nothing evicted for it.
+    assert!(matches!(
+        kind(core.start(WRITER, "two", 4096, &both, false, &avoid, now)),
+        StoreErrorKind::TooManyReplicas { .. }
+    ));
+    assert_eq!(core.stats().counters.evictions, 0);
+    assert_eq!(core.stats().objects, 8);
+    let ticket = core
+        .start(WRITER, "one", 4096, &on("s1"), false, &avoid, now)
+        .expect("placed");
+    assert_eq!(ticket.replicas[0].segment, s0);
+    // A segment named twice among the preferred still holds one replica.
+    let twice = ReplicaConfig {
+        replica_num: 2,
+        preferred_segments: vec!["s0".into(), "s0".into()],
+        ..ReplicaConfig::default()
+    };
+    let ticket = core
+        .put_start(WRITER, "twice", 4096, &twice, now)
+        .expect("placed");
+    let mut segments: Vec<SegmentId> = ticket.replicas.iter().map(|r| r.segment).collect();
+    segments.sort();
+    assert_eq!(segments, [s0, s1]);
+}
+
+#[test]
+fn a_mount_that_is_refused_replaces_nobody() {
+    let now = Instant::now();
+    let (mut core, [s0, _]) = two_members(now);
+    put(&mut core, "on-s0", 4096, &on("s0"), now);
+    // At member 100's address, but not a segment that can be mounted.
+    let refused = core.mount_segment(ClientId(300), spec("s0", "a", 1 << 40, 10), now);
+    assert!(matches!(
+        kind(refused),
+        StoreErrorKind::InvalidSegment { .. }
+    ));
+    assert_eq!(
+        segments_of(&core.get("on-s0", now).expect("still there")),
+        [s0]
+    );
+    assert_eq!(core.stats().counters.members_lost, 0);
+}
+
+#[test]
+fn a_write_removed_by_force_and_an_object_no_one_can_read_say_so() {
+    let now = Instant::now();
+    let (mut core, _) = two_members(now);
+    let writing = core
+        .put_start(WRITER, "writing", 4096, &on("s0"), now)
+        .expect("placed");
+    core.remove("writing", true, now).expect("forced");
+    assert_eq!(
+        kind(core.put_end(WRITER, "writing", writing.put, now)),
+        StoreErrorKind::PutRemoved
+    );
+    // Every replica on a suspected segment: not found for readers, so a writer may put it
+    // again (on a live segment) instead of being told it exists.
+    put(&mut core, "cached", 4096, &on("s0"), now);
+    core.disconnected(ClientId(100), now);
+    assert_eq!(kind(core.get("cached", now)), StoreErrorKind::NotFound);
+    put(&mut core, "cached", 4096, &on("s1"), now);
+    assert_eq!(core.get("cached", now).expect("refilled").replicas.len(), 1);
+    // Lost past the grace, the member is told its segment is no longer the store's.
+    core.tick(now + GRACE);
+    let actions: Vec<MasterAction> = std::iter::from_fn(|| core.next_action()).collect();
+    assert!(
+        actions
+            .iter()
+            .any(|a| matches!(a, MasterAction::Unmounted { owner, .. } if *owner == ClientId(100))),
+        "{actions:?}"
+    );
+}

@@ -190,6 +190,11 @@ impl Segments {
         self.iter().filter(|(_, segment)| segment.takes_writes())
     }
 
+    /// Whether new replicas may go to `id`.
+    pub(crate) fn writable_id(&self, id: SegmentId) -> bool {
+        self.by_id.get(&id).is_some_and(Segment::takes_writes)
+    }
+
     /// Whether readers may be pointed at `id`: mounted, and its owner not suspected.
     pub(crate) fn readable(&self, id: SegmentId) -> bool {
         self.by_id
@@ -213,11 +218,13 @@ impl Segments {
             })
     }
 
-    /// Checks that `size` bytes × `config.replica_num` can ever be placed.
+    /// Checks that `size` bytes × `config.replica_num` can ever be placed (on segments not
+    /// owned at an address in `avoid`).
     pub(crate) fn check_placeable(
         &self,
         size: u64,
         config: &ReplicaConfig,
+        avoid: &[String],
     ) -> Result<(), StoreErrorKind> {
         if size == 0 {
             return Err(StoreErrorKind::EmptyValue);
@@ -244,6 +251,7 @@ impl Segments {
         let holding = self
             .writable()
             .filter(|(_, s)| s.space.capacity() >= size)
+            .filter(|(_, s)| !avoid.contains(&s.spec.handshake_addr))
             .count();
         if config.replica_num > holding {
             return Err(StoreErrorKind::TooManyReplicas {
@@ -280,6 +288,10 @@ impl Segments {
         for &id in &preferred {
             if placed.len() == config.replica_num {
                 break;
+            }
+            // Named twice, it still holds one replica.
+            if placed.iter().any(|(used, _)| *used == id) {
+                continue;
             }
             let segment = self.by_id.get_mut(&id)?;
             if let Some(extent) = segment.space.allocate(size) {
