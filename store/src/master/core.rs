@@ -13,9 +13,8 @@ use std::time::{Duration, Instant};
 
 use crate::config::{MasterPolicy, ReplicaConfig};
 use crate::error::{StoreError, StoreErrorKind, check_key};
-use crate::master::members::Member;
 use crate::master::objects::{Object, PutId, Replica, Version, Write};
-use crate::master::segments::{ClientId, SegmentId, SegmentSpec, Segments};
+use crate::master::segments::{ClientId, Member, SegmentId, SegmentSpec, Segments};
 use crate::master::space::Extent;
 use crate::time::after;
 

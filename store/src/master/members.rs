@@ -14,15 +14,7 @@ use std::time::Instant;
 use crate::error::StoreErrorKind;
 use crate::master::core::{MasterAction, MasterCore};
 use crate::master::objects::Replica;
-use crate::master::segments::{ClientId, SegmentId};
-
-/// What the master knows of a member's liveness.
-pub(crate) struct Member {
-    /// When a frame from it last arrived.
-    pub(crate) last_heard: Instant,
-    /// When it went silent or lost its connection (none while alive).
-    pub(crate) suspected_since: Option<Instant>,
-}
+use crate::master::segments::{ClientId, Member, SegmentId};
 
 impl MasterCore {
     /// A frame from `client` arrived: a suspected member is alive again, with its data.

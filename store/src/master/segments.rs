@@ -21,6 +21,14 @@ pub struct SegmentId(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ClientId(pub u64);
 
+/// What the master knows of a member's liveness (see `members.rs`).
+pub(crate) struct Member {
+    /// When a frame from it last arrived.
+    pub(crate) last_heard: Instant,
+    /// When it went silent or lost its connection (none while alive).
+    pub(crate) suspected_since: Option<Instant>,
+}
+
 /// Memory a process contributes: registered with its engine, readable and writable by every
 /// member through it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
