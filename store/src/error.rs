@@ -107,6 +107,10 @@ pub enum StoreErrorKind {
     /// abandoned.
     #[error("the object was removed by force while being written")]
     PutRemoved,
+    /// The write was placed by an earlier master, which failed over before put-end: write
+    /// it again.
+    #[error("the write was placed by an earlier master (it failed over); write it again")]
+    MasterChanged,
     /// The write was started by another client.
     #[error("the write belongs to another client")]
     NotWriter,
@@ -167,6 +171,7 @@ impl StoreErrorKind {
             | Self::InvalidArgument { .. } => -600, // INVALID_PARAMS
             Self::NotWriter => -601,                          // ILLEGAL_CLIENT
             Self::PutRemoved => -700,                         // INVALID_WRITE
+            Self::MasterChanged => -900,                      // RPC_FAIL
             Self::NotReady => -703,                           // REPLICA_IS_NOT_READY
             Self::NotFound | Self::PutNotPending => -704,     // OBJECT_NOT_FOUND
             Self::AlreadyExists => -705,                      // OBJECT_ALREADY_EXISTS

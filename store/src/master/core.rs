@@ -8,12 +8,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::config::{MasterPolicy, ReplicaConfig};
 use crate::error::{StoreError, StoreErrorKind, check_key};
-use crate::master::objects::{Object, PutId, Replica, Version, Write};
+use crate::master::objects::{Dirty, Object, PutId, Replica, Version, Write};
 use crate::master::segments::{ClientId, Member, SegmentId, SegmentSpec, Segments};
 use crate::master::space::Extent;
 use crate::time::after;
@@ -170,10 +170,14 @@ pub struct MasterStats {
     pub counters: MasterCounters,
 }
 
-/// Space of an abandoned write, freed once the segment's owner has fenced the writer.
+/// Space of an abandoned write, freed once the segment's owner has fenced the writer — or,
+/// after a failover, a segment's guard against a writer of an earlier term (no extents; the
+/// segment takes no replica until every such fence is done).
 pub(super) struct PendingFence {
     pub(super) segment: SegmentId,
     pub(super) extents: Vec<Extent>,
+    /// The earlier term's writer this fence guards against.
+    pub(super) writer: Option<ClientId>,
 }
 
 /// The master's state machine. See the module docs.
@@ -182,9 +186,9 @@ pub struct MasterCore {
     pub(super) segments: Segments,
     pub(super) objects: HashMap<String, Object>,
     next_put: u64,
-    next_fence: u64,
+    pub(super) next_fence: u64,
     /// Logical time of reads and completed writes, for least-recently-used eviction.
-    clock: u64,
+    pub(super) clock: u64,
     pub(super) fences: HashMap<FenceId, PendingFence>,
     /// Replicas no reader can be pointed at any more but one may still be reading, freed
     /// when the lease they were handed out under ends.
@@ -198,6 +202,15 @@ pub struct MasterCore {
     /// Why writes the master let go of ended (answered to a late put-end or put-revoke),
     /// kept until then.
     ended: HashMap<PutId, (Instant, StoreErrorKind)>,
+    /// The leader's term (0: a master with no journal). Put ids start at `term << 32`, so
+    /// a write placed by an earlier master is never taken for one of this term's.
+    pub(super) term: u64,
+    /// What changed since the journal last took it (`None`: no journal).
+    pub(super) dirty: Option<Dirty>,
+    /// Clients that started writes this term (written down once each).
+    writers: HashSet<ClientId>,
+    /// Writers of earlier terms: their term and the fences against them still awaited.
+    pub(super) old_writers: HashMap<ClientId, (u64, u32)>,
 }
 
 impl MasterCore {
@@ -217,6 +230,55 @@ impl MasterCore {
             load_decayed: None,
             members: HashMap::new(),
             ended: HashMap::new(),
+            term: 0,
+            dirty: None,
+            writers: HashSet::new(),
+            old_writers: HashMap::new(),
+        }
+    }
+
+    /// Records that `key`'s complete version changed (for the journal).
+    pub(super) fn touched(&mut self, key: &str) {
+        if let Some(dirty) = self.dirty.as_mut() {
+            dirty.objects.insert(key.to_owned());
+        }
+    }
+
+    /// Records that `segment` was mounted or went (for the journal).
+    pub(super) fn touched_segment(&mut self, segment: SegmentId) {
+        if let Some(dirty) = self.dirty.as_mut() {
+            dirty.segments.insert(segment);
+        }
+    }
+
+    /// Drops the fences awaited on `segment` (it is gone): a guard against an earlier
+    /// term's writer no longer waits on it.
+    pub(super) fn drop_fences_of(&mut self, segment: SegmentId) {
+        let gone: Vec<FenceId> = self
+            .fences
+            .iter()
+            .filter(|(_, pending)| pending.segment == segment)
+            .map(|(&fence, _)| fence)
+            .collect();
+        for fence in gone {
+            if let Some(PendingFence {
+                writer: Some(writer),
+                ..
+            }) = self.fences.remove(&fence)
+            {
+                self.fenced_writer(writer);
+            }
+        }
+    }
+
+    /// One more fence against an earlier term's `writer` is done (or no longer needed).
+    fn fenced_writer(&mut self, writer: ClientId) {
+        let Some((_, pending)) = self.old_writers.get_mut(&writer) else {
+            return;
+        };
+        *pending = pending.saturating_sub(1);
+        if *pending == 0 {
+            self.forget_writer(writer);
         }
     }
 
@@ -256,6 +318,7 @@ impl MasterCore {
         };
         self.replace_members(owner, &addr, &name);
         self.track_member(owner, now);
+        self.touched_segment(mounted);
         Ok(mounted)
     }
 
@@ -292,6 +355,7 @@ impl MasterCore {
             .map(|(key, _)| key.clone())
             .collect();
         for key in affected {
+            self.touched(&key);
             if let Some(object) = self.objects.get_mut(&key)
                 && let Some(write) = object
                     .write
@@ -411,8 +475,13 @@ impl MasterCore {
                 }
             }
         };
-        let put = PutId(self.next_put);
+        let put = PutId((self.term << 32) | self.next_put);
         self.next_put += 1;
+        if self.writers.insert(client)
+            && let Some(dirty) = self.dirty.as_mut()
+        {
+            dirty.writers.push(client);
+        }
         let replicas: Vec<Replica> = placed
             .into_iter()
             .map(|(segment, extent)| Replica { segment, extent })
@@ -475,6 +544,7 @@ impl MasterCore {
         object.soft_pin_until = write.soft_pin.map(|pin| after(now, pin));
         object.hard_pin = write.hard_pin;
         self.counters.puts_completed += 1;
+        self.touched(key);
         self.free_retired(now);
         Ok(())
     }
@@ -510,6 +580,7 @@ impl MasterCore {
         // A write the master let go of says why; one it never knew is not pending.
         let not_pending = match self.ended.get(&put) {
             Some((_, why)) => why.clone(),
+            None if put.0 >> 32 != self.term => StoreErrorKind::MasterChanged,
             None => StoreErrorKind::PutNotPending,
         };
         let Some(object) = self.objects.get_mut(key) else {
@@ -618,6 +689,7 @@ impl MasterCore {
             }
         }
         let mut object = self.objects.remove(key).expect("found above");
+        self.touched(key);
         if let Some(write) = object.write.take() {
             self.end_write(write, StoreErrorKind::PutRemoved);
         }
@@ -674,6 +746,12 @@ impl MasterCore {
             for extent in pending.extents {
                 self.segments.free(pending.segment, extent);
             }
+            if let Some(writer) = pending.writer {
+                if let Some(segment) = self.segments.get_mut(pending.segment) {
+                    segment.fences_awaited = segment.fences_awaited.saturating_sub(1);
+                }
+                self.fenced_writer(writer);
+            }
         }
     }
 
@@ -715,7 +793,8 @@ impl MasterCore {
         for segment in finished {
             self.retired
                 .retain(|(_, replica)| replica.segment != segment);
-            self.fences.retain(|_, pending| pending.segment != segment);
+            self.drop_fences_of(segment);
+            self.touched_segment(segment);
             if let Some(gone) = self.segments.remove(segment) {
                 if self.segments.owned_by(gone.owner).is_empty() {
                     self.members.remove(&gone.owner);
@@ -785,7 +864,14 @@ impl MasterCore {
             };
             let fence = FenceId(self.next_fence);
             self.next_fence += 1;
-            self.fences.insert(fence, PendingFence { segment, extents });
+            self.fences.insert(
+                fence,
+                PendingFence {
+                    segment,
+                    extents,
+                    writer: None,
+                },
+            );
             self.actions.push_back(MasterAction::Fence {
                 fence,
                 segment,

@@ -48,6 +48,7 @@ impl MasterCore {
                 continue;
             };
             freed += version.size;
+            self.touched(&key);
             self.counters.evictions += 1;
             self.counters.evicted_bytes += version.size;
             for replica in version.replicas {

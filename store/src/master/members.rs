@@ -136,7 +136,8 @@ impl MasterCore {
         let Some(lost) = self.segments.remove(segment) else {
             return;
         };
-        self.fences.retain(|_, pending| pending.segment != segment);
+        self.touched_segment(segment);
+        self.drop_fences_of(segment);
         self.retired
             .retain(|(_, replica)| replica.segment != segment);
         let on = |replicas: &[Replica]| replicas.iter().any(|r| r.segment == segment);
@@ -153,6 +154,7 @@ impl MasterCore {
             .map(|(key, _)| key.clone())
             .collect();
         for key in affected {
+            self.touched(&key);
             let Some(object) = self.objects.get_mut(&key) else {
                 continue;
             };

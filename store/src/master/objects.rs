@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use std::collections::HashSet;
 use std::time::Instant;
 
 use crate::master::segments::{ClientId, SegmentId};
@@ -64,4 +65,17 @@ impl Object {
     pub(crate) fn evictable(&self, now: Instant) -> bool {
         self.complete.is_some() && self.write.is_none() && !self.hard_pin && !self.leased(now)
     }
+}
+
+/// What changed since the journal last took it (see `journal.rs`).
+#[derive(Default)]
+pub(crate) struct Dirty {
+    /// Keys whose complete version changed (or went).
+    pub(crate) objects: HashSet<String>,
+    /// Segments mounted or gone.
+    pub(crate) segments: HashSet<SegmentId>,
+    /// Clients that started their first write of this term.
+    pub(crate) writers: Vec<ClientId>,
+    /// Writers of earlier terms fenced everywhere, with their term.
+    pub(crate) forgotten: Vec<(ClientId, u64)>,
 }

@@ -57,12 +57,15 @@ pub(crate) struct Segment {
     pub(crate) suspected_since: Option<Instant>,
     /// Reads pointed at it lately (halved every lease period).
     pub(crate) recent_reads: u64,
+    /// Fences against an earlier term's writers still awaited: until none, it takes no
+    /// replica (see `journal.rs`).
+    pub(crate) fences_awaited: u32,
 }
 
 impl Segment {
     /// Whether new replicas may go here.
     fn takes_writes(&self) -> bool {
-        self.draining_until.is_none() && self.suspected_since.is_none()
+        self.draining_until.is_none() && self.suspected_since.is_none() && self.fences_awaited == 0
     }
 
     fn free_bytes(&self) -> u64 {
@@ -151,9 +154,40 @@ impl Segments {
                 draining_until: None,
                 suspected_since: None,
                 recent_reads: 0,
+                fences_awaited: 0,
             },
         );
         Ok(id)
+    }
+
+    /// Mounts a segment written down by an earlier master under its old `id`, suspected
+    /// since `now` until its owner is heard, with each of `extents` (offset, bytes; by
+    /// offset) reserved exactly where it was — `None` for one that cannot be (it overlaps
+    /// the one before, or lies outside the segment).
+    pub(crate) fn restore(
+        &mut self,
+        id: SegmentId,
+        owner: ClientId,
+        spec: SegmentSpec,
+        extents: &[(u64, u64)],
+        now: Instant,
+    ) -> Vec<Option<Extent>> {
+        let (space, taken) = Space::restore(spec.size, extents);
+        self.next = self.next.max(id.0 + 1);
+        self.by_name.insert(spec.name.clone(), id);
+        self.by_id.insert(
+            id,
+            Segment {
+                space,
+                spec,
+                owner,
+                draining_until: None,
+                suspected_since: Some(now),
+                recent_reads: 0,
+                fences_awaited: 0,
+            },
+        );
+        taken
     }
 
     /// Forgets `id` (its extents die with it).

@@ -44,6 +44,58 @@ impl Space {
         }
     }
 
+    /// The space of a segment of `capacity` bytes with each of `extents` (offset, bytes;
+    /// sorted by offset) reserved exactly where it was: `None` for one that overlaps the one
+    /// before it or cannot be placed there. A fresh allocator hands out its one free region
+    /// front to back, so reserving each gap and each extent in turn puts every extent at its
+    /// old offset (checked); the gaps are then freed.
+    pub(crate) fn restore(capacity: u64, extents: &[(u64, u64)]) -> (Self, Vec<Option<Extent>>) {
+        let mut space = Self::new(capacity);
+        let mut taken = Vec::with_capacity(extents.len());
+        let mut gaps = Vec::new();
+        let mut end = 0u64;
+        for &(offset, len) in extents {
+            let fits = offset % GRANULE == 0
+                && offset >= end
+                && len > 0
+                && offset
+                    .checked_add(len)
+                    .is_some_and(|last| last <= space.capacity);
+            if !fits {
+                taken.push(None);
+                continue;
+            }
+            if offset > end {
+                match space.allocate(offset - end) {
+                    Some(gap) if gap.offset == end => gaps.push(gap),
+                    other => {
+                        // The allocator did not hand out the front: nothing more can be placed
+                        // exactly (what it handed out is freed below).
+                        gaps.extend(other);
+                        taken.push(None);
+                        break;
+                    }
+                }
+            }
+            match space.allocate(len) {
+                Some(extent) if extent.offset == offset => {
+                    end = offset + extent.reserved;
+                    taken.push(Some(extent));
+                }
+                other => {
+                    gaps.extend(other);
+                    taken.push(None);
+                    break;
+                }
+            }
+        }
+        taken.resize_with(extents.len(), || None);
+        for gap in gaps {
+            space.free(gap);
+        }
+        (space, taken)
+    }
+
     /// Reserves `len` bytes (more than 0), or `None` when no free region is large enough.
     pub(crate) fn allocate(&mut self, len: u64) -> Option<Extent> {
         let granules = u32::try_from(len.div_ceil(GRANULE)).ok()?;

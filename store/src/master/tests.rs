@@ -781,3 +781,6 @@ fn no_space_leaks_after_100k_random_operations() {
 
 #[path = "members_tests.rs"]
 mod members;
+
+#[path = "journal_tests.rs"]
+mod journal;

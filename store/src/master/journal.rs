@@ -1,0 +1,302 @@
+//! What the master writes down so another master can take over: segments and complete
+//! objects as records, the writers of each term (whose zombie writes a new term fences
+//! before it places anything), and rebuilding a core from those records.
+//!
+//! The core only tracks what changed ([`MasterCore::take_journal`]); where the records go
+//! (etcd, for `railyard master --etcd`) and when a reply may leave (after they are there) is
+//! the server's business. A master with no journal pays nothing for it.
+
+use serde::{Deserialize, Serialize};
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use crate::config::MasterPolicy;
+use crate::master::core::{FenceId, MasterAction, MasterCore, PendingFence};
+use crate::master::objects::{Dirty, Object, Replica, Version};
+use crate::master::segments::{ClientId, Member, SegmentId, SegmentSpec};
+
+/// A mounted segment, as written down.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentRecord {
+    /// The member that contributed it (its engine incarnation).
+    pub owner: ClientId,
+    /// What it is.
+    pub spec: SegmentSpec,
+}
+
+/// One replica of a complete object, as written down.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaRecord {
+    /// Its segment.
+    pub segment: SegmentId,
+    /// Offset of its first byte in the segment.
+    pub offset: u64,
+}
+
+/// A complete object, as written down.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectRecord {
+    /// The value's size.
+    pub size: u64,
+    /// Where its replicas are.
+    pub replicas: Vec<ReplicaRecord>,
+    /// Never evicted.
+    pub hard_pin: bool,
+}
+
+/// One change to write down. `None` records are deletions.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JournalEntry {
+    /// A segment mounted (or gone).
+    Segment {
+        /// Its id (ids are never reused).
+        id: SegmentId,
+        /// What it is now.
+        record: Option<SegmentRecord>,
+    },
+    /// A complete object (or gone).
+    Object {
+        /// Its key.
+        key: String,
+        /// What it is now.
+        record: Option<ObjectRecord>,
+    },
+    /// `client` started writes in `term`: a later term fences it before placing anything.
+    Writer {
+        /// The writer.
+        client: ClientId,
+        /// The term it wrote in.
+        term: u64,
+    },
+    /// `client`'s writes of `term` are fenced on every segment: nobody needs to fence it
+    /// again (unless it wrote in a later term, whose record stays).
+    ForgetWriter {
+        /// The writer.
+        client: ClientId,
+        /// The term it wrote in.
+        term: u64,
+    },
+}
+
+/// Everything written down, as another master reads it back.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Mounted segments by id.
+    pub segments: Vec<(SegmentId, SegmentRecord)>,
+    /// Complete objects by key.
+    pub objects: Vec<(String, ObjectRecord)>,
+    /// Writers of earlier terms, with the last term each wrote in.
+    pub writers: Vec<(ClientId, u64)>,
+}
+
+/// What a rebuild could not take back.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RebuildReport {
+    /// Segments rebuilt (suspected until their owner is heard).
+    pub segments: usize,
+    /// Objects rebuilt.
+    pub objects: usize,
+    /// Replicas dropped: their segment was not written down, or their space overlapped
+    /// another's or could not be reserved exactly.
+    pub replicas_dropped: usize,
+    /// Objects dropped with no replica left.
+    pub objects_dropped: usize,
+    /// Fences asked of segment owners against earlier terms' writers.
+    pub fences: usize,
+}
+
+impl MasterCore {
+    /// Starts tracking changes for [`Self::take_journal`] (a master with a journal).
+    pub fn enable_journal(&mut self) {
+        self.dirty.get_or_insert_with(Dirty::default);
+    }
+
+    /// What changed since the last call, as records to write down (nothing without
+    /// [`Self::enable_journal`]).
+    pub fn take_journal(&mut self) -> Vec<JournalEntry> {
+        let Some(dirty) = self.dirty.as_mut().map(std::mem::take) else {
+            return Vec::new();
+        };
+        let mut entries = Vec::new();
+        let mut segments: Vec<SegmentId> = dirty.segments.into_iter().collect();
+        segments.sort();
+        for id in segments {
+            let record = self.segments.get(id).map(|segment| SegmentRecord {
+                owner: segment.owner,
+                spec: segment.spec.clone(),
+            });
+            entries.push(JournalEntry::Segment { id, record });
+        }
+        let mut keys: Vec<String> = dirty.objects.into_iter().collect();
+        keys.sort();
+        for key in keys {
+            let record = self
+                .objects
+                .get(&key)
+                .and_then(|object| Some((object, object.complete.as_ref()?)))
+                .map(|(object, version)| ObjectRecord {
+                    size: version.size,
+                    replicas: version
+                        .replicas
+                        .iter()
+                        .map(|replica| ReplicaRecord {
+                            segment: replica.segment,
+                            offset: replica.extent.offset,
+                        })
+                        .collect(),
+                    hard_pin: object.hard_pin,
+                });
+            entries.push(JournalEntry::Object { key, record });
+        }
+        for client in dirty.writers {
+            entries.push(JournalEntry::Writer {
+                client,
+                term: self.term,
+            });
+        }
+        for (client, term) in dirty.forgotten {
+            entries.push(JournalEntry::ForgetWriter { client, term });
+        }
+        entries
+    }
+
+    /// A core for term `term` from what earlier terms wrote down, its journal on.
+    ///
+    /// Every segment comes back suspected (no placement, no read) until its owner — the
+    /// same incarnation — is heard, and gone after the grace like any suspected member's.
+    /// Each replica's exact space is reserved again; a replica that cannot be (its segment
+    /// was not written down, or its space overlaps another's) is dropped. No segment takes
+    /// a replica until its owner has fenced every writer of an earlier term
+    /// ([`MasterAction::Fence`]): a write placed by an earlier master lands nowhere it
+    /// could hurt.
+    pub fn rebuild(
+        policy: MasterPolicy,
+        snapshot: Snapshot,
+        term: u64,
+        now: Instant,
+    ) -> (Self, RebuildReport) {
+        let mut core = Self::new(policy);
+        core.term = term;
+        core.enable_journal();
+        let mut report = RebuildReport::default();
+        // Each segment's replicas, in order of offset.
+        let mut wanted: HashMap<SegmentId, Vec<(u64, u64)>> = HashMap::new();
+        for (_, record) in &snapshot.objects {
+            for replica in &record.replicas {
+                wanted
+                    .entry(replica.segment)
+                    .or_default()
+                    .push((replica.offset, record.size));
+            }
+        }
+        let mut reserved: HashMap<(SegmentId, u64), crate::master::space::Extent> = HashMap::new();
+        for (id, record) in snapshot.segments {
+            let mut extents = wanted.remove(&id).unwrap_or_default();
+            extents.sort_unstable();
+            let owner = record.owner;
+            let taken = core.segments.restore(id, owner, record.spec, &extents, now);
+            for ((offset, _), extent) in extents.into_iter().zip(taken) {
+                if let Some(extent) = extent {
+                    reserved.insert((id, offset), extent);
+                }
+            }
+            core.members.entry(owner).or_insert(Member {
+                last_heard: now,
+                suspected_since: Some(now),
+            });
+            report.segments += 1;
+        }
+        for (key, record) in snapshot.objects {
+            let replicas: Vec<Replica> = record
+                .replicas
+                .iter()
+                .filter_map(|replica| {
+                    let extent = reserved.remove(&(replica.segment, replica.offset));
+                    if extent.is_none() {
+                        report.replicas_dropped += 1;
+                    }
+                    Some(Replica {
+                        segment: replica.segment,
+                        extent: extent?,
+                    })
+                })
+                .collect();
+            if replicas.is_empty() {
+                report.objects_dropped += 1;
+                core.touched(&key);
+                continue;
+            }
+            if replicas.len() < record.replicas.len() {
+                core.touched(&key);
+            }
+            core.clock += 1;
+            core.objects.insert(
+                key,
+                Object {
+                    complete: Some(Version {
+                        size: record.size,
+                        replicas,
+                    }),
+                    write: None,
+                    lease_until: None,
+                    last_used: core.clock,
+                    soft_pin_until: None,
+                    hard_pin: record.hard_pin,
+                },
+            );
+            report.objects += 1;
+        }
+        let segments: Vec<(SegmentId, ClientId)> = core
+            .segments
+            .iter()
+            .map(|(id, segment)| (id, segment.owner))
+            .collect();
+        for (client, written_in) in snapshot.writers {
+            if written_in >= term {
+                continue;
+            }
+            let mut pending = 0u32;
+            for &(segment, owner) in &segments {
+                if owner == client {
+                    continue;
+                }
+                let fence = FenceId(core.next_fence);
+                core.next_fence += 1;
+                core.fences.insert(
+                    fence,
+                    PendingFence {
+                        segment,
+                        extents: Vec::new(),
+                        writer: Some(client),
+                    },
+                );
+                if let Some(segment) = core.segments.get_mut(segment) {
+                    segment.fences_awaited += 1;
+                }
+                core.push_action(MasterAction::Fence {
+                    fence,
+                    segment,
+                    owner,
+                    writer: client,
+                });
+                pending += 1;
+            }
+            report.fences += pending as usize;
+            core.old_writers.insert(client, (written_in, pending));
+            if pending == 0 {
+                core.forget_writer(client);
+            }
+        }
+        (core, report)
+    }
+
+    /// A writer of an earlier term is fenced on every segment: its record may go.
+    pub(super) fn forget_writer(&mut self, client: ClientId) {
+        if let Some((term, _)) = self.old_writers.remove(&client)
+            && let Some(dirty) = self.dirty.as_mut()
+        {
+            dirty.forgotten.push((client, term));
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! The journal on virtual time: what one master writes down, another rebuilds — the same
+//! objects at the same addresses, its segments suspected until their owners speak, and no
+//! placement on a segment until earlier terms' writers are fenced there.
+
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::master::space::Space;
+
+/// etcd, as far as the journal is concerned: the last record of each kind of key.
+#[derive(Default)]
+struct Written {
+    segments: BTreeMap<SegmentId, SegmentRecord>,
+    objects: BTreeMap<String, ObjectRecord>,
+    writers: BTreeMap<ClientId, u64>,
+}
+
+impl Written {
+    fn apply(&mut self, entries: Vec<JournalEntry>) {
+        for entry in entries {
+            match entry {
+                JournalEntry::Segment {
+                    id,
+                    record: Some(r),
+                } => {
+                    self.segments.insert(id, r);
+                }
+                JournalEntry::Segment { id, record: None } => {
+                    self.segments.remove(&id);
+                }
+                JournalEntry::Object {
+                    key,
+                    record: Some(r),
+                } => {
+                    self.objects.insert(key, r);
+                }
+                JournalEntry::Object { key, record: None } => {
+                    self.objects.remove(&key);
+                }
+                JournalEntry::Writer { client, term } => {
+                    self.writers.insert(client, term);
+                }
+                JournalEntry::ForgetWriter { client, term } => {
+                    if self.writers.get(&client) == Some(&term) {
+                        self.writers.remove(&client);
+                    }
+                }
+            }
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            segments: self.segments.clone().into_iter().collect(),
+            objects: self.objects.clone().into_iter().collect(),
+            writers: self.writers.clone().into_iter().collect(),
+        }
+    }
+}
+
+fn addresses(lease: &ObjectLease) -> Vec<u64> {
+    let mut addrs: Vec<u64> = lease.replicas.iter().map(|r| r.addr).collect();
+    addrs.sort_unstable();
+    addrs
+}
+
+#[test]
+fn a_new_master_rebuilds_what_the_old_one_wrote_down_and_fences_its_writers_first() {
+    let now = Instant::now();
+    let mut old = MasterCore::new(MasterPolicy::default());
+    old.enable_journal();
+    let s0 = old
+        .mount_segment(ClientId(100), spec("s0", "a", 1 << 40, 64 * MIB), now)
+        .expect("mounts");
+    let s1 = old
+        .mount_segment(ClientId(101), spec("s1", "b", 1 << 40, 64 * MIB), now)
+        .expect("mounts");
+    let mut written = Written::default();
+    let two = one(2);
+    for i in 0..20 {
+        put(&mut old, &format!("k{i}"), 4096 + i * 1000, &two, now);
+    }
+    put(&mut old, "single", 100, &one(1), now);
+    old.remove("k3", false, now).expect("removed");
+    let pinned = ReplicaConfig {
+        hard_pin: true,
+        ..one(1)
+    };
+    put(&mut old, "pinned", 100, &pinned, now);
+    // A write in flight when the old master dies: never half-visible.
+    let in_flight = old
+        .put_start(WRITER, "in-flight", 4096, &two, now)
+        .expect("placed");
+    written.apply(old.take_journal());
+    assert_eq!(written.segments.len(), 2);
+    assert_eq!(
+        written.objects.len(),
+        21,
+        "k3 is gone, in-flight is not there yet"
+    );
+    assert_eq!(written.writers.keys().collect::<Vec<_>>(), [&WRITER]);
+    let before: Vec<(String, Vec<u64>)> = written
+        .objects
+        .keys()
+        .map(|key| {
+            (
+                key.clone(),
+                addresses(&old.get(key, now).expect("readable")),
+            )
+        })
+        .collect();
+
+    let (mut new, report) =
+        MasterCore::rebuild(MasterPolicy::default(), written.snapshot(), 2, now);
+    assert_eq!(
+        report,
+        RebuildReport {
+            segments: 2,
+            objects: 21,
+            replicas_dropped: 0,
+            objects_dropped: 0,
+            fences: 2,
+        }
+    );
+    // Suspected until their owners speak: nothing read, nothing placed.
+    assert_eq!(kind(new.get("k0", now)), StoreErrorKind::NotFound);
+    new.heard(ClientId(100), now);
+    new.heard(ClientId(101), now);
+    for (key, addrs) in &before {
+        assert_eq!(
+            &addresses(&new.get(key, now).expect("rebuilt")),
+            addrs,
+            "{key}"
+        );
+    }
+    assert_eq!(new.exists("k3"), Ok(false));
+    assert_eq!(new.exists("in-flight"), Ok(false));
+    assert_eq!(
+        kind(new.put_end(WRITER, "in-flight", in_flight.put, now)),
+        StoreErrorKind::MasterChanged
+    );
+    // No segment takes a replica until the earlier term's writer is fenced on it.
+    assert!(matches!(
+        kind(new.put_start(ClientId(8), "fresh", 4096, &one(1), now)),
+        StoreErrorKind::TooManyReplicas { .. }
+    ));
+    let fences: Vec<(FenceId, SegmentId, ClientId)> = std::iter::from_fn(|| new.next_action())
+        .filter_map(|action| match action {
+            MasterAction::Fence {
+                fence,
+                segment,
+                writer,
+                ..
+            } => Some((fence, segment, writer)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(fences.len(), 2);
+    assert!(fences.iter().all(|(_, _, writer)| *writer == WRITER));
+    new.fenced(fences[0].0);
+    let ticket = new
+        .put_start(ClientId(8), "fresh", 4096, &one(1), now)
+        .expect("the fenced segment takes it");
+    assert_eq!(ticket.replicas[0].segment, fences[0].1);
+    assert_eq!(ticket.put.0 >> 32, 2, "put ids carry the term");
+    new.fenced(fences[1].0);
+    // Fenced everywhere: the old writer's record may go; the new writer's is written.
+    written.apply(new.take_journal());
+    assert_eq!(written.writers.keys().collect::<Vec<_>>(), [&ClientId(8)]);
+    // New writes never land on rebuilt replicas' space.
+    let rebuilt: Vec<(SegmentId, u64, u64)> = before
+        .iter()
+        .flat_map(|(key, _)| {
+            let lease = new.get(key, now).expect("rebuilt");
+            lease
+                .replicas
+                .into_iter()
+                .map(move |r| (r.segment, r.addr, lease.size))
+        })
+        .collect();
+    for i in 0..200 {
+        let key = format!("new-{i}");
+        let ticket = new
+            .put_start(ClientId(8), &key, 8192, &two, now)
+            .expect("placed");
+        for replica in &ticket.replicas {
+            let clash = rebuilt.iter().find(|(segment, addr, size)| {
+                *segment == replica.segment
+                    && replica.addr < addr + size
+                    && *addr < replica.addr + 8192
+            });
+            assert!(
+                clash.is_none(),
+                "{key} overlaps the rebuilt replica {clash:?}"
+            );
+        }
+        new.put_end(ClientId(8), &key, ticket.put, now)
+            .expect("put-end");
+    }
+    assert!(s0 < s1, "ids kept their order");
+}
+
+#[test]
+fn restored_space_puts_each_extent_where_it_was_and_refuses_overlaps() {
+    let (mut space, taken) = Space::restore(
+        1 << 20,
+        &[
+            (0, 100),
+            (4096, 5000),
+            (4096 + 64, 10),
+            (65536, 4096),
+            (1 << 20, 64),
+        ],
+    );
+    let offsets: Vec<Option<u64>> = taken.iter().map(|e| e.as_ref().map(|e| e.offset)).collect();
+    assert_eq!(offsets, [Some(0), Some(4096), None, Some(65536), None]);
+    // The gaps are free again, the extents are not.
+    let fresh = space.allocate(4096).expect("room");
+    for extent in taken.iter().flatten() {
+        assert!(fresh.offset + 4096 <= extent.offset || extent.offset + 4096 <= fresh.offset);
+    }
+    space.free(fresh);
+    for extent in taken.into_iter().flatten() {
+        space.free(extent);
+    }
+    assert!(space.is_empty());
+}
