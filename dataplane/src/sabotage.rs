@@ -17,16 +17,24 @@ pub enum Protection {
     /// incarnation that answered there before (an address treated as an identity), so that
     /// incarnation's endpoints carry on into the newcomer.
     IncarnationCheck,
+    /// The store's read fail-over: a read whose first replica fails is not tried on the
+    /// next one.
+    StoreReadFailover,
+    /// The store master's leader fencing: its journal is written whatever the term, and a
+    /// leader whose lease lapsed goes on serving.
+    StoreLeaderFencing,
 }
 
 #[cfg(feature = "sabotage")]
 impl Protection {
     /// Every protection a switch can turn off.
-    pub const ALL: [Self; 4] = [
+    pub const ALL: [Self; 6] = [
         Self::EpochCheck,
         Self::IdempotentReplies,
         Self::Liveness,
         Self::IncarnationCheck,
+        Self::StoreReadFailover,
+        Self::StoreLeaderFencing,
     ];
 
     /// Its name in [`ENV`].
@@ -36,6 +44,8 @@ impl Protection {
             Self::IdempotentReplies => "idempotent-replies",
             Self::Liveness => "liveness",
             Self::IncarnationCheck => "incarnation-check",
+            Self::StoreReadFailover => "store-read-failover",
+            Self::StoreLeaderFencing => "store-leader-fencing",
         }
     }
 }
@@ -43,7 +53,8 @@ impl Protection {
 #[cfg(feature = "sabotage")]
 /// The environment variable that carries the switched-off protections (comma-separated
 /// names) to the processes a sabotaged test starts: a sabotage build reads it with
-/// [`turn_off_from_env`] (`railyard serve` does), any other build ignores it.
+/// [`turn_off_from_env`] (`railyard serve`, `railyard master` and `railyard store` do), any
+/// other build ignores it.
 pub const ENV: &str = "RAILYARD_SABOTAGE";
 
 /// The protections switched off in this process, as [`ENV`] carries them.
@@ -74,7 +85,8 @@ mod switches {
 
     use crate::sabotage::Protection;
 
-    static OFF: [AtomicBool; 4] = [const { AtomicBool::new(false) }; 4];
+    static OFF: [AtomicBool; Protection::ALL.len()] =
+        [const { AtomicBool::new(false) }; Protection::ALL.len()];
 
     fn switch(protection: Protection) -> &'static AtomicBool {
         &OFF[protection as usize]

@@ -44,6 +44,15 @@ pub(crate) struct MasterArgs {
     /// line then ends with `metrics ADDR`).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<SocketAddr>,
+    /// Lead through etcd (`etcd://HOST:PORT[?ttl=SECONDS&prefix=…]`; the ttl is the leader's
+    /// lease, 3 s unless given): run two or more masters with the same URL; one leads, the
+    /// others wait and take over when its lease lapses, rebuilding from the journal every
+    /// change is written to. A leader that loses its lease exits.
+    #[arg(long, value_name = "URL")]
+    etcd: Option<String>,
+    /// The address clients are told to connect to (default: where it listens).
+    #[arg(long, value_name = "HOST:PORT", requires = "etcd")]
+    advertise: Option<String>,
     #[command(flatten)]
     secret: SecretArgs,
     /// Exit when standard input closes (how tests and scripts stop it).
@@ -52,6 +61,8 @@ pub(crate) struct MasterArgs {
 }
 
 pub(crate) fn run(args: &MasterArgs) -> anyhow::Result<()> {
+    #[cfg(feature = "sabotage")]
+    railyard::dataplane::sabotage::turn_off_from_env();
     for (name, value) in [
         ("--eviction-high-watermark", args.eviction_high_watermark),
         ("--eviction-ratio", args.eviction_ratio),
@@ -87,6 +98,8 @@ pub(crate) fn run(args: &MasterArgs) -> anyhow::Result<()> {
         },
         secret,
         name: railyard::engine::default_name("master"),
+        election: args.etcd.clone(),
+        advertise: args.advertise.clone(),
     })
     .with_context(|| format!("listening on {}", args.listen))?;
     let metrics = args
@@ -105,15 +118,29 @@ pub(crate) fn run(args: &MasterArgs) -> anyhow::Result<()> {
     }
     out.flush()?;
     drop(out);
-    if args.until_stdin_closes {
-        let mut stdin = std::io::stdin().lock();
-        let mut line = Vec::new();
-        while matches!(stdin.read_until(b'\n', &mut line), Ok(read) if read > 0) {
-            line.clear();
-        }
-        return Ok(());
-    }
+    let (closed, stdin_closed) = std::sync::mpsc::channel::<()>();
+    // Without --until-stdin-closes the sender stays here: the master runs until killed or
+    // until it loses its term.
+    let _runs_until_killed = if args.until_stdin_closes {
+        std::thread::spawn(move || {
+            let mut stdin = std::io::stdin().lock();
+            let mut line = Vec::new();
+            while matches!(stdin.read_until(b'\n', &mut line), Ok(read) if read > 0) {
+                line.clear();
+            }
+            let _ = closed.send(());
+        });
+        None
+    } else {
+        Some(closed)
+    };
     loop {
-        std::thread::park();
+        match stdin_closed.recv_timeout(Duration::from_millis(100)) {
+            Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if let Some(reason) = server.lost() {
+            bail!("this master no longer leads: {reason}");
+        }
     }
 }

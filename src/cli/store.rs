@@ -149,6 +149,8 @@ impl ClientArgs {
 }
 
 pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
+    #[cfg(feature = "sabotage")]
+    railyard::dataplane::sabotage::turn_off_from_env();
     match &args.command {
         StoreCommand::Serve(args) => serve(args),
         StoreCommand::Bench(args) => super::store_bench::run(args),

@@ -28,6 +28,8 @@
 //!     policy: MasterPolicy::default(),
 //!     secret: None,
 //!     name: "master".into(),
+//!     election: None,
+//!     advertise: None,
 //! })?;
 //! let engine = |name: &str| {
 //!     Engine::builder(name).rails(RailChoice::Count(NonZeroUsize::MIN)).build()
@@ -55,8 +57,13 @@
 //! processes that mounted it.
 
 pub mod client;
+// Writes a leader's journal: only an etcd build elects leaders.
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+mod committer;
 pub mod config;
 pub mod error;
+#[cfg(feature = "etcd")]
+pub mod failover;
 mod handshake;
 pub mod master;
 mod metrics;

@@ -113,6 +113,9 @@ pub enum Request {
         /// The fence.
         fence: FenceId,
     },
+    /// The client attached to a new master with none of its writes (placed by an earlier
+    /// one) in flight: no owner needs to fence it.
+    Quiesced,
     /// Nothing: the client is alive (sent every [`KEEPALIVE`], the master's only sign of
     /// life from an idle member).
     Ping,
@@ -122,6 +125,10 @@ pub enum Request {
 /// the master's default silence bound, as the control plane's keepalives are of its
 /// liveness timeout.
 pub const KEEPALIVE: Duration = Duration::from_millis(250);
+
+/// How long a client hears nothing from its master (every ping is answered) before it
+/// takes it for stopped and attaches again: the control plane's liveness timeout.
+pub const MASTER_SILENCE: Duration = Duration::from_millis(1500);
 
 impl Request {
     /// Its name in metrics (`put_start`, `get`, …).
@@ -141,6 +148,7 @@ impl Request {
             Self::Stats => "stats",
             Self::Fenced { .. } => "fenced",
             Self::Ping => "ping",
+            Self::Quiesced => "quiesced",
         }
     }
 }

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use railyard_engine::control::{ClusterSecret, HostId, Incarnation};
 
+use crate::committer::{Committer, JournalSink};
 use crate::config::MasterPolicy;
 use crate::handshake::{self, Identity};
 use crate::master::{ClientId, MasterAction, MasterCore, MasterStats};
@@ -27,6 +28,11 @@ const TICK: Duration = Duration::from_millis(20);
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a write to one client may block before its connection is given up.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest a request waits for its changes to be written down.
+const JOURNAL_WAIT: Duration = Duration::from_secs(5);
+/// How often an elected master checks it still leads.
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+const LEADERSHIP_CHECK: Duration = Duration::from_millis(20);
 /// How often blocked reads look up to see whether the master is stopping.
 const STOP_CHECK: Duration = Duration::from_millis(100);
 
@@ -41,6 +47,12 @@ pub struct MasterConfig {
     pub secret: Option<ClusterSecret>,
     /// The master's name in its Hello.
     pub name: String,
+    /// Lead through etcd (an `etcd://` URL; feature `etcd`): wait as a standby while
+    /// another master leads, rebuild from the journal when elected, and answer a change
+    /// only once it is written down under this master's term. `None`: a lone master.
+    pub election: Option<String>,
+    /// The address the leader writes down for clients (default: where it listens).
+    pub advertise: Option<String>,
 }
 
 /// A running master. Dropping it stops it (its threads end within a fraction of a second).
@@ -49,6 +61,8 @@ pub struct MasterServer {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
     metrics: Mutex<Option<MetricsServer>>,
+    /// Its place in the election (dropped last: a leader steps down when it stops).
+    election: Option<Election>,
 }
 
 /// A connection's sending half, shared by its reader (replies) and the ticker (events).
@@ -65,6 +79,12 @@ struct Shared {
     addr: SocketAddr,
     stop: AtomicBool,
     latencies: Latencies,
+    /// Whether it serves: a standby refuses every connection until it leads.
+    serving: AtomicBool,
+    /// Where a leader's changes are written down (none for a lone master).
+    committer: Option<Arc<Committer>>,
+    /// Why it stopped serving for good (a leader that lost its term).
+    lost: Mutex<Option<String>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -72,13 +92,27 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl MasterServer {
-    /// Binds `config.listen` and starts serving.
+    /// Binds `config.listen` and starts serving (with an election: once elected).
+    ///
+    /// # Errors
+    /// The address cannot be bound, or the election cannot start (a bad etcd URL, or a
+    /// build without the `etcd` feature).
     pub fn start(config: MasterConfig) -> io::Result<Self> {
         let listener = TcpListener::bind(config.listen)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
+        let election = match &config.election {
+            Some(url) => Some(Election::start(
+                url,
+                config.advertise.clone().unwrap_or_else(|| addr.to_string()),
+            )?),
+            None => None,
+        };
+        let committer = election
+            .as_ref()
+            .map(|election| Arc::new(Committer::new(election.sink())));
         let shared = Arc::new(Shared {
-            core: Mutex::new(MasterCore::new(config.policy)),
+            core: Mutex::new(MasterCore::new(config.policy.clone())),
             clients: Mutex::new(HashMap::new()),
             undelivered: Mutex::new(HashMap::new()),
             identity: Identity {
@@ -90,6 +124,9 @@ impl MasterServer {
             addr,
             stop: AtomicBool::new(false),
             latencies: Latencies::new(),
+            serving: AtomicBool::new(election.is_none()),
+            committer,
+            lost: Mutex::new(None),
         });
         let acceptor = {
             let shared = Arc::clone(&shared);
@@ -104,21 +141,47 @@ impl MasterServer {
                 .spawn(move || {
                     while !shared.stop.load(Ordering::Relaxed) {
                         thread::sleep(TICK);
+                        if !shared.serving.load(Ordering::Relaxed) {
+                            continue;
+                        }
                         let actions = {
                             let mut core = lock(&shared.core);
                             core.tick(Instant::now());
+                            // Written down in order; nobody waits for what a tick changed.
+                            let entries = core.take_journal();
+                            if let Some(committer) = &shared.committer
+                                && !entries.is_empty()
+                            {
+                                committer.enqueue(entries);
+                            }
                             drain_actions(&mut core)
                         };
                         deliver(&shared, actions);
                     }
                 })?
         };
+        let mut threads = vec![acceptor, ticker];
+        if let Some(election) = &election {
+            threads.extend(election.run(&shared, config.policy)?);
+        }
         Ok(Self {
             addr,
             shared,
-            threads: vec![acceptor, ticker],
+            threads,
             metrics: Mutex::new(None),
+            election,
         })
+    }
+
+    /// Whether it serves (a standby does not, until elected).
+    pub fn is_serving(&self) -> bool {
+        self.shared.serving.load(Ordering::Relaxed)
+    }
+
+    /// Why it stopped serving for good, if it did: a leader that lost its term (its lease
+    /// lapsed, or etcd refused its journal) serves nothing more — run a new master.
+    pub fn lost(&self) -> Option<String> {
+        lock(&self.shared.lost).clone()
     }
 
     /// Where it listens.
@@ -152,10 +215,14 @@ impl MasterServer {
 impl Drop for MasterServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(committer) = &self.shared.committer {
+            committer.stop();
+        }
         lock(&self.metrics).take();
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
+        self.election.take();
     }
 }
 
@@ -163,6 +230,9 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     let mut connections: Vec<JoinHandle<()>> = Vec::new();
     while !shared.stop.load(Ordering::Relaxed) {
         match listener.accept() {
+            // A standby (or a leader that lost its term) serves nobody: the client finds
+            // the leader in etcd.
+            Ok(_) if !shared.serving.load(Ordering::Relaxed) => {}
             Ok((stream, _)) => {
                 let shared = Arc::clone(shared);
                 let spawned = thread::Builder::new()
@@ -369,9 +439,28 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<Ma
             None => Reply::Done(Ok(())),
         },
         Request::Ping => Reply::Done(Ok(())),
+        Request::Quiesced => {
+            core.quiesced(client);
+            Reply::Done(Ok(()))
+        }
     };
     let actions = drain_actions(&mut core);
+    let entries = core.take_journal();
+    let written = match &shared.committer {
+        Some(committer) if !entries.is_empty() => Some(committer.enqueue(entries)),
+        _ => None,
+    };
     drop(core);
+    // A change answers only once it is written down: a master that takes over knows it.
+    let reply = match (written, &shared.committer) {
+        (Some(seq), Some(committer)) => match committer.wait(seq, now + JOURNAL_WAIT) {
+            Ok(()) => reply,
+            Err(reason) => Reply::Refused(format!(
+                "this master could not write the change down ({reason}); find the leader again"
+            )),
+        },
+        _ => reply,
+    };
     shared.latencies.observe(kind, now.elapsed());
     (reply, actions)
 }
@@ -429,6 +518,128 @@ fn deliver_to(shared: &Shared, client: ClientId, events: Vec<ToClient>) {
             .entry(client)
             .or_default()
             .push(event);
+    }
+}
+
+/// A master's place in an etcd election (see `failover.rs`).
+#[cfg(feature = "etcd")]
+struct Election(Arc<crate::failover::Leadership>);
+
+#[cfg(feature = "etcd")]
+impl JournalSink for crate::failover::Leadership {
+    fn commit(&self, entries: Vec<crate::master::JournalEntry>) -> Result<(), String> {
+        crate::failover::Leadership::commit(self, entries)
+    }
+}
+
+#[cfg(feature = "etcd")]
+impl Election {
+    fn start(url: &str, advertise: String) -> io::Result<Self> {
+        let etcd = crate::failover::StoreEtcd::from_url(url).map_err(io::Error::other)?;
+        let leadership =
+            crate::failover::Leadership::start(etcd, advertise).map_err(io::Error::other)?;
+        Ok(Self(Arc::new(leadership)))
+    }
+
+    fn sink(&self) -> Arc<dyn JournalSink> {
+        Arc::clone(&self.0) as Arc<dyn JournalSink>
+    }
+
+    /// The threads of a master that leads through etcd: one writes the journal down, one
+    /// waits to be elected, rebuilds the core from the journal and starts serving, then
+    /// stops everything once the term is lost.
+    fn run(&self, shared: &Arc<Shared>, policy: MasterPolicy) -> io::Result<Vec<JoinHandle<()>>> {
+        use crate::failover::Standing;
+        let committer = {
+            let committer = shared.committer.clone();
+            thread::Builder::new()
+                .name("store-journal".into())
+                .spawn(move || {
+                    if let Some(committer) = committer {
+                        committer.run();
+                    }
+                })?
+        };
+        let leadership = Arc::clone(&self.0);
+        let shared = Arc::clone(shared);
+        let watcher = thread::Builder::new()
+            .name("store-leadership-watch".into())
+            .spawn(move || {
+                let term = loop {
+                    if shared.stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    match leadership.standing() {
+                        Standing::Leading(term) => break term,
+                        Standing::Lost => return lose(&shared, "it could not campaign".into()),
+                        Standing::Standby => thread::sleep(LEADERSHIP_CHECK),
+                    }
+                };
+                let snapshot = match leadership.load() {
+                    Ok(snapshot) => snapshot,
+                    Err(reason) => return lose(&shared, format!("reading the journal: {reason}")),
+                };
+                let (core, report) = MasterCore::rebuild(policy, snapshot, term, Instant::now());
+                tracing::info!(
+                    term,
+                    segments = report.segments,
+                    objects = report.objects,
+                    replicas_dropped = report.replicas_dropped,
+                    objects_dropped = report.objects_dropped,
+                    fences = report.fences,
+                    "store master: elected; rebuilt from the journal"
+                );
+                let actions = {
+                    let mut locked = lock(&shared.core);
+                    *locked = core;
+                    drain_actions(&mut locked)
+                };
+                deliver(&shared, actions);
+                shared.serving.store(true, Ordering::Relaxed);
+                while !shared.stop.load(Ordering::Relaxed) {
+                    if let Some(reason) = shared.committer.as_ref().and_then(|c| c.failed()) {
+                        return lose(&shared, reason);
+                    }
+                    if leadership.standing() != Standing::Leading(term) {
+                        return lose(&shared, format!("the lease of term {term} lapsed"));
+                    }
+                    thread::sleep(LEADERSHIP_CHECK);
+                }
+            })?;
+        Ok(vec![committer, watcher])
+    }
+}
+
+/// Without the `etcd` feature there is no election to take part in: none exists.
+#[cfg(not(feature = "etcd"))]
+enum Election {}
+
+#[cfg(not(feature = "etcd"))]
+impl Election {
+    fn start(_url: &str, _advertise: String) -> io::Result<Self> {
+        Err(io::Error::other(
+            "this railyard was built without the etcd feature: no election",
+        ))
+    }
+
+    fn sink(&self) -> Arc<dyn JournalSink> {
+        match *self {}
+    }
+
+    fn run(&self, _shared: &Arc<Shared>, _policy: MasterPolicy) -> io::Result<Vec<JoinHandle<()>>> {
+        match *self {}
+    }
+}
+
+/// Stops serving for good: the term is lost.
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+fn lose(shared: &Shared, reason: String) {
+    tracing::error!(%reason, "store master: no longer leading; serving nothing more");
+    shared.serving.store(false, Ordering::Relaxed);
+    *lock(&shared.lost) = Some(reason);
+    shared.stop.store(true, Ordering::Relaxed);
+    if let Some(committer) = &shared.committer {
+        committer.stop();
     }
 }
 

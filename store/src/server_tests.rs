@@ -37,6 +37,8 @@ fn master(policy: MasterPolicy, secret: Option<ClusterSecret>) -> MasterServer {
         policy,
         secret,
         name: "master".into(),
+        election: None,
+        advertise: None,
     })
     .expect("the master starts")
 }

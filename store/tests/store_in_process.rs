@@ -1,20 +1,29 @@
 //! The store end to end inside one process: a master, two engines that mount segments and
 //! a third that only reads and writes, all on the soft fabric — every client call, batches
-//! with good and bad keys, values checked byte for byte.
+//! with good and bad keys, values checked byte for byte — and a read whose first replica
+//! went bad served by the next (caught failing with the fail-over switched off).
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use railyard_engine::dataplane::IdleStrategy;
-use railyard_engine::{Engine, RailChoice};
+use railyard_engine::{Engine, FabricChoice, RailChoice};
 use railyard_store::{
     LocalRange, MasterConfig, MasterPolicy, MasterServer, ReplicaConfig, Store, StoreErrorKind,
     StoreOptions,
 };
 
+/// The tests take turns: one of them switches a protection off for the whole process.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn engine(name: &str) -> Engine {
     Engine::builder(name)
+        .fabric(FabricChoice::Soft)
         .rails(RailChoice::Count(NonZeroUsize::new(1).expect("one")))
         .idle(IdleStrategy::gentle())
         .build()
@@ -27,6 +36,8 @@ fn master() -> MasterServer {
         policy: MasterPolicy::default(),
         secret: None,
         name: "master".into(),
+        election: None,
+        advertise: None,
     })
     .expect("the master starts")
 }
@@ -56,6 +67,7 @@ fn value_of(key: &str, len: usize) -> Vec<u8> {
 
 #[test]
 fn objects_written_by_one_client_are_read_back_byte_for_byte_by_another() {
+    let _turn = one_at_a_time();
     let master = master();
     let segment_a = engine("segment-a");
     let segment_b = engine("segment-b");
@@ -172,4 +184,73 @@ fn objects_written_by_one_client_are_read_back_byte_for_byte_by_another() {
     assert!(c.remove_all(true).expect("remove_all") >= 4);
     assert!(c.keys().expect("keys").is_empty());
     assert_eq!(master.stats().objects, 0);
+}
+
+/// Reads eight keys replicated on two segments, `a`'s replica first, once `a`'s engine no
+/// longer has its segment's memory registered (so every read there fails, and `a` itself
+/// stays alive); returns how many reads failed.
+fn reads_after_the_first_replica_goes_bad() -> usize {
+    let master = master();
+    let segment_a = engine("segment-a");
+    let segment_b = engine("segment-b");
+    let client = engine("client");
+    let a = Store::connect(&segment_a, options(&master)).expect("connects");
+    let b = Store::connect(&segment_b, options(&master)).expect("connects");
+    let c = Store::connect(&client, options(&master)).expect("connects");
+    const SEGMENT: u64 = 16 << 20;
+    let ids = [
+        a.mount(SEGMENT).expect("mounts"),
+        b.mount(SEGMENT).expect("mounts"),
+    ];
+    let stats = c.master_stats().expect("stats");
+    let name = |id| {
+        stats
+            .segments
+            .iter()
+            .find(|s| s.segment == id)
+            .expect("mounted")
+            .name
+            .clone()
+    };
+    let first_a = ReplicaConfig {
+        replica_num: 2,
+        preferred_segments: vec![name(ids[0]), name(ids[1])],
+        ..ReplicaConfig::default()
+    };
+    let keys: Vec<String> = (0..8).map(|i| format!("k{i}")).collect();
+    for key in &keys {
+        c.put(key, &value_of(key, 4096), &first_a).expect("put");
+        let replicas = c.replica_descriptors(key).expect("replicas");
+        assert_eq!(replicas[0].segment, ids[0], "{key}: a's replica first");
+    }
+    let segment = segment_a
+        .regions()
+        .into_iter()
+        .find(|region| region.len == SEGMENT)
+        .expect("a's segment is registered");
+    segment_a.deregister(segment).expect("deregistered");
+    keys.iter()
+        .filter(|key| match c.get(key) {
+            Ok(value) => {
+                assert_eq!(value, value_of(key, 4096), "{key}");
+                false
+            }
+            Err(_) => true,
+        })
+        .count()
+}
+
+#[test]
+fn a_read_whose_first_replica_fails_is_served_by_the_next() {
+    let _turn = one_at_a_time();
+    assert_eq!(reads_after_the_first_replica_goes_bad(), 0);
+}
+
+#[cfg(feature = "sabotage")]
+#[test]
+fn without_read_failover_a_failed_first_replica_fails_the_read() {
+    use railyard_engine::dataplane::sabotage::{Protection, turn_off};
+    let _turn = one_at_a_time();
+    let _off = turn_off(Protection::StoreReadFailover);
+    assert!(reads_after_the_first_replica_goes_bad() > 0);
 }

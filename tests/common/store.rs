@@ -26,8 +26,14 @@ pub struct Process {
 
 impl Process {
     pub fn start(args: &[&str]) -> Self {
+        Self::start_with_env(args, &[])
+    }
+
+    /// [`Self::start`] with `env` set for the child.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
             .env_remove("RAILYARD_SECRET_FILE")
+            .envs(env.iter().copied())
             .args(args)
             .arg("--until-stdin-closes")
             .stdin(Stdio::piped())

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use railyard_engine::control::ClusterSecret;
 
@@ -17,7 +17,8 @@ use crate::error::StoreErrorKind;
 use crate::handshake::{self, Identity};
 use crate::master::ClientId;
 use crate::protocol::{
-    KEEPALIVE, PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster, read_frame, write_frame,
+    KEEPALIVE, MASTER_SILENCE, PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster, read_frame,
+    write_frame,
 };
 
 type Waiting = Arc<Mutex<HashMap<u64, Sender<Reply>>>>;
@@ -39,6 +40,11 @@ pub(crate) struct MasterLink {
     next_id: Arc<AtomicU64>,
     reader: Option<JoinHandle<()>>,
     keepalive: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
+    /// Set when the connection is gone (its reader ended): the store attaches again.
+    closed: Arc<AtomicBool>,
+    /// When a frame last arrived, in milliseconds after `opened`.
+    heard: Arc<AtomicU64>,
+    opened: Instant,
     /// What the master knows this client as.
     pub(crate) client: ClientId,
     /// The master's address.
@@ -59,11 +65,15 @@ impl MasterLink {
             .map_err(|error| unreachable(format!("{master}: {error}")))?
             .next()
             .ok_or_else(|| unreachable(format!("{master}: no address")))?;
-        let mut stream = TcpStream::connect_timeout(&addr, timeout)
+        // A live master answers the handshake and Open at once; one that does not within
+        // its silence bound is stopped (its kernel still accepts), and the caller looks for
+        // the leader again instead of waiting out its whole timeout.
+        let opening = timeout.min(MASTER_SILENCE);
+        let mut stream = TcpStream::connect_timeout(&addr, opening)
             .map_err(|error| unreachable(format!("{addr}: {error}")))?;
         let _ = stream.set_nodelay(true);
         stream
-            .set_read_timeout(Some(timeout))
+            .set_read_timeout(Some(opening))
             .map_err(|error| unreachable(error.to_string()))?;
         handshake::dial(&mut stream, addr, me, secret)
             .map_err(|reason| unreachable(format!("{addr}: {reason}")))?;
@@ -78,12 +88,19 @@ impl MasterLink {
             .try_clone()
             .map_err(|error| unreachable(error.to_string()))?;
         let waiting: Waiting = Arc::default();
+        let closed = Arc::new(AtomicBool::new(false));
+        let heard = Arc::new(AtomicU64::new(0));
+        let opened = Instant::now();
         let reader = {
             let waiting = Arc::clone(&waiting);
+            let closed = Arc::clone(&closed);
+            let heard = Arc::clone(&heard);
             thread::Builder::new()
                 .name("store-link".into())
                 .spawn(move || {
                     while let Ok(frame) = read_frame::<ToClient>(&mut reader_stream) {
+                        let since = u64::try_from(opened.elapsed().as_millis()).unwrap_or(u64::MAX);
+                        heard.store(since, Ordering::Relaxed);
                         match frame {
                             ToClient::Reply { id, reply } => {
                                 if let Some(caller) = lock(&waiting).remove(&id) {
@@ -96,6 +113,7 @@ impl MasterLink {
                         }
                     }
                     // The master is gone: every caller still waiting hears so.
+                    closed.store(true, Ordering::Relaxed);
                     lock(&waiting).clear();
                 })
                 .map_err(|error| unreachable(error.to_string()))?
@@ -107,6 +125,9 @@ impl MasterLink {
             next_id: Arc::new(AtomicU64::new(0)),
             reader: Some(reader),
             keepalive: None,
+            closed,
+            heard,
+            opened,
             client: ClientId(me.incarnation.0),
             addr,
         };
@@ -114,7 +135,7 @@ impl MasterLink {
             Request::Open {
                 version: PROTOCOL_VERSION,
             },
-            timeout,
+            opening,
         )? {
             Reply::Opened { client, .. } => link.client = client,
             Reply::Refused(reason) => return Err(unreachable(format!("{addr}: {reason}"))),
@@ -158,6 +179,22 @@ impl MasterLink {
         Ok(())
     }
 
+    /// Whether the connection is gone.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    /// How long nothing arrived from the master (it answers every ping).
+    pub(crate) fn silent_for(&self) -> Duration {
+        let heard = Duration::from_millis(self.heard.load(Ordering::Relaxed));
+        self.opened.elapsed().saturating_sub(heard)
+    }
+
+    /// Gives the connection up: every caller waiting hears it is lost.
+    pub(crate) fn close(&self) {
+        let _ = lock(&self.writer).shutdown(Shutdown::Both);
+    }
+
     /// Sends `request` and waits at most `timeout` for its reply.
     pub(crate) fn call(
         &self,
@@ -167,6 +204,12 @@ impl MasterLink {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (sender, receiver) = mpsc::channel();
         lock(&self.waiting).insert(id, sender);
+        // The reader marks the link closed before it lets go of the callers waiting: one
+        // that came in after that would wait for nothing.
+        if self.is_closed() {
+            lock(&self.waiting).remove(&id);
+            return Err(unreachable(format!("{}: connection lost", self.addr)));
+        }
         let written = {
             let mut stream = lock(&self.writer);
             let written = write_frame(&mut *stream, &ToMaster { id, request });

@@ -6,12 +6,13 @@
 //! Batches answer one result per key: a failure of one key never fails another.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::mpsc::{self, Receiver};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use railyard_engine::control::{ClusterSecret, HostId, Incarnation};
+use railyard_engine::dataplane::sabotage::{self, Protection};
 use railyard_engine::dataplane::{Batch, FailReason, RequestOutcome};
 use railyard_engine::{Engine, EngineSubmitter, Op, Peer, Region, Transfer};
 
@@ -24,7 +25,7 @@ use crate::master::{
     ClientId, GRANULE, MAX_SEGMENT_BYTES, MasterStats, PutId, PutTicket, ReplicaDescriptor,
     SegmentId, SegmentSpec,
 };
-use crate::protocol::{PutItem, Reply, Request, ToClient, WireLease};
+use crate::protocol::{KEEPALIVE, MASTER_SILENCE, PutItem, Reply, Request, ToClient, WireLease};
 use crate::time::after;
 
 /// How a [`Store`] reaches its master and bounds its calls.
@@ -88,7 +89,15 @@ pub struct Store {
 
 struct Inner {
     engine: Engine,
-    link: MasterLink,
+    /// The connection to the master (replaced when it fails: see [`Inner::attach_again`]).
+    link: RwLock<Arc<MasterLink>>,
+    /// Where every link sends the master's events.
+    events: Sender<ToClient>,
+    /// Held while attaching again, so that one thread does it.
+    attaching: Mutex<()>,
+    /// Writes whose transfers may be in flight (see [`WritesInFlight`]).
+    writes: (Mutex<usize>, Condvar),
+    me: Identity,
     options: StoreOptions,
     host: String,
     staging: Staging,
@@ -134,14 +143,7 @@ impl Store {
             host: HostId::this_process(),
         };
         let (events_tx, events_rx) = mpsc::channel();
-        let link = MasterLink::connect(
-            &options.master,
-            &me,
-            options.secret.as_ref(),
-            options.timeout,
-            events_tx,
-        )
-        .map_err(fail)?;
+        let link = connect_link(&options, &me, events_tx.clone()).map_err(fail)?;
         let staging = Staging::new(engine, options.staging).map_err(|error| {
             fail(StoreErrorKind::TransferFailed {
                 detail: format!("the bounce buffer: {error}"),
@@ -154,7 +156,11 @@ impl Store {
         });
         let inner = Arc::new(Inner {
             engine: engine.clone(),
-            link,
+            link: RwLock::new(Arc::new(link)),
+            events: events_tx,
+            attaching: Mutex::new(()),
+            writes: (Mutex::new(0), Condvar::new()),
+            me,
             options,
             host,
             staging,
@@ -164,8 +170,8 @@ impl Store {
             unmounted: (Mutex::new(HashSet::new()), Condvar::new()),
             next_segment: Mutex::new(0),
         });
-        // It ends by itself when the link's reader does (the link goes with the last
-        // `Arc`): it holds only a weak reference.
+        // Both end by themselves once the store goes: they hold only weak references (the
+        // events channel closes with the last sender, which the store holds).
         let weak = Arc::downgrade(&inner);
         thread::Builder::new()
             .name("store-events".into())
@@ -175,12 +181,21 @@ impl Store {
                     detail: format!("no thread for the master's events: {error}"),
                 })
             })?;
+        let weak = Arc::downgrade(&inner);
+        thread::Builder::new()
+            .name("store-attach".into())
+            .spawn(move || keep_attached(&weak))
+            .map_err(|error| {
+                fail(StoreErrorKind::TransferFailed {
+                    detail: format!("no thread to watch the master's connection: {error}"),
+                })
+            })?;
         Ok(Self { inner })
     }
 
     /// What the master knows this process as.
     pub fn client_id(&self) -> ClientId {
-        self.inner.link.client
+        self.inner.link().client
     }
 
     /// The host this process says it is on.
@@ -422,6 +437,7 @@ impl Store {
             .remove(0)
             .map_err(|error| (error, false))?;
         let expires = submit_by(sent, &ticket);
+        let writing = self.inner.writing();
         let mut written = 0u64;
         let mut outcome: Result<(), MoveFailure> = Ok(());
         let mut sources = parts.iter().flat_map(|part| part.iter().copied());
@@ -463,6 +479,8 @@ impl Store {
             };
             written += len;
         }
+        // Every transfer resolved: ending it may attach again, which waits for none of it.
+        drop(writing);
         self.finish(vec![(key.to_owned(), ticket.put, outcome)])
             .remove(0)
     }
@@ -582,11 +600,13 @@ impl Store {
             .iter()
             .map(|(_, ticket)| submit_by(sent, ticket))
             .min();
+        let writing = self.inner.writing();
         let outcomes = if expires.is_none_or(|expires| Instant::now() < expires) {
             self.move_bytes(borrowed, started.len(), deadline)
         } else {
             vec![Err(MoveFailure::expired()); started.len()]
         };
+        drop(writing);
         let finished = self.finish(
             started
                 .iter()
@@ -739,7 +759,10 @@ impl Store {
             };
             for ((index, _), answer) in ends.iter().zip(answers) {
                 results[*index] = Some(answer.map_err(|error| {
-                    let retryable = matches!(error.kind, StoreErrorKind::ReplicaLost { .. });
+                    let retryable = matches!(
+                        error.kind,
+                        StoreErrorKind::ReplicaLost { .. } | StoreErrorKind::MasterChanged
+                    );
                     (error, retryable)
                 }));
             }
@@ -866,13 +889,16 @@ impl Store {
         if keys.is_empty() {
             return Vec::new();
         }
-        let asked = Instant::now();
         let request = Request::Get {
             keys: keys.iter().map(|key| (*key).to_owned()).collect(),
         };
-        let leases = match self.call(request) {
-            Ok(Reply::Leases(leases)) if leases.len() == keys.len() => leases,
-            Ok(other) => return each_failed(keys.iter().copied(), &unexpected(&other)),
+        let answer = self
+            .inner
+            .call_timed(request)
+            .map_err(|kind| StoreError::new("", kind));
+        let (leases, asked) = match answer {
+            Ok((Reply::Leases(leases), asked)) if leases.len() == keys.len() => (leases, asked),
+            Ok((other, _)) => return each_failed(keys.iter().copied(), &unexpected(&other)),
             Err(error) => return each_failed(keys.iter().copied(), &error),
         };
         leases
@@ -1009,6 +1035,9 @@ impl Store {
                         all_gone[i] &= failure.holder_gone;
                         last[i] = failure.detail;
                         attempt[i] += 1;
+                        if sabotage::is_off(Protection::StoreReadFailover) {
+                            attempt[i] = lease.replicas.len();
+                        }
                         None
                     }
                 };
@@ -1096,8 +1125,7 @@ impl Store {
 
     fn call(&self, request: Request) -> Result<Reply, StoreError> {
         self.inner
-            .link
-            .call(request, self.inner.options.timeout)
+            .call(request)
             .map_err(|kind| StoreError::new("", kind))
     }
 
@@ -1349,6 +1377,152 @@ fn submit_by(sent: Instant, ticket: &PutTicket) -> Instant {
 /// How long past a call's deadline it waits for the engine to resolve its transfers.
 const RESOLVE_GRACE: Duration = Duration::from_secs(30);
 
+impl Inner {
+    /// The current connection to the master.
+    fn link(&self) -> Arc<MasterLink> {
+        Arc::clone(&self.link.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Sends `request` to the master; when the master cannot be reached (it died, lost its
+    /// term, or stopped answering), attaches again — to the leader etcd names now — and
+    /// sends it once more.
+    fn call(&self, request: Request) -> Result<Reply, StoreErrorKind> {
+        self.call_timed(request).map(|(reply, _)| reply)
+    }
+
+    /// [`Self::call`], saying when the request that was answered was sent.
+    fn call_timed(&self, request: Request) -> Result<(Reply, Instant), StoreErrorKind> {
+        let link = self.link();
+        let sent = Instant::now();
+        match link.call(request.clone(), self.options.timeout) {
+            Err(StoreErrorKind::MasterUnreachable { .. }) => {
+                self.attach_again(&link)?;
+                let sent = Instant::now();
+                Ok((self.link().call(request, self.options.timeout)?, sent))
+            }
+            answered => Ok((answered?, sent)),
+        }
+    }
+
+    /// Replaces `failed` with a new connection — to the master etcd names as leader now,
+    /// or the same address — trying for up to the call timeout. The master knows this
+    /// process by its engine's incarnation, so its segments are its own again at once.
+    fn attach_again(&self, failed: &Arc<MasterLink>) -> Result<(), StoreErrorKind> {
+        let _one = self
+            .attaching
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !Arc::ptr_eq(&self.link(), failed) {
+            return Ok(());
+        }
+        let deadline = after(Instant::now(), self.options.timeout);
+        let link = loop {
+            match connect_link(&self.options, &self.me, self.events.clone()) {
+                Ok(link) => break link,
+                Err(error) if Instant::now() >= deadline => return Err(error),
+                Err(_) => thread::sleep(ATTACH_RETRY),
+            }
+        };
+        // Writes placed by the master it left resolve first (each by its own deadline; new
+        // ones wait for this attach): then it tells the new one so, and no segment owner
+        // has to fence it.
+        let (count, changed) = &self.writes;
+        let resolved = after(Instant::now(), self.options.timeout + RESOLVE_GRACE);
+        let mut writing = count.lock().unwrap_or_else(PoisonError::into_inner);
+        while *writing > 0 && Instant::now() < resolved {
+            writing = changed
+                .wait_timeout(writing, resolved.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        if *writing == 0 {
+            let _ = link.call(Request::Quiesced, self.options.timeout);
+        }
+        drop(writing);
+        tracing::info!(master = %link.addr, "store: attached to the master again");
+        *self.link.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(link);
+        Ok(())
+    }
+
+    /// Counts a write's transfers as in flight until the guard goes.
+    fn writing(&self) -> WritesInFlight<'_> {
+        *self.writes.0.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        WritesInFlight(&self.writes)
+    }
+}
+
+/// A write whose transfers may be in flight: counted while it lives.
+struct WritesInFlight<'a>(&'a (Mutex<usize>, Condvar));
+
+impl Drop for WritesInFlight<'_> {
+    fn drop(&mut self) {
+        let (count, changed) = self.0;
+        *count.lock().unwrap_or_else(PoisonError::into_inner) -= 1;
+        changed.notify_all();
+    }
+}
+
+/// Pause between tries to attach to a master again.
+const ATTACH_RETRY: Duration = Duration::from_millis(100);
+
+/// Connects to the master `options` name: its address, or the leader an `etcd://` URL's
+/// election names now.
+fn connect_link(
+    options: &StoreOptions,
+    me: &Identity,
+    events: Sender<ToClient>,
+) -> Result<MasterLink, StoreErrorKind> {
+    let master = leader_of(&options.master)?;
+    MasterLink::connect(
+        &master,
+        me,
+        options.secret.as_ref(),
+        options.timeout,
+        events,
+    )
+}
+
+/// The master's address: `master` itself, or what etcd names as the leader for an
+/// `etcd://` URL.
+fn leader_of(master: &str) -> Result<String, StoreErrorKind> {
+    if !(master.starts_with("etcd://") || master.starts_with("etcd+tls://")) {
+        return Ok(master.to_owned());
+    }
+    let unreachable = |detail: String| StoreErrorKind::MasterUnreachable { detail };
+    #[cfg(feature = "etcd")]
+    {
+        crate::failover::StoreEtcd::from_url(master)
+            .and_then(|etcd| etcd.find_leader())
+            .map_err(unreachable)?
+            .ok_or_else(|| unreachable(format!("no master leads in {master} yet")))
+    }
+    #[cfg(not(feature = "etcd"))]
+    Err(unreachable(format!(
+        "{master}: this railyard was built without the etcd feature"
+    )))
+}
+
+/// Keeps a store attached while it has nothing to ask: once the connection is gone (the
+/// master died or lost its term) or the master fell silent (stopped: its pings go
+/// unanswered for [`MASTER_SILENCE`]), attaches again — so a member that only holds
+/// segments is heard by the new leader before its grace runs out.
+fn keep_attached(inner: &Weak<Inner>) {
+    loop {
+        thread::sleep(KEEPALIVE);
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let link = inner.link();
+        if !link.is_closed() && link.silent_for() > MASTER_SILENCE {
+            tracing::warn!(master = %link.addr, "store: the master stopped answering; finding it again");
+            link.close();
+        }
+        if link.is_closed() {
+            let _ = inner.attach_again(&link);
+        }
+    }
+}
+
 /// The master's pushed events: fence a zombie writer (revoke it on this engine, then tell
 /// the master), or note a finished unmount.
 fn handle_events(inner: &Weak<Inner>, events: &Receiver<ToClient>) {
@@ -1358,14 +1532,17 @@ fn handle_events(inner: &Weak<Inner>, events: &Receiver<ToClient>) {
         };
         match event {
             ToClient::Fence { fence, writer, .. } => {
+                tracing::info!(
+                    fence = fence.0,
+                    writer = writer.0,
+                    "store: fencing a writer the master gave up on"
+                );
                 match inner
                     .engine
                     .revoke(railyard_engine::control::Incarnation(writer.0))
                 {
                     Ok(()) => {
-                        let _ = inner
-                            .link
-                            .call(Request::Fenced { fence }, inner.options.timeout);
+                        let _ = inner.call(Request::Fenced { fence });
                     }
                     Err(error) => {
                         // The space stays reserved: better lost than written by a zombie.

@@ -166,6 +166,8 @@ pub struct MasterStats {
     pub segments: Vec<SegmentUsage>,
     /// Fences waited for.
     pub fences_pending: u64,
+    /// The leader's term (0: a master with no election).
+    pub term: u64,
     /// Counters.
     pub counters: MasterCounters,
 }
@@ -211,6 +213,8 @@ pub struct MasterCore {
     writers: HashSet<ClientId>,
     /// Writers of earlier terms: their term and the fences against them still awaited.
     pub(super) old_writers: HashMap<ClientId, (u64, u32)>,
+    /// When the owners are asked to fence earlier terms' writers that did not attach.
+    pub(super) term_fences_due: Option<Instant>,
 }
 
 impl MasterCore {
@@ -234,6 +238,7 @@ impl MasterCore {
             dirty: None,
             writers: HashSet::new(),
             old_writers: HashMap::new(),
+            term_fences_due: None,
         }
     }
 
@@ -778,6 +783,7 @@ impl MasterCore {
         }
         self.ended.retain(|_, (until, _)| *until > now);
         self.check_members(now);
+        self.announce_term_fences(now);
         self.free_retired(now);
         let since = self.load_decayed.get_or_insert(now);
         if now.saturating_duration_since(*since) >= self.policy.lease_ttl {
@@ -832,6 +838,7 @@ impl MasterCore {
                 })
                 .collect(),
             fences_pending: self.fences.len() as u64,
+            term: self.term,
             counters: self.counters.clone(),
         }
     }

@@ -15,6 +15,7 @@ use crate::config::MasterPolicy;
 use crate::master::core::{FenceId, MasterAction, MasterCore, PendingFence};
 use crate::master::objects::{Dirty, Object, Replica, Version};
 use crate::master::segments::{ClientId, Member, SegmentId, SegmentSpec};
+use crate::time::after;
 
 /// A mounted segment, as written down.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -163,13 +164,15 @@ impl MasterCore {
 
     /// A core for term `term` from what earlier terms wrote down, its journal on.
     ///
-    /// Every segment comes back suspected (no placement, no read) until its owner — the
-    /// same incarnation — is heard, and gone after the grace like any suspected member's.
+    /// Every segment comes back unconfirmed — read (the engine checks the holder is the
+    /// same incarnation), but given no replica — until its owner is heard; an owner not
+    /// heard within the grace is gone, as any suspected member.
     /// Each replica's exact space is reserved again; a replica that cannot be (its segment
     /// was not written down, or its space overlaps another's) is dropped. No segment takes
-    /// a replica until its owner has fenced every writer of an earlier term
-    /// ([`MasterAction::Fence`]): a write placed by an earlier master lands nowhere it
-    /// could hurt.
+    /// a replica until every writer of an earlier term is fenced there: by itself, attached
+    /// with no write in flight ([`Self::quiesced`]), or by the segment's owner
+    /// ([`MasterAction::Fence`], asked once the silence bound has passed) — so a write
+    /// placed by an earlier master lands nowhere it could hurt.
     pub fn rebuild(
         policy: MasterPolicy,
         snapshot: Snapshot,
@@ -195,7 +198,7 @@ impl MasterCore {
             let mut extents = wanted.remove(&id).unwrap_or_default();
             extents.sort_unstable();
             let owner = record.owner;
-            let taken = core.segments.restore(id, owner, record.spec, &extents, now);
+            let taken = core.segments.restore(id, owner, record.spec, &extents);
             for ((offset, _), extent) in extents.into_iter().zip(taken) {
                 if let Some(extent) = extent {
                     reserved.insert((id, offset), extent);
@@ -274,12 +277,6 @@ impl MasterCore {
                 if let Some(segment) = core.segments.get_mut(segment) {
                     segment.fences_awaited += 1;
                 }
-                core.push_action(MasterAction::Fence {
-                    fence,
-                    segment,
-                    owner,
-                    writer: client,
-                });
                 pending += 1;
             }
             report.fences += pending as usize;
@@ -288,7 +285,58 @@ impl MasterCore {
                 core.forget_writer(client);
             }
         }
+        // Writers that attach meanwhile fence themselves ([`Self::quiesced`]); the owners
+        // are asked to fence the others, which may be stopped with writes in flight.
+        if report.fences > 0 {
+            core.term_fences_due = Some(after(now, core.policy.member_silence));
+        }
         (core, report)
+    }
+
+    /// `client`, a writer of an earlier term, attached to this one with none of its writes
+    /// in flight any more: no owner needs to fence it.
+    pub fn quiesced(&mut self, client: ClientId) {
+        let fences: Vec<(FenceId, SegmentId)> = self
+            .fences
+            .iter()
+            .filter(|(_, pending)| pending.writer == Some(client))
+            .map(|(&fence, pending)| (fence, pending.segment))
+            .collect();
+        for (fence, segment) in fences {
+            self.fences.remove(&fence);
+            if let Some(segment) = self.segments.get_mut(segment) {
+                segment.fences_awaited = segment.fences_awaited.saturating_sub(1);
+            }
+        }
+        if self.old_writers.contains_key(&client) {
+            self.forget_writer(client);
+        }
+    }
+
+    /// Timers: once writers of earlier terms had their time to attach, the owners of the
+    /// segments are asked to fence the ones that did not.
+    pub(super) fn announce_term_fences(&mut self, now: Instant) {
+        if self.term_fences_due.is_none_or(|due| now < due) {
+            return;
+        }
+        self.term_fences_due = None;
+        let mut due: Vec<(FenceId, SegmentId, ClientId)> = self
+            .fences
+            .iter()
+            .filter_map(|(&fence, pending)| Some((fence, pending.segment, pending.writer?)))
+            .collect();
+        due.sort();
+        for (fence, segment, writer) in due {
+            let Some(owner) = self.segments.get(segment).map(|s| s.owner) else {
+                continue;
+            };
+            self.push_action(MasterAction::Fence {
+                fence,
+                segment,
+                owner,
+                writer,
+            });
+        }
     }
 
     /// A writer of an earlier term is fenced on every segment: its record may go.

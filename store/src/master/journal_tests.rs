@@ -122,8 +122,13 @@ fn a_new_master_rebuilds_what_the_old_one_wrote_down_and_fences_its_writers_firs
             fences: 2,
         }
     );
-    // Suspected until their owners speak: nothing read, nothing placed.
-    assert_eq!(kind(new.get("k0", now)), StoreErrorKind::NotFound);
+    // Unconfirmed until their owners speak: read (the engine checks who holds them), but
+    // given nothing new.
+    assert!(new.get("k0", now).is_ok());
+    assert!(matches!(
+        kind(new.put_start(ClientId(8), "early", 4096, &one(1), now)),
+        StoreErrorKind::TooManyReplicas { .. }
+    ));
     new.heard(ClientId(100), now);
     new.heard(ClientId(101), now);
     for (key, addrs) in &before {
@@ -144,6 +149,13 @@ fn a_new_master_rebuilds_what_the_old_one_wrote_down_and_fences_its_writers_firs
         kind(new.put_start(ClientId(8), "fresh", 4096, &one(1), now)),
         StoreErrorKind::TooManyReplicas { .. }
     ));
+    // The owners are asked to fence it only once it had the silence bound to attach and
+    // say it has nothing in flight.
+    assert_eq!(new.next_action(), None);
+    let later = now + MasterPolicy::default().member_silence;
+    new.tick(later);
+    new.heard(ClientId(100), later);
+    new.heard(ClientId(101), later);
     let fences: Vec<(FenceId, SegmentId, ClientId)> = std::iter::from_fn(|| new.next_action())
         .filter_map(|action| match action {
             MasterAction::Fence {
@@ -159,7 +171,7 @@ fn a_new_master_rebuilds_what_the_old_one_wrote_down_and_fences_its_writers_firs
     assert!(fences.iter().all(|(_, _, writer)| *writer == WRITER));
     new.fenced(fences[0].0);
     let ticket = new
-        .put_start(ClientId(8), "fresh", 4096, &one(1), now)
+        .put_start(ClientId(8), "fresh", 4096, &one(1), later)
         .expect("the fenced segment takes it");
     assert_eq!(ticket.replicas[0].segment, fences[0].1);
     assert_eq!(ticket.put.0 >> 32, 2, "put ids carry the term");
@@ -181,7 +193,7 @@ fn a_new_master_rebuilds_what_the_old_one_wrote_down_and_fences_its_writers_firs
     for i in 0..200 {
         let key = format!("new-{i}");
         let ticket = new
-            .put_start(ClientId(8), &key, 8192, &two, now)
+            .put_start(ClientId(8), &key, 8192, &two, later)
             .expect("placed");
         for replica in &ticket.replicas {
             let clash = rebuilt.iter().find(|(segment, addr, size)| {
@@ -224,4 +236,37 @@ fn restored_space_puts_each_extent_where_it_was_and_refuses_overlaps() {
         space.free(extent);
     }
     assert!(space.is_empty());
+}
+
+#[test]
+fn a_writer_that_attaches_with_nothing_in_flight_is_not_fenced_by_the_owners() {
+    let now = Instant::now();
+    let mut old = MasterCore::new(MasterPolicy::default());
+    old.enable_journal();
+    for (owner, name) in [(100, "s0"), (101, "s1")] {
+        old.mount_segment(ClientId(owner), spec(name, name, 1 << 40, 64 * MIB), now)
+            .expect("mounts");
+    }
+    put(&mut old, "k", 4096, &one(2), now);
+    let mut written = Written::default();
+    written.apply(old.take_journal());
+    let (mut new, report) =
+        MasterCore::rebuild(MasterPolicy::default(), written.snapshot(), 5, now);
+    assert_eq!(report.fences, 2);
+    new.heard(ClientId(100), now);
+    new.heard(ClientId(101), now);
+    new.quiesced(WRITER);
+    let later = now + MasterPolicy::default().member_silence;
+    new.heard(ClientId(100), later);
+    new.heard(ClientId(101), later);
+    new.tick(later);
+    assert_eq!(new.next_action(), None, "no owner is asked to fence it");
+    new.put_start(WRITER, "again", 4096, &one(2), later)
+        .expect("both segments take writes");
+    written.apply(new.take_journal());
+    assert_eq!(
+        written.writers.get(&WRITER),
+        Some(&5),
+        "its record names the new term"
+    );
 }

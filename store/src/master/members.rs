@@ -27,6 +27,7 @@ impl MasterCore {
             for segment in self.segments.owned_by(client) {
                 if let Some(segment) = self.segments.get_mut(segment) {
                     segment.suspected_since = None;
+                    segment.unconfirmed = false;
                 }
             }
         }

@@ -60,12 +60,18 @@ pub(crate) struct Segment {
     /// Fences against an earlier term's writers still awaited: until none, it takes no
     /// replica (see `journal.rs`).
     pub(crate) fences_awaited: u32,
+    /// Rebuilt by a new master and its owner not heard yet: readers may try it (the
+    /// engine checks the holder's incarnation), writes wait for the owner.
+    pub(crate) unconfirmed: bool,
 }
 
 impl Segment {
     /// Whether new replicas may go here.
     fn takes_writes(&self) -> bool {
-        self.draining_until.is_none() && self.suspected_since.is_none() && self.fences_awaited == 0
+        self.draining_until.is_none()
+            && self.suspected_since.is_none()
+            && self.fences_awaited == 0
+            && !self.unconfirmed
     }
 
     fn free_bytes(&self) -> u64 {
@@ -155,13 +161,14 @@ impl Segments {
                 suspected_since: None,
                 recent_reads: 0,
                 fences_awaited: 0,
+                unconfirmed: false,
             },
         );
         Ok(id)
     }
 
-    /// Mounts a segment written down by an earlier master under its old `id`, suspected
-    /// since `now` until its owner is heard, with each of `extents` (offset, bytes; by
+    /// Mounts a segment written down by an earlier master under its old `id`, unconfirmed
+    /// until its owner is heard, with each of `extents` (offset, bytes; by
     /// offset) reserved exactly where it was — `None` for one that cannot be (it overlaps
     /// the one before, or lies outside the segment).
     pub(crate) fn restore(
@@ -170,7 +177,6 @@ impl Segments {
         owner: ClientId,
         spec: SegmentSpec,
         extents: &[(u64, u64)],
-        now: Instant,
     ) -> Vec<Option<Extent>> {
         let (space, taken) = Space::restore(spec.size, extents);
         self.next = self.next.max(id.0 + 1);
@@ -182,9 +188,10 @@ impl Segments {
                 spec,
                 owner,
                 draining_until: None,
-                suspected_since: Some(now),
+                suspected_since: None,
                 recent_reads: 0,
                 fences_awaited: 0,
+                unconfirmed: true,
             },
         );
         taken
