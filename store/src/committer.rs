@@ -1,7 +1,9 @@
 //! Group commit of the master's journal: requests queue what they changed, in the order the
 //! core changed it; one thread writes everything queued in one go and wakes the requests
-//! whose changes are written down, which only then answer. A failed write fails every
-//! request waiting and every later one: the master must stop.
+//! waiting for it. A request answers only once everything queued before its answer is
+//! written down — its own changes and the ones it may have seen (space an eviction freed, an
+//! object another request completed). A failed write fails every request waiting and every
+//! later one: the master must stop.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -53,6 +55,12 @@ impl Committer {
         queue.pending.extend(entries);
         self.changed.notify_all();
         queue.queued
+    }
+
+    /// The number of the last batch queued: a reply that may depend on anything the core
+    /// did so far waits for it.
+    pub(crate) fn latest(&self) -> u64 {
+        lock(&self.queue).queued
     }
 
     /// Waits until batch `seq` is written down, at most until `deadline`.

@@ -19,14 +19,15 @@
 //! [`Leadership`] owns one thread running a single-threaded tokio runtime, the only code
 //! that talks to etcd for a master; the server asks it to campaign, load and commit.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use etcd_client::{
-    Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, TlsOptions,
-    Txn, TxnOp,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, KeyValue,
+    LeaseKeepAliveStream, LeaseKeeper, PutOptions, TlsOptions, Txn, TxnOp,
 };
 use railyard_engine::control::etcd::EtcdConfig;
 use railyard_engine::dataplane::sabotage::{self, Protection};
@@ -37,6 +38,8 @@ use crate::master::{ClientId, JournalEntry, SegmentId, Snapshot};
 /// Most operations in one transaction (etcd refuses more than `--max-txn-ops`, 128 by
 /// default).
 const TXN_OPS: usize = 100;
+/// Keys read from etcd per request while loading the journal.
+const LOAD_PAGE: i64 = 1000;
 /// Pause between a standby's campaigns.
 const CAMPAIGN_EVERY: Duration = Duration::from_millis(100);
 
@@ -110,6 +113,14 @@ impl StoreEtcd {
     /// # Errors
     /// When etcd cannot be reached.
     pub fn find_leader(&self) -> Result<Option<String>, String> {
+        // On a thread of its own: a caller inside an async runtime may not block on another.
+        let etcd = self.clone();
+        std::thread::spawn(move || etcd.read_leader())
+            .join()
+            .map_err(|_| "the thread reading the leader panicked".to_owned())?
+    }
+
+    fn read_leader(&self) -> Result<Option<String>, String> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -176,7 +187,7 @@ impl Leadership {
             let (state, stopped) = (Arc::clone(&state), Arc::clone(&stopped));
             std::thread::Builder::new()
                 .name("store-leadership".into())
-                .spawn(move || run(etcd, advertise, receiver, &state, &stopped))
+                .spawn(move || run(etcd, advertise, receiver, state, &stopped))
                 .map_err(|error| error.to_string())?
         };
         Ok(Self {
@@ -259,22 +270,22 @@ fn run(
     etcd: StoreEtcd,
     advertise: String,
     mut calls: mpsc::UnboundedReceiver<Call>,
-    state: &State,
+    state: Arc<State>,
     stopped: &AtomicBool,
 ) {
     let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     else {
-        set(state, Standing::Lost);
+        set(&state, Standing::Lost);
         return;
     };
     runtime.block_on(async {
-        match lead(&etcd, &advertise, &mut calls, state, stopped).await {
+        match lead(&etcd, &advertise, &mut calls, &state, stopped).await {
             Ok(()) => {}
             Err(reason) => {
                 tracing::error!(%reason, "store master: leadership lost; serving nothing more");
-                set(state, Standing::Lost);
+                set(&state, Standing::Lost);
             }
         }
         // Whatever is still asked is refused.
@@ -289,18 +300,19 @@ fn run(
     });
 }
 
-/// Campaigns until elected, then keeps the lease and serves calls until stopped (`Ok`) or
-/// the lease or the term is lost (`Err`).
+/// Campaigns until elected, then serves calls until stopped (`Ok`) or the lease or the
+/// term is lost (`Err`). The lease is kept by a task of its own, so that a long load or
+/// commit never holds up its renewals.
 async fn lead(
     etcd: &StoreEtcd,
     advertise: &str,
     calls: &mut mpsc::UnboundedReceiver<Call>,
-    state: &State,
+    state: &Arc<State>,
     stopped: &AtomicBool,
 ) -> Result<(), String> {
     let ttl = etcd.config.lease_ttl;
     let leader = etcd.leader();
-    let (mut client, lease, term) = loop {
+    let (mut client, lease, term, granted) = loop {
         if stopped.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -313,68 +325,42 @@ async fn lead(
             }
         }
     };
-    let (mut keeper, mut renewals) = client
+    let (keeper, renewals) = client
         .lease_keep_alive(lease)
         .await
         .map_err(|error| format!("keeping the lease: {error}"))?;
-    let margin = ttl / 4;
-    let renewed = |sent: Instant| {
-        *state
-            .valid_until
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(sent + ttl - margin);
-    };
-    renewed(Instant::now());
+    renewed(state, granted, ttl);
     set(state, Standing::Leading(term));
     tracing::info!(term, advertise, "store master: leading");
-    let mut renew = tokio::time::interval((ttl / 4).max(Duration::from_millis(100)));
-    let mut sent = Instant::now();
-    // Sabotaged, a leader that lost its lease carries on as if it had not.
-    let lapsed = |reason: String| {
-        if sabotage::is_off(Protection::StoreLeaderFencing) {
-            Ok(())
-        } else {
-            Err(reason)
-        }
-    };
-    let mut renewing = true;
+    let mut keeping = tokio::spawn(keep_lease(keeper, renewals, ttl, Arc::clone(state)));
+    let mut kept = true;
     loop {
         tokio::select! {
-            _ = renew.tick(), if renewing => {
-                sent = Instant::now();
-                if let Err(error) = keeper.keep_alive().await {
-                    lapsed(format!("renewing the lease: {error}"))?;
-                    renewing = false;
+            lapsed = &mut keeping, if kept => {
+                kept = false;
+                let reason = lapsed.unwrap_or_else(|error| format!("the lease task failed: {error}"));
+                // Sabotaged, a leader that lost its lease carries on as if it had not.
+                if !sabotage::is_off(Protection::StoreLeaderFencing) {
+                    return Err(reason);
                 }
             }
-            renewal = renewals.message(), if renewing => match renewal {
-                Ok(Some(answer)) if answer.ttl() > 0 => renewed(sent),
-                Ok(Some(_)) => {
-                    lapsed("the lease expired".into())?;
-                    renewing = false;
-                }
-                Ok(None) => {
-                    lapsed("the lease's keep-alive stream ended".into())?;
-                    renewing = false;
-                }
-                Err(error) => {
-                    lapsed(format!("renewing the lease: {error}"))?;
-                    renewing = false;
-                }
-            },
             call = calls.recv() => match call {
                 Some(Call::Load(reply)) => {
                     let _ = reply.send(load(etcd, &mut client).await);
                 }
                 Some(Call::Commit(entries, reply)) => {
                     let result = commit(etcd, &mut client, &leader, term, entries).await;
-                    let failed = result.clone().err();
-                    let _ = reply.send(result);
-                    if let Some(reason) = failed {
-                        return Err(reason);
+                    if let Err(reason) = &result {
+                        // Lost before anyone hears the commit failed.
+                        set(state, Standing::Lost);
+                        keeping.abort();
+                        let _ = reply.send(Err(reason.clone()));
+                        return Err(reason.clone());
                     }
+                    let _ = reply.send(result);
                 }
                 Some(Call::Stop) | None => {
+                    keeping.abort();
                     // Let a standby take over at once instead of after the lease.
                     let _ = client.lease_revoke(lease).await;
                     return Ok(());
@@ -384,13 +370,54 @@ async fn lead(
     }
 }
 
-/// Waits until no master leads, then tries to: `Some((client, lease, term))` once elected,
-/// `None` when stopped first.
+/// Records that the lease surely holds for three quarters of `ttl` after `sent` (when the
+/// renewal etcd answered left, or the grant was asked for).
+fn renewed(state: &State, sent: Instant, ttl: Duration) {
+    *state
+        .valid_until
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = Some(sent + ttl - ttl / 4);
+}
+
+/// Renews the lease every quarter of `ttl`, each answer crediting the renewal it answers
+/// (the oldest unanswered), until a renewal fails or the lease is gone: returns why.
+async fn keep_lease(
+    mut keeper: LeaseKeeper,
+    mut renewals: LeaseKeepAliveStream,
+    ttl: Duration,
+    state: Arc<State>,
+) -> String {
+    let mut tick = tokio::time::interval((ttl / 4).max(Duration::from_millis(100)));
+    let mut unanswered: VecDeque<Instant> = VecDeque::new();
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                unanswered.push_back(Instant::now());
+                if let Err(error) = keeper.keep_alive().await {
+                    return format!("renewing the lease: {error}");
+                }
+            }
+            renewal = renewals.message() => match renewal {
+                Ok(Some(answer)) if answer.ttl() > 0 => {
+                    if let Some(sent) = unanswered.pop_front() {
+                        renewed(&state, sent, ttl);
+                    }
+                }
+                Ok(Some(_)) => return "the lease expired".into(),
+                Ok(None) => return "the lease's keep-alive stream ended".into(),
+                Err(error) => return format!("renewing the lease: {error}"),
+            },
+        }
+    }
+}
+
+/// Waits until no master leads, then tries to: `Some((client, lease, term, when the lease
+/// was asked for))` once elected, `None` when stopped first.
 async fn campaign(
     etcd: &StoreEtcd,
     advertise: &str,
     stopped: &AtomicBool,
-) -> Result<Option<(Client, i64, u64)>, String> {
+) -> Result<Option<(Client, i64, u64, Instant)>, String> {
     let mut client = etcd.connect().await?;
     let leader = etcd.leader();
     let ttl = i64::try_from(etcd.config.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX);
@@ -406,6 +433,7 @@ async fn campaign(
             tokio::time::sleep(CAMPAIGN_EVERY).await;
             continue;
         }
+        let granted = Instant::now();
         let lease = client
             .lease_grant(ttl, None)
             .await
@@ -433,25 +461,52 @@ async fn campaign(
             .map(|header| header.revision())
             .and_then(|revision| u64::try_from(revision).ok())
             .ok_or("etcd did not say the revision of the election")?;
-        return Ok(Some((client, lease, term)));
+        return Ok(Some((client, lease, term, granted)));
     }
 }
 
 async fn load(etcd: &StoreEtcd, client: &mut Client) -> Result<Snapshot, String> {
     let mut snapshot = Snapshot::default();
     let mut skipped = 0usize;
+    let client = client.clone();
+    // Every key under `prefix`, a page at a time (one reply holds a bounded number).
     let all = |prefix: String| {
-        let client = client.clone();
+        let mut client = client.clone();
         async move {
-            let mut client = client;
-            client
-                .get(prefix, Some(GetOptions::new().with_prefix()))
-                .await
-                .map_err(|error| error.to_string())
+            let mut end = prefix.clone().into_bytes();
+            if let Some(last) = end.last_mut() {
+                *last += 1;
+            }
+            let mut from = prefix.into_bytes();
+            let mut kvs = Vec::new();
+            loop {
+                let page = client
+                    .get(
+                        from.clone(),
+                        Some(
+                            GetOptions::new()
+                                .with_range(end.clone())
+                                .with_limit(LOAD_PAGE),
+                        ),
+                    )
+                    .await
+                    .map_err(|error| error.to_string())?;
+                let more = page.more();
+                let Some(last) = page.kvs().last() else {
+                    break;
+                };
+                from = last.key().to_vec();
+                from.push(0);
+                kvs.extend(page.kvs().iter().cloned());
+                if !more {
+                    break;
+                }
+            }
+            Ok::<Vec<KeyValue>, String>(kvs)
         }
     };
     let segments = all(etcd.segments()).await?;
-    for kv in segments.kvs() {
+    for kv in &segments {
         let id = kv
             .key_str()
             .ok()
@@ -463,7 +518,7 @@ async fn load(etcd: &StoreEtcd, client: &mut Client) -> Result<Snapshot, String>
         }
     }
     let objects = all(etcd.objects()).await?;
-    for kv in objects.kvs() {
+    for kv in &objects {
         let key = kv
             .key_str()
             .ok()
@@ -474,7 +529,7 @@ async fn load(etcd: &StoreEtcd, client: &mut Client) -> Result<Snapshot, String>
         }
     }
     let writers = all(etcd.writers()).await?;
-    for kv in writers.kvs() {
+    for kv in &writers {
         let client = kv
             .key_str()
             .ok()

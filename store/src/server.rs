@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::io::{self, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, mpsc};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -325,6 +325,36 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
         stream: &stream,
         stop: &shared.stop,
     };
+    // Requests are handled in order by a worker of this connection; pings are answered
+    // here at once, so a request waiting for its journal never makes a live client look
+    // silent (nor the master look stopped to it).
+    let (requests, queue) = mpsc::channel::<ToMaster>();
+    let worker = {
+        let (shared, outbox) = (Arc::clone(shared), Arc::clone(&outbox));
+        thread::Builder::new()
+            .name("store-master-work".into())
+            .spawn(move || {
+                for frame in queue {
+                    let (reply, actions) = handle(&shared, client, frame.request);
+                    let sent = write_frame(
+                        &mut *lock(&outbox),
+                        &ToClient::Reply {
+                            id: frame.id,
+                            reply,
+                        },
+                    );
+                    deliver(&shared, actions);
+                    if sent.is_err() || shared.stop.load(Ordering::Relaxed) {
+                        let _ = lock(&outbox).shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
+                }
+            })
+    };
+    let Ok(worker) = worker else {
+        tracing::warn!(peer = ?peer, "store master: no thread for a connection's requests");
+        return;
+    };
     loop {
         let frame: ToMaster = match read_frame(&mut reader) {
             Ok(frame) => frame,
@@ -335,19 +365,24 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
                 break;
             }
         };
-        let (reply, actions) = handle(shared, client, frame.request);
-        let sent = write_frame(
-            &mut *lock(&outbox),
-            &ToClient::Reply {
+        if matches!(frame.request, Request::Ping) {
+            lock(&shared.core).heard(client, Instant::now());
+            let pong = ToClient::Reply {
                 id: frame.id,
-                reply,
-            },
-        );
-        deliver(shared, actions);
-        if sent.is_err() {
+                reply: Reply::Done(Ok(())),
+            };
+            if write_frame(&mut *lock(&outbox), &pong).is_err() {
+                break;
+            }
+        } else if requests.send(frame).is_err() {
+            break;
+        }
+        if shared.stop.load(Ordering::Relaxed) {
             break;
         }
     }
+    drop(requests);
+    let _ = worker.join();
     let mut clients = lock(&shared.clients);
     if let Some(outboxes) = clients.get_mut(&client) {
         outboxes.retain(|other| !Arc::ptr_eq(other, &outbox));
@@ -370,7 +405,15 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<Ma
     let now = Instant::now();
     let kind = request.kind();
     let mut core = lock(&shared.core);
+    // A master that lost its term answers nothing more, whatever was already read.
+    if !shared.serving.load(Ordering::Relaxed) {
+        return (
+            Reply::Refused("this master does not lead; find the leader again".into()),
+            Vec::new(),
+        );
+    }
     core.heard(client, now);
+    let pinged = matches!(request, Request::Ping);
     let reply = match request {
         Request::Open { version } if version == PROTOCOL_VERSION => Reply::Opened {
             version: PROTOCOL_VERSION,
@@ -446,17 +489,22 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<Ma
     };
     let actions = drain_actions(&mut core);
     let entries = core.take_journal();
+    // Everything queued so far, this request's changes included: what it answers may rest
+    // on any of it (space an eviction freed, an object another request completed). A ping
+    // rests on nothing.
     let written = match &shared.committer {
         Some(committer) if !entries.is_empty() => Some(committer.enqueue(entries)),
+        Some(committer) if !pinged => Some(committer.latest()),
         _ => None,
     };
     drop(core);
-    // A change answers only once it is written down: a master that takes over knows it.
+    // An answer leaves only once what it rests on is written down: a master that takes
+    // over knows it.
     let reply = match (written, &shared.committer) {
         (Some(seq), Some(committer)) => match committer.wait(seq, now + JOURNAL_WAIT) {
             Ok(()) => reply,
             Err(reason) => Reply::Refused(format!(
-                "this master could not write the change down ({reason}); find the leader again"
+                "this master could not write its changes down ({reason}); find the leader again"
             )),
         },
         _ => reply,

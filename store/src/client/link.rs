@@ -184,7 +184,8 @@ impl MasterLink {
         self.closed.load(Ordering::Relaxed)
     }
 
-    /// How long nothing arrived from the master (it answers every ping).
+    /// How long nothing arrived from the master (it answers every ping at once, even while
+    /// a request of this connection waits for its journal).
     pub(crate) fn silent_for(&self) -> Duration {
         let heard = Duration::from_millis(self.heard.load(Ordering::Relaxed));
         self.opened.elapsed().saturating_sub(heard)

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use railyard_engine::control::{ClusterSecret, HostId, Incarnation};
 use railyard_engine::dataplane::sabotage::{self, Protection};
 use railyard_engine::dataplane::{Batch, FailReason, RequestOutcome};
-use railyard_engine::{Engine, EngineSubmitter, Op, Peer, Region, Transfer};
+use railyard_engine::{Engine, EngineSubmitter, Op, Peer, Region, RevokeError, Transfer};
 
 use crate::client::link::MasterLink;
 use crate::client::staging::Staging;
@@ -90,13 +90,13 @@ pub struct Store {
 struct Inner {
     engine: Engine,
     /// The connection to the master (replaced when it fails: see [`Inner::attach_again`]).
-    link: RwLock<Arc<MasterLink>>,
+    link: RwLock<(Arc<MasterLink>, u64)>,
     /// Where every link sends the master's events.
     events: Sender<ToClient>,
     /// Held while attaching again, so that one thread does it.
     attaching: Mutex<()>,
     /// Writes whose transfers may be in flight (see [`WritesInFlight`]).
-    writes: (Mutex<usize>, Condvar),
+    writes: (Mutex<Writes>, Condvar),
     me: Identity,
     options: StoreOptions,
     host: String,
@@ -156,10 +156,10 @@ impl Store {
         });
         let inner = Arc::new(Inner {
             engine: engine.clone(),
-            link: RwLock::new(Arc::new(link)),
+            link: RwLock::new((Arc::new(link), 0)),
             events: events_tx,
             attaching: Mutex::new(()),
-            writes: (Mutex::new(0), Condvar::new()),
+            writes: (Mutex::new(Writes::default()), Condvar::new()),
             me,
             options,
             host,
@@ -425,19 +425,19 @@ impl Store {
     ) -> Result<(), (StoreError, bool)> {
         let size: u64 = parts.iter().map(|part| part.len() as u64).sum();
         let sent = Instant::now();
-        let ticket = self
-            .start(
-                &[PutItem {
-                    key: key.to_owned(),
-                    size,
-                }],
-                config,
-                upsert,
-            )
-            .remove(0)
-            .map_err(|error| (error, false))?;
+        let (mut tickets, generation) = self.start(
+            &[PutItem {
+                key: key.to_owned(),
+                size,
+            }],
+            config,
+            upsert,
+        );
+        let ticket = tickets.remove(0).map_err(|error| (error, false))?;
         let expires = submit_by(sent, &ticket);
-        let writing = self.inner.writing();
+        let Some(writing) = self.inner.writing(generation) else {
+            return Err((StoreError::new(key, StoreErrorKind::MasterChanged), true));
+        };
         let mut written = 0u64;
         let mut outcome: Result<(), MoveFailure> = Ok(());
         let mut sources = parts.iter().flat_map(|part| part.iter().copied());
@@ -560,7 +560,7 @@ impl Store {
     ) -> Vec<Result<(), (StoreError, bool)>> {
         let mut results: Vec<Option<Result<(), (StoreError, bool)>>> = vec![None; asked.len()];
         let sent = Instant::now();
-        let tickets = self.start(items, config, upsert);
+        let (tickets, generation) = self.start(items, config, upsert);
         let mut writes = Vec::new();
         let mut started = Vec::new();
         for (slot, ticket) in tickets.into_iter().enumerate() {
@@ -600,8 +600,11 @@ impl Store {
             .iter()
             .map(|(_, ticket)| submit_by(sent, ticket))
             .min();
-        let writing = self.inner.writing();
-        let outcomes = if expires.is_none_or(|expires| Instant::now() < expires) {
+        let writing = self.inner.writing(generation);
+        let outcomes = if writing.is_none() {
+            // Placed by a master this store left: nothing of it is submitted.
+            vec![Err(MoveFailure::master_changed()); started.len()]
+        } else if expires.is_none_or(|expires| Instant::now() < expires) {
             self.move_bytes(borrowed, started.len(), deadline)
         } else {
             vec![Err(MoveFailure::expired()); started.len()]
@@ -677,15 +680,16 @@ impl Store {
         Ok(size)
     }
 
-    /// Put-start for each item (one request).
+    /// Put-start for each item (one request), with the generation of the connection that
+    /// placed them.
     fn start(
         &self,
         items: &[PutItem],
         config: &ReplicaConfig,
         upsert: bool,
-    ) -> Vec<Result<PutTicket, StoreError>> {
+    ) -> (Vec<Result<PutTicket, StoreError>>, u64) {
         if items.is_empty() {
-            return Vec::new();
+            return (Vec::new(), 0);
         }
         let request = Request::PutStart {
             items: items.to_vec(),
@@ -693,13 +697,13 @@ impl Store {
             upsert,
             avoid: self.quarantined(),
         };
-        match self.call(request) {
-            Ok(Reply::Tickets(tickets)) if tickets.len() == items.len() => tickets,
-            Ok(other) => each_failed(
-                items.iter().map(|item| item.key.as_str()),
-                &unexpected(&other),
-            ),
-            Err(error) => each_failed(items.iter().map(|item| item.key.as_str()), &error),
+        let keys = || items.iter().map(|item| item.key.as_str());
+        match self.inner.call_timed(request) {
+            Ok((Reply::Tickets(tickets), _, generation)) if tickets.len() == items.len() => {
+                (tickets, generation)
+            }
+            Ok((other, _, _)) => (each_failed(keys(), &unexpected(&other)), 0),
+            Err(kind) => (each_failed(keys(), &StoreError::new("", kind)), 0),
         }
     }
 
@@ -897,8 +901,8 @@ impl Store {
             .call_timed(request)
             .map_err(|kind| StoreError::new("", kind));
         let (leases, asked) = match answer {
-            Ok((Reply::Leases(leases), asked)) if leases.len() == keys.len() => (leases, asked),
-            Ok((other, _)) => return each_failed(keys.iter().copied(), &unexpected(&other)),
+            Ok((Reply::Leases(leases), asked, _)) if leases.len() == keys.len() => (leases, asked),
+            Ok((other, _, _)) => return each_failed(keys.iter().copied(), &unexpected(&other)),
             Err(error) => return each_failed(keys.iter().copied(), &error),
         };
         leases
@@ -1196,6 +1200,7 @@ impl Store {
             let status = batch.wait(deadline);
             if !status.is_complete() && !batch.wait(after(deadline, RESOLVE_GRACE)).is_complete() {
                 resolved[index] = false;
+                self.inner.unresolved();
             }
         }
         for Pending {
@@ -1360,6 +1365,11 @@ impl MoveFailure {
             ..Self::failed("the put timed out before its transfers were submitted")
         }
     }
+
+    /// Nothing was submitted: the write was placed by a master this store has left since.
+    fn master_changed() -> Self {
+        Self::failed("the write was placed by a master this store has left; nothing was submitted")
+    }
 }
 
 /// Tries of one write: the first, and again on live segments after a transfer failed or a
@@ -1380,27 +1390,36 @@ const RESOLVE_GRACE: Duration = Duration::from_secs(30);
 impl Inner {
     /// The current connection to the master.
     fn link(&self) -> Arc<MasterLink> {
-        Arc::clone(&self.link.read().unwrap_or_else(PoisonError::into_inner))
+        self.attached().0
     }
 
-    /// Sends `request` to the master; when the master cannot be reached (it died, lost its
-    /// term, or stopped answering), attaches again — to the leader etcd names now — and
-    /// sends it once more.
+    /// The current connection to the master and its generation (one more at each attach).
+    fn attached(&self) -> (Arc<MasterLink>, u64) {
+        let attached = self.link.read().unwrap_or_else(PoisonError::into_inner);
+        (Arc::clone(&attached.0), attached.1)
+    }
+
+    /// Sends `request` to the master; when the connection is gone (the master died, lost
+    /// its term, or stopped answering its pings), attaches again — to the leader etcd names
+    /// now — and sends it once more. A refusal or an unanswered request is not sent again:
+    /// it may have been carried out.
     fn call(&self, request: Request) -> Result<Reply, StoreErrorKind> {
-        self.call_timed(request).map(|(reply, _)| reply)
+        self.call_timed(request).map(|(reply, _, _)| reply)
     }
 
-    /// [`Self::call`], saying when the request that was answered was sent.
-    fn call_timed(&self, request: Request) -> Result<(Reply, Instant), StoreErrorKind> {
-        let link = self.link();
+    /// [`Self::call`], saying when the request that was answered was sent and the
+    /// generation of the connection that answered it.
+    fn call_timed(&self, request: Request) -> Result<(Reply, Instant, u64), StoreErrorKind> {
+        let (link, generation) = self.attached();
         let sent = Instant::now();
         match link.call(request.clone(), self.options.timeout) {
-            Err(StoreErrorKind::MasterUnreachable { .. }) => {
+            Err(StoreErrorKind::MasterUnreachable { .. }) if link.is_closed() => {
                 self.attach_again(&link)?;
+                let (link, generation) = self.attached();
                 let sent = Instant::now();
-                Ok((self.link().call(request, self.options.timeout)?, sent))
+                Ok((link.call(request, self.options.timeout)?, sent, generation))
             }
-            answered => Ok((answered?, sent)),
+            answered => Ok((answered?, sent, generation)),
         }
     }
 
@@ -1423,44 +1442,80 @@ impl Inner {
                 Err(_) => thread::sleep(ATTACH_RETRY),
             }
         };
-        // Writes placed by the master it left resolve first (each by its own deadline; new
-        // ones wait for this attach): then it tells the new one so, and no segment owner
-        // has to fence it.
-        let (count, changed) = &self.writes;
+        // From here no write placed by the master it left is submitted (its generation is
+        // old); the ones already submitted resolve first, each by its own deadline. Then it
+        // tells the new master so, and no segment owner has to fence it — unless one of its
+        // writes never resolved (it may still land).
+        let (writes, changed) = &self.writes;
         let resolved = after(Instant::now(), self.options.timeout + RESOLVE_GRACE);
-        let mut writing = count.lock().unwrap_or_else(PoisonError::into_inner);
-        while *writing > 0 && Instant::now() < resolved {
-            writing = changed
-                .wait_timeout(writing, resolved.saturating_duration_since(Instant::now()))
+        let mut state = writes.lock().unwrap_or_else(PoisonError::into_inner);
+        state.generation += 1;
+        let generation = state.generation;
+        while state.in_flight > 0 && Instant::now() < resolved {
+            state = changed
+                .wait_timeout(state, resolved.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
-        if *writing == 0 {
+        if state.in_flight == 0 && !state.unresolved {
             let _ = link.call(Request::Quiesced, self.options.timeout);
         }
-        drop(writing);
+        drop(state);
         tracing::info!(master = %link.addr, "store: attached to the master again");
-        *self.link.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(link);
+        *self.link.write().unwrap_or_else(PoisonError::into_inner) = (Arc::new(link), generation);
         Ok(())
     }
 
-    /// Counts a write's transfers as in flight until the guard goes.
-    fn writing(&self) -> WritesInFlight<'_> {
-        *self.writes.0.lock().unwrap_or_else(PoisonError::into_inner) += 1;
-        WritesInFlight(&self.writes)
+    /// Counts the transfers of writes placed through connection `generation` as in flight
+    /// until the guard goes; `None` when that connection was given up (its master may be
+    /// gone: nothing it placed is submitted any more).
+    fn writing(&self, generation: u64) -> Option<WritesInFlight<'_>> {
+        let mut state = self.writes.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.generation != generation {
+            return None;
+        }
+        state.in_flight += 1;
+        Some(WritesInFlight(&self.writes))
     }
+
+    /// A write's transfers did not resolve: they may land any time, so this process never
+    /// tells a new master it has nothing in flight.
+    fn unresolved(&self) {
+        self.writes
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .unresolved = true;
+    }
+}
+
+/// Writes in flight and the connection generation they may be placed through.
+#[derive(Default)]
+struct Writes {
+    /// Writes whose transfers may be in flight.
+    in_flight: usize,
+    /// The generation of the connection to the master writes are placed through now.
+    generation: u64,
+    /// A write's transfers never resolved.
+    unresolved: bool,
 }
 
 /// A write whose transfers may be in flight: counted while it lives.
-struct WritesInFlight<'a>(&'a (Mutex<usize>, Condvar));
+struct WritesInFlight<'a>(&'a (Mutex<Writes>, Condvar));
 
 impl Drop for WritesInFlight<'_> {
     fn drop(&mut self) {
-        let (count, changed) = self.0;
-        *count.lock().unwrap_or_else(PoisonError::into_inner) -= 1;
+        let (writes, changed) = self.0;
+        writes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .in_flight -= 1;
         changed.notify_all();
     }
 }
+
+/// Tries of a fence after the first whose peer was still busy.
+const REVOKE_TRIES: usize = 3;
 
 /// Pause between tries to attach to a master again.
 const ATTACH_RETRY: Duration = Duration::from_millis(100);
@@ -1537,10 +1592,19 @@ fn handle_events(inner: &Weak<Inner>, events: &Receiver<ToClient>) {
                     writer = writer.0,
                     "store: fencing a writer the master gave up on"
                 );
-                match inner
+                // A busy peer (queue pairs not quiet yet) is waited for again, a few times.
+                let mut revoked = inner
                     .engine
-                    .revoke(railyard_engine::control::Incarnation(writer.0))
-                {
+                    .revoke(railyard_engine::control::Incarnation(writer.0));
+                for _ in 0..REVOKE_TRIES {
+                    if !matches!(revoked, Err(RevokeError::Busy { .. })) {
+                        break;
+                    }
+                    revoked = inner
+                        .engine
+                        .revoke(railyard_engine::control::Incarnation(writer.0));
+                }
+                match revoked {
                     Ok(()) => {
                         let _ = inner.call(Request::Fenced { fence });
                     }

@@ -71,6 +71,9 @@ pub struct ObjectLease {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct FenceId(pub u64);
 
+/// The low bits of a term a put id carries (and of the count of puts it numbers).
+const TERM_BITS: u64 = 0xffff_ffff;
+
 /// What the master needs others to do.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MasterAction {
@@ -204,6 +207,10 @@ pub struct MasterCore {
     /// Why writes the master let go of ended (answered to a late put-end or put-revoke),
     /// kept until then.
     ended: HashMap<PutId, (Instant, StoreErrorKind)>,
+    /// Writes ended by put-end lately, by whom, kept for a lease period: a put-end asked
+    /// again (a client that lost the answer with its connection asks at once) answers as
+    /// the first did.
+    completed: HashMap<PutId, (ClientId, Instant)>,
     /// The leader's term (0: a master with no journal). Put ids start at `term << 32`, so
     /// a write placed by an earlier master is never taken for one of this term's.
     pub(super) term: u64,
@@ -215,6 +222,10 @@ pub struct MasterCore {
     pub(super) old_writers: HashMap<ClientId, (u64, u32)>,
     /// When the owners are asked to fence earlier terms' writers that did not attach.
     pub(super) term_fences_due: Option<Instant>,
+    /// When fences against earlier terms' writers stop holding segments back, done or not
+    /// (an owner whose fabric cannot revoke would otherwise hold its segment forever): by
+    /// then every write an earlier master placed has passed its put timeout and resolved.
+    pub(super) term_fences_expire: Option<Instant>,
 }
 
 impl MasterCore {
@@ -234,18 +245,22 @@ impl MasterCore {
             load_decayed: None,
             members: HashMap::new(),
             ended: HashMap::new(),
+            completed: HashMap::new(),
             term: 0,
             dirty: None,
             writers: HashSet::new(),
             old_writers: HashMap::new(),
             term_fences_due: None,
+            term_fences_expire: None,
         }
     }
 
     /// Records that `key`'s complete version changed (for the journal).
     pub(super) fn touched(&mut self, key: &str) {
-        if let Some(dirty) = self.dirty.as_mut() {
-            dirty.objects.insert(key.to_owned());
+        if let Some(dirty) = self.dirty.as_mut()
+            && dirty.touched.insert(key.to_owned())
+        {
+            dirty.objects.push(key.to_owned());
         }
     }
 
@@ -480,7 +495,7 @@ impl MasterCore {
                 }
             }
         };
-        let put = PutId((self.term << 32) | self.next_put);
+        let put = PutId(((self.term & TERM_BITS) << 32) | (self.next_put & TERM_BITS));
         self.next_put += 1;
         if self.writers.insert(client)
             && let Some(dirty) = self.dirty.as_mut()
@@ -531,7 +546,17 @@ impl MasterCore {
         put: PutId,
         now: Instant,
     ) -> Result<(), StoreError> {
+        // Asked again (its answer was lost with a connection): the same answer.
+        if self
+            .completed
+            .get(&put)
+            .is_some_and(|(by, _)| *by == client)
+        {
+            return Ok(());
+        }
         let write = self.take_write(client, key, put)?;
+        self.completed
+            .insert(put, (client, after(now, self.policy.lease_ttl)));
         self.clock += 1;
         let clock = self.clock;
         let object = self
@@ -585,7 +610,7 @@ impl MasterCore {
         // A write the master let go of says why; one it never knew is not pending.
         let not_pending = match self.ended.get(&put) {
             Some((_, why)) => why.clone(),
-            None if put.0 >> 32 != self.term => StoreErrorKind::MasterChanged,
+            None if put.0 >> 32 != self.term & TERM_BITS => StoreErrorKind::MasterChanged,
             None => StoreErrorKind::PutNotPending,
         };
         let Some(object) = self.objects.get_mut(key) else {
@@ -782,6 +807,7 @@ impl MasterCore {
             }
         }
         self.ended.retain(|_, (until, _)| *until > now);
+        self.completed.retain(|_, (_, until)| *until > now);
         self.check_members(now);
         self.announce_term_fences(now);
         self.free_retired(now);

@@ -114,24 +114,33 @@ impl MasterCore {
     }
 
     /// What changed since the last call, as records to write down (nothing without
-    /// [`Self::enable_journal`]).
+    /// [`Self::enable_journal`]). Deletions come first, then segments, then objects in the
+    /// order they were first touched: whatever prefix of them is written (etcd takes a
+    /// bounded number per transaction), no record names space that a record still written
+    /// down also names.
     pub fn take_journal(&mut self) -> Vec<JournalEntry> {
         let Some(dirty) = self.dirty.as_mut().map(std::mem::take) else {
             return Vec::new();
         };
-        let mut entries = Vec::new();
-        let mut segments: Vec<SegmentId> = dirty.segments.into_iter().collect();
-        segments.sort();
-        for id in segments {
+        let mut deletions = Vec::new();
+        let mut segments = Vec::new();
+        let mut objects = Vec::new();
+        let mut ids: Vec<SegmentId> = dirty.segments.into_iter().collect();
+        ids.sort();
+        for id in ids {
             let record = self.segments.get(id).map(|segment| SegmentRecord {
                 owner: segment.owner,
                 spec: segment.spec.clone(),
             });
-            entries.push(JournalEntry::Segment { id, record });
+            match record {
+                Some(record) => segments.push(JournalEntry::Segment {
+                    id,
+                    record: Some(record),
+                }),
+                None => deletions.push(JournalEntry::Segment { id, record: None }),
+            }
         }
-        let mut keys: Vec<String> = dirty.objects.into_iter().collect();
-        keys.sort();
-        for key in keys {
+        for key in dirty.objects {
             let record = self
                 .objects
                 .get(&key)
@@ -148,8 +157,17 @@ impl MasterCore {
                         .collect(),
                     hard_pin: object.hard_pin,
                 });
-            entries.push(JournalEntry::Object { key, record });
+            match record {
+                Some(record) => objects.push(JournalEntry::Object {
+                    key,
+                    record: Some(record),
+                }),
+                None => deletions.insert(0, JournalEntry::Object { key, record: None }),
+            }
         }
+        let mut entries = deletions;
+        entries.extend(segments);
+        entries.extend(objects);
         for client in dirty.writers {
             entries.push(JournalEntry::Writer {
                 client,
@@ -193,15 +211,18 @@ impl MasterCore {
                     .push((replica.offset, record.size));
             }
         }
-        let mut reserved: HashMap<(SegmentId, u64), crate::master::space::Extent> = HashMap::new();
+        // By segment, offset and size: two records naming the same offset never share one
+        // reservation (only the one it was made for takes it).
+        let mut reserved: HashMap<(SegmentId, u64, u64), crate::master::space::Extent> =
+            HashMap::new();
         for (id, record) in snapshot.segments {
             let mut extents = wanted.remove(&id).unwrap_or_default();
             extents.sort_unstable();
             let owner = record.owner;
             let taken = core.segments.restore(id, owner, record.spec, &extents);
-            for ((offset, _), extent) in extents.into_iter().zip(taken) {
+            for ((offset, size), extent) in extents.into_iter().zip(taken) {
                 if let Some(extent) = extent {
-                    reserved.insert((id, offset), extent);
+                    reserved.insert((id, offset, size), extent);
                 }
             }
             core.members.entry(owner).or_insert(Member {
@@ -215,7 +236,7 @@ impl MasterCore {
                 .replicas
                 .iter()
                 .filter_map(|replica| {
-                    let extent = reserved.remove(&(replica.segment, replica.offset));
+                    let extent = reserved.remove(&(replica.segment, replica.offset, record.size));
                     if extent.is_none() {
                         report.replicas_dropped += 1;
                     }
@@ -242,7 +263,9 @@ impl MasterCore {
                         replicas,
                     }),
                     write: None,
-                    lease_until: None,
+                    // A reader of the earlier term may still be reading it: neither evicted
+                    // nor removed (without force) for one lease.
+                    lease_until: Some(after(now, core.policy.lease_ttl)),
                     last_used: core.clock,
                     soft_pin_until: None,
                     hard_pin: record.hard_pin,
@@ -289,6 +312,7 @@ impl MasterCore {
         // are asked to fence the others, which may be stopped with writes in flight.
         if report.fences > 0 {
             core.term_fences_due = Some(after(now, core.policy.member_silence));
+            core.term_fences_expire = Some(after(now, core.policy.put_timeout * 2));
         }
         (core, report)
     }
@@ -314,8 +338,21 @@ impl MasterCore {
     }
 
     /// Timers: once writers of earlier terms had their time to attach, the owners of the
-    /// segments are asked to fence the ones that did not.
+    /// segments are asked to fence the ones that did not; twice the put timeout after the
+    /// rebuild, what is still not fenced stops holding segments back.
     pub(super) fn announce_term_fences(&mut self, now: Instant) {
+        if self.term_fences_expire.is_some_and(|expire| now >= expire) {
+            self.term_fences_expire = None;
+            let writers: Vec<ClientId> = self.old_writers.keys().copied().collect();
+            for writer in writers {
+                tracing::warn!(
+                    writer = writer.0,
+                    "store master: an earlier term's writer was never fenced on every segment; \
+                     its writes are past their put timeout now"
+                );
+                self.quiesced(writer);
+            }
+        }
         if self.term_fences_due.is_none_or(|due| now < due) {
             return;
         }

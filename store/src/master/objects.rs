@@ -70,8 +70,10 @@ impl Object {
 /// What changed since the journal last took it (see `journal.rs`).
 #[derive(Default)]
 pub(crate) struct Dirty {
-    /// Keys whose complete version changed (or went).
-    pub(crate) objects: HashSet<String>,
+    /// Keys whose complete version changed (or went), in the order first touched.
+    pub(crate) objects: Vec<String>,
+    /// The same keys, to touch each once.
+    pub(crate) touched: HashSet<String>,
     /// Segments mounted or gone.
     pub(crate) segments: HashSet<SegmentId>,
     /// Clients that started their first write of this term.

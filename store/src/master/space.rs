@@ -29,6 +29,9 @@ pub(crate) struct Extent {
     /// Bytes reserved (at least the value's size).
     reserved: u64,
     handle: Allocation,
+    /// The pieces after the first, for an extent a rebuild reserved in several (empty
+    /// otherwise: no allocation).
+    more: Vec<Allocation>,
 }
 
 impl Space {
@@ -46,9 +49,9 @@ impl Space {
 
     /// The space of a segment of `capacity` bytes with each of `extents` (offset, bytes;
     /// sorted by offset) reserved exactly where it was: `None` for one that overlaps the one
-    /// before it or cannot be placed there. A fresh allocator hands out its one free region
-    /// front to back, so reserving each gap and each extent in turn puts every extent at its
-    /// old offset (checked); the gaps are then freed.
+    /// before it or lies outside the segment. A fresh allocator has one free region, and
+    /// reserving from its front in turn — each gap, then each extent — puts every extent at
+    /// its old offset (checked); the gaps are then freed.
     pub(crate) fn restore(capacity: u64, extents: &[(u64, u64)]) -> (Self, Vec<Option<Extent>>) {
         let mut space = Self::new(capacity);
         let mut taken = Vec::with_capacity(extents.len());
@@ -61,37 +64,47 @@ impl Space {
                 && offset
                     .checked_add(len)
                     .is_some_and(|last| last <= space.capacity);
+            let (Ok(at), Ok(front), Ok(granules)) = (
+                u32::try_from(offset / GRANULE),
+                u32::try_from(end / GRANULE),
+                u32::try_from(len.div_ceil(GRANULE)),
+            ) else {
+                taken.push(None);
+                continue;
+            };
             if !fits {
                 taken.push(None);
                 continue;
             }
-            if offset > end {
-                match space.allocate(offset - end) {
-                    Some(gap) if gap.offset == end => gaps.push(gap),
-                    other => {
-                        // The allocator did not hand out the front: nothing more can be placed
-                        // exactly (what it handed out is freed below).
-                        gaps.extend(other);
+            if at > front {
+                match space.take_front(front, at - front) {
+                    Some(pieces) => gaps.extend(pieces),
+                    None => {
                         taken.push(None);
-                        break;
+                        continue;
                     }
                 }
             }
-            match space.allocate(len) {
-                Some(extent) if extent.offset == offset => {
-                    end = offset + extent.reserved;
-                    taken.push(Some(extent));
-                }
-                other => {
-                    gaps.extend(other);
-                    taken.push(None);
-                    break;
-                }
-            }
+            let Some(mut pieces) = space.take_front(at, granules) else {
+                // The gap stays reserved until the end: the front moved past it.
+                end = offset;
+                taken.push(None);
+                continue;
+            };
+            let handle = pieces.remove(0);
+            let reserved = u64::from(granules) * GRANULE;
+            space.reserved += reserved;
+            space.extents += 1;
+            end = offset + reserved;
+            taken.push(Some(Extent {
+                offset,
+                reserved,
+                handle,
+                more: pieces,
+            }));
         }
-        taken.resize_with(extents.len(), || None);
         for gap in gaps {
-            space.free(gap);
+            space.allocator.free(gap);
         }
         (space, taken)
     }
@@ -107,6 +120,7 @@ impl Space {
             offset: u64::from(handle.offset) * GRANULE,
             reserved,
             handle,
+            more: Vec::new(),
         })
     }
 
@@ -115,6 +129,41 @@ impl Space {
         self.reserved -= extent.reserved;
         self.extents -= 1;
         self.allocator.free(extent.handle);
+        for piece in extent.more {
+            self.allocator.free(piece);
+        }
+    }
+
+    /// Reserves `granules` granules at granule `at`, the front of the one free region, in
+    /// as many pieces as the allocator's size classes need (it refuses a request close to
+    /// the size of the region it would come from); `None`, with nothing reserved, when a
+    /// piece lands elsewhere or cannot be had.
+    fn take_front(&mut self, at: u32, granules: u32) -> Option<Vec<Allocation>> {
+        let mut pieces = Vec::new();
+        let mut taken = 0u32;
+        let mut asked = granules;
+        while taken < granules {
+            match self.allocator.allocate(asked.min(granules - taken)) {
+                Some(piece) if piece.offset == at + taken => {
+                    taken += self.allocator.allocation_size(piece);
+                    pieces.push(piece);
+                    asked = granules - taken;
+                }
+                Some(elsewhere) => {
+                    self.allocator.free(elsewhere);
+                    break;
+                }
+                None if asked > 1 => asked /= 2,
+                None => break,
+            }
+        }
+        if taken == granules {
+            return Some(pieces);
+        }
+        for piece in pieces {
+            self.allocator.free(piece);
+        }
+        None
     }
 
     /// Bytes it manages.

@@ -103,10 +103,14 @@ fn an_object_is_invisible_until_put_end_and_then_readable_with_a_lease() {
     assert_eq!(lease.size, 1000);
     assert_eq!(lease.replicas, ticket.replicas);
     assert_eq!(lease.lease_until, now + MasterPolicy::default().lease_ttl);
-    // Ending it twice is a mistake, not a second object.
+    // Ending it twice (its answer lost) answers the same, and is not a second object.
+    core.put_end(WRITER, "k", ticket.put, now)
+        .expect("the same answer");
+    assert_eq!(core.stats().counters.puts_completed, 1);
     assert_eq!(
-        kind(core.put_end(WRITER, "k", ticket.put, now)),
-        StoreErrorKind::PutNotPending
+        kind(core.put_end(ClientId(99), "k", ticket.put, now)),
+        StoreErrorKind::PutNotPending,
+        "another client is not its writer"
     );
 }
 
