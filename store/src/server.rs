@@ -28,6 +28,9 @@ const TICK: Duration = Duration::from_millis(20);
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a write to one client may block before its connection is given up.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Requests of one connection queued for its worker (a client waits for each answer, so
+/// only a misbehaving one fills it: its reader then waits).
+const QUEUED_REQUESTS: usize = 256;
 /// Longest a request waits for its changes to be written down.
 const JOURNAL_WAIT: Duration = Duration::from_secs(5);
 /// How often an elected master checks it still leads.
@@ -79,6 +82,9 @@ struct Shared {
     addr: SocketAddr,
     stop: AtomicBool,
     latencies: Latencies,
+    /// Members whose pings arrived since the last tick, and when (the ticker tells the
+    /// core).
+    heard: Mutex<HashMap<ClientId, Instant>>,
     /// Whether it serves: a standby refuses every connection until it leads.
     serving: AtomicBool,
     /// Where a leader's changes are written down (none for a lone master).
@@ -124,6 +130,7 @@ impl MasterServer {
             addr,
             stop: AtomicBool::new(false),
             latencies: Latencies::new(),
+            heard: Mutex::new(HashMap::new()),
             serving: AtomicBool::new(election.is_none()),
             committer,
             lost: Mutex::new(None),
@@ -144,8 +151,12 @@ impl MasterServer {
                         if !shared.serving.load(Ordering::Relaxed) {
                             continue;
                         }
+                        let heard = std::mem::take(&mut *lock(&shared.heard));
                         let actions = {
                             let mut core = lock(&shared.core);
+                            for (client, at) in heard {
+                                core.heard(client, at);
+                            }
                             core.tick(Instant::now());
                             // Written down in order; nobody waits for what a tick changed.
                             let entries = core.take_journal();
@@ -314,27 +325,21 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
     // fails, and the connection goes (the ticker that pushes events never waits longer).
     let _ = writer.set_write_timeout(Some(WRITE_TIMEOUT));
     let outbox: Outbox = Arc::new(Mutex::new(writer));
-    lock(&shared.clients)
-        .entry(client)
-        .or_default()
-        .push(Arc::clone(&outbox));
-    if let Some(events) = lock(&shared.undelivered).remove(&client) {
-        deliver_to(shared, client, events);
-    }
-    let mut reader = Patient {
-        stream: &stream,
-        stop: &shared.stop,
-    };
     // Requests are handled in order by a worker of this connection; pings are answered
     // here at once, so a request waiting for its journal never makes a live client look
-    // silent (nor the master look stopped to it).
-    let (requests, queue) = mpsc::channel::<ToMaster>();
+    // silent (nor the master look stopped to it). Once the connection ends, what is still
+    // queued is dropped: the client sends it again on its next connection.
+    let (requests, queue) = mpsc::sync_channel::<ToMaster>(QUEUED_REQUESTS);
+    let ended = Arc::new(AtomicBool::new(false));
     let worker = {
-        let (shared, outbox) = (Arc::clone(shared), Arc::clone(&outbox));
+        let (shared, outbox, ended) = (Arc::clone(shared), Arc::clone(&outbox), Arc::clone(&ended));
         thread::Builder::new()
             .name("store-master-work".into())
             .spawn(move || {
                 for frame in queue {
+                    if ended.load(Ordering::Relaxed) {
+                        return;
+                    }
                     let (reply, actions) = handle(&shared, client, frame.request);
                     let sent = write_frame(
                         &mut *lock(&outbox),
@@ -355,6 +360,18 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
         tracing::warn!(peer = ?peer, "store master: no thread for a connection's requests");
         return;
     };
+    lock(&shared.clients)
+        .entry(client)
+        .or_default()
+        .push(Arc::clone(&outbox));
+    let undelivered = lock(&shared.undelivered).remove(&client);
+    if let Some(events) = undelivered {
+        deliver_to(shared, client, events);
+    }
+    let mut reader = Patient {
+        stream: &stream,
+        stop: &shared.stop,
+    };
     loop {
         let frame: ToMaster = match read_frame(&mut reader) {
             Ok(frame) => frame,
@@ -366,7 +383,8 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
             }
         };
         if matches!(frame.request, Request::Ping) {
-            lock(&shared.core).heard(client, Instant::now());
+            // Noted for the core's next tick: the core's lock is not this reader's to wait for.
+            lock(&shared.heard).insert(client, Instant::now());
             let pong = ToClient::Reply {
                 id: frame.id,
                 reply: Reply::Done(Ok(())),
@@ -381,6 +399,7 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
             break;
         }
     }
+    ended.store(true, Ordering::Relaxed);
     drop(requests);
     let _ = worker.join();
     let mut clients = lock(&shared.clients);
@@ -413,7 +432,8 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<Ma
         );
     }
     core.heard(client, now);
-    let pinged = matches!(request, Request::Ping);
+    // Opening a connection rests on nothing written (and must not wait behind a backlog).
+    let rests_on_nothing = matches!(request, Request::Ping | Request::Open { .. });
     let reply = match request {
         Request::Open { version } if version == PROTOCOL_VERSION => Reply::Opened {
             version: PROTOCOL_VERSION,
@@ -494,7 +514,7 @@ fn handle(shared: &Shared, client: ClientId, request: Request) -> (Reply, Vec<Ma
     // rests on nothing.
     let written = match &shared.committer {
         Some(committer) if !entries.is_empty() => Some(committer.enqueue(entries)),
-        Some(committer) if !pinged => Some(committer.latest()),
+        Some(committer) if !rests_on_nothing => Some(committer.latest()),
         _ => None,
     };
     drop(core);

@@ -215,8 +215,10 @@ impl MasterLink {
             let mut stream = lock(&self.writer);
             let written = write_frame(&mut *stream, &ToMaster { id, request });
             if written.is_err() {
-                // Perhaps half a frame went out: nothing after it could be read right.
+                // Perhaps half a frame went out: nothing after it could be read right. Closed
+                // now, not when the reader notices: the caller attaches again at once.
                 let _ = stream.shutdown(Shutdown::Both);
+                self.closed.store(true, Ordering::Relaxed);
             }
             written
         };

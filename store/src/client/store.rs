@@ -479,7 +479,11 @@ impl Store {
             };
             written += len;
         }
-        // Every transfer resolved: ending it may attach again, which waits for none of it.
+        if matches!(&outcome, Err(failure) if failure.unresolved) {
+            self.inner.unresolved(generation);
+        }
+        // Its transfers are done with: ending it may attach again, which waits for none of
+        // them.
         drop(writing);
         self.finish(vec![(key.to_owned(), ticket.put, outcome)])
             .remove(0)
@@ -609,6 +613,12 @@ impl Store {
         } else {
             vec![Err(MoveFailure::expired()); started.len()]
         };
+        if outcomes
+            .iter()
+            .any(|outcome| matches!(outcome, Err(failure) if failure.unresolved))
+        {
+            self.inner.unresolved(generation);
+        }
         drop(writing);
         let finished = self.finish(
             started
@@ -1200,7 +1210,6 @@ impl Store {
             let status = batch.wait(deadline);
             if !status.is_complete() && !batch.wait(after(deadline, RESOLVE_GRACE)).is_complete() {
                 resolved[index] = false;
-                self.inner.unresolved();
             }
         }
         for Pending {
@@ -1449,6 +1458,7 @@ impl Inner {
         let (writes, changed) = &self.writes;
         let resolved = after(Instant::now(), self.options.timeout + RESOLVE_GRACE);
         let mut state = writes.lock().unwrap_or_else(PoisonError::into_inner);
+        let left = state.generation;
         state.generation += 1;
         let generation = state.generation;
         while state.in_flight > 0 && Instant::now() < resolved {
@@ -1457,7 +1467,8 @@ impl Inner {
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
-        if state.in_flight == 0 && !state.unresolved {
+        // Unresolved writes of earlier connections were fenced when those were left.
+        if state.in_flight == 0 && state.unresolved_in != Some(left) {
             let _ = link.call(Request::Quiesced, self.options.timeout);
         }
         drop(state);
@@ -1478,14 +1489,14 @@ impl Inner {
         Some(WritesInFlight(&self.writes))
     }
 
-    /// A write's transfers did not resolve: they may land any time, so this process never
-    /// tells a new master it has nothing in flight.
-    fn unresolved(&self) {
+    /// A write placed through connection `generation` did not resolve: it may land any
+    /// time, so this process does not tell the next master it has nothing in flight.
+    fn unresolved(&self, generation: u64) {
         self.writes
             .0
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .unresolved = true;
+            .unresolved_in = Some(generation);
     }
 }
 
@@ -1496,8 +1507,9 @@ struct Writes {
     in_flight: usize,
     /// The generation of the connection to the master writes are placed through now.
     generation: u64,
-    /// A write's transfers never resolved.
-    unresolved: bool,
+    /// The connection generation a write whose transfers never resolved was placed
+    /// through (the latest such).
+    unresolved_in: Option<u64>,
 }
 
 /// A write whose transfers may be in flight: counted while it lives.

@@ -207,10 +207,6 @@ pub struct MasterCore {
     /// Why writes the master let go of ended (answered to a late put-end or put-revoke),
     /// kept until then.
     ended: HashMap<PutId, (Instant, StoreErrorKind)>,
-    /// Writes ended by put-end lately, by whom, kept for a lease period: a put-end asked
-    /// again (a client that lost the answer with its connection asks at once) answers as
-    /// the first did.
-    completed: HashMap<PutId, (ClientId, Instant)>,
     /// The leader's term (0: a master with no journal). Put ids start at `term << 32`, so
     /// a write placed by an earlier master is never taken for one of this term's.
     pub(super) term: u64,
@@ -245,7 +241,6 @@ impl MasterCore {
             load_decayed: None,
             members: HashMap::new(),
             ended: HashMap::new(),
-            completed: HashMap::new(),
             term: 0,
             dirty: None,
             writers: HashSet::new(),
@@ -508,7 +503,11 @@ impl MasterCore {
             .collect();
         let descriptors = self.describe(&replicas, size);
         let write = Write {
-            version: Version { size, replicas },
+            version: Version {
+                size,
+                replicas,
+                put,
+            },
             writer: client,
             put,
             deadline: after(now, self.policy.put_timeout),
@@ -546,17 +545,17 @@ impl MasterCore {
         put: PutId,
         now: Instant,
     ) -> Result<(), StoreError> {
-        // Asked again (its answer was lost with a connection): the same answer.
+        // Asked again (its answer was lost with a connection, perhaps with a master that
+        // failed over since): the object it made is there, the same answer.
         if self
-            .completed
-            .get(&put)
-            .is_some_and(|(by, _)| *by == client)
+            .objects
+            .get(key)
+            .and_then(|object| object.complete.as_ref())
+            .is_some_and(|version| version.put == put)
         {
             return Ok(());
         }
         let write = self.take_write(client, key, put)?;
-        self.completed
-            .insert(put, (client, after(now, self.policy.lease_ttl)));
         self.clock += 1;
         let clock = self.clock;
         let object = self
@@ -807,7 +806,6 @@ impl MasterCore {
             }
         }
         self.ended.retain(|_, (until, _)| *until > now);
-        self.completed.retain(|_, (_, until)| *until > now);
         self.check_members(now);
         self.announce_term_fences(now);
         self.free_retired(now);

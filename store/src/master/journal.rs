@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use crate::config::MasterPolicy;
 use crate::master::core::{FenceId, MasterAction, MasterCore, PendingFence};
-use crate::master::objects::{Dirty, Object, Replica, Version};
+use crate::master::objects::{Dirty, Object, PutId, Replica, Version};
 use crate::master::segments::{ClientId, Member, SegmentId, SegmentSpec};
 use crate::time::after;
 
@@ -44,6 +44,9 @@ pub struct ObjectRecord {
     pub replicas: Vec<ReplicaRecord>,
     /// Never evicted.
     pub hard_pin: bool,
+    /// The write that made it (a put-end asked again of a new master answers as the first
+    /// did).
+    pub put: PutId,
 }
 
 /// One change to write down. `None` records are deletions.
@@ -156,13 +159,14 @@ impl MasterCore {
                         })
                         .collect(),
                     hard_pin: object.hard_pin,
+                    put: version.put,
                 });
             match record {
                 Some(record) => objects.push(JournalEntry::Object {
                     key,
                     record: Some(record),
                 }),
-                None => deletions.insert(0, JournalEntry::Object { key, record: None }),
+                None => deletions.push(JournalEntry::Object { key, record: None }),
             }
         }
         let mut entries = deletions;
@@ -261,6 +265,7 @@ impl MasterCore {
                     complete: Some(Version {
                         size: record.size,
                         replicas,
+                        put: record.put,
                     }),
                     write: None,
                     // A reader of the earlier term may still be reading it: neither evicted
@@ -320,6 +325,14 @@ impl MasterCore {
     /// `client`, a writer of an earlier term, attached to this one with none of its writes
     /// in flight any more: no owner needs to fence it.
     pub fn quiesced(&mut self, client: ClientId) {
+        self.release_term_fences(client);
+        if self.old_writers.contains_key(&client) {
+            self.forget_writer(client);
+        }
+    }
+
+    /// Lets segments take replicas again as far as `client`'s fences go.
+    fn release_term_fences(&mut self, client: ClientId) {
         let fences: Vec<(FenceId, SegmentId)> = self
             .fences
             .iter()
@@ -331,9 +344,6 @@ impl MasterCore {
             if let Some(segment) = self.segments.get_mut(segment) {
                 segment.fences_awaited = segment.fences_awaited.saturating_sub(1);
             }
-        }
-        if self.old_writers.contains_key(&client) {
-            self.forget_writer(client);
         }
     }
 
@@ -350,7 +360,8 @@ impl MasterCore {
                     "store master: an earlier term's writer was never fenced on every segment; \
                      its writes are past their put timeout now"
                 );
-                self.quiesced(writer);
+                // Its record stays: a later master fences it again.
+                self.release_term_fences(writer);
             }
         }
         if self.term_fences_due.is_none_or(|due| now < due) {

@@ -87,6 +87,12 @@ fn a_new_master_rebuilds_what_the_old_one_wrote_down_and_fences_its_writers_firs
         ..one(1)
     };
     put(&mut old, "pinned", 100, &pinned, now);
+    // A write whose put-end answer may be lost in the failover.
+    let answered = old
+        .put_start(WRITER, "answer-lost", 100, &one(1), now)
+        .expect("placed");
+    old.put_end(WRITER, "answer-lost", answered.put, now)
+        .expect("put-end");
     // A write in flight when the old master dies: never half-visible.
     let in_flight = old
         .put_start(WRITER, "in-flight", 4096, &two, now)
@@ -95,7 +101,7 @@ fn a_new_master_rebuilds_what_the_old_one_wrote_down_and_fences_its_writers_firs
     assert_eq!(written.segments.len(), 2);
     assert_eq!(
         written.objects.len(),
-        21,
+        22,
         "k3 is gone, in-flight is not there yet"
     );
     assert_eq!(written.writers.keys().collect::<Vec<_>>(), [&WRITER]);
@@ -116,7 +122,7 @@ fn a_new_master_rebuilds_what_the_old_one_wrote_down_and_fences_its_writers_firs
         report,
         RebuildReport {
             segments: 2,
-            objects: 21,
+            objects: 22,
             replicas_dropped: 0,
             objects_dropped: 0,
             fences: 2,
@@ -144,6 +150,9 @@ fn a_new_master_rebuilds_what_the_old_one_wrote_down_and_fences_its_writers_firs
         kind(new.put_end(WRITER, "in-flight", in_flight.put, now)),
         StoreErrorKind::MasterChanged
     );
+    // Asked again of the new master, the committed one answers as the first time did.
+    new.put_end(WRITER, "answer-lost", answered.put, now)
+        .expect("the same answer");
     // No segment takes a replica until the earlier term's writer is fenced on it.
     assert!(matches!(
         kind(new.put_start(ClientId(8), "fresh", 4096, &one(1), now)),

@@ -23,6 +23,8 @@ pub(crate) struct Replica {
 pub(crate) struct Version {
     pub(crate) size: u64,
     pub(crate) replicas: Vec<Replica>,
+    /// The write that made it: a put-end asked again for it answers as the first did.
+    pub(crate) put: PutId,
 }
 
 /// A write between put-start and put-end.
