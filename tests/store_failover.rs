@@ -25,6 +25,20 @@ fn master(etcd: &str) -> Process {
     Process::start(&["master", "--listen", "127.0.0.1:0", "--etcd", etcd])
 }
 
+/// A segment server of 16 MiB that finds the master through etcd at `url`.
+fn segment_server(url: &str) -> Process {
+    Process::start(&[
+        "store",
+        "serve",
+        "--master",
+        url,
+        "--segment",
+        "16MiB",
+        "--fabric",
+        "soft",
+    ])
+}
+
 /// The address etcd names as the leader's, once there is one (within `BOUND`).
 fn leader(etcd: &StoreEtcd) -> String {
     let start = Instant::now();
@@ -73,19 +87,7 @@ fn a_killed_leader_is_replaced_with_every_committed_object_and_a_stopped_one_can
     masters.push(master(&url));
     masters.push(master(&url));
     assert_eq!(first, masters[0].addr(), "the first master leads");
-    let segment_server = || {
-        Process::start(&[
-            "store",
-            "serve",
-            "--master",
-            &url,
-            "--segment",
-            "16MiB",
-            "--fabric",
-            "soft",
-        ])
-    };
-    let _servers = [segment_server(), segment_server()];
+    let _servers = [segment_server(&url), segment_server(&url)];
     let (_engine, store) = client(&url);
     let two = ReplicaConfig {
         replica_num: 2,
@@ -233,16 +235,7 @@ fn without_leader_fencing_a_stopped_leader_goes_on_acting() {
     let first = leader(&election);
     assert_eq!(first, stale.addr());
     let _standby = sabotaged(&url);
-    let _server = Process::start(&[
-        "store",
-        "serve",
-        "--master",
-        &url,
-        "--segment",
-        "16MiB",
-        "--fabric",
-        "soft",
-    ]);
+    let _server = segment_server(&url);
     common::signal_stop(&stale.child);
     let start = Instant::now();
     while leader(&election) == first {

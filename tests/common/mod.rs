@@ -17,6 +17,20 @@ use railyard::engine::{Op, Region, Transfer};
 
 pub const BOUND: Duration = Duration::from_secs(10);
 
+/// The lines `stdout` prints, as they come (a thread reads them until it closes).
+pub fn lines_of(stdout: impl std::io::Read + Send + 'static) -> Receiver<String> {
+    let (sender, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if sender.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    lines
+}
+
 /// Stops `child` (SIGSTOP: no reset, its sockets stay open) and returns once it is stopped.
 pub fn signal_stop(child: &Child) {
     // SAFETY: kill(2) on our own child's pid, not reaped while `child` is borrowed.
@@ -109,16 +123,7 @@ impl Serve {
             .spawn()
             .expect("railyard serve starts");
         let stdin = child.stdin.take().expect("piped");
-        let stdout = child.stdout.take().expect("piped");
-        let (sender, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = lines_of(child.stdout.take().expect("piped"));
         let first = lines
             .recv_timeout(BOUND)
             .expect("serve prints where it listens");

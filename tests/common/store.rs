@@ -2,10 +2,9 @@
 //! segment servers), `railyard store` command processes, values derived from their keys, and
 //! an in-process client.
 
-use std::io::{BufRead, BufReader};
 use std::num::NonZeroUsize;
 use std::process::{Child, ChildStdin, Command, Output, Stdio};
-use std::sync::mpsc::{self, Receiver};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use railyard::dataplane::IdleStrategy;
@@ -41,16 +40,7 @@ impl Process {
             .spawn()
             .expect("railyard starts");
         let stdin = child.stdin.take();
-        let stdout = child.stdout.take().expect("piped");
-        let (sender, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = super::lines_of(child.stdout.take().expect("piped"));
         let first = lines
             .recv_timeout(BOUND)
             .expect("it prints where it listens")

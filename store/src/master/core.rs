@@ -191,7 +191,7 @@ pub struct MasterCore {
     pub(super) segments: Segments,
     pub(super) objects: HashMap<String, Object>,
     next_put: u64,
-    pub(super) next_fence: u64,
+    next_fence: u64,
     /// Logical time of reads and completed writes, for least-recently-used eviction.
     pub(super) clock: u64,
     pub(super) fences: HashMap<FenceId, PendingFence>,
@@ -264,6 +264,14 @@ impl MasterCore {
         if let Some(dirty) = self.dirty.as_mut() {
             dirty.segments.insert(segment);
         }
+    }
+
+    /// Starts waiting for a fence; returns its id.
+    pub(super) fn new_fence(&mut self, pending: PendingFence) -> FenceId {
+        let fence = FenceId(self.next_fence);
+        self.next_fence += 1;
+        self.fences.insert(fence, pending);
+        fence
     }
 
     /// Drops the fences awaited on `segment` (it is gone): a guard against an earlier
@@ -893,16 +901,11 @@ impl MasterCore {
             let Some(owner) = self.segments.get(segment).map(|s| s.owner) else {
                 continue;
             };
-            let fence = FenceId(self.next_fence);
-            self.next_fence += 1;
-            self.fences.insert(
-                fence,
-                PendingFence {
-                    segment,
-                    extents,
-                    writer: None,
-                },
-            );
+            let fence = self.new_fence(PendingFence {
+                segment,
+                extents,
+                writer: None,
+            });
             self.actions.push_back(MasterAction::Fence {
                 fence,
                 segment,

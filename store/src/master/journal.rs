@@ -292,16 +292,11 @@ impl MasterCore {
                 if owner == client {
                     continue;
                 }
-                let fence = FenceId(core.next_fence);
-                core.next_fence += 1;
-                core.fences.insert(
-                    fence,
-                    PendingFence {
-                        segment,
-                        extents: Vec::new(),
-                        writer: Some(client),
-                    },
-                );
+                core.new_fence(PendingFence {
+                    segment,
+                    extents: Vec::new(),
+                    writer: Some(client),
+                });
                 if let Some(segment) = core.segments.get_mut(segment) {
                     segment.fences_awaited += 1;
                 }

@@ -66,6 +66,19 @@ pub(crate) struct Segment {
 }
 
 impl Segment {
+    fn new(spec: SegmentSpec, owner: ClientId, space: Space, unconfirmed: bool) -> Self {
+        Self {
+            space,
+            spec,
+            owner,
+            draining_until: None,
+            suspected_since: None,
+            recent_reads: 0,
+            fences_awaited: 0,
+            unconfirmed,
+        }
+    }
+
     /// Whether new replicas may go here.
     fn takes_writes(&self) -> bool {
         self.draining_until.is_none()
@@ -151,19 +164,9 @@ impl Segments {
         let id = SegmentId(self.next);
         self.next += 1;
         self.by_name.insert(spec.name.clone(), id);
-        self.by_id.insert(
-            id,
-            Segment {
-                space: Space::new(spec.size),
-                spec,
-                owner,
-                draining_until: None,
-                suspected_since: None,
-                recent_reads: 0,
-                fences_awaited: 0,
-                unconfirmed: false,
-            },
-        );
+        let space = Space::new(spec.size);
+        self.by_id
+            .insert(id, Segment::new(spec, owner, space, false));
         Ok(id)
     }
 
@@ -181,19 +184,8 @@ impl Segments {
         let (space, taken) = Space::restore(spec.size, extents);
         self.next = self.next.max(id.0 + 1);
         self.by_name.insert(spec.name.clone(), id);
-        self.by_id.insert(
-            id,
-            Segment {
-                space,
-                spec,
-                owner,
-                draining_until: None,
-                suspected_since: None,
-                recent_reads: 0,
-                fences_awaited: 0,
-                unconfirmed: true,
-            },
-        );
+        self.by_id
+            .insert(id, Segment::new(spec, owner, space, true));
         taken
     }
 
