@@ -255,3 +255,35 @@ fn without_leader_fencing_a_stopped_leader_goes_on_acting() {
     let (_engine, real) = client(&url);
     assert!(real.master_stats().expect("stats").term > stale_term);
 }
+
+/// One batch of the journal may change a key twice (an object written and removed, a
+/// writer recorded in two terms): etcd refuses a transaction naming a key twice, so the
+/// batch writes each key's last change once — and the leader keeps leading.
+#[test]
+fn a_batch_changing_one_key_twice_is_written_as_its_last_change() {
+    use railyard::store::failover::{Leadership, Standing};
+    use railyard::store::master::{ClientId, JournalEntry};
+    let _turn = one_at_a_time();
+    let etcd = EtcdServer::start(TTL).expect("etcd runs (install etcd-server; `make test` does)");
+    let election = StoreEtcd::from_url(&etcd.url()).expect("a good URL");
+    let leadership = Leadership::start(election, "only:1".into()).expect("campaigns");
+    let start = Instant::now();
+    let term = loop {
+        if let Standing::Leading(term) = leadership.standing() {
+            break term;
+        }
+        assert!(start.elapsed() < BOUND, "never elected");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let writer = |client: u64, term: u64| JournalEntry::Writer {
+        client: ClientId(client),
+        term,
+    };
+    leadership
+        .commit(vec![writer(1, term), writer(2, term), writer(1, term + 1)])
+        .expect("one key changed twice in a batch is written");
+    assert_eq!(leadership.standing(), Standing::Leading(term));
+    let mut written = leadership.load().expect("loads").writers;
+    written.sort();
+    assert_eq!(written, [(ClientId(1), term + 1), (ClientId(2), term)]);
+}

@@ -565,31 +565,44 @@ async fn commit(
     let revision = i64::try_from(term).map_err(|_| format!("term {term} out of range"))?;
     let ours = || Compare::create_revision(leader, CompareOp::Equal, revision);
     let fenced = !sabotage::is_off(Protection::StoreLeaderFencing);
-    let mut ops = Vec::new();
+    // What each key becomes, in the order keys were last changed: etcd refuses a
+    // transaction naming a key twice, and a batch may change one twice (a put and its
+    // removal, a segment mounted and gone).
+    let mut changes: Vec<Option<(String, Option<Vec<u8>>)>> = Vec::new();
+    let mut latest: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     let mut forgets = Vec::new();
     for entry in entries {
-        match entry {
-            JournalEntry::Segment { id, record } => {
-                let key = format!("{}{:020}", etcd.segments(), id.0);
-                ops.push(match record {
-                    Some(record) => TxnOp::put(key, encode(&record)?, None),
-                    None => TxnOp::delete(key, None),
-                });
+        let change = match entry {
+            JournalEntry::Segment { id, record } => (
+                format!("{}{:020}", etcd.segments(), id.0),
+                record.as_ref().map(encode).transpose()?,
+            ),
+            JournalEntry::Object { key, record } => (
+                format!("{}{key}", etcd.objects()),
+                record.as_ref().map(encode).transpose()?,
+            ),
+            JournalEntry::Writer { client, term } => (
+                format!("{}{:020}", etcd.writers(), client.0),
+                Some(term.to_string().into_bytes()),
+            ),
+            JournalEntry::ForgetWriter { client, term } => {
+                forgets.push((client, term));
+                continue;
             }
-            JournalEntry::Object { key, record } => {
-                let key = format!("{}{key}", etcd.objects());
-                ops.push(match record {
-                    Some(record) => TxnOp::put(key, encode(&record)?, None),
-                    None => TxnOp::delete(key, None),
-                });
-            }
-            JournalEntry::Writer { client, term } => {
-                let key = format!("{}{:020}", etcd.writers(), client.0);
-                ops.push(TxnOp::put(key, term.to_string(), None));
-            }
-            JournalEntry::ForgetWriter { client, term } => forgets.push((client, term)),
+        };
+        if let Some(earlier) = latest.insert(change.0.clone(), changes.len()) {
+            changes[earlier] = None;
         }
+        changes.push(Some(change));
     }
+    let ops: Vec<TxnOp> = changes
+        .into_iter()
+        .flatten()
+        .map(|(key, value)| match value {
+            Some(value) => TxnOp::put(key, value, None),
+            None => TxnOp::delete(key, None),
+        })
+        .collect();
     for chunk in ops.chunks(TXN_OPS) {
         let guard: Vec<Compare> = if fenced { vec![ours()] } else { Vec::new() };
         let txn = Txn::new().when(guard).and_then(chunk.to_vec());
