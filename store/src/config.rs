@@ -18,6 +18,12 @@ pub struct ReplicaConfig {
     pub soft_pin: Option<Duration>,
     /// Never evict the object; only `remove` frees it.
     pub hard_pin: bool,
+    /// Fewer replicas than `replica_num` (at least one) when fewer segments can take one —
+    /// some are suspected, draining, avoided or too small — instead of failing with
+    /// `TooManyReplicas` (Mooncake Store's placement does this). Ask
+    /// [`Store::batch_put_from_counted`](crate::Store::batch_put_from_counted) how many
+    /// were written.
+    pub best_effort: bool,
 }
 
 impl Default for ReplicaConfig {
@@ -27,6 +33,7 @@ impl Default for ReplicaConfig {
             preferred_segments: Vec::new(),
             soft_pin: None,
             hard_pin: false,
+            best_effort: false,
         }
     }
 }

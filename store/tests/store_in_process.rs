@@ -254,3 +254,41 @@ fn without_read_failover_a_failed_first_replica_fails_the_read() {
     let _off = turn_off(Protection::StoreReadFailover);
     assert!(reads_after_the_first_replica_goes_bad() > 0);
 }
+
+/// With one segment mounted, two replicas are refused — unless best effort, which writes
+/// one and says so; the value reads back.
+#[test]
+fn best_effort_writes_as_many_replicas_as_segments_take_and_counts_them() {
+    let _turn = one_at_a_time();
+    let master = master();
+    let segment = engine("segment");
+    let client = engine("client");
+    let member = Store::connect(&segment, options(&master)).expect("connects");
+    member.mount(8 << 20).expect("mounts");
+    let store = Store::connect(&client, options(&master)).expect("connects");
+    let source = client.alloc(64 << 10, None).expect("allocates");
+    let range = railyard_store::LocalRange::whole(source);
+    let two = ReplicaConfig {
+        replica_num: 2,
+        ..ReplicaConfig::default()
+    };
+    let strict = store.batch_put_from_counted(&["strict"], &[range], &two);
+    assert!(
+        matches!(
+            &strict[0],
+            Err(error) if matches!(error.kind, StoreErrorKind::TooManyReplicas { asked: 2, segments: 1 })
+        ),
+        "{strict:?}"
+    );
+    let best_effort = ReplicaConfig {
+        best_effort: true,
+        ..two
+    };
+    let counted = store.batch_put_from_counted(&["best-effort"], &[range], &best_effort);
+    assert_eq!(counted, [Ok(1)]);
+    assert_eq!(
+        store.replica_descriptors("best-effort").expect("one").len(),
+        1
+    );
+    assert_eq!(store.get("best-effort").expect("reads").len(), 64 << 10);
+}

@@ -368,6 +368,18 @@ impl Store {
         ranges: &[LocalRange],
         config: &ReplicaConfig,
     ) -> Vec<Result<(), StoreError>> {
+        written(self.batch_put_from_counted(keys, ranges, config))
+    }
+
+    /// [`Self::batch_put_from`], each result the number of replicas written:
+    /// `config.replica_num`, or fewer (at least one) with
+    /// [`ReplicaConfig::best_effort`] when fewer segments could take one.
+    pub fn batch_put_from_counted<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        ranges: &[LocalRange],
+        config: &ReplicaConfig,
+    ) -> Vec<Result<usize, StoreError>> {
         let parts: Vec<Vec<LocalRange>> = ranges.iter().map(|range| vec![*range]).collect();
         self.put_ranges(keys, &parts, config, false)
     }
@@ -380,7 +392,7 @@ impl Store {
         parts: &[Vec<LocalRange>],
         config: &ReplicaConfig,
     ) -> Vec<Result<(), StoreError>> {
-        self.put_ranges(keys, parts, config, false)
+        written(self.put_ranges(keys, parts, config, false))
     }
 
     /// [`Self::put_from`], replacing a complete object of that key.
@@ -390,7 +402,10 @@ impl Store {
         range: LocalRange,
         config: &ReplicaConfig,
     ) -> Result<(), StoreError> {
-        one(key, self.put_ranges(&[key], &[vec![range]], config, true))
+        one(
+            key,
+            written(self.put_ranges(&[key], &[vec![range]], config, true)),
+        )
     }
 
     /// Writes plain bytes through the bounce buffer, a chunk at a time.
@@ -495,7 +510,7 @@ impl Store {
         parts: &[Vec<LocalRange>],
         config: &ReplicaConfig,
         upsert: bool,
-    ) -> Vec<Result<(), StoreError>> {
+    ) -> Vec<Result<usize, StoreError>> {
         if keys.len() != parts.len() {
             return keys
                 .iter()
@@ -509,7 +524,7 @@ impl Store {
                 })
                 .collect();
         }
-        let mut results: Vec<Option<Result<(), StoreError>>> = vec![None; keys.len()];
+        let mut results: Vec<Option<Result<usize, StoreError>>> = vec![None; keys.len()];
         let mut items = Vec::new();
         let mut asked = Vec::new();
         for (index, (key, ranges)) in keys.iter().zip(parts).enumerate() {
@@ -561,8 +576,8 @@ impl Store {
         config: &ReplicaConfig,
         upsert: bool,
         deadline: Instant,
-    ) -> Vec<Result<(), (StoreError, bool)>> {
-        let mut results: Vec<Option<Result<(), (StoreError, bool)>>> = vec![None; asked.len()];
+    ) -> Vec<Result<usize, (StoreError, bool)>> {
+        let mut results: Vec<Option<Result<usize, (StoreError, bool)>>> = vec![None; asked.len()];
         let sent = Instant::now();
         let (tickets, generation) = self.start(items, config, upsert);
         let mut writes = Vec::new();
@@ -629,8 +644,8 @@ impl Store {
                 })
                 .collect(),
         );
-        for ((slot, _), result) in started.iter().zip(finished) {
-            results[*slot] = Some(result);
+        for ((slot, ticket), result) in started.iter().zip(finished) {
+            results[*slot] = Some(result.map(|()| ticket.replicas.len()));
         }
         results
             .into_iter()
@@ -1634,6 +1649,14 @@ fn handle_events(inner: &Weak<Inner>, events: &Receiver<ToClient>) {
             ToClient::Reply { .. } => {}
         }
     }
+}
+
+/// Counted results of writes, without the count.
+fn written(results: Vec<Result<usize, StoreError>>) -> Vec<Result<(), StoreError>> {
+    results
+        .into_iter()
+        .map(|result| result.map(|_| ()))
+        .collect()
 }
 
 fn one<T>(key: &str, mut results: Vec<Result<T, StoreError>>) -> Result<T, StoreError> {

@@ -456,8 +456,9 @@ impl MasterCore {
     ) -> Result<PutTicket, StoreError> {
         check_key(key)?;
         let fail = |kind| StoreError::new(key, kind);
-        self.segments
-            .check_placeable(size, config, avoid)
+        let replicas = self
+            .segments
+            .replicas_for(size, config, avoid)
             .map_err(fail)?;
         if let Some(object) = self.objects.get(key) {
             if object.write.is_some() {
@@ -479,21 +480,18 @@ impl MasterCore {
                 return Err(fail(StoreErrorKind::AlreadyExists));
             }
         }
-        let placed = match self.segments.place(size, config, avoid) {
+        let placed = match self.segments.place(size, replicas, config, avoid) {
             Some(placed) => placed,
             None => {
                 let want = self
                     .eviction_target()
-                    .max(size.saturating_mul(config.replica_num as u64));
+                    .max(size.saturating_mul(replicas as u64));
                 self.evict(want, now);
-                match self.segments.place(size, config, avoid) {
+                match self.segments.place(size, replicas, config, avoid) {
                     Some(placed) => placed,
                     None => {
                         self.counters.no_space += 1;
-                        return Err(fail(StoreErrorKind::NoSpace {
-                            size,
-                            replicas: config.replica_num,
-                        }));
+                        return Err(fail(StoreErrorKind::NoSpace { size, replicas }));
                     }
                 }
             }

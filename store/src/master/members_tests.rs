@@ -31,6 +31,10 @@ fn on(segment: &str) -> ReplicaConfig {
     }
 }
 
+fn segments_of_ticket(ticket: &PutTicket) -> Vec<SegmentId> {
+    ticket.replicas.iter().map(|r| r.segment).collect()
+}
+
 fn segments_of(lease: &ObjectLease) -> Vec<SegmentId> {
     lease.replicas.iter().map(|r| r.segment).collect()
 }
@@ -79,6 +83,17 @@ fn a_silent_member_is_suspected_and_heard_again_keeps_its_data() {
         kind(core.put_start(WRITER, "two", 4096, &both, t)),
         StoreErrorKind::TooManyReplicas { .. }
     ));
+    // Best effort, it is written to the one segment that takes writes.
+    let best_effort = ReplicaConfig {
+        best_effort: true,
+        ..both.clone()
+    };
+    let ticket = core
+        .put_start(WRITER, "two", 4096, &best_effort, t)
+        .expect("placed on fewer");
+    assert_eq!(segments_of_ticket(&ticket), [s1]);
+    core.put_end(WRITER, "two", ticket.put, t).expect("ends");
+    assert_eq!(segments_of(&core.get("two", t).expect("one replica")), [s1]);
 
     // The same incarnation speaks again within the grace: its data serves as before.
     let back = t + GRACE - Duration::from_millis(1);

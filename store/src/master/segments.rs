@@ -259,14 +259,16 @@ impl Segments {
             })
     }
 
-    /// Checks that `size` bytes × `config.replica_num` can ever be placed (on segments not
-    /// owned at an address in `avoid`).
-    pub(crate) fn check_placeable(
+    /// How many replicas of `size` bytes to place (on segments not owned at an address in
+    /// `avoid`): `config.replica_num`, or with `config.best_effort` as many as there are
+    /// segments that could hold one (at least one). An error when that many can never be
+    /// placed.
+    pub(crate) fn replicas_for(
         &self,
         size: u64,
         config: &ReplicaConfig,
         avoid: &[String],
-    ) -> Result<(), StoreErrorKind> {
+    ) -> Result<usize, StoreErrorKind> {
         if size == 0 {
             return Err(StoreErrorKind::EmptyValue);
         }
@@ -274,7 +276,7 @@ impl Segments {
             return Err(StoreErrorKind::NoReplicas);
         }
         let segments = self.writable().count();
-        if config.replica_num > segments {
+        if config.replica_num > segments && !(config.best_effort && segments > 0) {
             return Err(StoreErrorKind::TooManyReplicas {
                 asked: config.replica_num,
                 segments,
@@ -294,16 +296,19 @@ impl Segments {
             .filter(|(_, s)| s.space.capacity() >= size)
             .filter(|(_, s)| !avoid.contains(&s.spec.handshake_addr))
             .count();
+        if config.best_effort && holding > 0 {
+            return Ok(config.replica_num.min(holding));
+        }
         if config.replica_num > holding {
             return Err(StoreErrorKind::TooManyReplicas {
                 asked: config.replica_num,
                 segments: holding,
             });
         }
-        Ok(())
+        Ok(config.replica_num)
     }
 
-    /// Reserves `config.replica_num` extents of `size` bytes on as many different segments
+    /// Reserves `replicas` extents of `size` bytes on as many different segments
     /// (none owned at a handshake address in `avoid`): the preferred ones first (in order), then segments on hosts no replica is on yet, then
     /// any. Among the others each replica goes to the better of two segments drawn at random
     /// (more free bytes, then fewer recent reads): new objects spread by free space and load,
@@ -312,6 +317,7 @@ impl Segments {
     pub(crate) fn place(
         &mut self,
         size: u64,
+        replicas: usize,
         config: &ReplicaConfig,
         avoid: &[String],
     ) -> Option<Vec<(SegmentId, Extent)>> {
@@ -324,10 +330,10 @@ impl Segments {
                 segment.takes_writes() && !avoid.contains(&segment.spec.handshake_addr)
             })
             .collect();
-        let mut placed: Vec<(SegmentId, Extent)> = Vec::with_capacity(config.replica_num);
+        let mut placed: Vec<(SegmentId, Extent)> = Vec::with_capacity(replicas);
         let mut hosts: HashSet<String> = HashSet::new();
         for &id in &preferred {
-            if placed.len() == config.replica_num {
+            if placed.len() == replicas {
                 break;
             }
             // Named twice, it still holds one replica.
@@ -352,7 +358,7 @@ impl Segments {
                 })
                 .map(|(id, _)| id)
                 .collect();
-            while placed.len() < config.replica_num && !candidates.is_empty() {
+            while placed.len() < replicas && !candidates.is_empty() {
                 let pick = self.better_of_two(&candidates);
                 let id = candidates.swap_remove(pick);
                 let segment = self.by_id.get_mut(&id)?;
@@ -368,7 +374,7 @@ impl Segments {
                 hosts.insert(host);
             }
         }
-        if placed.len() < config.replica_num {
+        if placed.len() < replicas {
             for (id, extent) in placed {
                 self.free(id, extent);
             }
