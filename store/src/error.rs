@@ -64,6 +64,19 @@ pub enum StoreErrorKind {
         /// Segments that take writes and are at least as large as the value.
         segments: usize,
     },
+    /// Right after the master failed over, the segments that could hold the replicas do not
+    /// take writes yet: their owners have not spoken to the new master, or the earlier
+    /// term's writers are not fenced there yet. A write waits for them (within its
+    /// deadline) before it answers this.
+    #[error(
+        "{asked} replicas asked for, {ready} segments take writes yet (the master just failed over)"
+    )]
+    SegmentsNotReady {
+        /// Replicas asked for.
+        asked: usize,
+        /// Segments that take writes now.
+        ready: usize,
+    },
     /// A replica count of 0.
     #[error("replica_num is 0")]
     NoReplicas,
@@ -178,7 +191,7 @@ impl StoreErrorKind {
             Self::HasLease => -706,                           // OBJECT_HAS_LEASE
             Self::LeaseExpired | Self::PutTimedOut => -707,   // LEASE_EXPIRED
             Self::ReplicaLost { .. } => -712,                 // REPLICA_IS_GONE
-            Self::NoSpace { .. } => -200,                     // NO_AVAILABLE_HANDLE
+            Self::NoSpace { .. } | Self::SegmentsNotReady { .. } => -200, // NO_AVAILABLE_HANDLE
             Self::UnknownSegment { .. } => -101,              // SEGMENT_NOT_FOUND
             Self::SegmentExists { .. } => -102,               // SEGMENT_ALREADY_EXISTS
             Self::TransferFailed { .. } => -800,              // TRANSFER_FAIL

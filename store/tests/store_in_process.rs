@@ -292,3 +292,43 @@ fn best_effort_writes_as_many_replicas_as_segments_take_and_counts_them() {
     );
     assert_eq!(store.get("best-effort").expect("reads").len(), 64 << 10);
 }
+
+/// A client whose first rail of two fails every transfer (a dead link) still reads every
+/// value: a read that failed on both replicas through that rail, their holders alive, goes
+/// through them again, and the engine routes it over the other rail. Not "not found".
+#[test]
+fn reads_go_around_a_dead_rail_of_their_own() {
+    use railyard_engine::dataplane::fabric::soft::{Fault, QpMatch};
+    let _turn = one_at_a_time();
+    let master = master();
+    let (segment_a, segment_b) = (engine("segment-a"), engine("segment-b"));
+    let client = Engine::builder("client")
+        .fabric(FabricChoice::Soft)
+        .rails(RailChoice::Count(NonZeroUsize::new(2).expect("two")))
+        .idle(IdleStrategy::gentle())
+        .build()
+        .expect("the engine starts");
+    let a = Store::connect(&segment_a, options(&master)).expect("connects");
+    let b = Store::connect(&segment_b, options(&master)).expect("connects");
+    a.mount(32 << 20).expect("mounts");
+    b.mount(32 << 20).expect("mounts");
+    let store = Store::connect(&client, options(&master)).expect("connects");
+    let two = ReplicaConfig {
+        replica_num: 2,
+        ..ReplicaConfig::default()
+    };
+    let keys: Vec<String> = (0..8).map(|i| format!("around-{i}")).collect();
+    for key in &keys {
+        store.put(key, &value_of(key, 1 << 20), &two).expect("put");
+    }
+    client
+        .faults(0)
+        .expect("a soft rail has a fault plan")
+        .add(Fault::KillLink { on: QpMatch::Any });
+    for key in &keys {
+        let value = store
+            .get(key)
+            .unwrap_or_else(|error| panic!("{key}: {error}"));
+        assert!(value == value_of(key, 1 << 20), "{key}: other bytes");
+    }
+}

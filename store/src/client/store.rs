@@ -447,6 +447,7 @@ impl Store {
             }],
             config,
             upsert,
+            deadline,
         );
         let ticket = tickets.remove(0).map_err(|error| (error, false))?;
         let expires = submit_by(sent, &ticket);
@@ -579,7 +580,7 @@ impl Store {
     ) -> Vec<Result<usize, (StoreError, bool)>> {
         let mut results: Vec<Option<Result<usize, (StoreError, bool)>>> = vec![None; asked.len()];
         let sent = Instant::now();
-        let (tickets, generation) = self.start(items, config, upsert);
+        let (tickets, generation) = self.start(items, config, upsert, deadline);
         let mut writes = Vec::new();
         let mut started = Vec::new();
         for (slot, ticket) in tickets.into_iter().enumerate() {
@@ -706,8 +707,30 @@ impl Store {
     }
 
     /// Put-start for each item (one request), with the generation of the connection that
-    /// placed them.
+    /// placed them. Right after a failover, while no segment takes writes yet (every item
+    /// answered [`StoreErrorKind::SegmentsNotReady`]), asks again until `deadline`.
     fn start(
+        &self,
+        items: &[PutItem],
+        config: &ReplicaConfig,
+        upsert: bool,
+        deadline: Instant,
+    ) -> (Vec<Result<PutTicket, StoreError>>, u64) {
+        loop {
+            let (tickets, generation) = self.start_once(items, config, upsert);
+            let not_ready = !tickets.is_empty()
+                && tickets.iter().all(|ticket| {
+                    matches!(ticket, Err(error) if matches!(error.kind, StoreErrorKind::SegmentsNotReady { .. }))
+                });
+            if !not_ready || Instant::now() + READY_POLL >= deadline {
+                return (tickets, generation);
+            }
+            thread::sleep(READY_POLL);
+        }
+    }
+
+    /// One put-start request for `items`.
+    fn start_once(
         &self,
         items: &[PutItem],
         config: &ReplicaConfig,
@@ -1007,6 +1030,7 @@ impl Store {
         let mut last: Vec<String> = vec![String::from("no replica"); items.len()];
         // Whether every replica tried so far failed because its holder is gone.
         let mut all_gone = vec![true; items.len()];
+        let mut passes = vec![1usize; items.len()];
         loop {
             let pending: Vec<usize> = (0..items.len()).filter(|&i| results[i].is_none()).collect();
             if pending.is_empty() {
@@ -1041,10 +1065,21 @@ impl Store {
                 }
             }
             let outcomes = self.move_bytes(reads, pending.len(), deadline);
+            let mut pause = false;
             for (&i, outcome) in pending.iter().zip(outcomes) {
                 let Read { key, lease, .. } = &items[i];
                 let (lease, until) = lease;
                 if attempt[i] >= lease.replicas.len() {
+                    // Every replica failed, one at least for a reason of its own (errors on
+                    // a rail, a circuit open on one rail of several): with time left, each
+                    // is tried again — the engine routes around a rail that is down.
+                    let time_left = Instant::now() + PASS_PAUSE < deadline.min(*until);
+                    if !all_gone[i] && passes[i] < READ_PASSES && time_left {
+                        passes[i] += 1;
+                        attempt[i] = 0;
+                        pause = true;
+                        continue;
+                    }
                     // No replica left whose holder lives: the object is gone for readers (the
                     // master learns it within its silence bound), not a transfer failure.
                     let kind = if all_gone[i] {
@@ -1066,10 +1101,14 @@ impl Store {
                         attempt[i] += 1;
                         if sabotage::is_off(Protection::StoreReadFailover) {
                             attempt[i] = lease.replicas.len();
+                            passes[i] = READ_PASSES;
                         }
                         None
                     }
                 };
+            }
+            if pause {
+                thread::sleep(PASS_PAUSE);
             }
         }
         results
@@ -1186,7 +1225,7 @@ impl Store {
             Ok(submitter) => submitter,
             Err(detail) => return vec![Err(MoveFailure::failed(detail)); items],
         };
-        let mut batches: Vec<Batch> = Vec::new();
+        let mut batches: Vec<(Batch, Peer)> = Vec::new();
         let mut pending: Vec<Pending> = Vec::new();
         for (&(addr, holder), group) in &by_holder {
             let submitted = self.peer(addr, holder).and_then(|peer| {
@@ -1194,6 +1233,7 @@ impl Store {
                     group.iter().map(|(_, transfer)| *transfer).collect();
                 submitter
                     .submit(&peer, &transfers)
+                    .map(|batch| (batch, peer))
                     .map_err(|error| MoveFailure::failed(error.to_string()))
             });
             match submitted {
@@ -1219,7 +1259,7 @@ impl Store {
         }
         lock(&self.inner.submitters).push(submitter);
         let mut resolved = vec![true; batches.len()];
-        for (index, batch) in batches.iter().enumerate() {
+        for (index, (batch, _)) in batches.iter().enumerate() {
             // The engine resolves every request by its own deadline; past ours, wait for that
             // too, so that "failed" always means "nothing of it moves any more".
             let status = batch.wait(deadline);
@@ -1244,13 +1284,16 @@ impl Store {
                 });
                 continue;
             }
-            if let Some(RequestOutcome::Failed(reason)) = batches[batch].outcome(request)
+            let (batch, peer) = &batches[batch];
+            if let Some(RequestOutcome::Failed(reason)) = batch.outcome(request)
                 && outcomes[item].is_ok()
             {
+                // Gone means the peer as a whole: one rail's circuit open or endpoint retired
+                // (its errors) leaves the others.
                 let holder_gone = matches!(
                     reason,
                     FailReason::PeerUnavailable | FailReason::EndpointRetired
-                );
+                ) && (peer.is_unavailable() || peer.is_retired());
                 outcomes[item] = Err(MoveFailure {
                     detail: format!("{reason:?}"),
                     holder_gone,
@@ -1543,6 +1586,14 @@ impl Drop for WritesInFlight<'_> {
 
 /// Tries of a fence after the first whose peer was still busy.
 const REVOKE_TRIES: usize = 3;
+
+/// Times a read goes through a key's replicas when a failure was not its holder's death.
+const READ_PASSES: usize = 3;
+/// Pause before going through them again.
+const PASS_PAUSE: Duration = Duration::from_millis(50);
+
+/// Pause between put-starts while no segment takes writes yet (after a failover).
+const READY_POLL: Duration = Duration::from_millis(20);
 
 /// Pause between tries to attach to a master again.
 const ATTACH_RETRY: Duration = Duration::from_millis(100);

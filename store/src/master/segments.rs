@@ -87,6 +87,15 @@ impl Segment {
             && !self.unconfirmed
     }
 
+    /// Whether it will take writes once its owner is heard again after a failover, or the
+    /// fences against the earlier term's writers are done — not gone, draining or suspected.
+    fn takes_writes_soon(&self) -> bool {
+        !self.takes_writes()
+            && self.draining_until.is_none()
+            && self.suspected_since.is_none()
+            && (self.unconfirmed || self.fences_awaited > 0)
+    }
+
     fn free_bytes(&self) -> u64 {
         self.space.capacity() - self.space.reserved()
     }
@@ -262,7 +271,8 @@ impl Segments {
     /// How many replicas of `size` bytes to place (on segments not owned at an address in
     /// `avoid`): `config.replica_num`, or with `config.best_effort` as many as there are
     /// segments that could hold one (at least one). An error when that many can never be
-    /// placed.
+    /// placed — or, right after a failover, [`StoreErrorKind::SegmentsNotReady`] when they
+    /// could once the segments' owners are heard and the earlier term's writers fenced.
     pub(crate) fn replicas_for(
         &self,
         size: u64,
@@ -275,11 +285,24 @@ impl Segments {
         if config.replica_num == 0 {
             return Err(StoreErrorKind::NoReplicas);
         }
-        let segments = self.writable().count();
-        if config.replica_num > segments && !(config.best_effort && segments > 0) {
-            return Err(StoreErrorKind::TooManyReplicas {
+        let eligible = |segment: &Segment| {
+            segment.space.capacity() >= size && !avoid.contains(&segment.spec.handshake_addr)
+        };
+        let holding = self.writable().filter(|(_, s)| eligible(s)).count();
+        let soon = self
+            .iter()
+            .filter(|(_, s)| s.takes_writes_soon() && eligible(s))
+            .count();
+        let enough = |segments: usize| {
+            segments >= config.replica_num || (config.best_effort && segments > 0)
+        };
+        if enough(holding) {
+            return Ok(config.replica_num.min(holding));
+        }
+        if enough(holding + soon) {
+            return Err(StoreErrorKind::SegmentsNotReady {
                 asked: config.replica_num,
-                segments,
+                ready: holding,
             });
         }
         let largest = self
@@ -287,25 +310,13 @@ impl Segments {
             .map(|(_, s)| s.space.capacity())
             .max()
             .unwrap_or(0);
-        if size > largest {
+        if size > largest && enough(self.writable().count()) {
             return Err(StoreErrorKind::ValueTooLarge { size, largest });
         }
-        // Enough segments must be able to hold it at all, or evicting for it is in vain.
-        let holding = self
-            .writable()
-            .filter(|(_, s)| s.space.capacity() >= size)
-            .filter(|(_, s)| !avoid.contains(&s.spec.handshake_addr))
-            .count();
-        if config.best_effort && holding > 0 {
-            return Ok(config.replica_num.min(holding));
-        }
-        if config.replica_num > holding {
-            return Err(StoreErrorKind::TooManyReplicas {
-                asked: config.replica_num,
-                segments: holding,
-            });
-        }
-        Ok(config.replica_num)
+        Err(StoreErrorKind::TooManyReplicas {
+            asked: config.replica_num,
+            segments: holding,
+        })
     }
 
     /// Reserves `replicas` extents of `size` bytes on as many different segments
