@@ -1,5 +1,6 @@
 //! A real etcd on loopback for the soak and the tests (feature `etcd`): the `etcd` binary of
-//! the distribution's `etcd-server` package, its own ports and data directory, stopped and
+//! the distribution's `etcd-server` package, its own ports and data directory (in memory
+//! where the host has `/dev/shm`), stopped and
 //! started again on demand (an outage), killed and its data removed when dropped, and
 //! killed with its parent even if that dies first.
 
@@ -36,6 +37,19 @@ pub struct EtcdTls {
     pub key: PathBuf,
 }
 
+/// Where etcd keeps its data: memory (`/dev/shm`) where the host has it, else the temporary
+/// directory. Every write etcd answers waits for an fsync of its log; on a busy disk one
+/// takes up to a second and more, which the store's master (its journal, its leader lease)
+/// would pay — the tests measure railyard, not the disk.
+fn data_root() -> PathBuf {
+    let shm = PathBuf::from("/dev/shm");
+    if shm.is_dir() {
+        shm
+    } else {
+        std::env::temp_dir()
+    }
+}
+
 fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
@@ -60,7 +74,7 @@ impl EtcdServer {
         let client_port = free_port()?;
         let mut server = Self {
             child: None,
-            dir: std::env::temp_dir().join(format!("railyard-etcd-{}-{n}", std::process::id())),
+            dir: data_root().join(format!("railyard-etcd-{}-{n}", std::process::id())),
             client_port,
             peer_port: free_port()?,
             health_port: if tls.is_some() {
