@@ -13,12 +13,17 @@
 //! | [`churn`] `handshake-churn` | one peer repeats its handshake; two peers on one host | no teardown, no reconnect, bounded warnings |
 //! | [`replica`] `dead-replica` | four `railyard serve` processes; one is killed, one stopped (no reset); newcomers take their ports | live peers keep ≥ 80 % throughput, the killed one fails fast, the stopped one within 2.5 s, nothing reaches a newcomer |
 //!
+//! [`hicache`] (`railyard chaos hicache`, feature `etcd`) is seed 003 one layer up: the
+//! store (`railyard-store`) under a HiCache-shaped load of client processes while segment
+//! processes are killed (a newcomer on the port), stopped and hit by transfer errors, and the
+//! leading master is killed and stopped; it judges every call the clients made.
+//!
 //! [`soak`] (`railyard chaos soak --duration D [--etcd]`) runs target processes under a
 //! seeded mix of kills with port takeovers, stops, queue-pair errors and key rotations (and
 //! etcd restarts) for a whole duration.
 //!
 //! This crate drives the layers it exercises through `railyard-engine` (and the control
-//! plane and data plane it re-exports), never the CLI: the `railyard` crate re-exports it as
+//! plane and data plane it re-exports) and `railyard-store`, never the CLI: the `railyard` crate re-exports it as
 //! `railyard::chaos`, and its callers pass in the `railyard` binary whose `serve` (and
 //! `bench`) the scenarios run as processes.
 
@@ -27,6 +32,8 @@ pub mod churn;
 pub mod etcd_server;
 mod fabric;
 mod harness;
+#[cfg(feature = "etcd")]
+pub mod hicache;
 pub mod node;
 mod pattern;
 mod process;

@@ -9,10 +9,13 @@ use railyard::chaos::{self, ChaosFabric, Scenario};
 
 #[derive(Debug, Args)]
 pub(crate) struct ChaosArgs {
-    /// reconnect-storm, teardown-race, handshake-churn, dead-replica, or soak (target
-    /// processes under a seeded mix of kills, port takeovers, stops and queue-pair errors).
+    /// reconnect-storm, teardown-race, handshake-churn, dead-replica, soak (target
+    /// processes under a seeded mix of kills, port takeovers, stops and queue-pair errors),
+    /// or hicache (the store under a HiCache-shaped load while segment processes and the
+    /// leading master die; needs the `etcd` feature and etcd-server).
     scenario: String,
-    /// How long the soak runs, in seconds (soak only).
+    /// How long the soak or hicache runs, in seconds (hicache: at least one round of its
+    /// five faults, about 45 s).
     #[arg(long, default_value_t = 60)]
     duration: u64,
     /// Target processes of the soak (soak only).
@@ -57,7 +60,13 @@ impl ChaosArgs {
 const VIOLATED: u8 = 1;
 
 pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
+    // A protection switched off for a test is off in the scenario and its processes.
+    #[cfg(feature = "sabotage")]
+    railyard::dataplane::sabotage::turn_off_from_env();
     // What was asked is checked before the fabric is opened.
+    if args.scenario == "hicache" {
+        return hicache(args);
+    }
     let scenario = match Scenario::from_name(&args.scenario) {
         _ if args.scenario == "soak" => None,
         Some(_) if args.etcd => bail!(
@@ -68,7 +77,7 @@ pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
         None => {
             let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
             bail!(
-                "unknown scenario {:?}; the scenarios are {} and soak",
+                "unknown scenario {:?}; the scenarios are {}, soak and hicache",
                 args.scenario,
                 names.join(", ")
             );
@@ -90,35 +99,89 @@ pub(crate) fn run(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
             violations: report.violations(),
             counts: serde_json::to_value(&report)?,
         };
-        return Ok(print(&outcome, "soak", &fabric, args));
+        return Ok(print(
+            &outcome,
+            "soak",
+            fabric.name(),
+            provider(&fabric),
+            args,
+        ));
     };
     let outcome = chaos::run(scenario, args.seed, &binary, &fabric)
         .with_context(|| format!("scenario {} could not run", scenario.name()))?;
-    Ok(print(&outcome, scenario.name(), &fabric, args))
+    Ok(print(
+        &outcome,
+        scenario.name(),
+        fabric.name(),
+        provider(&fabric),
+        args,
+    ))
 }
 
-/// Prints `outcome` of scenario `name` on `fabric` (as JSON with `--json`); the exit status
-/// says whether it held.
-fn print(outcome: &chaos::Outcome, name: &str, fabric: &ChaosFabric, args: &ChaosArgs) -> ExitCode {
+/// The libfabric provider of `fabric`, if it is libfabric.
+fn provider(fabric: &ChaosFabric) -> Option<&str> {
+    match fabric {
+        ChaosFabric::Ofi { provider } => Some(provider),
+        ChaosFabric::Soft => None,
+    }
+}
+
+/// `railyard chaos hicache`: the store's processes under faults (see
+/// [`railyard::chaos::hicache`]).
+#[cfg(feature = "etcd")]
+fn hicache(args: &ChaosArgs) -> anyhow::Result<ExitCode> {
+    if args.fabric != "soft" || args.ofi_provider.is_some() || args.etcd {
+        bail!(
+            "hicache runs its processes on the TCP fabric (a stopped process stops serving, as behind a NIC) with an etcd of its own: no --fabric, --ofi-provider or --etcd"
+        );
+    }
+    let config = chaos::hicache::HicacheConfig {
+        binary: std::env::current_exe().context("finding this binary")?,
+        seed: args.seed,
+        duration: Duration::from_secs(args.duration),
+    };
+    let report = chaos::hicache::run(&config).context("hicache could not run")?;
+    let outcome = chaos::Outcome {
+        violations: report.violations(),
+        counts: serde_json::to_value(&report)?,
+    };
+    Ok(print(&outcome, "hicache", "tcp", None, args))
+}
+
+/// `railyard chaos hicache` in a build without etcd.
+#[cfg(not(feature = "etcd"))]
+fn hicache(_: &ChaosArgs) -> anyhow::Result<ExitCode> {
+    bail!(
+        "hicache needs etcd: build railyard with `--features etcd` (`make run` and `make test` do)"
+    )
+}
+
+/// Prints `outcome` of scenario `name` on `fabric` (libfabric: through `provider`), as JSON
+/// with `--json`; the exit status says whether it held.
+fn print(
+    outcome: &chaos::Outcome,
+    name: &str,
+    fabric: &str,
+    provider: Option<&str>,
+    args: &ChaosArgs,
+) -> ExitCode {
     let passed = outcome.violations.is_empty();
     if args.json {
         let mut counts = outcome.counts.clone();
         if let Some(object) = counts.as_object_mut() {
             object.insert("scenario".into(), name.into());
-            object.insert("fabric".into(), fabric.name().into());
-            if let ChaosFabric::Ofi { provider } = fabric {
-                object.insert("ofi_provider".into(), provider.as_str().into());
+            object.insert("fabric".into(), fabric.into());
+            if let Some(provider) = provider {
+                object.insert("ofi_provider".into(), provider.into());
             }
             object.insert("passed".into(), passed.into());
             object.insert("violations".into(), outcome.violations.clone().into());
         }
         println!("{counts}");
     } else {
-        match fabric {
-            ChaosFabric::Soft => println!("{name} (seed {}, soft fabric)", args.seed),
-            ChaosFabric::Ofi { provider } => {
-                println!("{name} (seed {}, libfabric {provider})", args.seed);
-            }
+        match provider {
+            None => println!("{name} (seed {}, {fabric} fabric)", args.seed),
+            Some(provider) => println!("{name} (seed {}, libfabric {provider})", args.seed),
         }
         if let Some(object) = outcome.counts.as_object() {
             for (name, value) in object {

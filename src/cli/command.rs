@@ -36,8 +36,9 @@ enum Command {
     /// poller placement plan.
     Topology(topology::TopologyArgs),
     /// Reproduce a production failure (reconnect-storm, teardown-race, handshake-churn,
-    /// dead-replica) on the soft fabric and print what happened as counts. Exit status 1
-    /// when the scenario breaks one of its promises.
+    /// dead-replica on the soft fabric; soak; hicache: the store's processes killed under
+    /// load) and print what happened as counts. Exit status 1 when the scenario breaks one
+    /// of its promises.
     Chaos(chaos::ChaosArgs),
     /// Serve a registered pool to peers (a transfer target) until stopped.
     Serve(serve::ServeArgs),

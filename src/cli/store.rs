@@ -38,6 +38,27 @@ enum StoreCommand {
     Stat(ClientArgs),
     /// Throughput and latency of puts and gets against a live master.
     Bench(super::store_bench::StoreBenchArgs),
+    /// One client process of `railyard chaos hicache` (JSON events on stdout, commands on
+    /// stdin).
+    #[cfg(feature = "etcd")]
+    #[command(hide = true)]
+    ChaosClient(ChaosClientArgs),
+}
+
+#[cfg(feature = "etcd")]
+#[derive(Debug, Args)]
+struct ChaosClientArgs {
+    /// The master's address, or `etcd://…` to find the leader there.
+    #[arg(long)]
+    master: String,
+    /// This client's engine name; its keys start with it.
+    #[arg(long)]
+    name: String,
+    /// Seeds which keys it reads.
+    #[arg(long)]
+    seed: u64,
+    #[command(flatten)]
+    secret: SecretArgs,
 }
 
 /// How a store command reaches the cluster.
@@ -72,6 +93,11 @@ struct ServeArgs {
     /// Exit (unmounting first) when standard input closes.
     #[arg(long)]
     until_stdin_closes: bool,
+    /// The engine's (and so the segment's) name (default `store-serve-<host>-<pid>`). A
+    /// process started under a dead one's name is still a new incarnation: none of the dead
+    /// one's objects are taken for its own.
+    #[arg(long)]
+    name: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -119,10 +145,10 @@ struct RmArgs {
 
 impl ClientArgs {
     /// An engine and a store client for one command.
-    fn connect(&self, role: &str, staging: u64) -> anyhow::Result<(Engine, Store)> {
+    fn connect(&self, name: String, staging: u64) -> anyhow::Result<(Engine, Store)> {
         let engine = self
             .secret
-            .apply(Engine::builder(default_name(role)))?
+            .apply(Engine::builder(name))?
             .listen(self.listen)
             .fabric(self.fabric)
             .rails(RailChoice::Count(NonZeroUsize::MIN))
@@ -154,6 +180,16 @@ pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
     match &args.command {
         StoreCommand::Serve(args) => serve(args),
         StoreCommand::Bench(args) => super::store_bench::run(args),
+        #[cfg(feature = "etcd")]
+        StoreCommand::ChaosClient(args) => {
+            let secret = args
+                .secret
+                .secret_file
+                .as_deref()
+                .map(railyard::engine::ClusterSecret::from_file)
+                .transpose()?;
+            railyard::chaos::hicache::run_client(&args.master, &args.name, args.seed, secret)
+        }
         StoreCommand::Put(args) => {
             let value = match (&args.value, &args.file) {
                 (Some(text), _) => text.clone().into_bytes(),
@@ -168,9 +204,10 @@ pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
                     bytes
                 }
             };
-            let (_engine, store) = args
-                .client
-                .connect("store-put", (value.len() as u64).clamp(1 << 20, 256 << 20))?;
+            let (_engine, store) = args.client.connect(
+                default_name("store-put"),
+                (value.len() as u64).clamp(1 << 20, 256 << 20),
+            )?;
             let config = ReplicaConfig {
                 replica_num: args.replicas,
                 ..ReplicaConfig::default()
@@ -184,7 +221,7 @@ pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
             Ok(())
         }
         StoreCommand::Get(args) => {
-            let (_engine, store) = args.client.connect("store-get", 16 << 20)?;
+            let (_engine, store) = args.client.connect(default_name("store-get"), 16 << 20)?;
             let value = store.get(&args.key)?;
             match &args.output {
                 Some(path) => std::fs::write(path, &value)
@@ -197,7 +234,7 @@ pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
             Ok(())
         }
         StoreCommand::Rm(args) => {
-            let (_engine, store) = args.client.connect("store-rm", 1 << 20)?;
+            let (_engine, store) = args.client.connect(default_name("store-rm"), 1 << 20)?;
             let mut failed = 0;
             for (key, result) in args
                 .keys
@@ -218,7 +255,7 @@ pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
             Ok(())
         }
         StoreCommand::Ls(args) => {
-            let (_engine, store) = args.connect("store-ls", 1 << 20)?;
+            let (_engine, store) = args.connect(default_name("store-ls"), 1 << 20)?;
             let mut out = std::io::stdout().lock();
             for key in store.keys()? {
                 writeln!(out, "{key}")?;
@@ -226,7 +263,7 @@ pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
             Ok(())
         }
         StoreCommand::Stat(args) => {
-            let (_engine, store) = args.connect("store-stat", 1 << 20)?;
+            let (_engine, store) = args.connect(default_name("store-stat"), 1 << 20)?;
             let stats = store.master_stats()?;
             let mut out = std::io::stdout().lock();
             writeln!(
@@ -277,7 +314,12 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     if args.segment == 0 {
         bail!("--segment must be more than 0 bytes");
     }
-    let (engine, store) = args.client.connect("store-serve", 1 << 20)?;
+    let (engine, store) = args.client.connect(
+        args.name
+            .clone()
+            .unwrap_or_else(|| default_name("store-serve")),
+        1 << 20,
+    )?;
     let segment = store.mount(args.segment)?;
     let mut out = std::io::stdout().lock();
     writeln!(
