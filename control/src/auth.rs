@@ -191,7 +191,7 @@ pub fn verify(
 pub fn nonce() -> [u8; NONCE_LEN] {
     let mut bytes = [0u8; NONCE_LEN];
     for chunk in bytes.chunks_mut(8) {
-        chunk.copy_from_slice(&crate::random::random_u64().to_le_bytes());
+        chunk.copy_from_slice(&railyard_dataplane::entropy::random_u64().to_le_bytes());
     }
     bytes
 }

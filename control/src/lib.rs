@@ -35,7 +35,6 @@ pub mod host;
 pub mod plane;
 pub mod policy;
 pub mod rail;
-mod random;
 pub mod shared;
 pub mod warn;
 pub mod wire;

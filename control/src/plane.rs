@@ -51,8 +51,8 @@ use crate::handshake::{Core, Identity};
 use crate::host::HostId;
 use crate::policy::Policy;
 use crate::rail::{RailFabric, Revocation};
-use crate::random::random_u64;
 use crate::wire::MAX_NOTIFY;
+use railyard_dataplane::entropy::random_u64;
 
 /// How to run a control plane.
 #[derive(Clone, Debug)]

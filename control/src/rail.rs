@@ -363,7 +363,7 @@ impl RailFabric for Arc<VerbsRail> {
 
     fn create_qp(&self, _link: &PeerLink) -> Result<(PreparedQp, QpSide), String> {
         // A random first PSN per queue pair, as verbs expects.
-        let psn = crate::random::random_u64() as u32;
+        let psn = railyard_dataplane::entropy::random_u64() as u32;
         let (qp, info) = VerbsRail::create_qp(self, psn).map_err(|e| e.to_string())?;
         Ok((qp, verbs_side(info)))
     }
@@ -373,7 +373,7 @@ impl RailFabric for Arc<VerbsRail> {
         _link: &PeerLink,
         _initiator: &QpSide,
     ) -> Result<(PreparedQp, QpSide), String> {
-        let psn = crate::random::random_u64() as u32;
+        let psn = railyard_dataplane::entropy::random_u64() as u32;
         let (qp, info) = VerbsRail::create_target_qp(self, psn).map_err(|e| e.to_string())?;
         Ok((qp, verbs_side(info)))
     }
@@ -447,7 +447,7 @@ impl OfiTag {
     /// Opens a fresh tag on `rail`: a random one not open for another connection.
     fn open(rail: &Arc<OfiRail>) -> Result<Self, String> {
         (0..64)
-            .map(|_| crate::random::random_u64() as u32)
+            .map(|_| railyard_dataplane::entropy::random_u64() as u32)
             .find(|&tag| rail.open_immediates(tag))
             .map(|tag| Self {
                 rail: rail.clone(),
@@ -474,7 +474,7 @@ fn ofi_side(rail: &OfiRail, tag: u32) -> QpSide {
     QpSide {
         info: QpInfo {
             // Names the offer in RetireQp; libfabric has no queue-pair number.
-            qp_num: (crate::random::random_u64() as u32 & 0x00ff_ffff).max(1),
+            qp_num: (railyard_dataplane::entropy::random_u64() as u32 & 0x00ff_ffff).max(1),
             lid: 0,
             gid: [0; 16],
             psn: 0,

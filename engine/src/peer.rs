@@ -53,6 +53,14 @@ impl Peer {
         })
     }
 
+    /// Whether a queue pair to it carries traffic on one of the rails now: work that failed
+    /// on another rail (its errors, its circuit open) may still reach it through this one.
+    pub fn is_up_on_a_rail(&self) -> bool {
+        self.views
+            .iter()
+            .any(|view| view.phase() == railyard_control::Phase::Ready)
+    }
+
     /// Its newest descriptor (name, incarnation, rails, regions).
     pub fn descriptor(&self) -> Arc<SegmentDescriptor> {
         self.views

@@ -15,7 +15,7 @@ pub(crate) struct ChaosArgs {
     /// leading master die; needs the `etcd` feature and etcd-server).
     scenario: String,
     /// How long the soak or hicache runs, in seconds (hicache: at least one round of its
-    /// five faults, about 45 s).
+    /// five faults, about 50 s).
     #[arg(long, default_value_t = 60)]
     duration: u64,
     /// Target processes of the soak (soak only).

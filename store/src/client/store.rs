@@ -1028,7 +1028,7 @@ impl Store {
         let mut results: Vec<Option<Result<(), StoreError>>> = vec![None; items.len()];
         let mut attempt = vec![0usize; items.len()];
         let mut last: Vec<String> = vec![String::from("no replica"); items.len()];
-        // Whether every replica tried so far failed because its holder is gone.
+        // Whether every replica tried on this pass failed because its holder is gone.
         let mut all_gone = vec![true; items.len()];
         let mut passes = vec![1usize; items.len()];
         loop {
@@ -1077,6 +1077,9 @@ impl Store {
                     if !all_gone[i] && passes[i] < READ_PASSES && time_left {
                         passes[i] += 1;
                         attempt[i] = 0;
+                        // Judged again on this pass alone: holders seen alive on the last one
+                        // may have died since.
+                        all_gone[i] = true;
                         pause = true;
                         continue;
                     }
@@ -1289,11 +1292,11 @@ impl Store {
                 && outcomes[item].is_ok()
             {
                 // Gone means the peer as a whole: one rail's circuit open or endpoint retired
-                // (its errors) leaves the others.
+                // (its errors) while another rail carries traffic leaves that one.
                 let holder_gone = matches!(
                     reason,
                     FailReason::PeerUnavailable | FailReason::EndpointRetired
-                ) && (peer.is_unavailable() || peer.is_retired());
+                ) && !peer.is_up_on_a_rail();
                 outcomes[item] = Err(MoveFailure {
                     detail: format!("{reason:?}"),
                     holder_gone,

@@ -271,7 +271,7 @@ impl Segments {
     /// How many replicas of `size` bytes to place (on segments not owned at an address in
     /// `avoid`): `config.replica_num`, or with `config.best_effort` as many as there are
     /// segments that could hold one (at least one). An error when that many can never be
-    /// placed — or, right after a failover, [`StoreErrorKind::SegmentsNotReady`] when they
+    /// placed — or, right after a failover, [`StoreErrorKind::SegmentsNotReady`] when more
     /// could once the segments' owners are heard and the earlier term's writers fenced.
     pub(crate) fn replicas_for(
         &self,
@@ -296,14 +296,19 @@ impl Segments {
         let enough = |segments: usize| {
             segments >= config.replica_num || (config.best_effort && segments > 0)
         };
-        if enough(holding) {
-            return Ok(config.replica_num.min(holding));
+        if holding >= config.replica_num {
+            return Ok(config.replica_num);
         }
-        if enough(holding + soon) {
+        // Fewer than asked take writes now, more will soon: wait for them rather than
+        // writing fewer replicas (best effort) or refusing.
+        if soon > 0 && enough(holding + soon) {
             return Err(StoreErrorKind::SegmentsNotReady {
                 asked: config.replica_num,
                 ready: holding,
             });
+        }
+        if config.best_effort && holding > 0 {
+            return Ok(holding);
         }
         let largest = self
             .writable()
