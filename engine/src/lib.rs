@@ -92,5 +92,5 @@ pub use region::{DEREGISTER_WAIT, PeerAccess, Region};
 pub use revoke::REVOKE_WAIT;
 pub use session::{FAILED_OPEN_KEPT, MAX_IDLE_SUBMITTERS, RawTransfer, SubmitterPool};
 pub use state::Engine;
-pub use stats::{EngineStats, OpTotals, PeerStats, RailStats};
+pub use stats::{EndpointStats, EngineStats, OpTotals, PeerStats, RailStats};
 pub use transfer::{EngineSubmitter, REFRESH_WAIT, SubmitTiming, Transfer};

@@ -316,24 +316,22 @@ impl Collector for EngineMetrics {
         )?;
 
         // The control plane.
-        let endpoints = engine.endpoint_views();
         family.gauge(
             "railyard_endpoint_state",
             "Each endpoint's state (1 for the state it is in, 0 for the others); state \
              circuit_open means work for the peer fails fast.",
             None,
-            endpoints.iter().flat_map(|(rail, view)| {
-                let phase = view.phase();
+            stats.endpoints.iter().flat_map(|endpoint| {
                 Phase::ALL.map(|state| {
                     (
                         labels([
-                            ("peer", view.peer_name.clone()),
-                            ("incarnation", view.key.peer.to_string()),
-                            ("rail", engine.rail_name(*rail)),
-                            ("endpoint", view.id.0.to_string()),
+                            ("peer", endpoint.peer.clone()),
+                            ("incarnation", endpoint.incarnation.to_string()),
+                            ("rail", endpoint.rail.clone()),
+                            ("endpoint", endpoint.endpoint.to_string()),
                             ("state", state.as_str().to_string()),
                         ]),
-                        u64::from(phase == state),
+                        u64::from(endpoint.phase == state),
                     )
                 })
             }),

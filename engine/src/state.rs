@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use railyard_control::{ControlPlane, ControlShared, EndpointView, Incarnation, Revocation};
+use railyard_control::{ControlPlane, ControlShared, Incarnation, Revocation};
 use railyard_dataplane::PollerHandle;
 use railyard_dataplane::fabric::soft::FaultHandle;
 use railyard_topology::HostTopology;
@@ -15,7 +15,7 @@ use super::directory::Directory;
 use super::peer::SessionTable;
 use super::rails::Rails;
 use super::region::{DEREGISTER_WAIT, RegionEntry};
-use super::stats::{EngineStats, PeerTable, RailStats, peer_stats};
+use super::stats::{EndpointStats, EngineStats, PeerTable, RailStats, peer_stats};
 
 /// railyard embedded in an application. See the [crate docs](crate).
 #[derive(Clone)]
@@ -184,22 +184,25 @@ impl Engine {
                 .collect(),
             peers: peer_stats(&self.inner.peers),
             control: self.inner.control.stats(),
+            endpoints: self
+                .inner
+                .control
+                .endpoints()
+                .into_iter()
+                .map(|(rail, view)| EndpointStats {
+                    peer: view.peer_name.clone(),
+                    incarnation: view.key.peer,
+                    rail: self.inner.rails.name(usize::from(rail)),
+                    endpoint: u64::from(view.id.0),
+                    phase: view.phase(),
+                })
+                .collect(),
         }
     }
 
     /// A handle that does not keep it running.
     pub(crate) fn downgrade(&self) -> WeakEngine {
         WeakEngine(Arc::downgrade(&self.inner))
-    }
-
-    /// Every endpoint that exists now, with its rail.
-    pub(crate) fn endpoint_views(&self) -> Vec<(u16, Arc<EndpointView>)> {
-        self.inner.control.endpoints()
-    }
-
-    /// Rail `rail`'s name.
-    pub(crate) fn rail_name(&self, rail: u16) -> String {
-        self.inner.rails.name(usize::from(rail))
     }
 
     pub(crate) fn pollers(&self) -> &[Arc<PollerHandle>] {

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use railyard_control::{ControlStats, Incarnation};
+use railyard_control::{ControlStats, Incarnation, Phase};
 use railyard_dataplane::CounterSnapshot;
 use railyard_dataplane::fabric::tcp::ServedStats;
 
@@ -73,6 +73,23 @@ pub struct EngineStats {
     pub peers: Vec<PeerStats>,
     /// The control plane's (reconnects, handshakes, circuits, notifications…).
     pub control: ControlStats,
+    /// Every endpoint that exists now.
+    pub endpoints: Vec<EndpointStats>,
+}
+
+/// One endpoint (a peer on a rail) as it is now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointStats {
+    /// The peer's name.
+    pub peer: String,
+    /// The peer's incarnation.
+    pub incarnation: Incarnation,
+    /// The rail's name.
+    pub rail: String,
+    /// The endpoint's id.
+    pub endpoint: u64,
+    /// Its state.
+    pub phase: Phase,
 }
 
 /// What an engine counts per peer.
