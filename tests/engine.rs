@@ -403,10 +403,7 @@ fn every_documented_error_names_what_is_wrong_and_queues_nothing() {
         engine.open("a-name-without-a-directory"),
         Err(PeerError::UnknownName { reason, .. }) if reason.contains("directory")
     ));
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let (_held, closed) = common::refusing_address();
     let unreachable = engine.open(&closed.to_string()).unwrap_err();
     assert!(
         matches!(unreachable, PeerError::Unreachable { .. }),

@@ -334,9 +334,7 @@ fn a_submitter_pool_serves_many_threads_with_every_byte_in_place() {
 #[test]
 fn a_session_that_failed_to_open_answers_with_that_failure_briefly_then_tries_again() {
     let initiator = engine("failing-initiator");
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port");
+    let (_held, closed) = common::refusing_address();
     let session = closed.to_string();
     let first = initiator.peer(&session);
     assert!(

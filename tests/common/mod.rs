@@ -206,6 +206,22 @@ impl Drop for Serve {
     }
 }
 
+/// An address that refuses every connection for as long as the returned socket lives: the
+/// socket holds the port (bound, never listening), so no engine of a test running beside
+/// this one can be given it, as it could a port that was bound and let go.
+pub fn refusing_address() -> (socket2::Socket, std::net::SocketAddr) {
+    let socket =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("a socket");
+    let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().expect("an address");
+    socket.bind(&loopback.into()).expect("binds a free port");
+    let addr = socket
+        .local_addr()
+        .ok()
+        .and_then(|addr| addr.as_socket())
+        .expect("an IPv4 address");
+    (socket, addr)
+}
+
 /// The resident memory of process `pid`, in KiB.
 pub fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the process runs");
