@@ -217,6 +217,21 @@ impl Segments {
         self.by_name.get(name).copied()
     }
 
+    /// The segment named `name`, else every segment the member (engine) named `name`
+    /// mounted: a client's segments are named `{member}@{incarnation}#{n}`, and callers
+    /// prefer a member by the name they gave it.
+    pub(crate) fn named(&self, name: &str) -> Vec<SegmentId> {
+        if let Some(id) = self.by_name(name) {
+            return vec![id];
+        }
+        let member = format!("{name}@");
+        self.by_id
+            .iter()
+            .filter(|(_, segment)| segment.spec.name.starts_with(&member))
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
     pub(crate) fn iter(&self) -> impl Iterator<Item = (SegmentId, &Segment)> {
         self.by_id.iter().map(|(&id, segment)| (id, segment))
     }
@@ -340,7 +355,7 @@ impl Segments {
         let preferred: Vec<SegmentId> = config
             .preferred_segments
             .iter()
-            .filter_map(|name| self.by_name(name))
+            .flat_map(|name| self.named(name))
             .filter(|id| {
                 let segment = &self.by_id[id];
                 segment.takes_writes() && !avoid.contains(&segment.spec.handshake_addr)

@@ -384,6 +384,42 @@ fn replicas_go_to_different_segments_and_to_different_hosts_when_there_are_some(
 }
 
 #[test]
+fn a_member_is_preferred_by_the_name_it_gave_its_engine() {
+    let now = Instant::now();
+    let mut core = MasterCore::new(MasterPolicy {
+        member_silence: NEVER_SILENT,
+        ..MasterPolicy::default()
+    });
+    let ids: Vec<SegmentId> = ["decode-0@7#1", "decode-1@9#1", "decode-10@3#1"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            core.mount_segment(
+                ClientId(100 + i as u64),
+                spec(name, "h", 1 << 40, 16 * MIB),
+                now,
+            )
+            .expect("mounts")
+        })
+        .collect();
+    for (preferred, expected) in [
+        ("decode-1", ids[1]),
+        ("decode-10", ids[2]),
+        ("decode-0@7#1", ids[0]),
+    ] {
+        let config = ReplicaConfig {
+            preferred_segments: vec![preferred.into()],
+            ..ReplicaConfig::default()
+        };
+        let key = format!("k-{preferred}");
+        let ticket = core
+            .put_start(WRITER, &key, MIB, &config, now)
+            .expect("placed");
+        assert_eq!(ticket.replicas[0].segment, expected, "{preferred}");
+    }
+}
+
+#[test]
 fn bad_input_is_named_and_allocates_nothing() {
     let now = Instant::now();
     let (mut core, _) = master(MasterPolicy::default(), &[4 * MIB, 4 * MIB], &["a", "b"]);
