@@ -59,24 +59,50 @@ impl Engine {
     }
 }
 
-#[pymethods]
-impl Engine {
-    #[new]
-    #[pyo3(signature = (name=None, *, listen="0.0.0.0:0", advertise_host=None, fabric="auto", directory="p2p", timeout_s=30.0, rails=None, busy_poll=true, ofi_provider=None, secret_file=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        name: Option<String>,
-        listen: &str,
-        advertise_host: Option<&str>,
-        fabric: &str,
-        directory: &str,
-        timeout_s: f64,
-        rails: Option<usize>,
-        busy_poll: bool,
-        ofi_provider: Option<String>,
-        secret_file: Option<std::path::PathBuf>,
-    ) -> PyResult<Self> {
+/// How to start an engine: the options `Engine(...)` and `Store.setup(...)` share.
+pub(crate) struct EngineSettings<'a> {
+    pub(crate) name: Option<String>,
+    pub(crate) listen: &'a str,
+    pub(crate) advertise_host: Option<&'a str>,
+    pub(crate) fabric: &'a str,
+    pub(crate) directory: &'a str,
+    pub(crate) timeout_s: f64,
+    pub(crate) rails: Option<usize>,
+    pub(crate) busy_poll: bool,
+    pub(crate) ofi_provider: Option<String>,
+    pub(crate) secret_file: Option<std::path::PathBuf>,
+}
+
+impl EngineSettings<'_> {
+    /// The secret file named, else `RAILYARD_SECRET_FILE` (as the CLI reads it).
+    pub(crate) fn secret(&self) -> PyResult<Option<railyard_engine::ClusterSecret>> {
+        let path = self
+            .secret_file
+            .clone()
+            .or_else(|| std::env::var_os("RAILYARD_SECRET_FILE").map(Into::into));
+        path.map(|path| {
+            railyard_engine::ClusterSecret::from_file(&path)
+                .map_err(|error| PyValueError::new_err(error.to_string()))
+        })
+        .transpose()
+    }
+
+    /// Checks every option, then starts the engine (without the GIL): the engine, its
+    /// name and its default timeout.
+    pub(crate) fn start(self, py: Python<'_>) -> PyResult<(NativeEngine, String, Duration)> {
+        let secret = self.secret()?;
+        let EngineSettings {
+            name,
+            listen,
+            advertise_host,
+            fabric,
+            directory,
+            timeout_s,
+            rails,
+            busy_poll,
+            ofi_provider,
+            secret_file: _,
+        } = self;
         // Unique within the process too: two engines of one process are two peers.
         let name = name.unwrap_or_else(|| {
             static CREATED: AtomicU64 = AtomicU64::new(0);
@@ -124,12 +150,7 @@ impl Engine {
             }
             builder = builder.ofi(provider);
         }
-        // As the CLI: the argument, else RAILYARD_SECRET_FILE.
-        let secret_file =
-            secret_file.or_else(|| std::env::var_os("RAILYARD_SECRET_FILE").map(Into::into));
-        if let Some(path) = secret_file {
-            let secret = railyard_engine::ClusterSecret::from_file(&path)
-                .map_err(|error| PyValueError::new_err(error.to_string()))?;
+        if let Some(secret) = secret {
             builder = builder.secret(secret);
         }
         if let Some(host) = advertise_host {
@@ -160,6 +181,41 @@ impl Engine {
         let engine = py.detach(|| builder.build()).map_err(|error| {
             PyRuntimeError::new_err(format!("the engine did not start: {error}"))
         })?;
+        Ok((engine, name, timeout))
+    }
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (name=None, *, listen="0.0.0.0:0", advertise_host=None, fabric="auto", directory="p2p", timeout_s=30.0, rails=None, busy_poll=true, ofi_provider=None, secret_file=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: Option<String>,
+        listen: &str,
+        advertise_host: Option<&str>,
+        fabric: &str,
+        directory: &str,
+        timeout_s: f64,
+        rails: Option<usize>,
+        busy_poll: bool,
+        ofi_provider: Option<String>,
+        secret_file: Option<std::path::PathBuf>,
+    ) -> PyResult<Self> {
+        let (engine, name, timeout) = EngineSettings {
+            name,
+            listen,
+            advertise_host,
+            fabric,
+            directory,
+            timeout_s,
+            rails,
+            busy_poll,
+            ofi_provider,
+            secret_file,
+        }
+        .start(py)?;
         let session_id = engine.addr().to_string();
         Ok(Self {
             open: RwLock::new(Some(Arc::new(Open {
@@ -494,6 +550,33 @@ impl Engine {
                 !peer.is_retired() && open.engine.refresh_descriptor(&peer, deadline)
             })
         }))
+    }
+
+    /// The buffers the engine at `session_id` lets peers reach, as `(addr, length)` in the
+    /// order it registered them (its descriptor, asked for again within `timeout_s`,
+    /// default 2 s). Raises TransferError when the peer cannot be opened.
+    #[pyo3(signature = (session_id, *, timeout_s=None))]
+    fn peer_buffers(
+        &self,
+        py: Python<'_>,
+        session_id: &str,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Vec<(u64, u64)>> {
+        check_session(session_id)?;
+        let deadline = Instant::now() + timeout_of(timeout_s, PROBE_WAIT)?;
+        let open = self.open()?;
+        py.detach(|| {
+            let peer = open.peer(session_id)?;
+            // A descriptor that did not change answers false: what is known is current.
+            open.engine.refresh_descriptor(&peer, deadline);
+            Ok(peer
+                .descriptor()
+                .regions
+                .iter()
+                .map(|region| (region.base, region.len))
+                .collect())
+        })
+        .map_err(Failure::into_err)
     }
 
     /// The engine's Prometheus metrics, in the text format (content type

@@ -11,12 +11,14 @@ mod batch;
 mod engine;
 mod errors;
 mod open;
+mod store;
 
 use pyo3::prelude::*;
 
 use crate::batch::Batch;
 use crate::engine::Engine;
 use crate::errors::TransferError;
+use crate::store::{ObjectNotFound, Store, StoreError};
 
 /// The `railyard._native` module.
 #[pymodule]
@@ -32,5 +34,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TransferError", m.py().get_type::<TransferError>())?;
     m.add_class::<Engine>()?;
     m.add_class::<Batch>()?;
+    m.add("StoreError", m.py().get_type::<StoreError>())?;
+    m.add("ObjectNotFound", m.py().get_type::<ObjectNotFound>())?;
+    m.add_class::<Store>()?;
     Ok(())
 }

@@ -124,3 +124,98 @@ def spawn_peer():
     yield spawn
     for peer in peers:
         peer.close()
+
+
+# -- a store cluster: `railyard master` and `railyard store serve` processes ---------------
+
+RAILYARD = Path(
+    os.environ.get("CARGO_TARGET_DIR", HERE.parents[1] / "target")
+) / "release" / "railyard"
+# How long a store process may take to print its first line.
+START_TIMEOUT_S = 30.0
+
+
+class _Process:
+    """A `railyard` child whose first stdout line says where it listens; stdin open until
+    stopped (it exits when stdin closes)."""
+
+    def __init__(self, *args: str) -> None:
+        if not RAILYARD.exists():
+            raise RuntimeError(f"{RAILYARD} missing: `cargo build --release --bin railyard`")
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [str(RAILYARD), *args, "--until-stdin-closes"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        try:
+            first = lines.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            first = None
+        if not first or not first.startswith("listening "):
+            self.kill()
+            raise RuntimeError(f"railyard {args[0]} did not start: {first!r}\n{self.stderr()}")
+        self.addr = first.split()[1]
+
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-4000:]
+
+    def kill(self) -> None:
+        """SIGKILL: gone at once, as a crashed process."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """Closes stdin: it exits cleanly (a segment server unmounts first)."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=15)
+            except Exception:
+                self.kill()
+        self._stderr.close()
+
+
+class StoreCluster:
+    """A master and segment servers (TCP fabric), each its own process."""
+
+    def __init__(self, servers: int, segment: str = "64MiB") -> None:
+        self.master = _Process("master", "--listen", "127.0.0.1:0", "--lease-ttl", "1s")
+        self.addr = self.master.addr
+        self.servers: list[_Process] = []
+        for _ in range(servers):
+            self.add_server(segment)
+
+    def add_server(self, segment: str = "64MiB") -> _Process:
+        server = _Process(
+            "store", "serve", "--master", self.addr, "--fabric", "tcp", "--segment", segment
+        )
+        self.servers.append(server)
+        return server
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        self.master.stop()
+
+
+@pytest.fixture(scope="module")
+def store_cluster():
+    """A master and two 64 MiB segment servers for the tests of one module."""
+    cluster = StoreCluster(servers=2)
+    yield cluster
+    cluster.stop()

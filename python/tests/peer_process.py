@@ -18,12 +18,13 @@ one JSON reply line each, until ``QUIT`` or EOF:
     QUIT                         -> exits 0
 
 Usage: peer_process.py --mode native|mooncake --bufs N --size BYTES
-       [--fabric auto] [--protocol tcp] [--name NAME]
+       [--fabric auto] [--protocol tcp] [--name NAME] [--managed]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import sys
@@ -87,6 +88,11 @@ def main() -> int:
     parser.add_argument("--fabric", default="auto")
     parser.add_argument("--protocol", default="tcp")
     parser.add_argument("--name", default=None)
+    parser.add_argument(
+        "--managed",
+        action="store_true",
+        help="mooncake mode: the buffers come from allocate_managed_buffer, nothing else",
+    )
     args = parser.parse_args()
 
     bufs = [np.zeros(args.size, dtype=np.uint8) for _ in range(args.bufs)]
@@ -106,7 +112,14 @@ def main() -> int:
         if engine.initialize("127.0.0.1", "P2PHANDSHAKE", args.protocol, "") != 0:
             print(json.dumps({"error": "initialize failed"}), flush=True)
             return 1
-        if engine.batch_register_memory(addrs, lens) != 0:
+        if args.managed:
+            # Mooncake's basic usage: the target only allocates managed buffers.
+            addrs = [engine.allocate_managed_buffer(args.size) for _ in bufs]
+            bufs = [
+                np.ctypeslib.as_array((ctypes.c_uint8 * args.size).from_address(addr))
+                for addr in addrs
+            ]
+        elif engine.batch_register_memory(addrs, lens) != 0:
             print(json.dumps({"error": "batch_register_memory failed"}), flush=True)
             return 1
         session, name = f"127.0.0.1:{engine.get_rpc_port()}", engine.engine.name

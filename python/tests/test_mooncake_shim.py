@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
+import socket
 import time
 import warnings
 
 import numpy as np
 import pytest
 
+from railyard.compat import mooncake
 from railyard.compat.mooncake import TransferEngine, TransferNotify, TransferOpcode
 
 NUM_LAYERS = 4
@@ -217,7 +220,7 @@ def test_sglang_calls_and_return_codes(prefill, decode):
     assert prefill.transfer_sync_write("no-such-host", src.ctypes.data, remote, 4096) == -1
     assert prefill.transfer_sync(session, src.ctypes.data, remote, 16, opcode=7) == -1
     bad_id = prefill.transfer_submit_write(session, unregistered.ctypes.data, remote, 16)
-    assert bad_id == 0 or prefill.transfer_check_status(bad_id) == -1
+    assert bad_id == -1 and prefill.transfer_check_status(bad_id) == -1
     assert prefill.transfer_check_status(0) == -1
     assert prefill.transfer_check_status(123456789) == -1
     assert prefill.unregister_memory(unregistered.ctypes.data) == -1
@@ -274,3 +277,92 @@ def test_a_finished_batch_checked_after_its_deadline_is_done(prefill, decode, mo
     with monkeypatch.context() as patched:
         patched.setattr(time, "monotonic", lambda: later)
         assert prefill.get_batch_transfer_status([batch_id]) == 0
+
+
+def test_mooncakes_basic_usage_finds_a_managed_buffer_by_segment_name(spawn_peer):
+    """Mooncake's own example: the target only allocates a managed buffer; the initiator
+    finds it with get_first_buffer_address(target's segment name) and writes into it."""
+    target = spawn_peer("--mode", "mooncake", "--managed", "--size", "65536", "--bufs", "2")
+    initiator = TransferEngine()
+    try:
+        assert initiator.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        remote = initiator.get_first_buffer_address(target.session)
+        assert remote == target.bufs[0][0] != 0
+        local = initiator.allocate_managed_buffer(65536)
+        assert initiator.get_first_buffer_address(initiator.get_session_id()) == local
+        assert initiator.write_bytes_to_buffer(local, b"railyard" * 8192, 65536) == 0
+        assert initiator.transfer_sync_write(target.session, local, remote, 65536) == 0
+        expected = hashlib.sha256(b"railyard" * 8192).hexdigest()
+        assert target.cmd("DIGEST")["digests"][0] == expected
+        assert initiator.read_bytes_from_buffer(local, 8) == b"railyard"
+        # Unknown and malformed segments: 0, as Mooncake.
+        assert initiator.get_first_buffer_address("127.0.0.1:1") == 0
+        assert initiator.get_first_buffer_address("no-such-segment") == 0
+    finally:
+        initiator.close()
+
+
+def test_shim_gaps_mooncake_users_meet_first():
+    engine = TransferEngine()
+    assert engine.get_first_buffer_address("127.0.0.1:1") == 0  # before initialize
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        # Listening where the caller said: loopback, not every interface.
+        port = engine.get_rpc_port()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        outside = [
+            ip
+            for ip in {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+            if not ip.startswith("127.")
+        ]
+        for ip in outside:
+            with pytest.raises(OSError):
+                socket.create_connection((ip, port), timeout=2).close()
+        # Registrations are counted: the second unregister is the one that deregisters.
+        buf = np.zeros(4096, dtype=np.uint8)
+        assert engine.register_memory(buf.ctypes.data, 4096) == 0
+        assert engine.register_memory(buf.ctypes.data, 4096) == 0
+        assert engine.unregister_memory(buf.ctypes.data) == 0
+        assert engine.get_first_buffer_address(engine.get_session_id()) == buf.ctypes.data
+        assert engine.unregister_memory(buf.ctypes.data) == 0
+        assert engine.unregister_memory(buf.ctypes.data) == -1
+        assert engine.get_first_buffer_address(engine.get_session_id()) == 0
+        # Failures are codes.
+        assert engine.transfer_submit_write("127.0.0.1:1", buf.ctypes.data, 0, 16) == -1
+        assert engine.write_bytes_to_buffer(buf.ctypes.data, b"abc", 10) == -1
+        assert engine.write_bytes_to_buffer(0, b"abc", 3) == -1
+        assert engine.write_bytes_to_buffer(buf.ctypes.data, "héllo", 3) == 0
+        assert buf[:3].tobytes() == "héllo".encode()[:3]
+        assert engine.send_probe("127.0.0.1:1") != 0
+        assert engine.send_probe("no-such-peer") != 0
+        topology = json.loads(engine.get_local_topology())
+        assert "cpu:0" in topology and all(len(lists) == 2 for lists in topology.values())
+        assert json.loads(engine.get_local_topology("no-such-device"))["cpu:0"] == [[], []]
+        assert engine.get_engine() is engine.engine
+        assert engine.warmup_efa_segment("127.0.0.1:1") == 0
+        # Every method Mooncake binds is here, or says what to use instead.
+        for name in MOONCAKE_BOUND:
+            if hasattr(engine, name):
+                continue
+            with pytest.raises(NotImplementedError, match="railyard"):
+                getattr(engine, name)
+        assert not hasattr(engine, "transfer_write_on_cuda")
+        assert not mooncake.SUPPORT_CUDA
+    finally:
+        engine.close()
+
+
+# What mooncake-integration/transfer_engine/transfer_engine_py.cpp binds on TransferEngine.
+MOONCAKE_BOUND = [
+    "initialize", "initialize_ext", "get_rpc_port", "allocate_managed_buffer",
+    "free_managed_buffer", "transfer_sync_write", "transfer_sync_read",
+    "batch_transfer_sync_write", "batch_transfer_sync_read", "batch_transfer_async_write",
+    "batch_transfer_async_read", "transfer_sync", "batch_transfer_sync", "batch_transfer_async",
+    "transfer_write_on_cuda", "transfer_read_on_cuda", "batch_transfer_write_on_cuda",
+    "batch_transfer_read_on_cuda", "get_batch_transfer_status", "transfer_submit_write",
+    "transfer_check_status", "write_bytes_to_buffer", "read_bytes_from_buffer",
+    "register_memory", "unregister_memory", "batch_register_memory", "batch_unregister_memory",
+    "get_local_topology", "get_first_buffer_address", "warmup_efa_segment", "get_notifies",
+    "send_probe", "get_engine", "get_engine_ptr",
+]  # fmt: skip

@@ -12,10 +12,32 @@ network) by raw address, the way KV-cache connectors do::
         # remote_addr: an address the peer registered, learnt out of band
         engine.write(peer_session_id, [buf.ctypes.data], [remote_addr], [buf.nbytes])
 
-:class:`Engine` is the native API; :mod:`railyard.compat.mooncake` offers
-``TransferEngine`` with Mooncake's method names and integer return codes.
+:class:`Engine` is the native API; :class:`Store` is a client of railyard's KV-cache store
+(see :mod:`railyard.store`). :mod:`railyard.compat.mooncake` offers ``TransferEngine`` and
+:mod:`railyard.compat.mooncake_store` ``MooncakeDistributedStore`` with Mooncake's method
+names and integer return codes; :mod:`railyard.compat.sglang` is a storage backend for
+SGLang's HiCache.
 """
 
-from ._native import METRICS_CONTENT_TYPE, Batch, Engine, TransferError, __version__
+from ._native import (
+    METRICS_CONTENT_TYPE,
+    Batch,
+    Engine,
+    ObjectNotFound,
+    StoreError,
+    TransferError,
+    __version__,
+)
+from .store import ReplicateConfig, Store
 
-__all__ = ["METRICS_CONTENT_TYPE", "Batch", "Engine", "TransferError", "__version__"]
+__all__ = [
+    "METRICS_CONTENT_TYPE",
+    "Batch",
+    "Engine",
+    "ObjectNotFound",
+    "ReplicateConfig",
+    "Store",
+    "StoreError",
+    "TransferError",
+    "__version__",
+]

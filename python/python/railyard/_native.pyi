@@ -281,6 +281,14 @@ class Engine:
         raises for a dead peer; a malformed session id is ``ValueError``."""
         ...
 
+    def peer_buffers(
+        self, session_id: str, *, timeout_s: float | None = None
+    ) -> list[tuple[int, int]]:
+        """The buffers the engine at ``session_id`` lets peers reach, ``(addr, length)`` in
+        the order it registered them (its descriptor, asked for again within ``timeout_s``,
+        default 2 s). ``TransferError`` when the peer cannot be opened."""
+        ...
+
     def metrics_text(self) -> str:
         """This engine's Prometheus metrics in the text format (``METRICS_CONTENT_TYPE``),
         for the application's own ``/metrics`` endpoint; every metric is in the README."""
@@ -297,6 +305,189 @@ class Engine:
         ...
 
     def __enter__(self) -> Engine: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Calls :meth:`close`."""
+        ...
+
+class StoreError(Exception):
+    """A store operation failed for a key: raised by single-key calls, returned in the
+    key's place by batch calls."""
+
+    key: str
+    """The key (empty for calls about no key)."""
+    code: int
+    """Mooncake Store's code for the same failure: -704 not found, -705 exists, -706 has a
+    lease, -703 being written, -200 no space, -600 invalid, -712 a replica's segment went
+    away, -800 transfer failed, -900 master unreachable."""
+    kind: str
+    """The cause's name (``"NotFound"``, ``"HasLease"``, ``"NoSpace"``, ...)."""
+
+class ObjectNotFound(StoreError):
+    """No complete object has this key (code -704)."""
+
+_Config = Any
+"""A ``railyard.ReplicateConfig`` (or anything with its attributes), or ``None``."""
+
+class Store:
+    """A client of railyard's KV-cache store with its own engine (``railyard.Store`` adds
+    buffer objects to the ``int`` addresses accepted here).
+
+    Every data call releases the GIL. Addresses and sizes are non-negative ``int``; every
+    ``(ptr, size)`` must lie inside a buffer registered with :meth:`register_buffer`
+    (``ValueError`` otherwise, for the whole call, before anything is sent). Batch calls
+    return one item per key: its result, or its :class:`StoreError` (not raised).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+    def setup(
+        self,
+        master: str,
+        *,
+        name: str | None = None,
+        segment_size: int = 0,
+        staging_size: int = 64 << 20,
+        listen: str = "0.0.0.0:0",
+        advertise_host: str | None = None,
+        fabric: Literal["auto", "soft", "tcp", "verbs", "rdma", "ofi", "efa"] = "auto",
+        rails: int | None = None,
+        busy_poll: bool = True,
+        timeout_s: float = 10.0,
+        host: str | None = None,
+        secret_file: str | os.PathLike[str] | None = None,
+        close_grace_s: float = 1.0,
+    ) -> None:
+        """Start this store's engine (``name``, ``listen``, ``advertise_host``, ``fabric``,
+        ``rails``, ``busy_poll``, ``secret_file`` as :class:`Engine`'s; the secret defaults
+        to ``RAILYARD_SECRET_FILE``), connect it to the master at ``master`` (``host:port``,
+        or ``etcd://host:port`` to find the leader of a failover group) and, when
+        ``segment_size`` > 0, contribute that many bytes as a segment. ``staging_size``:
+        the bounce buffer of :meth:`put`/:meth:`get`. ``timeout_s`` bounds each call.
+        ``host``: the host replicas are spread by (default: the kernel's host name).
+        ``RuntimeError`` when set up already or the engine does not start; ``StoreError``
+        (-900) when the master cannot be reached."""
+        ...
+
+    def close(self) -> None:
+        """Take the segment back (readers already pointed at it have ``close_grace_s``),
+        disconnect and stop the engine. Idempotent; :meth:`setup` may follow. Objects on
+        this store's segment go with it; those it wrote elsewhere stay."""
+        ...
+
+    @property
+    def is_setup(self) -> bool: ...
+    @property
+    def segment_name(self) -> str | None:
+        """The name other clients prefer this store's segment by (``None`` without one)."""
+        ...
+
+    def register_buffer(self, ptr: int, size: int) -> None:
+        """Register ``size`` bytes at ``ptr`` for the zero-copy calls; the same range again
+        counts (unregister as often). Another size at a registered address: ``ValueError``."""
+        ...
+
+    def unregister_buffer(self, ptr: int) -> None:
+        """Unregister the buffer at ``ptr`` (``ValueError`` when none is registered)."""
+        ...
+
+    def put(self, key: str, value: bytes, config: _Config = None) -> None:
+        """Store ``value`` (bytes-like) under a new ``key`` (``StoreError`` -705 when the key
+        exists)."""
+        ...
+
+    def put_parts(self, key: str, *parts: bytes, config: _Config = None) -> None:
+        """Store the concatenation of ``parts`` under a new ``key``."""
+        ...
+
+    def upsert(self, key: str, value: bytes, config: _Config = None) -> None:
+        """Store ``value``, replacing a complete object of that key (readers see the old
+        value until the new one is complete)."""
+        ...
+
+    def batch_put(
+        self, keys: Sequence[str], values: Sequence[bytes], config: _Config = None
+    ) -> list[None | StoreError]: ...
+    def put_from(self, key: str, ptr: int, size: int, config: _Config = None) -> None:
+        """Store ``size`` registered bytes at ``ptr`` under ``key``, zero-copy."""
+        ...
+
+    def upsert_from(self, key: str, ptr: int, size: int, config: _Config = None) -> None: ...
+    def batch_put_from(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: _Config = None
+    ) -> list[int | StoreError]:
+        """``put_from`` of each key: the number of replicas written (fewer than asked only
+        with ``best_effort``), or the key's error."""
+        ...
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: Sequence[str],
+        all_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]],
+        config: _Config = None,
+    ) -> list[None | StoreError]:
+        """Store, for each key, the concatenation of its buffers (scatter-gather)."""
+        ...
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key`` (:class:`ObjectNotFound` when there is none)."""
+        ...
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | StoreError]: ...
+    def get_into(self, key: str, ptr: int, size: int) -> int:
+        """Read ``key``'s value into the registered buffer at ``ptr``: its size
+        (``StoreError`` -600 when it is larger than ``size``)."""
+        ...
+
+    def batch_get_into(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int | StoreError]: ...
+    def batch_get_into_multi_buffers(
+        self,
+        keys: Sequence[str],
+        all_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]],
+    ) -> list[int | StoreError]:
+        """Read each key's value into its buffers, in order: its size per key."""
+        ...
+
+    def get_size(self, key: str) -> int: ...
+    def is_exist(self, key: str) -> bool: ...
+    def batch_is_exist(self, keys: Sequence[str]) -> list[bool | StoreError]: ...
+    def remove(self, key: str, force: bool = False) -> None:
+        """Remove ``key``'s object; one a reader holds a lease on (-706) only with
+        ``force``."""
+        ...
+
+    def batch_remove(
+        self, keys: Sequence[str], force: bool = False
+    ) -> list[None | StoreError]: ...
+    def remove_all(self, force: bool = False) -> int:
+        """Remove every object (leased ones only with ``force``): how many."""
+        ...
+
+    def keys(self) -> list[str]:
+        """Keys of complete objects, sorted."""
+        ...
+
+    def get_hostname(self) -> str:
+        """``"host:port"`` where this store's engine is reached."""
+        ...
+
+    def health_check(self) -> bool:
+        """Whether the master answers."""
+        ...
+
+    def master_stats(self) -> dict[str, Any]:
+        """Objects, writes in progress, bytes, the leader's term, and each segment (name,
+        capacity, reserved, suspected)."""
+        ...
+
+    def __enter__(self) -> Store: ...
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

@@ -21,9 +21,9 @@ they are logged (logger ``railyard.compat.mooncake``) and returned as integer co
 Return codes
     * Sync transfers, registration, ``initialize``, ``get_batch_transfer_status``,
       ``free_managed_buffer``: ``0`` success, ``-1`` failure.
-    * ``transfer_submit_write`` / ``batch_transfer_async_*``: a batch id ``> 0``, or ``0``
-      when the batch could not be submitted (Mooncake's sentinel); polling id ``0``
-      returns ``-1``.
+    * ``transfer_submit_write``: a batch id ``> 0``, or ``-1`` when it could not be
+      submitted. ``batch_transfer_async_*``: a batch id, or ``0`` (Mooncake's sentinel).
+      Polling id ``0`` or ``-1`` returns ``-1``.
     * ``transfer_check_status``: ``1`` done, ``0`` still pending, ``-1`` failed (or an
       unknown id), ``-2`` timed out (the engine failed a request at its deadline).
     * ``send_probe``: ``0`` reachable, ``-1`` not.
@@ -46,8 +46,9 @@ Timeouts
     engine's, reported once the engine resolved the request (shortly after the deadline).
 
 ``initialize(local_hostname, metadata_server, protocol, device_name)``
-    * ``local_hostname``: ``"host"`` or ``"host:port"``; the engine listens on every
-      interface and advertises ``host``. The port is used only with
+    * ``local_hostname``: ``"host"`` or ``"host:port"``; the engine listens on the
+      address ``host`` names when it is one of this host's (every interface otherwise) and
+      advertises ``host``. The port is used only with
       ``MC_LEGACY_RPC_PORT_BINDING`` set (as in Mooncake); otherwise a free port is
       chosen, which ``get_rpc_port()`` returns. The session id peers use is
       ``f"{host}:{get_rpc_port()}"``.
@@ -89,13 +90,28 @@ Differences from Mooncake
       (railyard's ``Busy``): the range stays withdrawn and must not be unmapped yet;
       calling again with its address waits again, and ``0`` means it is free.
 
-Not supported (absent, so ``hasattr`` feature checks see them missing):
+    * ``register_memory`` of a range registered already counts (as Mooncake's TENT
+      backend): it stays registered until unregistered as many times.
+    * ``transfer_submit_write`` returns ``-1`` when nothing could be submitted (the check
+      Mooncake's documentation shows, ``if batch_id < 0``); ``batch_transfer_async_*``
+      return ``0``, as Mooncake documents for them.
+    * ``write_bytes_to_buffer`` returns ``-1`` (copying nothing) for a length longer than
+      the bytes given, a negative length or a null address, where Mooncake copies
+      unchecked.
+    * ``get_first_buffer_address(segment_name)``: the first buffer registered or allocated
+      (in that order) of this engine's own segment (its session id, engine name or
+      ``local_hostname``), or of a peer's ``host:port``; ``0`` when unknown or empty.
+    * ``get_local_topology(device_name=None)``: Mooncake's JSON, one ``"cpu:N"`` entry per
+      NUMA node with the RDMA devices on it and the others. ``get_engine()`` returns the
+      :class:`railyard.Engine`. ``warmup_efa_segment`` returns ``0``. The ``SUPPORT_*``
+      flags are all ``False``.
+
+Not supported (raise :class:`NotSupportedError`, an ``AttributeError`` too, so ``hasattr``
+feature checks see them missing):
     ``transfer_write_on_cuda``, ``transfer_read_on_cuda``,
     ``batch_transfer_write_on_cuda``, ``batch_transfer_read_on_cuda`` (CUDA streams),
-    ``get_first_buffer_address`` (railyard does not expose a peer's buffer list),
-    ``get_local_topology``, ``warmup_efa_segment``, ``get_engine``, ``get_engine_ptr``
-    (no Mooncake ``InnerTransferEngine``; use :attr:`TransferEngine.engine` for the
-    :class:`railyard.Engine`), and Mooncake's shared-segment and RPC-interface classes.
+    ``get_engine_ptr`` (no C++ engine), and Mooncake's shared-segment and RPC-interface
+    classes.
 """
 
 from __future__ import annotations
@@ -103,8 +119,10 @@ from __future__ import annotations
 import ctypes
 import enum
 import itertools
+import json
 import logging
 import os
+import socket
 import threading
 import warnings
 from collections.abc import Sequence
@@ -113,7 +131,7 @@ from typing import Any
 
 from .. import Batch, Engine
 
-__all__ = ["TransferEngine", "TransferNotify", "TransferOpcode"]
+__all__ = ["NotSupportedError", "TransferEngine", "TransferNotify", "TransferOpcode"]
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +217,22 @@ def _map_directory(metadata_server: str, metadata_type: str = "etcd") -> str:
             "are supported by railyard"
         )
     return server
+
+
+def _listen_ip(host: str) -> str:
+    """Where the engine listens: the address ``host`` names when it is one of this host's
+    (``127.0.0.1`` stays on loopback), else every interface (a name of a NAT's outside
+    address, say: it is still advertised)."""
+    if not host:
+        return "0.0.0.0"
+    try:
+        ip = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+        return ip
+    except OSError:
+        logger.info("%r is not an address of this host: listening on every interface", host)
+        return "0.0.0.0"
 
 
 def _has_rdma_device() -> bool:
@@ -290,10 +324,15 @@ class TransferEngine:
     def __init__(self) -> None:
         self._engine: Engine | None = None
         self._host: str | None = None
+        self._hostname: str | None = None
         self._timeout_s = _transfer_timeout_s()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
+        # Ranges this shim registered or allocated, in that order (get_first_buffer_address
+        # of this engine's own segment): address -> [length, registrations]. A managed
+        # buffer counts once.
+        self._buffers: dict[int, list[int]] = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -326,7 +365,7 @@ class TransferEngine:
             if device_name:
                 logger.debug("device_name %r ignored: railyard picks its devices", device_name)
             kwargs: dict[str, Any] = {
-                "listen": f"0.0.0.0:{port or 0}",
+                "listen": f"{_listen_ip(host)}:{port or 0}",
                 "advertise_host": host or None,
                 "directory": directory,
                 "timeout_s": self._timeout_s,
@@ -336,6 +375,7 @@ class TransferEngine:
                 self.close()
             self._engine = self._open_engine(proto, protocol, kwargs)
             self._host = host or self._engine.session_id.rsplit(":", 1)[0]
+            self._hostname = local_hostname
             logger.info(
                 "railyard engine %s at %s (protocol %s, directory %s)",
                 self._engine.name,
@@ -419,7 +459,8 @@ class TransferEngine:
     def batch_register_memory(
         self, buffer_addresses: Sequence[int], capacities: Sequence[int], location: str = "*"
     ) -> int:
-        """Register several ranges; ``0`` or ``-1``."""
+        """Register several ranges; ``0`` or ``-1``. Registering a range again counts: it
+        stays registered until unregistered as many times."""
         try:
             if _is_device_location(location):
                 raise ValueError(
@@ -428,15 +469,21 @@ class TransferEngine:
             addrs, lens = list(buffer_addresses), list(capacities)
             if len(addrs) != len(lens):
                 raise ValueError(f"{len(addrs)} buffer addresses but {len(lens)} capacities")
-            if addrs:
-                self._require().register(addrs, lens)
+            with self._lock:
+                again = [self._buffers.get(a, [None])[0] == n for a, n in zip(addrs, lens)]
+                new = [(a, n) for (a, n), known in zip(zip(addrs, lens), again) if not known]
+                if new:
+                    self._require().register([a for a, _ in new], [n for _, n in new])
+                for addr, length in zip(addrs, lens):
+                    self._buffers.setdefault(addr, [length, 0])[1] += 1
             return 0
         except Exception as err:
             logger.error("memory registration failed: %s", err)
             return -1
 
     def batch_unregister_memory(self, buffer_addresses: Sequence[int]) -> int:
-        """Deregister several ranges by start address; ``0`` or ``-1``.
+        """Deregister several ranges by start address; ``0`` or ``-1``. A range registered
+        several times is deregistered by its last unregistration.
 
         ``-1`` if an address is unknown (then none is deregistered), or if railyard refused
         a range as ``Busy`` (still in use: it stays withdrawn, and unregistering its address
@@ -444,8 +491,16 @@ class TransferEngine:
         """
         try:
             addrs = list(buffer_addresses)
-            if addrs:
-                self._require().deregister(addrs)
+            with self._lock:
+                last = [a for a in addrs if self._buffers.get(a, [0, 0])[1] <= 1]
+                if last:
+                    self._require().deregister(last)
+                for addr in addrs:
+                    entry = self._buffers.get(addr)
+                    if entry is not None:
+                        entry[1] -= 1
+                        if entry[1] <= 0:
+                            del self._buffers[addr]
             return 0
         except Exception as err:
             logger.error("memory deregistration failed: %s", err)
@@ -454,7 +509,10 @@ class TransferEngine:
     def allocate_managed_buffer(self, length: int) -> int:
         """Registered engine memory of ``length`` bytes; its address, or ``0``."""
         try:
-            return int(self._require().alloc(int(length)))
+            addr = int(self._require().alloc(int(length)))
+            with self._lock:
+                self._buffers[addr] = [int(length), 1]
+            return addr
         except Exception as err:
             logger.error("allocate_managed_buffer(%s) failed: %s", length, err)
             return 0
@@ -467,18 +525,30 @@ class TransferEngine:
         """
         try:
             self._require().free(int(buffer_addr))
+            with self._lock:
+                self._buffers.pop(int(buffer_addr), None)
             return 0
         except Exception as err:
             logger.error("free_managed_buffer(%#x) failed: %s", buffer_addr, err)
             return -1
 
     def write_bytes_to_buffer(self, dest_address: int, src_ptr: bytes, length: int) -> int:
-        """Copy ``length`` bytes of ``src_ptr`` to local memory at ``dest_address``."""
-        data = bytes(src_ptr)
-        if length > len(data):
-            raise ValueError(f"length {length} exceeds the {len(data)} bytes given")
-        ctypes.memmove(int(dest_address), data, int(length))
-        return 0
+        """Copy ``length`` bytes of ``src_ptr`` (bytes-like, or ``str`` as UTF-8) to local
+        memory at ``dest_address``; ``0``, or ``-1`` (nothing copied) for a null address, a
+        negative length or one longer than ``src_ptr``."""
+        try:
+            data = src_ptr.encode() if isinstance(src_ptr, str) else memoryview(src_ptr).tobytes()
+            if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+                raise ValueError(f"length {length!r} is not a byte count")
+            if length > len(data):
+                raise ValueError(f"length {length} exceeds the {len(data)} bytes given")
+            if not isinstance(dest_address, int) or dest_address <= 0:
+                raise ValueError(f"dest_address {dest_address!r} is not an address")
+            ctypes.memmove(dest_address, data, length)
+            return 0
+        except Exception as err:
+            logger.error("write_bytes_to_buffer: %s", err)
+            return -1
 
     def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes:
         """``length`` bytes of local memory at ``source_address``."""
@@ -611,8 +681,10 @@ class TransferEngine:
         length: int,
         transport_hint: str = "",
     ) -> int:
-        """Submit one write; a batch id for ``transfer_check_status``, or ``0``."""
-        return self._submit(target_hostname, [buffer], [peer_buffer_address], [length], True)
+        """Submit one write; a batch id for ``transfer_check_status``, or ``-1`` (as
+        Mooncake's documented ``if batch_id < 0`` check expects)."""
+        batch_id = self._submit(target_hostname, [buffer], [peer_buffer_address], [length], True)
+        return batch_id if batch_id > 0 else -1
 
     def batch_transfer_async_write(
         self,
@@ -800,12 +872,109 @@ class TransferEngine:
         ]
 
     def send_probe(self, peer_server_name: str) -> int:
-        """``0`` if the peer answers (reopening its connection), else ``-1``."""
+        """``0`` if the peer answers (reopening its connection), else ``-1`` (an unknown,
+        malformed or unreachable peer too)."""
         try:
             return 0 if self._require().probe(peer_server_name) else -1
         except Exception as err:
             logger.error("probe of %s failed: %s", peer_server_name, err)
             return -1
+
+    # -- segments and topology ------------------------------------------------------------
+
+    def get_first_buffer_address(self, segment_name: str) -> int:
+        """The address of the first buffer (in registration order) of segment
+        ``segment_name``: this engine's own (its session id ``host:port``, its engine name,
+        or the ``local_hostname`` it was initialized with), or a peer's ``host:port`` (asked
+        for its buffers); ``0`` when the segment is unknown or has no buffer."""
+        try:
+            engine = self._require()
+            own = {engine.session_id, engine.name, self.get_session_id(), self._hostname}
+            if segment_name in own:
+                with self._lock:
+                    return next(iter(self._buffers), 0)
+            buffers = engine.peer_buffers(segment_name)
+            return int(buffers[0][0]) if buffers else 0
+        except Exception as err:
+            logger.error("get_first_buffer_address(%r): %s", segment_name, err)
+            return 0
+
+    def get_local_topology(self, device_name: str | None = None) -> str:
+        """This host's topology as Mooncake's JSON: for each NUMA node ``"cpu:N"``, the RDMA
+        devices on that node and the others (``device_name``: a comma-separated filter)."""
+        return local_topology(device_name)
+
+    def get_engine(self) -> Engine:
+        """The :class:`railyard.Engine` this shim runs on (Mooncake returns its inner
+        engine)."""
+        return self._require()
+
+    def warmup_efa_segment(self, segment_name: str) -> int:
+        """``0``: nothing to warm up (as Mooncake answers on builds without EFA); railyard
+        opens peers on first use."""
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        alternative = _UNSUPPORTED.get(name)
+        if alternative is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise NotSupportedError(f"TransferEngine.{name} is not supported by railyard; {alternative}")
+
+
+class NotSupportedError(NotImplementedError, AttributeError):
+    """A Mooncake method railyard does not provide (an ``AttributeError`` too, so
+    ``hasattr`` feature checks see it missing)."""
+
+
+_CUDA = "railyard moves host memory only: stage through registered host memory"
+_UNSUPPORTED: dict[str, str] = {
+    "transfer_write_on_cuda": _CUDA,
+    "transfer_read_on_cuda": _CUDA,
+    "batch_transfer_write_on_cuda": _CUDA,
+    "batch_transfer_read_on_cuda": _CUDA,
+    "get_engine_ptr": "use get_engine() (a railyard.Engine, not a C++ pointer)",
+}
+
+# Mooncake's build flags (``mooncake.engine.SUPPORT_*``): this engine moves host memory.
+SUPPORT_CUDA = False
+SUPPORT_HIP = False
+SUPPORT_MUSA = False
+SUPPORT_EFA = False
+SUPPORT_MNNVL = False
+SUPPORT_INTRA_NVLINK = False
+
+
+def local_topology(device_name: str | None = None) -> str:
+    """Mooncake's topology JSON for this host, from sysfs: ``{"cpu:N": [[devices on node
+    N], [other devices]]}``."""
+    wanted = {d.strip() for d in (device_name or "").split(",") if d.strip()}
+    devices: dict[str, int] = {}
+    try:
+        names = sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        names = []
+    for name in names:
+        if wanted and name not in wanted:
+            continue
+        try:
+            with open(f"/sys/class/infiniband/{name}/device/numa_node") as node:
+                devices[name] = int(node.read().strip())
+        except (OSError, ValueError):
+            devices[name] = -1
+    try:
+        nodes = sorted(
+            int(entry[4:])
+            for entry in os.listdir("/sys/devices/system/node")
+            if entry.startswith("node") and entry[4:].isdigit()
+        )
+    except OSError:
+        nodes = [0]
+    topology = {}
+    for node in nodes or [0]:
+        near = [name for name, at in devices.items() if at == node]
+        far = [name for name, at in devices.items() if at != node]
+        topology[f"cpu:{node}"] = [near, far]
+    return json.dumps(topology, indent=3)
 
 
 def _is_device_location(location: str | None) -> bool:
