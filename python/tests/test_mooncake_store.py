@@ -9,6 +9,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -77,14 +78,12 @@ class Member:
         return self._reply()
 
     def quit(self) -> None:
+        """QUIT: the member closes its store and exits."""
         if self.proc.poll() is None:
-            self.cmd_quit()
-
-    def cmd_quit(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("QUIT\n")
-        self.proc.stdin.flush()
-        self.proc.wait(timeout=20)
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("QUIT\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=20)
 
 
 def test_codes_and_conventions_as_mooncakes(store):
@@ -349,3 +348,31 @@ def test_lmcache_connector_call_shapes(store_cluster):
     assert bytes(handles[0])[: len(metadata)] == metadata and handles[1] is None
     store.remove_all(True)
     store.close()
+
+
+def test_a_killed_member_loses_only_what_it_alone_held(store_cluster):
+    member = Member(store_cluster.addr, "localhost", "8MB")
+    store = connect(store_cluster)
+    try:
+        alone, twice = ReplicateConfig(), ReplicateConfig()
+        alone.preferred_segment = member.hostname
+        twice.preferred_segments = [member.hostname]
+        twice.replica_num = 2
+        assert store.put("only-on-member", b"a" * 4096, alone) == 0
+        assert store.put("on-member-and-elsewhere", b"b" * 4096, twice) == 0
+        member.proc.kill()
+        member.proc.wait(timeout=10)
+        started = time.monotonic()
+        assert store.get("on-member-and-elsewhere") == b"b" * 4096
+        assert store.get("only-on-member") == b""  # a miss, not a 60 s transfer timeout
+        deadline = started + 5
+        while store.is_exist("only-on-member") != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.is_exist("only-on-member") == 0
+        assert time.monotonic() - started < 5
+        assert store.is_exist("on-member-and-elsewhere") == 1
+    finally:
+        store.remove_all(True)
+        store.close()
+        if member.proc.poll() is None:
+            member.proc.kill()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -251,3 +254,13 @@ def test_data_calls_release_the_gil(store):
 def test_the_module_exports_the_store():
     assert railyard.Store is Store
     assert issubclass(railyard.ObjectNotFound, railyard.StoreError)
+
+
+def test_readme_store_example_runs(store_cluster):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```python\n")[1:]]
+    (example,) = [b for b in blocks if "railyard.Store(master" in b]
+    assert len(example.strip().splitlines()) <= 15
+    assert '"127.0.0.1:7500"' in example
+    example = example.replace('"127.0.0.1:7500"', repr(store_cluster.addr))
+    subprocess.run([sys.executable, "-c", example], check=True, timeout=120)
