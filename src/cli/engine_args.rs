@@ -50,10 +50,22 @@ impl SecretArgs {
         &self,
         builder: railyard::engine::EngineBuilder,
     ) -> anyhow::Result<railyard::engine::EngineBuilder> {
-        let Some(path) = &self.secret_file else {
-            return Ok(builder);
-        };
-        Ok(builder.secret(railyard::engine::ClusterSecret::from_file(path)?))
+        Ok(match self.secret()? {
+            Some(secret) => builder.secret(secret),
+            None => builder,
+        })
+    }
+
+    /// The secret, if a file was given.
+    ///
+    /// # Errors
+    /// The file cannot be read, or holds too short a secret.
+    pub(crate) fn secret(&self) -> anyhow::Result<Option<railyard::engine::ClusterSecret>> {
+        Ok(self
+            .secret_file
+            .as_deref()
+            .map(railyard::engine::ClusterSecret::from_file)
+            .transpose()?)
     }
 
     /// The options that give a child process the same secret.

@@ -74,12 +74,7 @@ pub(crate) fn run(args: &MasterArgs) -> anyhow::Result<()> {
     if args.lease_ttl.is_zero() || args.put_timeout.is_zero() || args.member_silence.is_zero() {
         bail!("--lease-ttl, --put-timeout and --member-silence must be more than 0");
     }
-    let secret = args
-        .secret
-        .secret_file
-        .as_deref()
-        .map(railyard::engine::ClusterSecret::from_file)
-        .transpose()?;
+    let secret = args.secret.secret()?;
     if secret.is_none() {
         tracing::warn!(
             target: "railyard::master",

@@ -155,12 +155,7 @@ impl ClientArgs {
             .idle(railyard::dataplane::IdleStrategy::gentle())
             .build()
             .context("starting the engine")?;
-        let secret = self
-            .secret
-            .secret_file
-            .as_deref()
-            .map(railyard::engine::ClusterSecret::from_file)
-            .transpose()?;
+        let secret = self.secret.secret()?;
         let store = Store::connect(
             &engine,
             StoreOptions {
@@ -182,12 +177,7 @@ pub(crate) fn run(args: &StoreArgs) -> anyhow::Result<()> {
         StoreCommand::Bench(args) => super::store_bench::run(args),
         #[cfg(feature = "etcd")]
         StoreCommand::ChaosClient(args) => {
-            let secret = args
-                .secret
-                .secret_file
-                .as_deref()
-                .map(railyard::engine::ClusterSecret::from_file)
-                .transpose()?;
+            let secret = args.secret.secret()?;
             railyard::chaos::hicache::run_client(&args.master, &args.name, args.seed, secret)
         }
         StoreCommand::Put(args) => {

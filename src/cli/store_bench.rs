@@ -75,12 +75,7 @@ pub(crate) fn run(args: &StoreBenchArgs) -> anyhow::Result<()> {
         .value_size
         .checked_mul(args.batch.get() as u64)
         .context("--value-size × --batch overflows")?;
-    let secret = args
-        .secret
-        .secret_file
-        .as_deref()
-        .map(railyard::engine::ClusterSecret::from_file)
-        .transpose()?;
+    let secret = args.secret.secret()?;
     let stop = AtomicBool::new(false);
     let progress = AtomicU64::new(0);
     let tallies: [Mutex<Tally>; 3] = Default::default();
