@@ -17,6 +17,7 @@ use pyo3::exceptions::{PyException, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use railyard_engine::{Engine as NativeEngine, MemoryError, Region};
+use railyard_store::error::MAX_KEY_LEN;
 use railyard_store::master::SegmentId;
 use railyard_store::{
     LocalRange, ReplicaConfig, Store as NativeStore, StoreError as NativeError, StoreErrorKind,
@@ -168,6 +169,25 @@ fn per_key<'py, T>(
     PyList::new(py, items)
 }
 
+/// The name of `value`'s type, for messages.
+fn type_name(value: &Bound<'_, PyAny>) -> String {
+    value
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".into(), |name| name.to_string())
+}
+
+/// A key the store can hold: not empty, at most [`MAX_KEY_LEN`] bytes (`ValueError`).
+fn check_key(key: &str) -> PyResult<()> {
+    if key.is_empty() || key.len() > MAX_KEY_LEN {
+        return Err(PyValueError::new_err(format!(
+            "a key is 1 to {MAX_KEY_LEN} bytes of UTF-8, not {} bytes",
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
 /// A non-negative integer (an address or a size): `TypeError` for anything else than an
 /// int, `ValueError` below 0 or above 2**64-1.
 fn natural(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
@@ -177,13 +197,7 @@ fn natural(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
         )));
     }
     let wide: i128 = value.extract().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{what} must be an int, not {}",
-            value
-                .get_type()
-                .name()
-                .map_or_else(|_| "?".into(), |name| name.to_string())
-        ))
+        PyTypeError::new_err(format!("{what} must be an int, not {}", type_name(value)))
     })?;
     u64::try_from(wide).map_err(|_| {
         PyValueError::new_err(format!("{what} must be between 0 and 2**64-1, not {wide}"))
@@ -223,14 +237,14 @@ fn keys_of(value: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         .enumerate()
         .map(|(index, item)| {
             let item = item?;
-            item.extract::<String>().map_err(|_| {
+            let key = item.extract::<String>().map_err(|_| {
                 PyTypeError::new_err(format!(
                     "keys[{index}] must be a str, not {}",
-                    item.get_type()
-                        .name()
-                        .map_or_else(|_| "?".into(), |name| name.to_string())
+                    type_name(&item)
                 ))
-            })
+            })?;
+            check_key(&key)?;
+            Ok(key)
         })
         .collect()
 }
@@ -244,10 +258,7 @@ fn value_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
     if value.is_instance_of::<pyo3::types::PyString>() || value.is_none() {
         return Err(PyTypeError::new_err(format!(
             "{what} must be bytes-like, not {}",
-            value
-                .get_type()
-                .name()
-                .map_or_else(|_| "?".into(), |name| name.to_string())
+            type_name(value)
         )));
     }
     let builtins = value.py().import("builtins")?;
@@ -258,12 +269,27 @@ fn value_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
     Ok(bytes.cast::<PyBytes>()?.as_bytes().to_vec())
 }
 
+/// [`value_of`], refusing an empty value (`ValueError`): the store holds none.
+fn nonempty_value_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
+    let bytes = value_of(value, what)?;
+    if bytes.is_empty() {
+        return Err(PyValueError::new_err(format!("{what} is empty")));
+    }
+    Ok(bytes)
+}
+
 /// A `ReplicateConfig` (or anything with its attributes; `None`: the defaults) as the
 /// store's [`ReplicaConfig`].
 fn config_of(config: Option<&Bound<'_, PyAny>>) -> PyResult<ReplicaConfig> {
     let Some(config) = config.filter(|config| !config.is_none()) else {
         return Ok(ReplicaConfig::default());
     };
+    if !config.hasattr("replica_num")? {
+        return Err(PyTypeError::new_err(format!(
+            "config must be a ReplicateConfig (with replica_num), not {}",
+            type_name(config)
+        )));
+    }
     let attr = |name: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
         match config.getattr(name) {
             Ok(value) if value.is_none() => Ok(None),
@@ -285,6 +311,11 @@ fn config_of(config: Option<&Bound<'_, PyAny>>) -> PyResult<ReplicaConfig> {
             out.soft_pin = Some(SOFT_PIN_TTL);
         }
     }
+    if let Some(ttl) = attr("soft_pin_ttl_ms")? {
+        if out.soft_pin.is_some() {
+            out.soft_pin = Some(Duration::from_millis(natural(&ttl, "soft_pin_ttl_ms")?));
+        }
+    }
     if let Some(pin) = attr("with_hard_pin")? {
         out.hard_pin = pin.is_truthy()?;
     }
@@ -292,6 +323,11 @@ fn config_of(config: Option<&Bound<'_, PyAny>>) -> PyResult<ReplicaConfig> {
         out.best_effort = best.is_truthy()?;
     }
     if let Some(segments) = attr("preferred_segments")? {
+        if segments.is_instance_of::<pyo3::types::PyString>() {
+            return Err(PyTypeError::new_err(
+                "preferred_segments must be a list of str, not one str",
+            ));
+        }
         out.preferred_segments = segments
             .extract::<Vec<String>>()
             .map_err(|_| PyTypeError::new_err("preferred_segments must be a list of str"))?;
@@ -531,7 +567,8 @@ impl Store {
         value: &Bound<'_, PyAny>,
         config: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let value = value_of(value, "value")?;
+        check_key(key)?;
+        let value = nonempty_value_of(value, "value")?;
         let config = config_of(config)?;
         let open = self.open()?;
         py.detach(|| open.store.put(key, &value, &config))
@@ -547,13 +584,14 @@ impl Store {
         parts: &Bound<'_, pyo3::types::PyTuple>,
         config: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        check_key(key)?;
         let parts = parts
             .iter()
             .enumerate()
             .map(|(index, part)| value_of(&part, &format!("parts[{index}]")))
             .collect::<PyResult<Vec<_>>>()?;
-        if parts.is_empty() {
-            return Err(PyValueError::new_err("no parts given"));
+        if parts.iter().all(Vec::is_empty) {
+            return Err(PyValueError::new_err("the parts hold no bytes"));
         }
         let config = config_of(config)?;
         let open = self.open()?;
@@ -573,7 +611,8 @@ impl Store {
         value: &Bound<'_, PyAny>,
         config: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let value = value_of(value, "value")?;
+        check_key(key)?;
+        let value = nonempty_value_of(value, "value")?;
         let config = config_of(config)?;
         let open = self.open()?;
         py.detach(|| open.store.upsert(key, &value, &config))
@@ -594,7 +633,7 @@ impl Store {
             .try_iter()
             .map_err(|_| PyTypeError::new_err("values must be a list of bytes-like values"))?
             .enumerate()
-            .map(|(index, value)| value_of(&value?, &format!("values[{index}]")))
+            .map(|(index, value)| nonempty_value_of(&value?, &format!("values[{index}]")))
             .collect::<PyResult<Vec<_>>>()?;
         if keys.len() != values.len() {
             return Err(PyValueError::new_err(format!(
@@ -624,6 +663,7 @@ impl Store {
         size: &Bound<'_, PyAny>,
         config: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        check_key(key)?;
         let ptr = natural(ptr, "ptr")?;
         let size = natural(size, "size")?;
         let config = config_of(config)?;
@@ -643,6 +683,7 @@ impl Store {
         size: &Bound<'_, PyAny>,
         config: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        check_key(key)?;
         let ptr = natural(ptr, "ptr")?;
         let size = natural(size, "size")?;
         let config = config_of(config)?;
@@ -708,6 +749,7 @@ impl Store {
 
     /// The value of `key` as bytes (`ObjectNotFound` when there is none).
     fn get<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
+        check_key(key)?;
         let open = self.open()?;
         let value = py
             .detach(|| open.store.get(key))
@@ -739,6 +781,7 @@ impl Store {
         ptr: &Bound<'_, PyAny>,
         size: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
+        check_key(key)?;
         let ptr = natural(ptr, "ptr")?;
         let size = natural(size, "size")?;
         let open = self.open()?;
@@ -798,6 +841,7 @@ impl Store {
 
     /// The size of `key`'s value (`ObjectNotFound` when there is none).
     fn get_size(&self, py: Python<'_>, key: &str) -> PyResult<u64> {
+        check_key(key)?;
         let open = self.open()?;
         let replicas = py
             .detach(|| open.store.replica_descriptors(key))
@@ -807,6 +851,7 @@ impl Store {
 
     /// Whether `key` names a complete object.
     fn is_exist(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        check_key(key)?;
         let open = self.open()?;
         py.detach(|| open.store.exists(key))
             .map_err(|error| store_error(&error))
@@ -829,6 +874,7 @@ impl Store {
     /// Removes `key`'s object; one a reader holds a lease on only with `force`.
     #[pyo3(signature = (key, force=false))]
     fn remove(&self, py: Python<'_>, key: &str, force: bool) -> PyResult<()> {
+        check_key(key)?;
         let open = self.open()?;
         py.detach(|| open.store.remove(key, force))
             .map_err(|error| store_error(&error))

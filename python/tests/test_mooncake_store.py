@@ -162,6 +162,13 @@ def test_bad_input_answers_invalid_params_and_sends_nothing(store):
     assert store.get_into("k", buf.ctypes.data, 8192) == -600
     assert store.batch_put_from(["a", None], [buf.ctypes.data] * 2, [8, 8]) == [-600, -600]
     assert store.batch_put_from(["a", "b"], [buf.ctypes.data, 1 << 40], [8, 8]) == [-600, -600]
+    assert store.batch_get_into(("a", None), [buf.ctypes.data] * 2, [8, 8]) == [-600, -600]
+    assert store.batch_is_exist(("a", 7)) == [-600, -600]
+    assert store.put("k", b"x", {"replica_num": 2}) == -600  # not a ReplicateConfig
+    assert store.put("", b"x") == -600
+    same_node = ReplicateConfig()
+    same_node.prefer_alloc_in_same_node = True
+    assert store.upsert("k", b"x", same_node) == -600
     assert store.register_buffer(0, 16) == -600
     assert store.register_buffer(buf.ctypes.data, 0) == -600
     config = ReplicateConfig()

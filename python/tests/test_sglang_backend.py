@@ -9,6 +9,7 @@ import hashlib
 import importlib
 import subprocess
 import sys
+import time
 import types
 from types import SimpleNamespace
 
@@ -93,14 +94,17 @@ def page_hashes(count: int, seed: str) -> list[str]:
     return hashes
 
 
-def storage_config(cluster, *, mla: bool = False, tp_rank: int = 0, **extra):
+def storage_config(
+    cluster, *, mla: bool = False, tp_rank: int = 0, model: str = "org/stand-in", **extra
+):
     return SimpleNamespace(
         tp_rank=tp_rank,
         tp_size=2,
         pp_rank=0,
         pp_size=1,
         is_mla_model=mla,
-        model_name="stand-in",
+        model_name=model,
+        enable_storage_metrics=True,
         extra_config={
             "backend_name": "railyard",
             "module_path": "railyard.compat.sglang",
@@ -139,17 +143,18 @@ def test_pages_written_counted_read_and_cleared_as_sglang_keys_them(store_cluste
     written = pool.buffer[:, : 6 * PAGE].copy()
     assert backend.batch_set_v1(keys, slots(0, 6)) == [True] * 6
 
-    # SGLang's keys, readable by any Mooncake-API client of the store.
+    # SGLang's keys (after its model prefix), readable by any Mooncake-API client.
     other = MooncakeDistributedStore()
     assert other.setup("localhost", "P2PHANDSHAKE", 0, 0, "tcp", "", store_cluster.addr) == 0
-    assert other.batch_is_exist([f"{keys[0]}_1_k", f"{keys[0]}_1_v", f"{keys[0]}_0_k"]) == [1, 1, 0]
-    assert other.get(f"{keys[2]}_1_v") == pool.page(2 * PAGE)[1].tobytes()
+    tagged = f"org-stand-in_{keys[0]}"
+    assert other.batch_is_exist([f"{tagged}_1_k", f"{tagged}_1_v", f"{tagged}_0_k"]) == [1, 1, 0]
+    assert other.get(f"org-stand-in_{keys[2]}_1_v") == pool.page(2 * PAGE)[1].tobytes()
 
     # Leading hits only: a missing page in the middle stops the count.
     assert backend.batch_exists(keys) == 6
     assert backend.batch_exists(keys[:3] + ["not-stored"] + keys[3:]) == 3
     assert backend.batch_exists([]) == 0
-    assert backend.exists(f"{keys[0]}_1_k") and not backend.exists(keys[0])
+    assert backend.exists(f"{tagged}_1_k") and not backend.exists(keys[0])
 
     # Read back into other pages of the pool.
     pool.buffer[:, 6 * PAGE :] = 0
@@ -160,8 +165,17 @@ def test_pages_written_counted_read_and_cleared_as_sglang_keys_them(store_cluste
     # Written again: already held, nothing put, still a success.
     assert backend.batch_set_v1(keys[:2], slots(0, 2)) == [True, True]
     stats = backend.get_stats()
-    assert stats["prefetch_pgs"] == [6, 2] and stats["backup_pgs"] == [6]
+    assert stats.prefetch_pgs == [6, 1] and stats.backup_pgs == [6]
+    assert len(stats.prefetch_bandwidth) == 2 and all(bw > 0 for bw in stats.backup_bandwidth)
+    assert backend.get_stats().prefetch_pgs == []
 
+    # A page read back shorter than its buffer is a miss, never a partial page.
+    short = f"org-stand-in_{keys[5]}_1_v"
+    other.remove(short, True)
+    assert other.put(short, b"x" * 16) == 0
+    assert backend.batch_get_v1(keys[5:], slots(14, 1)) == [False]
+
+    time.sleep(1.2)  # the reads' leases (1 s at this master) end: clear skips leased pages
     backend.clear()
     assert backend.batch_exists(keys) == 0
     other.close()
@@ -175,19 +189,59 @@ def test_mla_keys_and_the_generic_interface(store_cluster):
     keys = page_hashes(3, "prompt-mla")
     pool.buffer[: 3 * PAGE] = 7
     assert backend.batch_set_v1(keys, slots(0, 3)) == [True] * 3
-    assert backend.exists(f"{keys[0]}__k")
+    assert backend.exists(f"org-stand-in_{keys[0]}__k")
     assert backend.batch_exists(keys) == 3
     assert backend.batch_get_v1(keys, slots(4, 3)) == [True] * 3
     assert (pool.buffer[4 * PAGE : 7 * PAGE] == 7).all()
-    # The copying interface: bytes in, bytes (or None) out.
-    assert backend.set("generic", b"payload")
-    assert backend.get("generic") == b"payload"
-    assert backend.get("absent") is None
-    assert backend.batch_set(["g1", "g2"], [b"1", b"2"])
-    assert backend.batch_get(["g1", "g2", "absent"]) == [b"1", b"2", None]
-    assert not backend.batch_set([])
+    time.sleep(1.2)  # leases of the reads end
     backend.clear()
     backend.close()
+
+
+class FlatPage(Tensor):
+    """A page as SGLang's copying interface hands it over: a flat CPU tensor."""
+
+    def is_contiguous(self) -> bool:
+        return self.array.flags.c_contiguous
+
+
+def test_the_copying_interface_as_sglang_calls_it_without_interface_v1(store_cluster):
+    config = storage_config(store_cluster)
+    del config.extra_config["interface_v1"]
+    backend = create_backend(config)
+    keys = page_hashes(3, "prompt-copy")
+    pages = [FlatPage(np.full(512, i + 1, dtype=np.uint16)) for i in range(3)]
+    assert backend.batch_set(keys, pages)
+    assert backend.batch_exists(keys + ["absent"]) == 3
+    assert backend.batch_set(keys[:1], pages[:1])  # held already: nothing to write
+    dummies = [FlatPage(np.zeros(512, dtype=np.uint16)) for _ in range(4)]
+    got = backend.batch_get(keys + ["absent"], dummies)
+    assert got[:3] == dummies[:3] and got[3] is None
+    assert all((d.array == i + 1).all() for i, d in enumerate(dummies[:3]))
+    wrong_size = [FlatPage(np.zeros(10, dtype=np.uint16))]
+    assert backend.batch_get(keys[:1], wrong_size) == [None]
+    assert not backend.batch_set([])
+    assert backend.set("raw-key", b"payload") and backend.get("raw-key") == b"payload"
+    assert backend.get("absent") is None
+    backend.clear()
+    backend.close()
+
+
+def test_two_models_on_one_store_never_read_each_others_pages(store_cluster):
+    first = create_backend(storage_config(store_cluster, model="org/model-a"))
+    second = create_backend(storage_config(store_cluster, model="org/model-b"))
+    pools = [MHAPool(pages=4), MHAPool(pages=4)]
+    first.register_mem_pool_host(pools[0])
+    second.register_mem_pool_host(pools[1])
+    keys = page_hashes(2, "same-prompt")  # the same tokens, so the same page hashes
+    pools[0].buffer[:, : 2 * PAGE] = 1
+    assert first.batch_set_v1(keys, slots(0, 2)) == [True, True]
+    assert second.batch_exists(keys) == 0
+    assert second.batch_get_v1(keys, slots(0, 2)) == [False, False]
+    assert (pools[1].buffer == 0).all()
+    first.clear()
+    first.close()
+    second.close()
 
 
 def test_pages_stay_readable_while_a_segment_server_is_killed(store_cluster):
@@ -217,8 +271,19 @@ def test_bad_configuration_is_named():
 
 def test_the_backend_subclasses_sglangs_hicache_storage_when_sglang_is_there(monkeypatch):
     class HiCacheStorage(abc.ABC):
+        """SGLang's five abstract methods."""
+
         @abc.abstractmethod
         def get(self, key, target_location=None, target_sizes=None): ...
+
+        @abc.abstractmethod
+        def batch_get(self, keys, target_locations=None, target_sizes=None): ...
+
+        @abc.abstractmethod
+        def set(self, key, value=None, target_location=None, target_sizes=None): ...
+
+        @abc.abstractmethod
+        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None): ...
 
         @abc.abstractmethod
         def exists(self, key): ...

@@ -232,23 +232,69 @@ def test_setup_close_and_setup_again(store_cluster):
 
 
 def test_data_calls_release_the_gil(store):
-    value = bytes(8 * MIB)
-    store.put("big", value)
-    ticks = 0
+    store.put("big", bytes(48 * MIB))
+    inside = threading.Event()
     done = threading.Event()
 
     def reader() -> None:
-        for _ in range(5):
-            store.get("big")
+        inside.set()
+        store.get("big")  # one call, tens of milliseconds
         done.set()
 
     thread = threading.Thread(target=reader)
     thread.start()
+    assert inside.wait(10)
+    ticks = 0
     while not done.is_set():
         ticks += 1
-        time.sleep(0.001)
+        time.sleep(0.0005)
     thread.join(timeout=30)
-    assert ticks > 5, "the main thread ran while the reader was inside get()"
+    # With the GIL held through the call, this thread could not run until it returned.
+    assert ticks >= 3, f"the main thread ran {ticks} times while the reader was inside get()"
+
+
+def test_buffers_as_objects_are_pinned_and_batches_take_them(store_cluster):
+    with client(store_cluster) as store:
+        grows = bytearray(8192)
+        store.register_buffer(grows)
+        with pytest.raises(BufferError):
+            grows.extend(b"moves the memory a registration points at")
+        pages = [np.full(4096, i, dtype=np.uint8) for i in range(3)]
+        for page in pages:
+            store.register_buffer(page)
+        assert store.batch_put_from(["o0", "o1"], pages[:2]) == [1, 1]
+        assert store.batch_get_into(["o1"], [pages[2]]) == [4096]
+        assert (pages[2] == 1).all()
+        store.batch_put_from_multi_buffers(["o01"], [pages[:2]])
+        assert store.get("o01") == pages[0].tobytes() + pages[1].tobytes()
+
+        class Strided:
+            def data_ptr(self) -> int:
+                return pages[0].ctypes.data
+
+            def numel(self) -> int:
+                return 16
+
+            def element_size(self) -> int:
+                return 1
+
+            def is_contiguous(self) -> bool:
+                return False
+
+        with pytest.raises(ValueError, match="contiguous"):
+            store.put_from("strided", Strided())
+        with pytest.raises(ValueError):
+            store.put("", b"empty key")
+        with pytest.raises(ValueError):
+            store.put("k", b"")
+        with pytest.raises(TypeError):
+            store.put("k", b"x", config=42)
+        with pytest.raises(TypeError):
+            store.put("k", b"x", ReplicateConfig(preferred_segments="one-str"))
+        store.remove_all(force=True)
+    # Leaving the with block closed it and let go of the buffers it held.
+    assert not store.is_setup and not store._held
+    grows.extend(b"free to move again")
 
 
 def test_the_module_exports_the_store():

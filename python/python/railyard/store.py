@@ -64,6 +64,8 @@ class ReplicateConfig:
         self.best_effort = best_effort
         self.with_soft_pin = with_soft_pin
         self.with_hard_pin = with_hard_pin
+        if isinstance(preferred_segments, str):
+            raise TypeError("preferred_segments is a list of names, not one str")
         self.preferred_segments = list(preferred_segments or [])
 
     def __repr__(self) -> str:
@@ -85,6 +87,8 @@ def buffer_address(buffer: Any, size: int | None) -> tuple[int, int]:
             raise TypeError("an int address needs a size")
         return operator.index(buffer), size
     if hasattr(buffer, "data_ptr") and hasattr(buffer, "element_size"):
+        if hasattr(buffer, "is_contiguous") and not buffer.is_contiguous():
+            raise ValueError("the tensor is not contiguous")
         whole = buffer.numel() * buffer.element_size()
         return buffer.data_ptr(), _within(whole, size)
     try:
@@ -107,6 +111,33 @@ def buffer_address(buffer: Any, size: int | None) -> tuple[int, int]:
         raise ValueError("the buffer is empty")
     address = ctypes.addressof((ctypes.c_char * whole).from_buffer(view))
     return address, _within(whole, size)
+
+
+def _pinned(buffer: Any) -> Any:
+    """What keeps a registered buffer's memory where it is: a memoryview of it (a
+    ``bytearray`` with one cannot be resized), or the tensor itself."""
+    if hasattr(buffer, "data_ptr") and hasattr(buffer, "element_size"):
+        return buffer
+    return memoryview(buffer)
+
+
+def _addresses(buffers: Any, sizes: Any) -> tuple[list[int], list[int]]:
+    """Each buffer (an address, or an object) and its size (``None``: the whole object)."""
+    buffers = list(buffers)
+    sizes = [None] * len(buffers) if sizes is None else list(sizes)
+    if len(sizes) != len(buffers):
+        raise ValueError(f"{len(buffers)} buffers and {len(sizes)} sizes")
+    spans = [buffer_address(b, n) for b, n in zip(buffers, sizes)]
+    return [address for address, _ in spans], [length for _, length in spans]
+
+
+def _multi(all_buffers: Any, all_sizes: Any) -> tuple[list[list[int]], list[list[int]]]:
+    all_buffers = list(all_buffers)
+    all_sizes = [None] * len(all_buffers) if all_sizes is None else list(all_sizes)
+    if len(all_sizes) != len(all_buffers):
+        raise ValueError(f"{len(all_buffers)} buffer lists and {len(all_sizes)} size lists")
+    spans = [_addresses(b, n) for b, n in zip(all_buffers, all_sizes)]
+    return [a for a, _ in spans], [n for _, n in spans]
 
 
 def _within(whole: int, size: int | None) -> int:
@@ -143,7 +174,7 @@ class Store(_native.Store):
         super().register_buffer(address, length)
         if not isinstance(buffer, numbers.Integral):
             with self._held_lock:
-                self._held.setdefault(address, []).append(buffer)
+                self._held.setdefault(address, []).append(_pinned(buffer))
 
     def unregister_buffer(self, buffer: Any) -> None:  # type: ignore[override]
         """Unregisters a buffer registered with :meth:`register_buffer` (its address or the
@@ -177,6 +208,32 @@ class Store(_native.Store):
         address, length = buffer_address(buffer, size)
         return super().get_into(key, address, length)
 
+    def batch_put_from(  # type: ignore[override]
+        self, keys: Any, buffers: Any, sizes: Any = None, config: Any = None
+    ) -> list[Any]:
+        """``put_from`` of each key (buffers as addresses with ``sizes``, or objects): the
+        replicas written, or the key's ``StoreError``."""
+        addresses, lengths = _addresses(buffers, sizes)
+        return super().batch_put_from(keys, addresses, lengths, config)
+
+    def batch_get_into(self, keys: Any, buffers: Any, sizes: Any = None) -> list[Any]:  # type: ignore[override]
+        """``get_into`` of each key: its size, or its ``StoreError``."""
+        addresses, lengths = _addresses(buffers, sizes)
+        return super().batch_get_into(keys, addresses, lengths)
+
+    def batch_put_from_multi_buffers(  # type: ignore[override]
+        self, keys: Any, all_buffers: Any, all_sizes: Any = None, config: Any = None
+    ) -> list[Any]:
+        """Each key's value from its buffers, in order (scatter-gather)."""
+        spans = _multi(all_buffers, all_sizes)
+        return super().batch_put_from_multi_buffers(keys, *spans, config)
+
+    def batch_get_into_multi_buffers(  # type: ignore[override]
+        self, keys: Any, all_buffers: Any, all_sizes: Any = None
+    ) -> list[Any]:
+        """Each key's value into its buffers, in order: its size, or its ``StoreError``."""
+        return super().batch_get_into_multi_buffers(keys, *_multi(all_buffers, all_sizes))
+
     def close(self) -> None:  # type: ignore[override]
         """Takes the segment back, disconnects and stops the engine (idempotent)."""
         try:
@@ -184,3 +241,6 @@ class Store(_native.Store):
         finally:
             with self._held_lock:
                 self._held.clear()
+
+    def __exit__(self, *exc: object) -> None:  # type: ignore[override]
+        self.close()

@@ -224,10 +224,16 @@ impl Segments {
         if let Some(id) = self.by_name(name) {
             return vec![id];
         }
-        let member = format!("{name}@");
         self.by_id
             .iter()
-            .filter(|(_, segment)| segment.spec.name.starts_with(&member))
+            .filter(|(_, segment)| {
+                // The member's name is all before the last '@' (it may hold '@' itself).
+                segment
+                    .spec
+                    .name
+                    .rsplit_once('@')
+                    .is_some_and(|(member, _)| member == name)
+            })
             .map(|(&id, _)| id)
             .collect()
     }

@@ -390,7 +390,7 @@ fn a_member_is_preferred_by_the_name_it_gave_its_engine() {
         member_silence: NEVER_SILENT,
         ..MasterPolicy::default()
     });
-    let ids: Vec<SegmentId> = ["decode-0@7#1", "decode-1@9#1", "decode-10@3#1"]
+    let ids: Vec<SegmentId> = ["decode-0@7#1", "decode-1@x@3#1", "decode-1@9#1"]
         .iter()
         .enumerate()
         .map(|(i, name)| {
@@ -403,8 +403,9 @@ fn a_member_is_preferred_by_the_name_it_gave_its_engine() {
         })
         .collect();
     for (preferred, expected) in [
-        ("decode-1", ids[1]),
-        ("decode-10", ids[2]),
+        // Mounted first, `decode-1@x`'s segment is not `decode-1`'s.
+        ("decode-1", ids[2]),
+        ("decode-1@x", ids[1]),
         ("decode-0@7#1", ids[0]),
     ] {
         let config = ReplicaConfig {

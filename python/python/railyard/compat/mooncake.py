@@ -46,9 +46,9 @@ Timeouts
     engine's, reported once the engine resolved the request (shortly after the deadline).
 
 ``initialize(local_hostname, metadata_server, protocol, device_name)``
-    * ``local_hostname``: ``"host"`` or ``"host:port"``; the engine listens on the
-      address ``host`` names when it is one of this host's (every interface otherwise) and
-      advertises ``host``. The port is used only with
+    * ``local_hostname``: ``"host"`` or ``"host:port"``; the engine listens on ``host``
+      when it is an IPv4 address of this host (``127.0.0.1``: loopback only), on every
+      interface for a name, and advertises ``host``. The port is used only with
       ``MC_LEGACY_RPC_PORT_BINDING`` set (as in Mooncake); otherwise a free port is
       chosen, which ``get_rpc_port()`` returns. The session id peers use is
       ``f"{host}:{get_rpc_port()}"``.
@@ -118,6 +118,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import ipaddress
 import itertools
 import json
 import logging
@@ -220,18 +221,20 @@ def _map_directory(metadata_server: str, metadata_type: str = "etcd") -> str:
 
 
 def _listen_ip(host: str) -> str:
-    """Where the engine listens: the address ``host`` names when it is one of this host's
-    (``127.0.0.1`` stays on loopback), else every interface (a name of a NAT's outside
-    address, say: it is still advertised)."""
-    if not host:
+    """Where the engine listens: the IPv4 address ``host`` is, when it is a literal one of
+    this host's (``127.0.0.1`` stays on loopback); every interface for a name (a host name
+    may resolve to a loopback address in /etc/hosts while peers reach it elsewhere) or an
+    address this host does not have (a NAT's outside address: it is still advertised)."""
+    try:
+        ip = str(ipaddress.IPv4Address(host))
+    except ValueError:
         return "0.0.0.0"
     try:
-        ip = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind((ip, 0))
         return ip
     except OSError:
-        logger.info("%r is not an address of this host: listening on every interface", host)
+        logger.info("%s is not an address of this host: listening on every interface", host)
         return "0.0.0.0"
 
 
@@ -427,6 +430,8 @@ class TransferEngine:
         with self._lock:
             engine, self._engine = self._engine, None
             self._pending.clear()
+            # Registrations belong to the engine that goes: a new one starts with none.
+            self._buffers.clear()
         if engine is not None:
             engine.close()
 

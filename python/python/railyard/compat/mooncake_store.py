@@ -75,8 +75,10 @@ Not supported (answer ``NOT_SUPPORTED``, -1012, or raise :class:`NotSupportedErr
     SSD offload (``enable_ssd_offload=True``), NOF/DFS replicas (``nof_replica_num``,
     ``dfs_replica_num``), ``setup_dummy`` (IPC to a standalone client), tenants other than
     ``"default"``, ``prefer_alloc_in_same_node`` on ``put``/``put_from``/``batch_put_from``
-    (``-600``, as Mooncake answers), and the tensor, session, range, task, segment-file and
-    replica-descriptor methods (see ``_UNSUPPORTED``).
+    and the upserts (``-600``, as Mooncake answers), every tensor method (``*tensor*``), and
+    the session, range, task, segment-file and replica-descriptor methods (see
+    ``_UNSUPPORTED``). Device (GPU) memory cannot be registered: ``register_buffer`` of it
+    answers ``-600``; stage KV pages through registered host memory.
 """
 
 from __future__ import annotations
@@ -351,6 +353,14 @@ def _keys(keys: Any) -> list[str]:
         if not isinstance(key, str):
             raise TypeError(f"keys must be str, not {type(key).__name__}")
     return out
+
+
+def _count_of(keys: Any) -> int:
+    """How many keys a batch was given (for one code per key when it is refused)."""
+    try:
+        return len(keys)
+    except TypeError:
+        return 0
 
 
 def _bytes_of(value: Any) -> bytes:
@@ -710,6 +720,7 @@ class MooncakeDistributedStore:
         config: Any = None,
     ) -> list[int]:
         """``put_from`` of each key: one int per key, ``0`` or a negative code."""
+        count = _count_of(keys)
         try:
             keys = _keys(keys)
             ptrs, lens = _ints(buffer_ptrs, "buffer_ptrs"), _ints(sizes, "sizes")
@@ -719,7 +730,7 @@ class MooncakeDistributedStore:
             results = self._require().batch_put_from(keys, ptrs, lens, cfg)
         except Exception as error:
             logger.error("batch_put_from: %s", error)
-            return [_code_of(error)] * len(keys) if isinstance(keys, list) else []
+            return [_code_of(error)] * count
         return _per_key(results, ok=OK)
 
     def batch_put_from_multi_buffers(
@@ -730,6 +741,7 @@ class MooncakeDistributedStore:
         config: Any = None,
     ) -> list[int]:
         """Store, for each key, the concatenation of its buffers: one int per key."""
+        count = _count_of(keys)
         if self._store is None:
             return []
         try:
@@ -742,7 +754,7 @@ class MooncakeDistributedStore:
             results = self._require().batch_put_from_multi_buffers(keys, ptrs, lens, cfg)
         except Exception as error:
             logger.error("batch_put_from_multi_buffers: %s", error)
-            return [_code_of(error)] * len(keys) if isinstance(keys, list) else []
+            return [_code_of(error)] * count
         return _per_key(results, ok=OK)
 
     def upsert(self, key: str, value: Any, config: Any = None) -> int:
@@ -751,7 +763,7 @@ class MooncakeDistributedStore:
             data = _bytes_of(value)
             if not data:
                 raise _Refused("the value is empty")
-            self._require().upsert(key, data, _config(config, same_node_refused=False))
+            self._require().upsert(key, data, _config(config, same_node_refused=True))
             return OK
         except Exception as error:
             logger.error("upsert(%r): %s", key, error)
@@ -781,7 +793,7 @@ class MooncakeDistributedStore:
         """``put_from``, replacing an existing value."""
         try:
             self._require().upsert_from(
-                key, buffer_ptr, size, _config(config, same_node_refused=False)
+                key, buffer_ptr, size, _config(config, same_node_refused=True)
             )
             return OK
         except Exception as error:
@@ -796,6 +808,7 @@ class MooncakeDistributedStore:
         config: Any = None,
     ) -> list[int]:
         """``upsert_from`` of each key: one int per key."""
+        count = _count_of(keys)
         try:
             keys = _keys(keys)
             ptrs, lens = _ints(buffer_ptrs, "buffer_ptrs"), _ints(sizes, "sizes")
@@ -803,7 +816,7 @@ class MooncakeDistributedStore:
                 raise _Refused("keys, buffer_ptrs and sizes differ in length")
             self._require()
         except Exception as error:
-            return [_code_of(error)] * (len(keys) if isinstance(keys, list) else 0)
+            return [_code_of(error)] * count
         return [self.upsert_from(k, p, n, config) for k, p, n in zip(keys, ptrs, lens)]
 
     # -- reads ----------------------------------------------------------------------------
@@ -860,6 +873,7 @@ class MooncakeDistributedStore:
         self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
         """``get_into`` of each key: bytes read, or a negative code, per key."""
+        count = _count_of(keys)
         try:
             keys = _keys(keys)
             ptrs, lens = _ints(buffer_ptrs, "buffer_ptrs"), _ints(sizes, "sizes")
@@ -870,7 +884,7 @@ class MooncakeDistributedStore:
             results = self._require().batch_get_into(keys, ptrs, lens)
         except Exception as error:
             logger.error("batch_get_into: %s", error)
-            return [_code_of(error)] * len(keys) if isinstance(keys, list) else []
+            return [_code_of(error)] * count
         return _per_key(results)
 
     def batch_get_into_multi_buffers(
@@ -882,6 +896,7 @@ class MooncakeDistributedStore:
     ) -> list[int]:
         """Read each key's value into its buffers, in order: bytes read, or a negative
         code, per key. (Reads go to the nearest replica anyway.)"""
+        count = _count_of(keys)
         try:
             keys = _keys(keys)
             ptrs = [_ints(p, "all_buffer_ptrs") for p in all_buffer_ptrs]
@@ -893,7 +908,7 @@ class MooncakeDistributedStore:
             results = self._require().batch_get_into_multi_buffers(keys, ptrs, lens)
         except Exception as error:
             logger.error("batch_get_into_multi_buffers: %s", error)
-            return [_code_of(error)] * len(keys) if isinstance(keys, list) else []
+            return [_code_of(error)] * count
         return _per_key(results)
 
     # -- metadata -------------------------------------------------------------------------
@@ -909,6 +924,7 @@ class MooncakeDistributedStore:
 
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         """``is_exist`` of each key."""
+        count = _count_of(keys)
         try:
             keys = _keys(keys)
             if not keys:
@@ -916,7 +932,7 @@ class MooncakeDistributedStore:
             results = self._require().batch_is_exist(keys)
         except Exception as error:
             logger.error("batch_is_exist: %s", error)
-            return [_code_of(error)] * len(keys) if isinstance(keys, list) else []
+            return [_code_of(error)] * count
         return [
             _code_of(result) if isinstance(result, BaseException) else int(bool(result))
             for result in results
@@ -943,6 +959,7 @@ class MooncakeDistributedStore:
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         """``remove`` of each key: one int per key."""
+        count = _count_of(keys)
         try:
             keys = _keys(keys)
             if not keys:
@@ -950,7 +967,7 @@ class MooncakeDistributedStore:
             results = self._require().batch_remove(keys, force)
         except Exception as error:
             logger.error("batch_remove: %s", error)
-            return [_code_of(error)] * len(keys) if isinstance(keys, list) else []
+            return [_code_of(error)] * count
         return [_code_of(r) if isinstance(r, BaseException) else OK for r in results]
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
@@ -977,7 +994,7 @@ class MooncakeDistributedStore:
             return _code_of(error)
 
     def __getattr__(self, name: str) -> Any:
-        alternative = _UNSUPPORTED.get(name)
+        alternative = _UNSUPPORTED.get(name) or (_TENSORS if "tensor" in name else None)
         if alternative is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         raise NotSupportedError(

@@ -11,8 +11,10 @@ SGLang loads it without a patch, as a dynamic backend::
 
 ``interface_v1: 1`` makes SGLang call the zero-copy ``batch_get_v1``/``batch_set_v1``
 against the host pool's page buffers (as its built-in Mooncake backend does); use a
-``page_first`` (the default) or ``page_first_direct`` host layout. Without it SGLang uses
-``batch_get``/``batch_set``, which copy.
+``page_first`` (the default) or ``page_first_direct`` host layout (MLA models also
+``layer_first``). Without it SGLang calls ``batch_set(keys, pages)`` and
+``batch_get(keys, pages)`` with flat page tensors, which this backend copies through the
+store's bounce buffer.
 
 The backend speaks to the store through
 :class:`railyard.compat.mooncake_store.MooncakeDistributedStore`, with the same calls as
@@ -21,17 +23,24 @@ SGLang's Mooncake backend: a warm-up ``put``/``is_exist``/``get`` of a 4 KiB key
 of only the missing keys, ``batch_get_into``, and ``remove_all`` on ``clear``. Keys are
 SGLang's: ``{page_hash}_{tp_rank}_k`` and ``_v`` for MHA models (``{page_hash}_{tp_rank}_
 {pp_rank}_k`` with pipeline parallelism), ``{page_hash}__k`` for MLA models
-(``{page_hash}_{pp_rank}_k``), after an optional ``key_prefix`` and ``_``.
+(``{page_hash}_{pp_rank}_k``), after the prefix SGLang's Mooncake backend puts first —
+``extra_backend_tag`` and the model name (``/`` as ``-``) joined by ``_``, then ``_`` — so
+two models sharing a store never read each other's pages. Copied pages (without
+``interface_v1``) of MHA models are one key each, ``…_kv``. Decode context parallelism
+(``dcp_size`` > 1) and split heads are refused at construction.
 
 Configuration (``extra_config``, else the environment)
     * ``master_server_address`` (``RAILYARD_STORE_MASTER``, ``MOONCAKE_MASTER``): the
       master, ``host:port`` or ``etcd://…``. Required.
-    * ``local_hostname`` (``MOONCAKE_LOCAL_HOSTNAME``): this rank's name (default
-      ``localhost``; a free port is added).
+    * ``local_hostname`` (the environment's ``MOONCAKE_LOCAL_HOSTNAME`` or
+      ``LOCAL_HOSTNAME`` first, so one ``extra_config`` serves every node): this rank's
+      host as peers reach it (default: the kernel's host name; a free port is added).
     * ``global_segment_size`` (``MOONCAKE_GLOBAL_SEGMENT_SIZE``, default ``"4gb"``): memory
       this server contributes, split evenly between its TP × PP ranks.
-    * ``protocol`` (``MOONCAKE_PROTOCOL``, default ``"tcp"``), ``replica_num`` (default 1),
-      ``key_prefix`` (default none).
+    * ``protocol`` (``MOONCAKE_PROTOCOL``, default ``"tcp"``), ``replica_num`` (default 1;
+      more are written best effort), ``extra_backend_tag``.
+    * ``get_stats()`` reports pages and bandwidth (as SGLang's ``StorageMetrics``) when
+      ``enable_storage_metrics`` is on; nothing is recorded otherwise.
 
 Importing this module imports neither SGLang nor torch: ``RailyardHiCacheStorage`` is
 built on first access, as a subclass of SGLang's ``HiCacheStorage`` when SGLang is
@@ -40,13 +49,17 @@ importable (the factory checks ``issubclass``), else as the plain backend.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import re
+import socket
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
-from .mooncake_store import MooncakeDistributedStore, ReplicateConfig
+from .mooncake_store import MooncakeDistributedStore, ReplicateConfig, parse_size
 
 __all__ = ["HiCacheBackend", "RailyardHiCacheStorage"]
 
@@ -59,9 +72,14 @@ _WARMUP_PAUSE_S = 1.0
 
 
 def _setting(extra: dict, key: str, env: tuple[str, ...], default: Any = None) -> Any:
+    """``extra_config[key]``, else the first variable of ``env`` that is set."""
     value = extra.get(key)
     if value not in (None, ""):
         return value
+    return _from_env(env, default)
+
+
+def _from_env(env: tuple[str, ...], default: Any = None) -> Any:
     for name in env:
         if os.environ.get(name):
             return os.environ[name]
@@ -82,6 +100,12 @@ class HiCacheBackend:
         self.pp_rank = int(getattr(storage_config, "pp_rank", 0) or 0)
         self.pp_size = int(getattr(storage_config, "pp_size", 1) or 1)
         self.is_mla_model = bool(getattr(storage_config, "is_mla_model", False))
+        self.zero_copy = bool(int(extra.get("interface_v1", 0) or 0))
+        self.metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        if int(getattr(storage_config, "dcp_size", 1) or 1) > 1:
+            raise NotImplementedError("railyard HiCache backend: dcp_size > 1 is not supported")
+        if getattr(storage_config, "should_split_heads", False):
+            raise NotImplementedError("railyard HiCache backend: split heads are not supported")
         master = _setting(
             extra, "master_server_address", ("RAILYARD_STORE_MASTER", "MOONCAKE_MASTER")
         )
@@ -90,17 +114,22 @@ class HiCacheBackend:
                 "railyard HiCache backend: no master (extra_config master_server_address, or "
                 "RAILYARD_STORE_MASTER)"
             )
-        hostname = _setting(extra, "local_hostname", ("MOONCAKE_LOCAL_HOSTNAME",), "localhost")
+        hostname = _from_env(("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME")) or extra.get(
+            "local_hostname"
+        ) or socket.gethostname()
         segment = _setting(
             extra, "global_segment_size", ("MOONCAKE_GLOBAL_SEGMENT_SIZE",), "4gb"
         )
         protocol = _setting(extra, "protocol", ("MOONCAKE_PROTOCOL",), "tcp")
-        from .mooncake_store import parse_size
-
         per_rank = parse_size(segment) // max(1, self.tp_size * self.pp_size)
         self.replica_num = int(extra.get("replica_num", 1))
-        prefix = str(extra.get("key_prefix", "") or "")
-        self.key_prefix = f"{prefix}_" if prefix else ""
+        parts = []
+        if extra.get("extra_backend_tag") is not None:
+            parts.append(str(extra["extra_backend_tag"]))
+        model = getattr(storage_config, "model_name", None)
+        if model:
+            parts.append("-".join(str(model).split("/")))
+        self.key_prefix = "_".join(parts) + "_" if parts else ""
         self.store = MooncakeDistributedStore()
         ret = self.store.setup(
             str(hostname),
@@ -121,7 +150,7 @@ class HiCacheBackend:
             self.mla_suffix = ""
         self.mem_pool_host: Any = None
         self._registered: list[int] = []
-        self._stats = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_s": [], "backup_s": []}
+        self._stats = _empty_stats()
         self.warmup()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -174,10 +203,13 @@ class HiCacheBackend:
 
     # -- keys -----------------------------------------------------------------------------
 
-    def _page_keys(self, keys: list[str]) -> tuple[list[str], int]:
-        """The store keys of each page, page by page, and how many one page has."""
+    def _page_keys(self, keys: list[str], *, flat: bool) -> tuple[list[str], int]:
+        """The store keys of each page, page by page, and how many one page has: K and V
+        apart for the zero-copy interface, one flat page for the copying one (``flat``)."""
         if self.is_mla_model:
             return [f"{self.key_prefix}{key}_{self.mla_suffix}_k" for key in keys], 1
+        if flat:
+            return [f"{self.key_prefix}{key}_{self.mha_suffix}_kv" for key in keys], 1
         out = []
         for key in keys:
             out.append(f"{self.key_prefix}{key}_{self.mha_suffix}_k")
@@ -195,7 +227,7 @@ class HiCacheBackend:
                 f"{len(keys)} pages but {len(host_indices)} host indices (page size {page_size})"
             )
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        store_keys, per_page = self._page_keys(keys)
+        store_keys, per_page = self._page_keys(keys, flat=False)
         ptrs, sizes = list(ptrs), list(sizes)
         if len(ptrs) == len(store_keys):
             return store_keys, ptrs, sizes, per_page
@@ -215,9 +247,21 @@ class HiCacheBackend:
         return store_keys, grouped_ptrs, grouped_sizes, per_page
 
     @staticmethod
-    def _per_page(results: list[int], per_page: int, *, written: bool) -> list[bool]:
-        ok = [(r == 0) if written else (r > 0) for r in results]
+    def _per_page(results: list[int], per_page: int, expected: list[int] | None) -> list[bool]:
+        """One bool per page: every key of it written (``0``), or read whole (``expected``
+        bytes each)."""
+        if expected is None:
+            ok = [r == 0 for r in results]
+        else:
+            ok = [r == want for r, want in zip(results, expected)]
         return [all(ok[i : i + per_page]) for i in range(0, len(ok), per_page)]
+
+    def _record(self, kind: str, pages: int, nbytes: int, started: float) -> None:
+        if not self.metrics:
+            return
+        elapsed = max(time.monotonic() - started, 1e-9)
+        self._stats[f"{kind}_pgs"].append(pages)
+        self._stats[f"{kind}_bandwidth"].append(nbytes / elapsed / (1 << 30))
 
     def _config(self) -> ReplicateConfig | None:
         if self.replica_num <= 1:
@@ -241,11 +285,13 @@ class HiCacheBackend:
         store_keys, ptrs, sizes, per_page = self._buffers(keys, host_indices)
         if ptrs and isinstance(ptrs[0], list):
             results = self.store.batch_get_into_multi_buffers(store_keys, ptrs, sizes)
+            expected = [sum(each) for each in sizes]
         else:
             results = self.store.batch_get_into(store_keys, ptrs, sizes)
-        self._stats["prefetch_pgs"].append(len(keys))
-        self._stats["prefetch_s"].append(time.monotonic() - started)
-        return self._per_page(results, per_page, written=False)
+            expected = list(sizes)
+        pages = self._per_page(results, per_page, expected)
+        self._record("prefetch", sum(pages), sum(expected), started)
+        return pages
 
     def batch_set_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
@@ -272,9 +318,9 @@ class HiCacheBackend:
                 written = self.store.batch_put_from(put_keys, put_ptrs, put_sizes, self._config())
             for index, code in zip(missing, written):
                 results[index] = code
-            self._stats["backup_pgs"].append(len(missing) // per_page)
-            self._stats["backup_s"].append(time.monotonic() - started)
-        return self._per_page(results, per_page, written=True)
+            nbytes = sum(sum(s) if isinstance(s, list) else s for s in put_sizes)
+            self._record("backup", len(missing) // per_page, nbytes, started)
+        return self._per_page(results, per_page, None)
 
     # -- existence ------------------------------------------------------------------------
 
@@ -286,7 +332,7 @@ class HiCacheBackend:
         """How many pages from the first one the store holds (every key of a page)."""
         if not keys:
             return 0
-        store_keys, per_page = self._page_keys(list(keys))
+        store_keys, per_page = self._page_keys(list(keys), flat=not self.zero_copy)
         found = self.store.batch_is_exist(store_keys)
         for index, present in enumerate(found):
             if present != 1:
@@ -296,26 +342,37 @@ class HiCacheBackend:
     # -- generic (copying) interface -------------------------------------------------------
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
-        """With ``target_location`` (a registered address) and ``target_sizes``: reads into
-        it, ``True``/``False``. Without: the value's bytes, or ``None`` on a miss."""
-        if target_location is not None:
-            return self.store.get_into(key, int(target_location), int(target_sizes)) >= 0
+        """``key``'s value (a store key, as given): into ``target_location`` (a contiguous
+        CPU tensor or buffer) which is returned, or as bytes; ``None`` on a miss."""
         value = self.store.get(key)
-        return value if value else None
+        if not value:
+            return None
+        if target_location is None:
+            return value
+        return target_location if _copy_into(target_location, value) else None
 
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
-    ) -> Any:
-        """With addresses: how many keys from the first were read. Without: each value's
-        bytes, ``None`` for a miss."""
-        if target_locations is not None:
-            if not keys:
-                return 0
-            results = self.store.batch_get_into(
-                list(keys), [int(p) for p in target_locations], [int(s) for s in target_sizes]
-            )
-            return next((i for i, r in enumerate(results) if r < 0), len(keys))
-        return [value if value else None for value in self.store.get_batch(list(keys))] if keys else []
+    ) -> list[Any]:
+        """SGLang's copying read: each page's flat tensor filled from the store (the same
+        object), ``None`` for a page it does not hold whole."""
+        if not keys:
+            return []
+        store_keys, _ = self._page_keys(list(keys), flat=True)
+        started = time.monotonic()
+        values = self.store.get_batch(store_keys)
+        out = []
+        for index, value in enumerate(values):
+            target = target_locations[index] if target_locations is not None else None
+            if not value:
+                out.append(None)
+            elif target is None:
+                out.append(value)
+            else:
+                out.append(target if _copy_into(target, value) else None)
+        hits = sum(1 for page in out if page is not None)
+        self._record("prefetch", hits, sum(len(v) for v in values), started)
+        return out
 
     def set(
         self,
@@ -324,15 +381,14 @@ class HiCacheBackend:
         target_location: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        """Stores ``value`` (bytes-like), or ``target_sizes`` bytes at the registered
-        ``target_location``; a key already held counts as stored."""
+        """Stores ``value`` (a contiguous CPU tensor or bytes-like) under ``key`` (a store key,
+        as given), or ``target_sizes`` bytes at the registered address ``target_location``;
+        a key already held counts as stored."""
         if self.exists(key):
             return True
         if target_location is not None:
-            return (
-                self.store.put_from(key, int(target_location), int(target_sizes), self._config())
-                == 0
-            )
+            code = self.store.put_from(key, int(target_location), int(target_sizes), self._config())
+            return code == 0
         if value is None:
             return False
         return self.store.put(key, _bytes(value), self._config()) == 0
@@ -344,35 +400,40 @@ class HiCacheBackend:
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        """``set`` of each key: whether all were stored."""
-        if not keys:
+        """SGLang's copying write: each page's flat tensor stored under its page key, pages
+        the store holds already skipped; whether every page is stored."""
+        if not keys or values is None or len(values) != len(keys):
             return False
-        for index, key in enumerate(keys):
-            value = values[index] if values is not None else None
-            location = target_locations[index] if target_locations is not None else None
-            size = target_sizes[index] if target_sizes is not None else None
-            if key is None or not self.set(key, value, location, size):
-                return False
-        return True
+        store_keys, _ = self._page_keys(list(keys), flat=True)
+        started = time.monotonic()
+        found = self.store.batch_is_exist(store_keys)
+        missing = [i for i, present in enumerate(found) if present != 1]
+        if not missing:
+            return True
+        data = [_bytes(values[i]) for i in missing]
+        code = self.store.put_batch([store_keys[i] for i in missing], data, self._config())
+        self._record("backup", len(missing), sum(len(d) for d in data), started)
+        return code == 0
 
     # -- housekeeping ---------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Removes every object of the store (SGLang's ``flush_cache``)."""
-        removed = self.store.remove_all(True)
+        """Removes this deployment's pages (those under its key prefix; every object when
+        it has none) that no reader holds a lease on, as SGLang's Mooncake backend does on
+        ``flush_cache``."""
+        if self.key_prefix:
+            removed = self.store.remove_by_regex("^" + re.escape(self.key_prefix))
+        else:
+            removed = self.store.remove_all()
         logger.info("railyard HiCache backend: cleared %s objects", removed)
 
     def get_stats(self) -> Any:
-        """Pages read and written and their times since the last call: SGLang's
-        ``StorageMetrics`` when SGLang is importable, else a dict."""
-        stats, self._stats = self._stats, {k: [] for k in self._stats}
-        try:
-            from sglang.srt.metrics.collector import StorageMetrics  # type: ignore
-        except Exception:
-            return stats
-        metrics = StorageMetrics()
-        metrics.prefetch_pgs.extend(stats["prefetch_pgs"])
-        metrics.backup_pgs.extend(stats["backup_pgs"])
+        """Pages read and written, and their bandwidth in GiB/s, since the last call:
+        SGLang's ``StorageMetrics`` (an object with the same four lists without SGLang)."""
+        stats, self._stats = self._stats, _empty_stats()
+        metrics = _storage_metrics()
+        for name, values in stats.items():
+            getattr(metrics, name).extend(values)
         return metrics
 
     def close(self) -> None:
@@ -383,10 +444,52 @@ class HiCacheBackend:
         self.store.close()
 
 
+def _empty_stats() -> dict[str, list]:
+    return {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+
+
+def _storage_metrics() -> Any:
+    """A fresh SGLang ``StorageMetrics`` (its module moved between releases), or an object
+    with the same four lists when SGLang is not importable."""
+    for module in ("sglang.srt.observability.metrics_collector", "sglang.srt.metrics.collector"):
+        try:
+            return __import__(module, fromlist=["StorageMetrics"]).StorageMetrics()
+        except (ImportError, AttributeError):
+            continue
+    return SimpleNamespace(**_empty_stats())
+
+
+def _tensor_span(value: Any) -> tuple[int, int]:
+    """``(address, bytes)`` of a contiguous CPU tensor (any dtype, bf16 too)."""
+    if hasattr(value, "is_contiguous") and not value.is_contiguous():
+        raise ValueError("the page tensor is not contiguous")
+    if getattr(getattr(value, "device", None), "type", "cpu") != "cpu":
+        raise ValueError("the page tensor is not in host memory")
+    return value.data_ptr(), value.numel() * value.element_size()
+
+
 def _bytes(value: Any) -> bytes:
-    if hasattr(value, "numpy"):  # a CPU tensor
-        value = value.contiguous().view(-1).numpy()
+    """A page's bytes: a tensor's (without importing torch), or a buffer's."""
+    if hasattr(value, "data_ptr") and hasattr(value, "element_size"):
+        address, length = _tensor_span(value)
+        return ctypes.string_at(address, length)
     return memoryview(value).tobytes()
+
+
+def _copy_into(target: Any, value: bytes) -> bool:
+    """Copies ``value`` into ``target`` (a tensor or a writable buffer) when it has
+    exactly that many bytes."""
+    if hasattr(target, "data_ptr") and hasattr(target, "element_size"):
+        address, length = _tensor_span(target)
+        if length != len(value):
+            return False
+        ctypes.memmove(address, value, length)
+        return True
+    view = memoryview(target).cast("B")
+    if view.nbytes != len(value):
+        return False
+    view[:] = value
+    return True
 
 
 def _subclass_of_hicache_storage() -> type:
