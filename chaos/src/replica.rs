@@ -232,7 +232,7 @@ fn submit_loop(
         .collect();
     while !stop.load(Ordering::Relaxed) {
         let submitted = Instant::now();
-        log.in_flight.store(true, Ordering::Relaxed);
+        log.in_flight.store(true, Ordering::Release);
         let Ok(batch) = submitter.submit(peer, &writes) else {
             log.in_flight.store(false, Ordering::Relaxed);
             std::thread::sleep(Duration::from_millis(2));
@@ -318,12 +318,16 @@ fn probe(
 /// How often [`probe`] submits.
 const PROBE_INTERVAL: Duration = Duration::from_millis(50);
 
-/// Waits (at most a second) until `log`'s submitter has a batch in flight.
-fn wait_for_a_batch_in_flight(log: &PeerLog) {
+/// Waits (at most a second) until `log`'s submitter has a batch in flight, and answers
+/// when it saw one: the instant a fault sent right after counts from. (Read after the
+/// signal, the batch seen might have resolved in between, on a loaded machine, and the
+/// fault would have found nothing in flight to check.)
+fn wait_for_a_batch_in_flight(log: &PeerLog) -> Instant {
     let end = Instant::now() + Duration::from_secs(1);
-    while !log.in_flight.load(Ordering::Relaxed) && Instant::now() < end {
+    while !log.in_flight.load(Ordering::Acquire) && Instant::now() < end {
         std::hint::spin_loop();
     }
+    Instant::now()
 }
 
 /// Batches of `log` in flight at `at`, and how many of them resolved past their deadline
@@ -407,9 +411,8 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
                 std::thread::sleep(WINDOW + Duration::from_millis(200));
                 // Phase 1: killed, with a reset, while a batch to it is in flight; another name
                 // takes the port.
-                wait_for_a_batch_in_flight(&logs[KILLED]);
+                let killed_at = wait_for_a_batch_in_flight(&logs[KILLED]);
                 targets[KILLED].signal(libc::SIGKILL);
-                let killed_at = Instant::now();
                 let _ = targets[KILLED].child.wait();
                 // The after-window opens once the kernel has torn the process down: on two
                 // cores its exit competes with everyone, and that is not the engine's doing.
@@ -423,9 +426,8 @@ pub fn run(seed: u64, binary: &Path, fabric: &ChaosFabric) -> Result<ReplicaRepo
                 newcomer_peers.push(engine.open(&addr.to_string()).ok());
                 std::thread::sleep(Duration::from_millis(300));
                 // Phase 2: stopped, no reset: only liveness can tell.
-                wait_for_a_batch_in_flight(&logs[STOPPED]);
+                let stopped_at = wait_for_a_batch_in_flight(&logs[STOPPED]);
                 targets[STOPPED].signal(libc::SIGSTOP);
-                let stopped_at = Instant::now();
                 probes_late = probe(
                     &engine,
                     &peers[STOPPED],
