@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -238,6 +239,11 @@ def test_setup_forms_metadata_servers_and_unsupported(store_cluster):
     )
     assert store.setup_dummy(1 << 20, 1 << 20, "127.0.0.1:50052") == mooncake_store.NOT_SUPPORTED
     assert store.setup("localhost", "P2PHANDSHAKE", 0, 0, "tcp", "", "127.0.0.1:1") == -900
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        busy = f"localhost:{taken.getsockname()[1]}"
+        assert store.setup(busy, "P2PHANDSHAKE", 0, 0, "tcp", "", store_cluster.addr) == -600
     assert not hasattr(store, "get_tensor")
     with pytest.raises(NotSupportedError, match="put_from"):
         store.put_tensor("k", None)

@@ -543,6 +543,9 @@ class MooncakeDistributedStore:
                     _warn_rdma_fallback(protocol, f"the verbs fabric failed to start ({error})")
                     fabric = "auto"
         assert last is not None
+        if port is not None:
+            # Mooncake: the port named could not be used -> INVALID_PARAMS.
+            raise _Refused(f"{local_hostname}: {last}")
         raise last
 
     def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
