@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import StoreCluster
 
 from railyard.compat import mooncake_store
 from railyard.compat.mooncake_store import (
@@ -389,3 +390,22 @@ def test_a_killed_member_loses_only_what_it_alone_held(store_cluster):
         store.close()
         if member.proc.poll() is None:
             member.proc.kill()
+
+
+def test_health_check_answers_at_once_when_the_master_dies():
+    cluster = StoreCluster(servers=0)
+    store = connect(cluster)
+    try:
+        assert store.health_check() == 0
+        cluster.master.kill()
+        deadline = time.monotonic() + 5
+        answer = 0
+        while answer == 0 and time.monotonic() < deadline:
+            started = time.monotonic()
+            answer = store.health_check()
+            assert time.monotonic() - started < 0.5  # from the keepalive: no round trip
+            time.sleep(0.05)
+        assert answer == 2
+    finally:
+        store.close()
+        cluster.stop()

@@ -5,7 +5,7 @@
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use railyard_engine::dataplane::IdleStrategy;
 use railyard_engine::{Engine, FabricChoice, RailChoice};
@@ -331,4 +331,20 @@ fn reads_go_around_a_dead_rail_of_their_own() {
             .unwrap_or_else(|error| panic!("{key}: {error}"));
         assert!(value == value_of(key, 1 << 20), "{key}: other bytes");
     }
+}
+
+#[test]
+fn master_reachable_answers_from_the_keepalive_and_sees_a_master_go() {
+    let _turn = one_at_a_time();
+    let master = master();
+    let client = Store::connect(&engine("reachable-client"), options(&master)).expect("connects");
+    assert!(client.master_reachable());
+    drop(master);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while client.master_reachable() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!client.master_reachable(), "the master is gone");
+    // It answered without a round trip: no call waited out the 10 s timeout.
+    assert!(Instant::now() < deadline);
 }

@@ -479,7 +479,8 @@ class Store:
         ...
 
     def health_check(self) -> bool:
-        """Whether the master answers."""
+        """Whether the master answers, from the connection's keepalive (no round trip): a
+        dead master reads ``False`` at once, a stopped one within 1.5 s."""
         ...
 
     def master_stats(self) -> dict[str, Any]:

@@ -387,6 +387,15 @@ impl Store {
             .map(|(lease, _)| lease.replicas)
     }
 
+    /// Whether the master answers, from the connection's keepalive and without a round
+    /// trip: the connection is up and the master answered a ping within
+    /// [`MASTER_SILENCE`]. A dead master reads false at once (its connection reset), a
+    /// stopped one after that silence.
+    pub fn master_reachable(&self) -> bool {
+        let (link, _) = self.inner.attached();
+        !link.is_closed() && link.silent_for() <= MASTER_SILENCE
+    }
+
     /// Keys of complete objects, sorted.
     pub fn keys(&self) -> Result<Vec<String>, StoreError> {
         match self.call(Request::Keys)? {
