@@ -249,8 +249,9 @@ fn keys_of(value: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         .collect()
 }
 
-/// Bytes of a value: `bytes`, `bytearray`, or anything `bytes()` accepts (a `memoryview`,
-/// a NumPy array) — copied, as they go through the store's bounce buffer anyway.
+/// Bytes of a value: `bytes`, or anything with the buffer protocol (`bytearray`, a
+/// `memoryview`, a NumPy array) — copied, as they go through the store's bounce buffer
+/// anyway.
 fn value_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
     if let Ok(bytes) = value.cast::<PyBytes>() {
         return Ok(bytes.as_bytes().to_vec());
@@ -261,11 +262,20 @@ fn value_of(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
             type_name(value)
         )));
     }
-    let builtins = value.py().import("builtins")?;
-    let bytes = builtins
-        .getattr("bytes")?
+    // Through a memoryview: only the buffer protocol (bytes() would also turn an int into
+    // that many zero bytes and a list of ints into bytes).
+    let view = value
+        .py()
+        .import("builtins")?
+        .getattr("memoryview")?
         .call1((value,))
-        .map_err(|_| PyTypeError::new_err(format!("{what} must be bytes-like")))?;
+        .map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{what} must be bytes-like (the buffer protocol), not {}",
+                type_name(value)
+            ))
+        })?;
+    let bytes = view.call_method0("tobytes")?;
     Ok(bytes.cast::<PyBytes>()?.as_bytes().to_vec())
 }
 
@@ -460,7 +470,7 @@ impl Store {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         let Some(open) = open else { return Ok(()) };
-        py.detach(move || {
+        let unmounted = py.detach(move || {
             let unmounted = match open.segment {
                 Some((segment, grace)) => open.store.unmount(segment, grace),
                 None => Ok(()),
@@ -468,8 +478,20 @@ impl Store {
             // The engine stops once the calls still running with their own `Arc` return.
             drop(open);
             unmounted
-        })
-        .map_err(|error| store_error(&error))
+        });
+        // Closed either way: a segment the master could not be told about goes when the
+        // master finds this process gone. Said as a warning, so `with` never hides the
+        // exception it is leaving with.
+        if let Err(error) = unmounted {
+            PyErr::warn(
+                py,
+                &py.get_type::<pyo3::exceptions::PyRuntimeWarning>(),
+                &std::ffi::CString::new(format!("railyard.Store.close: {error}"))
+                    .unwrap_or_default(),
+                1,
+            )?;
+        }
+        Ok(())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

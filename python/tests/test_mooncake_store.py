@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import railyard
 from conftest import StoreCluster
 
 from railyard.compat import mooncake_store
@@ -155,6 +157,8 @@ def test_bad_input_answers_invalid_params_and_sends_nothing(store):
     assert store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
     assert store.put(None, b"x") == -600
     assert store.put("k", "a str") == -600
+    assert store.put("k", 5) == -600  # not five zero bytes
+    assert store.put("k", [104, 105]) == -600
     assert store.put("k", None) == -600
     assert store.put("k", b"") == -600
     assert store.put_from("k", -1, 16) == -600
@@ -239,6 +243,14 @@ def test_setup_forms_metadata_servers_and_unsupported(store_cluster):
         == mooncake_store.NOT_SUPPORTED
     )
     assert store.setup_dummy(1 << 20, 1 << 20, "127.0.0.1:50052") == mooncake_store.NOT_SUPPORTED
+    for protocol in ("cxl", "nvmeof", "nvlink"):
+        assert (
+            store.setup("localhost", "P2PHANDSHAKE", 0, 0, protocol, "", store_cluster.addr)
+            == mooncake_store.NOT_SUPPORTED
+        )
+    assert store.setup(config=config) == 0  # Mooncake's keyword for the dict form
+    assert store.upsert_from("k", 0, 0) == 0  # size 0: nothing, as Mooncake
+    assert store.close() == 0
     assert store.setup("localhost", "P2PHANDSHAKE", 0, 0, "tcp", "", "127.0.0.1:1") == -900
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
@@ -290,6 +302,16 @@ def test_a_member_process_and_store_pressure(store_cluster):
         codes = [with_member.put_from(f"big{i}", big.ctypes.data, big.nbytes, pinned) for i in range(3)]
         assert codes == [0, 0, -200]
         assert with_member.is_exist("big2") == 0
+        # Larger than any segment: no space either (Mooncake's allocator finds none).
+        assert with_member.put("too-big", bytes(100 << 20)) == -200
+        # More replicas than segments: as many as they take, as Mooncake's allocator does.
+        three = ReplicateConfig()
+        three.replica_num = 5
+        assert with_member.put("spread", b"s" * 4096, three) == 0
+        strict = ReplicateConfig()
+        strict.replica_num = 5
+        strict.best_effort = False
+        assert with_member.put("strict", b"s" * 4096, strict) == -200
         with_member.unregister_buffer(big.ctypes.data)
         with_member.remove_all(True)
         with_member.close()
@@ -395,6 +417,9 @@ def test_a_killed_member_loses_only_what_it_alone_held(store_cluster):
 def test_health_check_answers_at_once_when_the_master_dies():
     cluster = StoreCluster(servers=0)
     store = connect(cluster)
+    member = railyard.Store(
+        cluster.addr, segment_size=MIB, fabric="tcp", busy_poll=False, timeout_s=1
+    )
     try:
         assert store.health_check() == 0
         cluster.master.kill()
@@ -406,6 +431,11 @@ def test_health_check_answers_at_once_when_the_master_dies():
             assert time.monotonic() - started < 0.5  # from the keepalive: no round trip
             time.sleep(0.05)
         assert answer == 2
+        # Closing with the master gone: closed anyway, said as a warning, never raised.
+        with pytest.warns(RuntimeWarning, match="close"):
+            member.close()
+        assert not member.is_setup
     finally:
+        member.close()
         store.close()
         cluster.stop()

@@ -106,6 +106,8 @@ def test_bad_input_is_refused_before_anything_is_sent(store):
     cases = [
         (TypeError, lambda: store.put(None, b"x")),
         (TypeError, lambda: store.put("k", "a str")),
+        (TypeError, lambda: store.put("k", 5)),  # not five zero bytes
+        (TypeError, lambda: store.put("k", [104, 105])),
         (TypeError, lambda: store.put_from("k", "0x10", 4)),
         (ValueError, lambda: store.put_from("k", -1, 4)),
         (ValueError, lambda: store.put_from("k", buf.ctypes.data, -4)),
@@ -202,7 +204,7 @@ def test_best_effort_writes_what_segments_can_take(store):
     live = [s for s in store.master_stats()["segments"] if not s["suspected"]]
     assert count == len(live)
     (refused,) = store.batch_put_from(["strict"], [buf.ctypes.data], [4096], ReplicateConfig(9))
-    assert isinstance(refused, StoreError) and refused.code == -600
+    assert isinstance(refused, StoreError) and refused.code == -200 and refused.kind == "TooManyReplicas"
     store.unregister_buffer(buf)
 
 

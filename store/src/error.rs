@@ -177,8 +177,6 @@ impl StoreErrorKind {
         match self {
             Self::EmptyKey | Self::KeyTooLong { .. } => -400, // INVALID_KEY
             Self::EmptyValue
-            | Self::ValueTooLarge { .. }
-            | Self::TooManyReplicas { .. }
             | Self::NoReplicas
             | Self::InvalidSegment { .. }
             | Self::InvalidArgument { .. } => -600, // INVALID_PARAMS
@@ -191,11 +189,15 @@ impl StoreErrorKind {
             Self::HasLease => -706,                           // OBJECT_HAS_LEASE
             Self::LeaseExpired | Self::PutTimedOut => -707,   // LEASE_EXPIRED
             Self::ReplicaLost { .. } => -712,                 // REPLICA_IS_GONE
-            Self::NoSpace { .. } | Self::SegmentsNotReady { .. } => -200, // NO_AVAILABLE_HANDLE
-            Self::UnknownSegment { .. } => -101,              // SEGMENT_NOT_FOUND
-            Self::SegmentExists { .. } => -102,               // SEGMENT_ALREADY_EXISTS
-            Self::TransferFailed { .. } => -800,              // TRANSFER_FAIL
-            Self::MasterUnreachable { .. } => -900,           // RPC_FAIL
+            // Mooncake's allocator answers these when no segment set can take the value.
+            Self::NoSpace { .. }
+            | Self::SegmentsNotReady { .. }
+            | Self::ValueTooLarge { .. }
+            | Self::TooManyReplicas { .. } => -200, // NO_AVAILABLE_HANDLE
+            Self::UnknownSegment { .. } => -101, // SEGMENT_NOT_FOUND
+            Self::SegmentExists { .. } => -102,  // SEGMENT_ALREADY_EXISTS
+            Self::TransferFailed { .. } => -800, // TRANSFER_FAIL
+            Self::MasterUnreachable { .. } => -900, // RPC_FAIL
         }
     }
 }

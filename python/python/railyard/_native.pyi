@@ -375,7 +375,9 @@ class Store:
     def close(self) -> None:
         """Take the segment back (readers already pointed at it have ``close_grace_s``),
         disconnect and stop the engine. Idempotent; :meth:`setup` may follow. Objects on
-        this store's segment go with it; those it wrote elsewhere stay."""
+        this store's segment go with it; those it wrote elsewhere stay. Never raises for the
+        store: when the master cannot be told (it is gone), the store is closed anyway and a
+        ``RuntimeWarning`` says so."""
         ...
 
     @property
@@ -395,8 +397,9 @@ class Store:
         ...
 
     def put(self, key: str, value: bytes, config: _Config = None) -> None:
-        """Store ``value`` (bytes-like) under a new ``key`` (``StoreError`` -705 when the key
-        exists)."""
+        """Store ``value`` (anything with the buffer protocol; an ``int`` or a list is
+        ``TypeError``) under a new ``key`` (``StoreError`` -705 when the key exists). Keys
+        are 1 to 256 bytes of UTF-8."""
         ...
 
     def put_parts(self, key: str, *parts: bytes, config: _Config = None) -> None:

@@ -70,9 +70,14 @@ invalid parameters, ``-703`` being written, ``-704`` not found, ``-706`` has a l
       (busy-polling pollers; the default parks idle pollers, as several stores often share
       a process), ``MC_STORE_CLIENT_MIN_PORT``/``MC_STORE_CLIENT_MAX_PORT``.
 
+Limits
+    Keys are 1 to 256 bytes of UTF-8 (Mooncake accepts longer): a longer key answers
+    ``-600``, before anything is sent.
+
 Not supported (answer ``NOT_SUPPORTED``, -1012, or raise :class:`NotSupportedError`, an
 ``AttributeError`` so ``hasattr`` feature checks see them missing)
-    SSD offload (``enable_ssd_offload=True``), NOF/DFS replicas (``nof_replica_num``,
+    CXL, NVMe-oF and device-memory protocols (``protocol="cxl"``, ``"nvmeof"``,
+    ``"nvlink"``, ...; -1012 from ``setup``), SSD offload (``enable_ssd_offload=True``), NOF/DFS replicas (``nof_replica_num``,
     ``dfs_replica_num``), ``setup_dummy`` (IPC to a standalone client), tenants other than
     ``"default"``, ``prefer_alloc_in_same_node`` on ``put``/``put_from``/``batch_put_from``
     and the upserts (``-600``, as Mooncake answers), every tensor method (``*tensor*``), and
@@ -160,6 +165,8 @@ _DEFAULT_STAGING = 16 * _MIB
 _CLIENT_MIN_PORT = 12300
 _CLIENT_MAX_PORT = 14300
 _SETUP_RETRIES = 20
+# Mooncake's transports railyard does not have (device-memory ones are _DEVICE_PROTOCOLS).
+_UNSUPPORTED_PROTOCOLS = frozenset({"cxl", "nvmeof", "nvmeof_generic", "ubshmem"})
 # Mooncake's default soft-pin TTL (DEFAULT_KV_SOFT_PIN_TTL_MS).
 _SOFT_PIN_TTL_MS = 30 * 60 * 1000
 
@@ -196,8 +203,9 @@ class ReplicateConfig:
     """Mooncake's ``ReplicateConfig``: built empty, fields set as attributes.
 
     ``with_soft_pin`` (Mooncake's older spelling) reads and sets
-    ``soft_pin_action == SoftPinAction.ENABLE``. ``best_effort`` is railyard's: write as
-    many replicas as segments can take (at least one).
+    ``soft_pin_action == SoftPinAction.ENABLE``. ``best_effort`` (railyard's, ``True`` here
+    as Mooncake's allocator behaves): with fewer segments able to take a replica than
+    ``replica_num``, write as many as they can take (at least one); ``False`` refuses.
     """
 
     def __init__(self) -> None:
@@ -213,7 +221,8 @@ class ReplicateConfig:
         self.prefer_alloc_in_same_node: bool = False
         self.data_type: ObjectDataType = ObjectDataType.UNKNOWN
         self.group_ids: list[str] | None = None
-        self.best_effort: bool = False
+        # Mooncake's allocator writes as many replicas as segments can take (at least one).
+        self.best_effort: bool = True
 
     @property
     def with_soft_pin(self) -> bool:
@@ -315,9 +324,10 @@ def _parse_bool(value: Any, default: bool) -> bool:
 
 
 def _config(config: Any, *, same_node_refused: bool) -> Any:
-    """Checks a ``ReplicateConfig`` (or ``None``) for what railyard cannot do."""
+    """Checks a ``ReplicateConfig`` for what railyard cannot do (``None``: the defaults,
+    best effort as Mooncake's)."""
     if config is None:
-        return None
+        return ReplicateConfig()
     if getattr(config, "prefer_alloc_in_same_node", False) and same_node_refused:
         raise _Refused("prefer_alloc_in_same_node is not supported by this call (as Mooncake)")
     if getattr(config, "nof_replica_num", 0) or getattr(config, "dfs_replica_num", 0):
@@ -398,7 +408,7 @@ class MooncakeDistributedStore:
 
     def setup(
         self,
-        local_hostname: Any,
+        local_hostname: Any = None,
         metadata_server: str | None = None,
         global_segment_size: int = 16 * _MIB,
         local_buffer_size: int = 16 * _MIB,
@@ -411,9 +421,14 @@ class MooncakeDistributedStore:
         tenant_id: str = "default",
         enable_client_http_server: bool = False,
         client_http_port: int = 9300,
+        *,
+        config: dict | None = None,
     ) -> int:
         """Start this store's engine, connect to the master and contribute
-        ``global_segment_size`` bytes; ``0`` or a negative code. Also ``setup(dict)``."""
+        ``global_segment_size`` bytes; ``0`` or a negative code. Also ``setup(dict)`` and
+        ``setup(config=dict)``."""
+        if config is not None:
+            return self._setup_from_dict(config)
         if isinstance(local_hostname, dict):
             return self._setup_from_dict(local_hostname)
         try:
@@ -441,8 +456,10 @@ class MooncakeDistributedStore:
             logger.error("railyard MooncakeDistributedStore setup failed: %s", error)
             return _code_of(error)
 
-    def _setup_from_dict(self, config: dict) -> int:
+    def _setup_from_dict(self, config: Any) -> int:
         try:
+            if not isinstance(config, dict):
+                raise _Refused("the config is a dict")
             values = {str(k): v for k, v in config.items()}
             hostname = str(values.get("local_hostname", "") or "")
             metadata = str(values.get("metadata_server", "") or "")
@@ -496,8 +513,12 @@ class MooncakeDistributedStore:
                 return "verbs"
             _warn_rdma_fallback(protocol, "this host has no RDMA device")
             return "auto"
-        if proto in _DEVICE_PROTOCOLS:
-            raise _Refused(f"protocol {protocol!r} moves device memory: not supported")
+        if proto in _DEVICE_PROTOCOLS or proto in _UNSUPPORTED_PROTOCOLS:
+            raise _Refused(
+                f"protocol {protocol!r} is not supported by railyard (host memory over "
+                "'tcp' or 'rdma')",
+                NOT_SUPPORTED,
+            )
         if proto in ("", "auto"):
             return "auto"
         raise _Refused(f"unknown protocol {protocol!r} (railyard supports 'rdma' and 'tcp')")
@@ -793,7 +814,9 @@ class MooncakeDistributedStore:
         return next((code for code in codes if code != OK), OK)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int:
-        """``put_from``, replacing an existing value."""
+        """``put_from``, replacing an existing value (size 0: nothing, ``0``)."""
+        if size == 0:
+            return OK
         try:
             self._require().upsert_from(
                 key, buffer_ptr, size, _config(config, same_node_refused=True)

@@ -100,7 +100,7 @@ class HiCacheBackend:
         self.pp_rank = int(getattr(storage_config, "pp_rank", 0) or 0)
         self.pp_size = int(getattr(storage_config, "pp_size", 1) or 1)
         self.is_mla_model = bool(getattr(storage_config, "is_mla_model", False))
-        self.zero_copy = bool(int(extra.get("interface_v1", 0) or 0))
+        self.zero_copy = bool(extra.get("interface_v1", 0))  # as SGLang reads it
         self.metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         if int(getattr(storage_config, "dcp_size", 1) or 1) > 1:
             raise NotImplementedError("railyard HiCache backend: dcp_size > 1 is not supported")
