@@ -34,7 +34,7 @@ MIB = 1 << 20
 MEMBER = Path(__file__).resolve().parent / "store_member.py"
 
 
-def connect(cluster, hostname: str = "localhost", segment: int = 0, buffer: int = 0):
+def connect(cluster, hostname: str = "localhost", segment: int = 0, buffer: int = 16 * MIB):
     store = MooncakeDistributedStore()
     ret = store.setup(hostname, "P2PHANDSHAKE", segment, buffer, "tcp", "", cluster.addr)
     assert ret == 0
@@ -231,7 +231,14 @@ def test_setup_forms_metadata_servers_and_unsupported(store_cluster):
         "master_server_addr": store_cluster.addr,
     }
     assert store.setup(config) == 0
-    assert store.put("via-dict", b"v") == 0  # local_buffer_size 0 works
+    # local_buffer_size 0: a zero-copy client, as in Mooncake (copying calls refused).
+    assert store.put("via-dict", b"v") == -600 and store.is_exist("via-dict") == 0
+    src = np.full(64, 7, dtype=np.uint8)
+    assert store.register_buffer(src.ctypes.data, src.nbytes) == 0
+    assert store.put_from("via-dict", src.ctypes.data, 64) == 0
+    assert store.get("via-dict") == b""
+    assert store.get_into("via-dict", src.ctypes.data, 64) == 64
+    assert store.remove("via-dict", True) == 0
     assert store.close() == 0 and store.close() == 0
     assert store.setup({"local_hostname": "localhost"}) == -600
     assert store.setup({**config, "global_segment_size": "12 parsecs"}) == -600
@@ -277,7 +284,7 @@ def test_stores_side_by_side_close_and_setup_again(store_cluster):
     assert first.close() == 0
     assert second.get("written-by-first") == b"1"
     assert second.get("written-by-second") == b""
-    assert first.setup("localhost:12345", "P2PHANDSHAKE", 0, 0, "tcp", "", store_cluster.addr) == 0
+    assert first.setup("localhost:12345", "P2PHANDSHAKE", 0, MIB, "tcp", "", store_cluster.addr) == 0
     assert first.get("written-by-first") == b"1"
     second.remove_all(True)
     first.close()

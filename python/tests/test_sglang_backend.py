@@ -145,7 +145,7 @@ def test_pages_written_counted_read_and_cleared_as_sglang_keys_them(store_cluste
 
     # SGLang's keys (after its model prefix), readable by any Mooncake-API client.
     other = MooncakeDistributedStore()
-    assert other.setup("localhost", "P2PHANDSHAKE", 0, 0, "tcp", "", store_cluster.addr) == 0
+    assert other.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", store_cluster.addr) == 0
     tagged = f"org-stand-in_{keys[0]}"
     assert other.batch_is_exist([f"{tagged}_1_k", f"{tagged}_1_v", f"{tagged}_0_k"]) == [1, 1, 0]
     assert other.get(f"org-stand-in_{keys[2]}_1_v") == pool.page(2 * PAGE)[1].tobytes()

@@ -56,8 +56,10 @@ invalid parameters, ``-703`` being written, ``-704`` not found, ``-706`` has a l
       ``"host:port"``) is accepted and ignored: railyard's master is the store's directory
       (a one-time note says so for anything but ``P2PHANDSHAKE``).
     * ``global_segment_size``: bytes this store contributes (``0``: none, a pure client).
-    * ``local_buffer_size``: bytes of the bounce buffer for ``put``/``get`` of plain bytes;
-      ``0`` takes 16 MiB (railyard's bounce buffer is internal, so ``0`` works).
+    * ``local_buffer_size``: bytes of the bounce buffer for ``put``/``get`` of plain bytes.
+      ``0`` sets up a zero-copy client: as in Mooncake, the copying calls (``put``,
+      ``put_parts``, ``put_batch``, ``upsert``, ``get``, ``get_batch``, ``get_buffer``)
+      then answer ``-600`` / ``b""``, and ``put_from``/``get_into`` and their forms work.
     * ``protocol``: ``"tcp"`` (TCP fabric), ``"rdma"``/``"efa"`` (verbs when this host has an
       RDMA device, else railyard's ``auto`` fabric with a ``RuntimeWarning``).
     * ``rdma_devices`` and ``engine`` are ignored (each store has its own railyard engine).
@@ -159,8 +161,9 @@ HC_NOT_INITIALIZED = 1
 HC_MASTER_UNREACHABLE = 2
 
 _MIB = 1 << 20
-# The bounce buffer when local_buffer_size is 0.
-_DEFAULT_STAGING = 16 * _MIB
+# The engine's bounce buffer when local_buffer_size is 0: the smallest one (the copying
+# calls are refused then, as Mooncake refuses them without a local buffer).
+_NO_STAGING = 4096
 # Mooncake's port range and tries for a local_hostname without a port.
 _CLIENT_MIN_PORT = 12300
 _CLIENT_MAX_PORT = 14300
@@ -213,7 +216,7 @@ class ReplicateConfig:
         self.nof_replica_num: int = 0
         self.dfs_replica_num: int = 0
         self.soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
-        self.soft_pin_ttl_ms: int | None = None
+        self._soft_pin_ttl_ms: int | None = None
         self.with_hard_pin: bool = False
         self.preferred_segments: list[str] = []
         self.preferred_nof_segments: list[str] = []
@@ -223,6 +226,20 @@ class ReplicateConfig:
         self.group_ids: list[str] | None = None
         # Mooncake's allocator writes as many replicas as segments can take (at least one).
         self.best_effort: bool = True
+
+    @property
+    def soft_pin_ttl_ms(self) -> int | None:
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, value: int | None) -> None:
+        # As Mooncake's binding (an optional uint64): a negative or too large value is a
+        # TypeError.
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64
+        ):
+            raise TypeError(f"soft_pin_ttl_ms must be None or an int in [0, 2**64), not {value!r}")
+        self._soft_pin_ttl_ms = value
 
     @property
     def with_soft_pin(self) -> bool:
@@ -402,6 +419,9 @@ class MooncakeDistributedStore:
     def __init__(self) -> None:
         self._store: _native.Store | None = None
         self._hostname = ""
+        # Whether setup gave a local buffer: without one, the copying calls (put, get and
+        # their forms) answer INVALID_PARAMS / b"", as Mooncake's do.
+        self._local_buffer = False
         self._lock = threading.RLock()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -441,7 +461,7 @@ class MooncakeDistributedStore:
             if tenant_id not in ("", "default"):
                 raise _Refused(f"tenant {tenant_id!r}: railyard has no tenants", NOT_SUPPORTED)
             segment = parse_size(global_segment_size)
-            staging = parse_size(local_buffer_size) or _DEFAULT_STAGING
+            staging = parse_size(local_buffer_size)
             self._note_ignored(metadata_server, rdma_devices, engine, enable_client_http_server)
             fabric = self._fabric(str(protocol or "tcp"))
             with self._lock:
@@ -449,8 +469,14 @@ class MooncakeDistributedStore:
                     logger.info("setup called again: closing the previous store")
                     self.close()
                 self._store, self._hostname = self._open(
-                    local_hostname.strip(), master_server_addr, segment, staging, fabric, protocol
+                    local_hostname.strip(),
+                    master_server_addr,
+                    segment,
+                    staging or _NO_STAGING,
+                    fabric,
+                    protocol,
                 )
+                self._local_buffer = staging > 0
             return OK
         except Exception as error:  # Mooncake reports set-up failures as codes
             logger.error("railyard MooncakeDistributedStore setup failed: %s", error)
@@ -614,6 +640,12 @@ class MooncakeDistributedStore:
         """``"host:port"``: this store's name."""
         return self._hostname if self._store is not None else ""
 
+    def _require_local_buffer(self) -> _native.Store:
+        store = self._require()
+        if not self._local_buffer:
+            raise _Refused("no local buffer (local_buffer_size 0): use the zero-copy calls")
+        return store
+
     def _require(self) -> _native.Store:
         store = self._store
         if store is None:
@@ -664,7 +696,7 @@ class MooncakeDistributedStore:
             cfg = _config(config, same_node_refused=True)
             if not data:
                 raise _Refused("the value is empty")
-            self._require().put(key, data, cfg)
+            self._require_local_buffer().put(key, data, cfg)
 
         return self._put_result("put", key, run)
 
@@ -682,7 +714,7 @@ class MooncakeDistributedStore:
             if sum(view.nbytes for view in views) == 0:
                 return
             cfg = _config(config, same_node_refused=True)
-            self._require().put_parts(key, *[view.tobytes() for view in views], config=cfg)
+            self._require_local_buffer().put_parts(key, *[view.tobytes() for view in views], config=cfg)
 
         return self._put_result("put_parts", key, run)
 
@@ -695,7 +727,7 @@ class MooncakeDistributedStore:
                 raise _Refused(f"{len(keys)} keys and {len(values)} values")
             data = [_bytes_of(value) for value in values]
             cfg = _config(config, same_node_refused=True)
-            results = self._require().batch_put(keys, data, cfg)
+            results = self._require_local_buffer().batch_put(keys, data, cfg)
         except Exception as error:
             logger.error("put_batch: %s", error)
             return _code_of(error)
@@ -787,7 +819,7 @@ class MooncakeDistributedStore:
             data = _bytes_of(value)
             if not data:
                 raise _Refused("the value is empty")
-            self._require().upsert(key, data, _config(config, same_node_refused=True))
+            self._require_local_buffer().upsert(key, data, _config(config, same_node_refused=True))
             return OK
         except Exception as error:
             logger.error("upsert(%r): %s", key, error)
@@ -850,7 +882,7 @@ class MooncakeDistributedStore:
     def get(self, key: str) -> bytes:
         """The value of ``key``; ``b""`` on a miss or a failure."""
         try:
-            return self._require().get(key)
+            return self._require_local_buffer().get(key)
         except Exception as error:
             if _code_of(error) != OBJECT_NOT_FOUND:
                 logger.error("get(%r): %s", key, error)
@@ -862,7 +894,7 @@ class MooncakeDistributedStore:
             keys = _keys(keys)
             if not keys or self._store is None:
                 return [b""]
-            results = self._require().batch_get(keys)
+            results = self._require_local_buffer().batch_get(keys)
         except Exception as error:
             logger.error("get_batch: %s", error)
             return [b""] * max(1, len(keys) if isinstance(keys, list) else 1)
