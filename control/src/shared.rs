@@ -76,6 +76,12 @@ impl EndpointView {
         epoch.get() < self.revoked_below.load(Ordering::Acquire)
     }
 
+    /// The fence mark: slices prepared for an epoch below it fail `Revoked` (0: the peer
+    /// never revoked this side). It only grows; a change means the peer put up a fence.
+    pub fn revoked_below(&self) -> u64 {
+        self.revoked_below.load(Ordering::Acquire)
+    }
+
     /// The peer revoked this side before `epoch`'s queue pair was connected: every slice
     /// prepared for an older epoch is fenced off for good. Set before the queue pair is
     /// handed to the poller, so the poller re-prepares no older slice without seeing it.

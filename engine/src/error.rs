@@ -317,4 +317,96 @@ pub enum TransferError {
         /// The most allowed.
         max: usize,
     },
+    /// A prepared submission's index lists differ in length.
+    #[error("{local} local indices but {remote} remote indices: they go in pairs")]
+    IndicesMismatch {
+        /// Local indices given.
+        local: usize,
+        /// Remote indices given.
+        remote: usize,
+    },
+    /// An index past the end of its prepared list.
+    #[error("pair {position}: {side} index {index} is outside its list of {len} descriptors")]
+    IndexOutOfRange {
+        /// `local` or `remote`.
+        side: &'static str,
+        /// The pair's position in the index lists.
+        position: usize,
+        /// The index.
+        index: usize,
+        /// The list's length.
+        len: usize,
+    },
+    /// A pair of prepared descriptors of different lengths.
+    #[error("pair {position}: the local descriptor has {local} bytes, the remote one {remote}")]
+    LengthMismatch {
+        /// The pair's position in the index lists.
+        position: usize,
+        /// The local descriptor's length.
+        local: u64,
+        /// The remote descriptor's length.
+        remote: u64,
+    },
+    /// A prepared list that may no longer be posted.
+    #[error("the {side} list is stale: {reason}")]
+    StaleList {
+        /// `local` or `remote`.
+        side: &'static str,
+        /// Why, in words.
+        reason: String,
+    },
+    /// A local list prepared by another engine.
+    #[error("the local list was prepared by another engine than {engine}")]
+    ForeignList {
+        /// This engine's name.
+        engine: String,
+    },
+    /// More descriptor pairs than one batch counts.
+    #[error("{descriptors} descriptor pairs; one batch takes at most {max}")]
+    TooManyDescriptors {
+        /// Pairs given.
+        descriptors: usize,
+        /// The most allowed.
+        max: usize,
+    },
+}
+
+/// Why a list of ranges could not be prepared ([`Engine::prepare_local`],
+/// [`Peer::prepare`]).
+///
+/// [`Engine::prepare_local`]: crate::Engine::prepare_local
+/// [`Peer::prepare`]: crate::Peer::prepare
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PrepareError {
+    /// A range of zero bytes.
+    #[error("descriptor {index} has zero bytes")]
+    Empty {
+        /// Its index in the list.
+        index: usize,
+    },
+    /// No registered region of this engine holds the range.
+    #[error("descriptor {index}: local range {addr:#x}+{len} is not inside one registered region")]
+    LocalUnregistered {
+        /// Its index in the list.
+        index: usize,
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// No region of the peer's descriptor holds the range.
+    #[error(
+        "descriptor {index}: remote range {addr:#x}+{len} is not inside one region of peer {peer}"
+    )]
+    RemoteRange {
+        /// Its index in the list.
+        index: usize,
+        /// The peer's name.
+        peer: String,
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
 }

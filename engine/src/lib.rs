@@ -64,6 +64,7 @@ pub mod memory;
 pub mod metrics;
 mod op;
 mod peer;
+mod prepared;
 mod rails;
 mod region;
 mod registration;
@@ -85,9 +86,10 @@ pub use builder::{
     primary_ip,
 };
 pub use directory::DirectoryChoice;
-pub use error::{BuildError, MemoryError, PeerError, RevokeError, TransferError};
+pub use error::{BuildError, MemoryError, PeerError, PrepareError, RevokeError, TransferError};
 pub use op::Op;
 pub use peer::Peer;
+pub use prepared::{LocalList, PostOptions, RemoteList};
 pub use region::{DEREGISTER_WAIT, PeerAccess, Region};
 pub use revoke::REVOKE_WAIT;
 pub use session::{FAILED_OPEN_KEPT, MAX_IDLE_SUBMITTERS, RawTransfer, SubmitterPool};

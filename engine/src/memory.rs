@@ -173,37 +173,56 @@ impl HostMemory {
 /// address space (CUDA's unified addresses) is not mapped there like this, nor is an address
 /// nothing backs. `false` when the table cannot be read.
 pub(crate) fn mapped_read_write(addr: u64, len: u64) -> bool {
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-        return false;
-    };
-    let Some(end) = addr.checked_add(len) else {
-        return false;
-    };
-    let mut mappings: Vec<(u64, u64)> = maps
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let (start, stop) = fields.next()?.split_once('-')?;
-            let perms = fields.next()?;
-            (perms.starts_with("rw")).then_some(())?;
-            Some((
-                u64::from_str_radix(start, 16).ok()?,
-                u64::from_str_radix(stop, 16).ok()?,
-            ))
-        })
-        .collect();
-    mappings.sort_unstable();
-    let mut covered = addr;
-    for (start, stop) in mappings {
-        if start > covered {
-            break;
-        }
-        covered = covered.max(stop);
-        if covered >= end {
-            return true;
-        }
+    ReadWriteMappings::read().is_some_and(|mappings| mappings.cover(addr, len))
+}
+
+/// This process's readable and writable mappings, read once from `/proc/self/maps`, sorted
+/// by start: for checking many ranges at one read.
+pub(crate) struct ReadWriteMappings(Vec<(u64, u64)>);
+
+impl ReadWriteMappings {
+    /// The mappings now; `None` when `/proc/self/maps` cannot be read.
+    pub(crate) fn read() -> Option<Self> {
+        let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+        let mut mappings: Vec<(u64, u64)> = maps
+            .lines()
+            .filter_map(|line| {
+                let mut fields = line.split_whitespace();
+                let (start, stop) = fields.next()?.split_once('-')?;
+                let perms = fields.next()?;
+                (perms.starts_with("rw")).then_some(())?;
+                Some((
+                    u64::from_str_radix(start, 16).ok()?,
+                    u64::from_str_radix(stop, 16).ok()?,
+                ))
+            })
+            .collect();
+        mappings.sort_unstable();
+        Some(Self(mappings))
     }
-    false
+
+    /// Whether `addr..addr + len` lies inside them (adjacent mappings joined).
+    pub(crate) fn cover(&self, addr: u64, len: u64) -> bool {
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        // Start from the last mapping starting at or before `addr`.
+        let from = self.0.partition_point(|&(start, _)| start <= addr);
+        let Some(first) = from.checked_sub(1) else {
+            return false;
+        };
+        let mut covered = addr;
+        for &(start, stop) in &self.0[first..] {
+            if start > covered {
+                break;
+            }
+            covered = covered.max(stop);
+            if covered >= end {
+                return true;
+            }
+        }
+        false
+    }
 }
 
 /// This host's memory in bytes (`MemTotal`), if `/proc/meminfo` says.

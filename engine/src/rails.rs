@@ -330,21 +330,24 @@ impl Rails {
                 if !fresh_keys {
                     registrations.push(buffer.region());
                 }
-                registrations.extend(register_all(
-                    &rails[first..],
-                    first,
-                    buffer.region().addr,
-                    len,
-                    |rail| {
-                        // SAFETY: the engine keeps the buffer until these registrations are
-                        // withdrawn (`deregister` runs before the memory drops).
-                        unsafe { rail.soft.register_buffer(buffer, access) }
-                            .map_err(|e| e.to_string())
-                    },
-                    |rail, region| {
-                        let _ = rail.soft.deregister(region);
-                    },
-                )?);
+                registrations.extend(
+                    register_all(
+                        &rails[first..],
+                        first,
+                        &[(buffer.region().addr, len)],
+                        |rail, _, _| {
+                            // SAFETY: the engine keeps the buffer until these registrations
+                            // are withdrawn (`deregister` runs before the memory drops).
+                            unsafe { rail.soft.register_buffer(buffer, access) }
+                                .map_err(|e| e.to_string())
+                        },
+                        |rail, region| {
+                            let _ = rail.soft.deregister(region);
+                        },
+                    )?
+                    .into_iter()
+                    .flatten(),
+                );
                 Ok(registrations)
             }
             (Self::Verbs(_) | Self::Ofi(..), Memory::Host(host)) => {
@@ -368,16 +371,30 @@ impl Rails {
         len: u64,
         access: Access,
     ) -> Result<Vec<MemoryRegion>, MemoryError> {
-        let size = len as usize;
+        // SAFETY: forwarded from the caller.
+        let mut registered = unsafe { self.register_user_many(&[(addr, len)], access) }?;
+        Ok(registered.pop().unwrap_or_default())
+    }
+
+    /// Registers each `(addr, len)` on every rail with `access`: one thread per rail
+    /// registers them all, the rails in parallel. Answers each range's registrations, in
+    /// rail order; on any refusal, every registration made is withdrawn.
+    ///
+    /// # Safety
+    /// The memory stays mapped until [`Self::deregister`] has withdrawn the registrations.
+    pub(crate) unsafe fn register_user_many(
+        &self,
+        ranges: &[(u64, u64)],
+        access: Access,
+    ) -> Result<Vec<Vec<MemoryRegion>>, MemoryError> {
         match self {
             Self::Host(rails) => register_all(
                 rails,
                 0,
-                addr,
-                len,
-                |rail| {
+                ranges,
+                |rail, addr, len| {
                     // SAFETY: forwarded from the caller.
-                    unsafe { rail.soft.register(addr as *const u8, size, access) }
+                    unsafe { rail.soft.register(addr as *const u8, len as usize, access) }
                         .map_err(|e| e.to_string())
                 },
                 |rail, region| {
@@ -387,12 +404,12 @@ impl Rails {
             Self::Verbs(rails) => register_all(
                 rails,
                 0,
-                addr,
-                len,
-                |rail| {
+                ranges,
+                |rail, addr, len| {
                     // SAFETY: forwarded from the caller.
-                    let (lkey, rkey) = unsafe { rail.register(addr as *mut u8, size, access) }
-                        .map_err(|e| e.to_string())?;
+                    let (lkey, rkey) =
+                        unsafe { rail.register(addr as *mut u8, len as usize, access) }
+                            .map_err(|e| e.to_string())?;
                     Ok(MemoryRegion {
                         addr,
                         len,
@@ -408,9 +425,8 @@ impl Rails {
             Self::Ofi(rails, _) => register_all(
                 rails,
                 0,
-                addr,
-                len,
-                |rail| {
+                ranges,
+                |rail, addr, len| {
                     // SAFETY: forwarded from the caller.
                     unsafe { rail.register(addr, len, access) }.map_err(|e| e.to_string())
                 },
@@ -520,52 +536,79 @@ impl Memory {
     }
 }
 
-/// Registers one range on each of `rails` in parallel, in rail order; `first` is the index
-/// of `rails[0]` (for errors). On any failure the registrations made are withdrawn and the
-/// first error (by rail) is returned.
+/// Registers each of `ranges` on each of `rails`: one thread per rail, in parallel, each
+/// registering every range in order; `first` is the index of `rails[0]` (for errors).
+/// Answers, per range, its registrations in rail order. On any failure every registration
+/// made is withdrawn and the first error (by range, then rail) is returned.
 fn register_all<R: Sync>(
     rails: &[R],
     first: usize,
-    addr: u64,
-    len: u64,
-    register: impl Fn(&R) -> Result<MemoryRegion, String> + Sync,
-    deregister: impl Fn(&R, &MemoryRegion),
-) -> Result<Vec<MemoryRegion>, MemoryError> {
-    let results: Vec<Result<MemoryRegion, String>> = std::thread::scope(|scope| {
+    ranges: &[(u64, u64)],
+    register: impl Fn(&R, u64, u64) -> Result<MemoryRegion, String> + Sync,
+    deregister: impl Fn(&R, &MemoryRegion) + Sync,
+) -> Result<Vec<Vec<MemoryRegion>>, MemoryError> {
+    // Per rail: the registrations it made, and the first range it could not register.
+    type RailOutcome = (Vec<MemoryRegion>, Option<(usize, String)>);
+    let outcomes: Vec<RailOutcome> = std::thread::scope(|scope| {
         let register = &register;
         let running: Vec<_> = rails
             .iter()
-            .map(|rail| scope.spawn(move || register(rail)))
+            .map(|rail| {
+                scope.spawn(move || {
+                    let mut made = Vec::with_capacity(ranges.len());
+                    for (index, &(addr, len)) in ranges.iter().enumerate() {
+                        match register(rail, addr, len) {
+                            Ok(region) => made.push(region),
+                            Err(reason) => return (made, Some((index, reason))),
+                        }
+                    }
+                    (made, None)
+                })
+            })
             .collect();
         running
             .into_iter()
             .map(|thread| {
-                thread
-                    .join()
-                    .unwrap_or_else(|_| Err("the registration thread panicked".to_string()))
+                thread.join().unwrap_or_else(|_| {
+                    (
+                        Vec::new(),
+                        Some((0, "the registration thread panicked".to_string())),
+                    )
+                })
             })
             .collect()
     });
-    let mut done = Vec::new();
-    let mut failure = None;
-    for (offset, result) in results.into_iter().enumerate() {
-        match result {
-            Ok(region) => done.push((offset, region)),
-            Err(reason) => {
-                failure.get_or_insert(MemoryError::Register {
-                    rail: first + offset,
-                    addr,
-                    len,
-                    reason,
-                });
+    let failure = outcomes
+        .iter()
+        .enumerate()
+        .filter_map(|(offset, (_, failed))| {
+            failed.as_ref().map(|(index, why)| (*index, offset, why))
+        })
+        .min_by_key(|&(index, offset, _)| (index, offset))
+        .map(|(index, offset, reason)| {
+            let (addr, len) = ranges[index];
+            MemoryError::Register {
+                rail: first + offset,
+                addr,
+                len,
+                reason: reason.clone(),
             }
-        }
-    }
+        });
     if let Some(error) = failure {
-        for (offset, region) in &done {
-            deregister(&rails[*offset], region);
+        for (rail, (made, _)) in rails.iter().zip(&outcomes) {
+            for region in made {
+                deregister(rail, region);
+            }
         }
         return Err(error);
     }
-    Ok(done.into_iter().map(|(_, region)| region).collect())
+    let mut per_range: Vec<Vec<MemoryRegion>> = (0..ranges.len())
+        .map(|_| Vec::with_capacity(rails.len()))
+        .collect();
+    for (made, _) in outcomes {
+        for (range, region) in per_range.iter_mut().zip(made) {
+            range.push(region);
+        }
+    }
+    Ok(per_range)
 }

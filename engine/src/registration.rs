@@ -182,6 +182,140 @@ impl Engine {
         Ok(region)
     }
 
+    /// Registers many ranges of memory the application owns at once ([`Self::register`]
+    /// for each, peers may read and write them): `/proc/self/maps` is read once, each rail
+    /// registers every range in one thread (the rails in parallel), and peers see one new
+    /// descriptor for all of them. Answers the regions in the order of `ranges`. All or
+    /// nothing: on any error no range is registered. A range exactly equal to a region
+    /// registered already (or to another range of the call) answers that region.
+    ///
+    /// # Safety
+    /// As [`Self::register`], for every range.
+    ///
+    /// # Errors
+    /// As [`Self::register`], naming the first bad range; [`MemoryError::Overlaps`] also
+    /// for two ranges of the call that overlap without being equal (the region named is
+    /// then `u64::MAX`, with the other range's start and length).
+    pub unsafe fn register_many(
+        &self,
+        ranges: &[(*mut u8, usize)],
+    ) -> Result<Vec<Region>, MemoryError> {
+        let peer_access = PeerAccess::ReadWrite;
+        let asked: Vec<(u64, u64)> = ranges
+            .iter()
+            .map(|&(ptr, len)| (ptr as u64, len as u64))
+            .collect();
+        for &(addr, len) in &asked {
+            if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
+                return Err(MemoryError::BadRange { addr, len });
+            }
+        }
+        let mappings = memory::ReadWriteMappings::read();
+        if let Some(&(addr, len)) = asked
+            .iter()
+            .find(|&&(addr, len)| !mappings.as_ref().is_some_and(|m| m.cover(addr, len)))
+        {
+            return Err(MemoryError::NotHostMemory { addr, len });
+        }
+        // Sorted by address, equal ranges side by side: overlaps are neighbours.
+        let mut order: Vec<usize> = (0..asked.len()).collect();
+        order.sort_by_key(|&index| asked[index]);
+        for pair in order.windows(2) {
+            let (a, b) = (asked[pair[0]], asked[pair[1]]);
+            if a != b && b.0 < a.0 + a.1 {
+                return Err(MemoryError::Overlaps {
+                    addr: b.0,
+                    len: b.1,
+                    region: u64::MAX,
+                    region_addr: a.0,
+                    region_len: a.1,
+                });
+            }
+        }
+        // Held across the checks and the registrations, as in `register_with_access`.
+        let _registering = self
+            .inner
+            .registering
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let existing = self.regions();
+        let mut answers: Vec<Option<Region>> = vec![None; asked.len()];
+        let mut fresh: Vec<(u64, u64)> = Vec::new();
+        for &index in &order {
+            let (addr, len) = asked[index];
+            let after = existing.partition_point(|region| region.addr < addr + len);
+            // Regions do not overlap each other: only the last one starting before the
+            // range's end can overlap it.
+            if let Some(region) = after
+                .checked_sub(1)
+                .map(|at| existing[at])
+                .filter(|region| addr < region.addr + region.len)
+            {
+                if region.addr == addr && region.len == len && region.peer_access == peer_access {
+                    answers[index] = Some(region);
+                    continue;
+                }
+                return Err(MemoryError::Overlaps {
+                    addr,
+                    len,
+                    region: region.id,
+                    region_addr: region.addr,
+                    region_len: region.len,
+                });
+            }
+            if fresh.last() != Some(&(addr, len)) {
+                fresh.push((addr, len));
+            }
+        }
+        // SAFETY: the caller's contract is the rails'.
+        let registered = unsafe {
+            self.inner
+                .rails
+                .register_user_many(&fresh, peer_access.access())
+        }?;
+        let mut regions = self
+            .inner
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut made = Vec::with_capacity(fresh.len());
+        for (&(addr, len), registrations) in fresh.iter().zip(registered) {
+            let region = Region {
+                id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
+                addr,
+                len,
+                backing: None,
+                numa: None,
+                peer_access,
+            };
+            regions.push(RegionEntry {
+                region,
+                memory: None,
+                registrations,
+                generation: region.id,
+                lingering: Vec::new(),
+                rekeyed: Vec::new(),
+                withdrawn: false,
+            });
+            made.push(region);
+        }
+        if !made.is_empty() {
+            self.publish(&regions);
+        }
+        drop(regions);
+        Ok(asked
+            .iter()
+            .zip(answers)
+            .map(|(range, answer)| {
+                answer.unwrap_or_else(|| {
+                    // Every range not answered by an existing region was registered.
+                    let at = made.partition_point(|region| (region.addr, region.len) < *range);
+                    made[at]
+                })
+            })
+            .collect())
+    }
+
     /// The registered region holding all of `addr..addr + len`, if one does.
     pub fn region_at(&self, addr: u64, len: u64) -> Option<Region> {
         self.find_region(|region| region.contains(addr, len))

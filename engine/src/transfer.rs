@@ -26,6 +26,7 @@ use railyard_dataplane::{Batch, EndpointId, Epoch, SliceSpec, Submitter};
 use super::error::TransferError;
 use super::op::Op;
 use super::peer::Peer;
+use super::prepared::Run;
 use super::region::Region;
 use super::state::Engine;
 use super::stats::PeerCounters;
@@ -64,10 +65,10 @@ pub struct SubmitTiming {
 /// One thread's way to submit transfers. `Send`, not `Sync`.
 pub struct EngineSubmitter {
     pub(crate) engine: Engine,
-    submitter: Submitter,
-    specs: Vec<SliceSpec>,
-    next_rail: usize,
-    timing: SubmitTiming,
+    pub(crate) submitter: Submitter,
+    pub(crate) specs: Vec<SliceSpec>,
+    pub(crate) next_rail: usize,
+    pub(crate) timing: SubmitTiming,
     /// The last region looked up, while the engine's regions stay as they were (their
     /// version): no lock for transfers from a region it has seen.
     last_region: Option<(Region, Vec<MemoryRegion>)>,
@@ -78,9 +79,11 @@ pub struct EngineSubmitter {
     /// the descriptor. Kept while the versions stay: no lock per submission.
     last_descriptor: Option<(Arc<EndpointView>, u64, Arc<SegmentDescriptor>)>,
     /// Scratch: the rails connected to the peer of the submission being prepared.
-    connected: Vec<RailOption>,
+    pub(crate) connected: Vec<RailOption>,
     /// Scratch: the indices of `connected` a transfer's slices may go to.
-    chosen: Vec<usize>,
+    pub(crate) chosen: Vec<usize>,
+    /// Scratch: the runs of a prepared submission ([`Self::submit_prepared`]).
+    pub(crate) runs: Vec<Run>,
     /// Counters of the peers this submitter has submitted to.
     counters: HashMap<Incarnation, Arc<PeerCounters>>,
     /// Its index of the local regions, for transfers named by raw addresses.
@@ -116,6 +119,7 @@ impl EngineSubmitter {
             last_descriptor: None,
             connected: Vec::new(),
             chosen: Vec::new(),
+            runs: Vec::new(),
             counters: HashMap::new(),
             region_index: RegionIndex::default(),
             resolved: Vec::new(),
@@ -225,6 +229,18 @@ impl EngineSubmitter {
     }
 
     fn count(&mut self, peer: &Peer, transfers: &[Transfer]) {
+        let mut requests = [0u64; 2];
+        let mut bytes = [0u64; 2];
+        for transfer in transfers {
+            requests[transfer.op.index()] += 1;
+            bytes[transfer.op.index()] += transfer.len;
+        }
+        self.count_totals(peer, requests, bytes);
+    }
+
+    /// Adds a submission's requests and bytes per op (in [`Op::index`] order) and its
+    /// slices to `peer`'s counters.
+    pub(crate) fn count_totals(&mut self, peer: &Peer, requests: [u64; 2], bytes: [u64; 2]) {
         let engine = &self.engine;
         let counters = self.counters.entry(peer.incarnation()).or_insert_with(|| {
             let mut table = engine
@@ -242,12 +258,6 @@ impl EngineSubmitter {
                 })
                 .clone()
         });
-        let mut requests = [0u64; 2];
-        let mut bytes = [0u64; 2];
-        for transfer in transfers {
-            requests[transfer.op.index()] += 1;
-            bytes[transfer.op.index()] += transfer.len;
-        }
         for op in Op::ALL.map(Op::index) {
             if requests[op] > 0 {
                 counters.requests[op].fetch_add(requests[op], Ordering::Relaxed);
@@ -282,26 +292,15 @@ impl EngineSubmitter {
         descriptor
     }
 
-    /// Validates every transfer and fills `specs`. Allocates nothing in steady state: the
-    /// rails, the last region's keys and the specs live in the submitter between calls.
-    fn prepare(&mut self, peer: &Peer, transfers: &[Transfer]) -> Result<(), TransferError> {
-        let descriptor = self.descriptor_of(peer);
+    /// Fills `connected` with the rails that have a queue pair to `peer`, with their
+    /// endpoints' current epochs and their pollers' loads.
+    ///
+    /// # Errors
+    /// [`TransferError::NotConnected`] when none has.
+    pub(crate) fn connected_rails(&mut self, peer: &Peer) -> Result<(), TransferError> {
         let Self {
-            engine,
-            specs,
-            next_rail,
-            last_region,
-            regions_version,
-            connected,
-            chosen,
-            ..
+            engine, connected, ..
         } = self;
-        specs.clear();
-        let version = engine.regions_version();
-        if *regions_version != version {
-            *last_region = None;
-            *regions_version = version;
-        }
         connected.clear();
         let pollers = engine.pollers();
         let numa = &engine.inner.rail_numa;
@@ -321,6 +320,30 @@ impl EngineSubmitter {
             return Err(TransferError::NotConnected {
                 peer: peer.name().to_string(),
             });
+        }
+        Ok(())
+    }
+
+    /// Validates every transfer and fills `specs`. Allocates nothing in steady state: the
+    /// rails, the last region's keys and the specs live in the submitter between calls.
+    fn prepare(&mut self, peer: &Peer, transfers: &[Transfer]) -> Result<(), TransferError> {
+        let descriptor = self.descriptor_of(peer);
+        self.connected_rails(peer)?;
+        let Self {
+            engine,
+            specs,
+            next_rail,
+            last_region,
+            regions_version,
+            connected,
+            chosen,
+            ..
+        } = self;
+        specs.clear();
+        let version = engine.regions_version();
+        if *regions_version != version {
+            *last_region = None;
+            *regions_version = version;
         }
         let slice_size = engine.slice_size() as u64;
         for (index, transfer) in transfers.iter().enumerate() {

@@ -62,6 +62,35 @@ impl Buffer {
         self.len
     }
 
+    /// The first byte's address.
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// A copy of `offset..offset + len` (inside the buffer), read byte by byte, volatile.
+    pub fn read(&self, offset: usize, len: usize) -> Vec<u8> {
+        assert!(offset + len <= self.len);
+        (offset..offset + len)
+            // SAFETY: inside the live mapping (checked above); volatile, as an engine may be
+            // writing.
+            .map(|at| unsafe { self.ptr.as_ptr().add(at).read_volatile() })
+            .collect()
+    }
+
+    /// Writes `bytes` at `offset` (inside the buffer).
+    pub fn write(&self, offset: usize, bytes: &[u8]) {
+        assert!(offset + bytes.len() <= self.len);
+        // SAFETY: inside the live mapping (checked above), which `bytes` cannot overlap (the
+        // test holds it only through this handle).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.ptr.as_ptr().add(offset),
+                bytes.len(),
+            )
+        };
+    }
+
     pub fn fill(&self, byte: u8) {
         // SAFETY: inside the live mapping of `len` bytes.
         unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), byte, self.len) };
