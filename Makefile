@@ -57,10 +57,11 @@ loom:
 mutants: deps
 	scripts/mutants.sh $(FILES)
 
-# Criterion benches: ring vs ArrayQueue and sync_channel; slice path vs the bare ring.
-# Then soft-fabric bandwidth between two processes beside process_vm_writev and memcpy.
+# Criterion benches: ring vs ArrayQueue and sync_channel; slice path vs the bare ring;
+# prepared lists vs plain submissions, register_many vs register. Then soft-fabric
+# bandwidth between two processes beside process_vm_writev and memcpy.
 bench: deps
-	$(CARGO) bench --bench ring --bench slice_path
+	$(CARGO) bench --bench ring --bench slice_path --bench prepared
 	$(CARGO) run --release --example soft_bandwidth
 
 # No import cycle between files (scripts/import_cycles.py), then rustfmt, clippy and rustdoc.

@@ -96,13 +96,8 @@ fn a_prepared_list_outlives_a_reconnect_and_its_notification_comes_once() {
             Some(b"req:1".to_vec()),
         )
         .expect("posted");
-    let outcomes = wait_done(&batch);
-    assert_eq!(outcomes.len(), count, "one request per pair");
-    assert!(
-        outcomes.iter().all(|o| *o == Some(RequestOutcome::Done)),
-        "{:?}",
-        outcomes.iter().find(|o| **o != Some(RequestOutcome::Done))
-    );
+    assert_eq!(submitter.last_prepared().runs, count, "no pair merged");
+    assert_eq!(wait_done(&batch), vec![Some(RequestOutcome::Done)]);
     let rail = &initiator.stats().rails[0].poller;
     assert!(rail.reprepared > 0, "no slice was re-prepared: {rail:?}");
     assert!(initiator.stats().control.reconnects >= 1);
@@ -160,21 +155,24 @@ fn contiguous_pairs_merge_into_one_request_unless_asked_not_to() {
     let mut submitter = initiator.submitter().expect("submitter");
     let slices = |engine: &Engine| engine.stats().peers.iter().map(|p| p.slices).sum::<u64>();
 
-    // 32 pages in order, contiguous on both sides: one request, split only at the slice
-    // size (64 KiB: 2 slices).
+    // 32 pages in order, contiguous on both sides: one run, split only at the slice size
+    // (64 KiB: 2 slices).
     let indices: Vec<usize> = (0..32).collect();
     let before = slices(&initiator);
     let batch = submitter
         .submit_prepared(Op::Write, &local, &indices, &remote, &indices, None)
         .expect("posted");
     assert_eq!(wait_done(&batch), vec![Some(RequestOutcome::Done)]);
+    let posted = submitter.last_prepared();
+    assert_eq!((posted.pairs, posted.runs, posted.slices), (32, 1, 2));
+    assert_eq!(posted.bytes, 32 * PAGE);
     assert_eq!(slices(&initiator) - before, 32 * PAGE / BLOCK);
     assert_eq!(
         destination.read(0, 32 * PAGE as usize),
         source.read(0, 32 * PAGE as usize)
     );
 
-    // The same pairs, merging refused: a request and a slice each.
+    // The same pairs, merging refused: a run and a slice each.
     destination.fill(POISON);
     let before = slices(&initiator);
     let options = PostOptions {
@@ -184,9 +182,9 @@ fn contiguous_pairs_merge_into_one_request_unless_asked_not_to() {
     let batch = submitter
         .submit_prepared_with(Op::Write, &local, &indices, &remote, &indices, &options)
         .expect("posted");
-    let outcomes = wait_done(&batch);
-    assert_eq!(outcomes.len(), 32);
-    assert!(outcomes.iter().all(|o| *o == Some(RequestOutcome::Done)));
+    assert_eq!(wait_done(&batch), vec![Some(RequestOutcome::Done)]);
+    let posted = submitter.last_prepared();
+    assert_eq!((posted.runs, posted.slices), (32, 32));
     assert_eq!(slices(&initiator) - before, 32);
     assert_eq!(
         destination.read(0, 32 * PAGE as usize),
@@ -198,13 +196,36 @@ fn contiguous_pairs_merge_into_one_request_unless_asked_not_to() {
     let batch = submitter
         .submit_prepared(Op::Write, &local, &indices, &remote, &every_other, None)
         .expect("posted");
-    assert_eq!(wait_done(&batch).len(), 32);
+    assert_eq!(wait_done(&batch), vec![Some(RequestOutcome::Done)]);
+    assert_eq!(submitter.last_prepared().runs, 32);
     // Runs broken where the order breaks: 0..4 and 10..14 merge, each on its own.
     let local_runs = [0, 1, 2, 3, 10, 11, 12, 13];
     let batch = submitter
         .submit_prepared(Op::Write, &local, &local_runs, &remote, &local_runs, None)
         .expect("posted");
-    assert_eq!(wait_done(&batch).len(), 2);
+    assert_eq!(wait_done(&batch), vec![Some(RequestOutcome::Done)]);
+    assert_eq!(submitter.last_prepared().runs, 2);
+    // Contiguous on both sides but across two registered regions: never one slice.
+    let split = Buffer::new(PATTERN);
+    let half = split.len() / 2;
+    // SAFETY: the buffer outlives the engines' use of it (the test ends first).
+    let halves = [
+        (split.addr() as *mut u8, half),
+        ((split.addr() as *mut u8).wrapping_add(half), half),
+    ];
+    // SAFETY: as above.
+    unsafe { initiator.register_many(&halves) }.expect("two regions");
+    let across = initiator
+        .prepare_local(&[
+            (split.addr() + half as u64 - PAGE, PAGE),
+            (split.addr() + half as u64, PAGE),
+        ])
+        .expect("local across");
+    let batch = submitter
+        .submit_prepared(Op::Write, &across, &[0, 1], &remote, &[0, 1], None)
+        .expect("posted");
+    assert_eq!(wait_done(&batch), vec![Some(RequestOutcome::Done)]);
+    assert_eq!(submitter.last_prepared().runs, 2);
 }
 
 #[test]

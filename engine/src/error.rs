@@ -361,11 +361,11 @@ pub enum TransferError {
         /// This engine's name.
         engine: String,
     },
-    /// More descriptor pairs than one batch counts.
-    #[error("{descriptors} descriptor pairs; one batch takes at most {max}")]
+    /// A prepared submission of more slices than one request counts.
+    #[error("{slices} slices; one prepared submission takes at most {max}")]
     TooManyDescriptors {
-        /// Pairs given.
-        descriptors: usize,
+        /// Slices it would be.
+        slices: usize,
         /// The most allowed.
         max: usize,
     },

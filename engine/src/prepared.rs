@@ -362,9 +362,22 @@ impl Default for PostOptions {
     }
 }
 
-/// A run of descriptor pairs that go as one request.
+/// What the last prepared submission posted ([`EngineSubmitter::last_prepared`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PreparedTotals {
+    /// Descriptor pairs given.
+    pub pairs: usize,
+    /// Runs they became once contiguous pairs merged (each split at the slice size).
+    pub runs: usize,
+    /// Slices posted.
+    pub slices: usize,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// A run of descriptor pairs contiguous on both sides, in one region each side.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Run {
+struct Run {
     local_addr: u64,
     remote_addr: u64,
     len: u64,
@@ -374,10 +387,10 @@ pub(crate) struct Run {
 
 impl EngineSubmitter {
     /// Posts descriptor pairs by index: `local[local_indices[i]]` with
-    /// `remote[remote_indices[i]]`, in the order given, as one batch to the remote list's
-    /// peer, merging adjacent pairs contiguous on both sides; `notify` goes to the peer once
-    /// all of it completed. Request `r` of the batch is the `r`-th run of merged pairs
-    /// (pair `r` when nothing merged: see [`Self::submit_prepared_with`]).
+    /// `remote[remote_indices[i]]`, in the order given, as one batch of **one request** to
+    /// the remote list's peer — done when every pair is, failed with the first failure of
+    /// any — merging adjacent pairs contiguous on both sides; `notify` goes to the peer
+    /// once all of it completed.
     ///
     /// # Errors
     /// As [`Self::submit_prepared_with`].
@@ -399,6 +412,7 @@ impl EngineSubmitter {
 
     /// [`Self::submit_prepared`] with [`PostOptions`]. Nothing is looked up per descriptor:
     /// the lists hold their keys, and are checked whole (cheaply, unless regions changed).
+    /// No pairs make a batch done at once.
     ///
     /// # Errors
     /// Nothing is queued on any of them: [`TransferError::IndicesMismatch`] when the index
@@ -438,15 +452,19 @@ impl EngineSubmitter {
         let remote_regions = remote.current()?;
         let peer = remote.peer();
         self.connected_rails(peer)?;
-        let runs = self.runs_of(local, local_indices, remote, remote_indices, options.merge)?;
-        let bytes = self.slice_runs(op, local, &remote_regions, runs)?;
+        let totals = self.slice_pairs(
+            op,
+            (local, local_indices),
+            (remote, remote_indices, &remote_regions),
+            options.merge,
+        )?;
         let deadline = options
             .deadline
             .unwrap_or_else(|| started + self.engine.default_deadline());
         let prepared = Instant::now();
         let batch = self
             .submitter
-            .submit(runs, &self.specs, deadline)
+            .submit(1, &self.specs, deadline)
             .map_err(|_| TransferError::PollerStopped { rail: 0 })?;
         if let Some(notification) = &options.notify {
             self.engine
@@ -457,31 +475,50 @@ impl EngineSubmitter {
             prepare: prepared - started,
             post: prepared.elapsed(),
         };
+        self.prepared_totals = totals;
         let mut requests = [0; 2];
         let mut moved = [0; 2];
-        requests[op.index()] = runs as u64;
-        moved[op.index()] = bytes;
+        requests[op.index()] = 1;
+        moved[op.index()] = totals.bytes;
         self.count_totals(peer, requests, moved);
         Ok(batch)
     }
 
-    /// Checks every pair and gathers them into runs (in `self.runs`): returns how many.
-    fn runs_of(
+    /// What the last prepared submission posted.
+    pub fn last_prepared(&self) -> PreparedTotals {
+        self.prepared_totals
+    }
+
+    /// Checks every pair, merges contiguous ones into runs and splits each run at the
+    /// slice size onto the connected rails (as [`Self::submit`] spreads transfers), into
+    /// `self.specs`, in one pass.
+    fn slice_pairs(
         &mut self,
-        local: &LocalList,
-        local_indices: &[usize],
-        remote: &RemoteList,
-        remote_indices: &[usize],
+        op: Op,
+        (local, local_indices): (&LocalList, &[usize]),
+        (remote, remote_indices, remote_regions): (&RemoteList, &[usize], &[RemoteRegion]),
         merge: bool,
-    ) -> Result<usize, TransferError> {
-        if local_indices.len() > u32::MAX as usize {
-            return Err(TransferError::TooManyDescriptors {
-                descriptors: local_indices.len(),
-                max: u32::MAX as usize,
-            });
-        }
-        let runs = &mut self.runs;
-        runs.clear();
+    ) -> Result<PreparedTotals, TransferError> {
+        let opcode = match op {
+            Op::Write => Opcode::Write,
+            Op::Read => Opcode::Read,
+        };
+        let slice_size = self.engine.slice_size() as u64;
+        self.specs.clear();
+        self.specs.reserve(local_indices.len());
+        eligible(&self.connected, &mut self.chosen);
+        let mut slicer = Slicer {
+            opcode,
+            slice_size,
+            local,
+            remote_regions,
+            submitter: self,
+        };
+        let mut totals = PreparedTotals {
+            pairs: local_indices.len(),
+            ..PreparedTotals::default()
+        };
+        let mut open: Option<Run> = None;
         for (position, (&l, &r)) in local_indices.iter().zip(remote_indices).enumerate() {
             let out_of_range = |side, index, len| TransferError::IndexOutOfRange {
                 side,
@@ -504,19 +541,21 @@ impl EngineSubmitter {
                     remote: there.len,
                 });
             }
-            if merge {
-                if let Some(run) = runs.last_mut() {
-                    if run.local_region == here.region
-                        && run.remote_region == there.region
-                        && run.local_addr + run.len == here.addr
-                        && run.remote_addr + run.len == there.addr
-                    {
-                        run.len += here.len;
-                        continue;
-                    }
+            if let Some(run) = open.as_mut() {
+                if merge
+                    && run.local_region == here.region
+                    && run.remote_region == there.region
+                    && run.local_addr + run.len == here.addr
+                    && run.remote_addr + run.len == there.addr
+                {
+                    run.len += here.len;
+                    continue;
                 }
+                slicer.slice(*run)?;
+                totals.runs += 1;
+                totals.bytes += run.len;
             }
-            runs.push(Run {
+            open = Some(Run {
                 local_addr: here.addr,
                 remote_addr: there.addr,
                 len: here.len,
@@ -524,81 +563,83 @@ impl EngineSubmitter {
                 remote_region: there.region,
             });
         }
-        Ok(runs.len())
+        if let Some(run) = open {
+            slicer.slice(run)?;
+            totals.runs += 1;
+            totals.bytes += run.len;
+        }
+        totals.slices = self.specs.len();
+        if totals.slices > u32::MAX as usize {
+            // One request counts its slices in 32 bits.
+            return Err(TransferError::TooManyDescriptors {
+                slices: totals.slices,
+                max: u32::MAX as usize,
+            });
+        }
+        Ok(totals)
     }
+}
 
-    /// Splits the runs at the slice size onto the connected rails (as [`Self::submit`]
-    /// spreads transfers), filling `self.specs`; returns the bytes.
-    fn slice_runs(
-        &mut self,
-        op: Op,
-        local: &LocalList,
-        remote_regions: &[RemoteRegion],
-        runs: usize,
-    ) -> Result<u64, TransferError> {
-        let Self {
-            engine,
+/// Splits runs into slices for one prepared submission.
+struct Slicer<'a> {
+    opcode: Opcode,
+    slice_size: u64,
+    local: &'a LocalList,
+    remote_regions: &'a [RemoteRegion],
+    submitter: &'a mut EngineSubmitter,
+}
+
+impl Slicer<'_> {
+    fn slice(&mut self, run: Run) -> Result<(), TransferError> {
+        let EngineSubmitter {
             specs,
             next_rail,
             connected,
             chosen,
-            runs: run_list,
             ..
-        } = self;
-        specs.clear();
-        eligible(connected, chosen);
-        let slice_size = engine.slice_size() as u64;
-        let opcode = match op {
-            Op::Write => Opcode::Write,
-            Op::Read => Opcode::Read,
-        };
-        let mut bytes = 0;
-        for (request, run) in run_list.iter().take(runs).enumerate() {
-            // Both indices come from the lists' own tables.
-            let here = &local.regions[run.local_region as usize];
-            let there = &remote_regions[run.remote_region as usize];
-            bytes += run.len;
-            let mut offset = 0;
-            while offset < run.len {
-                let len = slice_size.min(run.len - offset);
-                let pick = if chosen.len() == 1 {
-                    chosen[0]
-                } else {
-                    least_loaded(connected, chosen, *next_rail, here.numa)
-                };
-                *next_rail = next_rail.wrapping_add(1);
-                let option = &mut connected[pick];
-                option.load += len;
-                let (Some(&lkey), Some(&rkey)) = (
-                    here.lkeys.get(option.rail),
-                    there.rkeys.get(usize::from(option.remote_rail)),
-                ) else {
-                    return Err(TransferError::StaleList {
-                        side: "remote",
-                        reason: format!(
-                            "the peer's descriptor has no key for its rail {}, or this \
-                             engine none for its rail {}; prepare the list again",
-                            option.remote_rail, option.rail
-                        ),
-                    });
-                };
-                specs.push(SliceSpec {
-                    rail: option.rail,
-                    request: request as u32,
-                    opcode,
-                    local_addr: run.local_addr + offset,
-                    lkey,
-                    remote_addr: run.remote_addr + offset,
-                    rkey,
-                    len: len as u32,
-                    imm: 0,
-                    endpoint: option.endpoint,
-                    epoch: option.epoch,
-                    generation: there.generation as u32,
+        } = &mut *self.submitter;
+        // Both indices come from the lists' own tables.
+        let here = &self.local.regions[run.local_region as usize];
+        let there = &self.remote_regions[run.remote_region as usize];
+        let mut offset = 0;
+        while offset < run.len {
+            let len = self.slice_size.min(run.len - offset);
+            let pick = match chosen.as_slice() {
+                [only] => *only,
+                _ => least_loaded(connected, chosen, *next_rail, here.numa),
+            };
+            *next_rail = next_rail.wrapping_add(1);
+            let option = &mut connected[pick];
+            option.load += len;
+            let (Some(&lkey), Some(&rkey)) = (
+                here.lkeys.get(option.rail),
+                there.rkeys.get(usize::from(option.remote_rail)),
+            ) else {
+                return Err(TransferError::StaleList {
+                    side: "remote",
+                    reason: format!(
+                        "the peer's descriptor has no key for its rail {}, or this engine \
+                         none for its rail {}; prepare the list again",
+                        option.remote_rail, option.rail
+                    ),
                 });
-                offset += len;
-            }
+            };
+            specs.push(SliceSpec {
+                rail: option.rail,
+                request: 0,
+                opcode: self.opcode,
+                local_addr: run.local_addr + offset,
+                lkey,
+                remote_addr: run.remote_addr + offset,
+                rkey,
+                len: len as u32,
+                imm: 0,
+                endpoint: option.endpoint,
+                epoch: option.epoch,
+                generation: there.generation as u32,
+            });
+            offset += len;
         }
-        Ok(bytes)
+        Ok(())
     }
 }

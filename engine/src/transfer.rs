@@ -26,7 +26,7 @@ use railyard_dataplane::{Batch, EndpointId, Epoch, SliceSpec, Submitter};
 use super::error::TransferError;
 use super::op::Op;
 use super::peer::Peer;
-use super::prepared::Run;
+use super::prepared::PreparedTotals;
 use super::region::Region;
 use super::state::Engine;
 use super::stats::PeerCounters;
@@ -82,8 +82,8 @@ pub struct EngineSubmitter {
     pub(crate) connected: Vec<RailOption>,
     /// Scratch: the indices of `connected` a transfer's slices may go to.
     pub(crate) chosen: Vec<usize>,
-    /// Scratch: the runs of a prepared submission ([`Self::submit_prepared`]).
-    pub(crate) runs: Vec<Run>,
+    /// What the last prepared submission posted ([`Self::last_prepared`]).
+    pub(crate) prepared_totals: PreparedTotals,
     /// Counters of the peers this submitter has submitted to.
     counters: HashMap<Incarnation, Arc<PeerCounters>>,
     /// Its index of the local regions, for transfers named by raw addresses.
@@ -119,7 +119,7 @@ impl EngineSubmitter {
             last_descriptor: None,
             connected: Vec::new(),
             chosen: Vec::new(),
-            runs: Vec::new(),
+            prepared_totals: PreparedTotals::default(),
             counters: HashMap::new(),
             region_index: RegionIndex::default(),
             resolved: Vec::new(),
