@@ -89,7 +89,7 @@ pub use directory::DirectoryChoice;
 pub use error::{BuildError, MemoryError, PeerError, PrepareError, RevokeError, TransferError};
 pub use op::Op;
 pub use peer::Peer;
-pub use prepared::{LocalList, PostOptions, PreparedTotals, RemoteList};
+pub use prepared::{LocalList, PostOptions, PreparedTotals, RemoteList, check_pairs};
 pub use region::{DEREGISTER_WAIT, PeerAccess, Region};
 pub use revoke::REVOKE_WAIT;
 pub use session::{FAILED_OPEN_KEPT, MAX_IDLE_SUBMITTERS, RawTransfer, SubmitterPool};

@@ -520,27 +520,7 @@ impl EngineSubmitter {
         };
         let mut open: Option<Run> = None;
         for (position, (&l, &r)) in local_indices.iter().zip(remote_indices).enumerate() {
-            let out_of_range = |side, index, len| TransferError::IndexOutOfRange {
-                side,
-                position,
-                index,
-                len,
-            };
-            let here = *local
-                .entries
-                .get(l)
-                .ok_or_else(|| out_of_range("local", l, local.entries.len()))?;
-            let there = *remote
-                .entries
-                .get(r)
-                .ok_or_else(|| out_of_range("remote", r, remote.entries.len()))?;
-            if here.len != there.len {
-                return Err(TransferError::LengthMismatch {
-                    position,
-                    local: here.len,
-                    remote: there.len,
-                });
-            }
+            let (here, there) = pair(local, l, remote, r, position)?;
             if let Some(run) = open.as_mut() {
                 if merge
                     && run.local_region == here.region
@@ -578,6 +558,64 @@ impl EngineSubmitter {
         }
         Ok(totals)
     }
+}
+
+/// Pair `position`: local descriptor `l` and remote descriptor `r`, when both exist and
+/// have one length.
+fn pair(
+    local: &LocalList,
+    l: usize,
+    remote: &RemoteList,
+    r: usize,
+    position: usize,
+) -> Result<(Entry, Entry), TransferError> {
+    let out_of_range = |side, index, len| TransferError::IndexOutOfRange {
+        side,
+        position,
+        index,
+        len,
+    };
+    let here = *local
+        .entries
+        .get(l)
+        .ok_or_else(|| out_of_range("local", l, local.entries.len()))?;
+    let there = *remote
+        .entries
+        .get(r)
+        .ok_or_else(|| out_of_range("remote", r, remote.entries.len()))?;
+    if here.len != there.len {
+        return Err(TransferError::LengthMismatch {
+            position,
+            local: here.len,
+            remote: there.len,
+        });
+    }
+    Ok((here, there))
+}
+
+/// Checks index pairs against two lists without posting anything: what
+/// [`EngineSubmitter::submit_prepared`] would refuse of them (the lists' staleness aside),
+/// for callers that build a transfer once and post it many times.
+///
+/// # Errors
+/// [`TransferError::IndicesMismatch`], [`TransferError::IndexOutOfRange`] and
+/// [`TransferError::LengthMismatch`], for the first bad pair.
+pub fn check_pairs(
+    local: &LocalList,
+    local_indices: &[usize],
+    remote: &RemoteList,
+    remote_indices: &[usize],
+) -> Result<(), TransferError> {
+    if local_indices.len() != remote_indices.len() {
+        return Err(TransferError::IndicesMismatch {
+            local: local_indices.len(),
+            remote: remote_indices.len(),
+        });
+    }
+    for (position, (&l, &r)) in local_indices.iter().zip(remote_indices).enumerate() {
+        pair(local, l, remote, r, position)?;
+    }
+    Ok(())
 }
 
 /// Splits runs into slices for one prepared submission.

@@ -200,7 +200,23 @@ impl Engine {
         &self,
         ranges: &[(*mut u8, usize)],
     ) -> Result<Vec<Region>, MemoryError> {
-        let peer_access = PeerAccess::ReadWrite;
+        // SAFETY: the caller's contract.
+        unsafe { self.register_many_with_access(ranges, PeerAccess::ReadWrite) }
+    }
+
+    /// [`Self::register_many`], with what peers may do to the regions. A range equal to a
+    /// region registered already with other access is refused as an overlap.
+    ///
+    /// # Safety
+    /// As [`Self::register`], for every range.
+    ///
+    /// # Errors
+    /// As [`Self::register_many`].
+    pub unsafe fn register_many_with_access(
+        &self,
+        ranges: &[(*mut u8, usize)],
+        peer_access: PeerAccess,
+    ) -> Result<Vec<Region>, MemoryError> {
         let asked: Vec<(u64, u64)> = ranges
             .iter()
             .map(|&(ptr, len)| (ptr as u64, len as u64))

@@ -25,6 +25,7 @@ use crate::args::{
 use crate::batch::Batch;
 use crate::errors::{Failure, first_failure, memory_error};
 use crate::open::Open;
+use crate::prepared::{self, PreparedList, PreparedTransfer};
 
 /// A railyard engine: registers memory, moves bytes to and from peers, sends and receives
 /// notifications.
@@ -50,7 +51,12 @@ const PROBE_WAIT: Duration = Duration::from_secs(2);
 const CLOSE_POLL: Duration = Duration::from_millis(100);
 
 impl Engine {
-    fn open(&self) -> PyResult<Arc<Open>> {
+    /// Its default timeout for transfers.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    pub(crate) fn open(&self) -> PyResult<Arc<Open>> {
         self.open
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -306,9 +312,9 @@ impl Engine {
         result.map_err(memory_error)
     }
 
-    /// Registers memory the caller owns, by address and length (lists or single ints).
-    /// The same range twice is a no-op; a range overlapping another registered one is
-    /// refused (ValueError). The memory must stay valid until it is deregistered.
+    /// Registers memory the caller owns, by address and length (lists or single ints),
+    /// all of them or none, in one pass (peers see one new descriptor). The same range twice
+    /// is a no-op; a range overlapping another registered one is refused (ValueError). The memory must stay valid until it is deregistered.
     /// `peer_access` says what peers may do to it: "read_write" (the default), "read" or
     /// "none".
     #[pyo3(signature = (addrs, lengths, *, peer_access="read_write"))]
@@ -329,41 +335,87 @@ impl Engine {
                 lengths.len()
             )));
         }
+        let ranges = addrs
+            .iter()
+            .zip(&lengths)
+            .map(|(&addr, &len)| {
+                usize::try_from(len)
+                    .map(|len| (addr, len))
+                    .map_err(|_| memory_error(MemoryError::BadRange { addr, len }))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         let open = self.open()?;
         py.detach(|| {
-            // What this call registered anew: withdrawn again if a later range is refused,
-            // so a refused call leaves the registrations as they were.
-            let mut added = Vec::new();
-            let result = addrs.iter().zip(&lengths).try_for_each(|(&addr, &len)| {
-                let len = usize::try_from(len).map_err(|_| MemoryError::BadRange { addr, len })?;
-                let existed = open
-                    .engine
-                    .region_at(addr, len as u64)
-                    .is_some_and(|region| {
-                        region.addr == addr
-                            && region.len == len as u64
-                            && region.peer_access == peer_access
-                    });
-                // SAFETY: the Python caller's contract (documented): the range is its
-                // memory and stays mapped until it deregisters it. `register` refuses a
-                // range that is not a read-write mapping of this process.
-                let region = unsafe {
-                    open.engine
-                        .register_with_access(addr as *mut u8, len, peer_access)
-                }?;
-                if !existed {
-                    added.push(region);
-                }
-                Ok(())
-            });
-            if result.is_err() {
-                for region in added {
-                    let _ = open.engine.deregister(region);
-                }
-            }
-            result
+            let ranges: Vec<(*mut u8, usize)> = ranges
+                .into_iter()
+                .map(|(addr, len)| (addr as *mut u8, len))
+                .collect();
+            // SAFETY: the Python caller's contract (documented): each range is its memory
+            // and stays mapped until it deregisters it. Registration refuses a range that
+            // is not a read-write mapping of this process, and registers all or none.
+            unsafe { open.engine.register_many_with_access(&ranges, peer_access) }
         })
+        .map(|_| ())
         .map_err(memory_error)
+    }
+
+    /// Resolves this engine's ranges (each inside one registered region) once: a
+    /// `PreparedList` for `prepare_transfer`. Raises ValueError naming the first range no
+    /// region holds.
+    fn prepare_local(
+        &self,
+        py: Python<'_>,
+        addrs: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+    ) -> PyResult<PreparedList> {
+        prepared::prepare_local(self, py, addrs, lengths)
+    }
+
+    /// Resolves ranges of the peer at `session_id` (each inside one region it registered)
+    /// once: a `PreparedList` for `prepare_transfer`. The list outlives reconnects; a region
+    /// the peer deregisters or registers anew, or a revoke by the peer, makes posts of it
+    /// fail (TransferError with kind "stale_list"): prepare it again. Raises ValueError
+    /// naming the first range the peer does not hold, TransferError when the peer cannot be
+    /// opened within `timeout_s`.
+    #[pyo3(signature = (session_id, addrs, lengths, *, timeout_s=None))]
+    fn prepare_remote(
+        &self,
+        py: Python<'_>,
+        session_id: &str,
+        addrs: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<PreparedList> {
+        prepared::prepare_remote(self, py, session_id, (addrs, lengths), timeout_s)
+    }
+
+    /// Pairs `local[local_indices[i]]` with `remote[remote_indices[i]]` (lists or
+    /// one-dimensional integer arrays), checked now: a `PreparedTransfer` to post as often
+    /// as needed. `op` is "write" or "read"; `notify` goes to the peer after each post's
+    /// last byte; `merge=False` keeps contiguous pairs apart. Raises ValueError for indices
+    /// out of range, pairs of different lengths or index lists of different lengths.
+    #[pyo3(signature = (op, local, local_indices, remote, remote_indices, *, notify=None, merge=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn prepare_transfer(
+        slf: Py<Self>,
+        op: &str,
+        local: PyRef<'_, PreparedList>,
+        local_indices: &Bound<'_, PyAny>,
+        remote: PyRef<'_, PreparedList>,
+        remote_indices: &Bound<'_, PyAny>,
+        notify: Option<Vec<u8>>,
+        merge: bool,
+    ) -> PyResult<PreparedTransfer> {
+        prepared::prepare_transfer(
+            slf,
+            op,
+            &local,
+            local_indices,
+            &remote,
+            remote_indices,
+            notify,
+            merge,
+        )
     }
 
     /// Deregisters the regions starting at `addrs`; when it returns, no peer reads or writes
@@ -577,6 +629,24 @@ impl Engine {
                 .collect())
         })
         .map_err(Failure::into_err)
+    }
+
+    /// `(name, buffers)` of the engine at `session_id`: its segment name and the buffers it
+    /// lets peers reach, as `peer_buffers` gives them. Raises TransferError when the peer
+    /// cannot be opened.
+    #[pyo3(signature = (session_id, *, timeout_s=None))]
+    fn peer_info(
+        &self,
+        py: Python<'_>,
+        session_id: &str,
+        timeout_s: Option<f64>,
+    ) -> PyResult<(String, Vec<(u64, u64)>)> {
+        let buffers = self.peer_buffers(py, session_id, timeout_s)?;
+        let open = self.open()?;
+        let peer = py
+            .detach(|| open.peer(session_id))
+            .map_err(Failure::into_err)?;
+        Ok((peer.name().to_string(), buffers))
     }
 
     /// The engine's Prometheus metrics, in the text format (content type

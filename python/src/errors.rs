@@ -14,7 +14,7 @@ create_exception!(
     PyException,
     "A transfer failed or could not be queued. Attributes: peer, reason, index (the failed \
      request's index, or None), local_addr, remote_addr, length (None when not about one \
-     range)."
+     range), kind (what a refused prepared post was about, or None)."
 );
 
 /// What a transfer error names, turned into the Python exception's attributes.
@@ -24,6 +24,8 @@ pub(crate) struct Failure {
     pub(crate) reason: String,
     pub(crate) index: Option<usize>,
     pub(crate) range: Option<(u64, u64, u64)>,
+    /// What kind of refusal it is, when the caller tells them apart (prepared posts).
+    pub(crate) kind: Option<&'static str>,
 }
 
 impl Failure {
@@ -52,6 +54,7 @@ impl Failure {
             let _ = value.setattr("local_addr", local);
             let _ = value.setattr("remote_addr", remote);
             let _ = value.setattr("length", len);
+            let _ = value.setattr("kind", self.kind);
             error
         })
     }
@@ -85,6 +88,7 @@ pub(crate) fn first_failure(
         reason,
         index: Some(index),
         range,
+        ..Failure::default()
     }
 }
 

@@ -11,6 +11,7 @@ mod batch;
 mod engine;
 mod errors;
 mod open;
+mod prepared;
 mod store;
 
 use pyo3::prelude::*;
@@ -18,6 +19,7 @@ use pyo3::prelude::*;
 use crate::batch::Batch;
 use crate::engine::Engine;
 use crate::errors::TransferError;
+use crate::prepared::{PreparedBatch, PreparedList, PreparedTransfer};
 use crate::store::{ObjectNotFound, Store, StoreError};
 
 /// The `railyard._native` module.
@@ -34,6 +36,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TransferError", m.py().get_type::<TransferError>())?;
     m.add_class::<Engine>()?;
     m.add_class::<Batch>()?;
+    m.add_class::<PreparedList>()?;
+    m.add_class::<PreparedTransfer>()?;
+    m.add_class::<PreparedBatch>()?;
     m.add("StoreError", m.py().get_type::<StoreError>())?;
     m.add("ObjectNotFound", m.py().get_type::<ObjectNotFound>())?;
     m.add_class::<Store>()?;

@@ -69,6 +69,7 @@ impl Open {
                 range: index
                     .and_then(|index| transfers.get(index))
                     .map(|t| (t.local_addr, t.remote_addr, t.len)),
+                ..Failure::default()
             }
         };
         let batch = self

@@ -28,11 +28,11 @@ REPLY_TIMEOUT_S = 20.0
 class Peer:
     """A peer process; ``cmd()`` sends one line and returns its JSON reply."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, script: Path = PEER_SCRIPT, env: dict | None = None) -> None:
         self._stderr = tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER_SCRIPT), *args],
+            [sys.executable, str(script), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -44,9 +44,10 @@ class Peer:
         ready = self._reply(REPLY_TIMEOUT_S)
         if "error" in ready:
             raise RuntimeError(f"peer failed to start: {ready['error']}\n{self.stderr()}")
-        self.session: str = ready["session"]
-        self.name: str = ready["name"]
-        self.bufs: list[tuple[int, int]] = [tuple(b) for b in ready["bufs"]]
+        self.ready = ready
+        self.session: str = ready.get("session", "")
+        self.name: str = ready.get("name", "")
+        self.bufs: list[tuple[int, int]] = [tuple(b) for b in ready.get("bufs", [])]
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -116,8 +117,8 @@ def spawn_peer():
     """``spawn_peer(*args)`` starts a peer; every peer is stopped after the test."""
     peers: list[Peer] = []
 
-    def spawn(*args: str) -> Peer:
-        peer = Peer(*args)
+    def spawn(*args: str, **kwargs) -> Peer:
+        peer = Peer(*args, **kwargs)
         peers.append(peer)
         return peer
 

@@ -56,6 +56,12 @@ def _python_gbps(spawn_peer) -> float:
 
 
 def _bench_gbps() -> float | None:
+    return _bench_gbps_of(BATCH)
+
+
+def _bench_gbps_of(batch: int) -> float | None:
+    """`railyard bench` of `batch` blocks of 64 KiB per request, GB/s (None if it cannot
+    run)."""
     binary = os.environ.get("RAILYARD_BENCH", str(BENCH))
     if not (Path(binary).is_file() or shutil.which(binary)):
         print(f"railyard bench: {binary} missing (build it with `cargo build --release`)")
@@ -68,7 +74,7 @@ def _bench_gbps() -> float | None:
                 "--block-size",
                 "64KiB",
                 "--batch",
-                str(BATCH),
+                str(batch),
                 "--fabric",
                 FABRIC,
                 "--duration",

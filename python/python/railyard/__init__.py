@@ -16,7 +16,10 @@ network) by raw address, the way KV-cache connectors do::
 (see :mod:`railyard.store`). :mod:`railyard.compat.mooncake` offers ``TransferEngine`` and
 :mod:`railyard.compat.mooncake_store` ``MooncakeDistributedStore`` with Mooncake's method
 names and integer return codes; :mod:`railyard.compat.sglang` is a storage backend for
-SGLang's HiCache.
+SGLang's HiCache; :mod:`railyard.compat.nixl` is NVIDIA NIXL's agent API (``nixl_agent``,
+prepared descriptor lists), as vLLM's NixlConnector calls it. :meth:`Engine.prepare_local`,
+:meth:`Engine.prepare_remote` and :meth:`Engine.prepare_transfer` are the prepared lists
+underneath: ranges resolved once, posted by index.
 """
 
 from ._native import (
@@ -24,6 +27,9 @@ from ._native import (
     Batch,
     Engine,
     ObjectNotFound,
+    PreparedBatch,
+    PreparedList,
+    PreparedTransfer,
     StoreError,
     TransferError,
     __version__,
@@ -35,6 +41,9 @@ __all__ = [
     "Batch",
     "Engine",
     "ObjectNotFound",
+    "PreparedBatch",
+    "PreparedList",
+    "PreparedTransfer",
     "ReplicateConfig",
     "Store",
     "StoreError",

@@ -42,6 +42,9 @@ class TransferError(Exception):
     local_addr: int | None
     remote_addr: int | None
     length: int | None
+    kind: str | None
+    """What a refused :meth:`PreparedTransfer.post` was about (``"stale_list"``,
+    ``"not_connected"``, ``"refused"``); ``None`` otherwise."""
 
 class Batch:
     """An in-flight group of transfers returned by :meth:`Engine.submit`.
@@ -289,6 +292,48 @@ class Engine:
         default 2 s). ``TransferError`` when the peer cannot be opened."""
         ...
 
+    def peer_info(
+        self, session_id: str, *, timeout_s: float | None = None
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """``(name, buffers)`` of the engine at ``session_id``: its segment name and what
+        :meth:`peer_buffers` gives. ``TransferError`` when the peer cannot be opened."""
+        ...
+
+    def prepare_local(self, addrs: _Addrs, lengths: _Addrs) -> PreparedList:
+        """Resolve this engine's ranges (each inside one registered region) once, for
+        :meth:`prepare_transfer`. ``ValueError`` names the first range no region holds."""
+        ...
+
+    def prepare_remote(
+        self, session_id: str, addrs: _Addrs, lengths: _Addrs, *, timeout_s: float | None = None
+    ) -> PreparedList:
+        """Resolve ranges of the peer at ``session_id`` (each inside one region it
+        registered) once, for :meth:`prepare_transfer`. The list outlives reconnects; a
+        region the peer deregisters or registers anew, or a revoke by the peer, makes posts
+        of it fail (``TransferError`` with ``kind`` ``"stale_list"``): prepare it again.
+        ``ValueError`` names the first range the peer does not hold; ``TransferError`` when
+        the peer cannot be opened within ``timeout_s``."""
+        ...
+
+    def prepare_transfer(
+        self,
+        op: Literal["write", "read"],
+        local: PreparedList,
+        local_indices: _Addrs,
+        remote: PreparedList,
+        remote_indices: _Addrs,
+        *,
+        notify: bytes | None = None,
+        merge: bool = True,
+    ) -> PreparedTransfer:
+        """Pair ``local[local_indices[i]]`` with ``remote[remote_indices[i]]`` (lists or 1-D
+        integer arrays), checked now: a :class:`PreparedTransfer` to post as often as
+        needed, with no per-descriptor lookup. ``notify`` reaches the peer after each
+        post's last byte; ``merge=False`` keeps pairs contiguous on both sides apart.
+        ``ValueError`` for an index out of range, pairs of different lengths, or index
+        lists of different lengths."""
+        ...
+
     def metrics_text(self) -> str:
         """This engine's Prometheus metrics in the text format (``METRICS_CONTENT_TYPE``),
         for the application's own ``/metrics`` endpoint; every metric is in the README."""
@@ -312,6 +357,54 @@ class Engine:
         tb: TracebackType | None,
     ) -> None:
         """Calls :meth:`close`."""
+        ...
+
+class PreparedList:
+    """Ranges resolved once to registered regions and keys: this engine's
+    (:meth:`Engine.prepare_local`) or a peer's (:meth:`Engine.prepare_remote`)."""
+
+    is_local: bool
+    session_id: str | None
+    def __len__(self) -> int: ...
+
+class PreparedTransfer:
+    """Index pairs into a local and a remote :class:`PreparedList`, checked once
+    (:meth:`Engine.prepare_transfer`)."""
+
+    def post(
+        self, *, notify: bytes | None = None, timeout_s: float | None = None
+    ) -> PreparedBatch:
+        """Start the pairs as one batch (pairs contiguous on both sides merged unless the
+        transfer was made with ``merge=False``). ``notify`` replaces the notification for
+        this post and the next ones. ``TransferError`` (``kind``: ``"stale_list"``,
+        ``"not_connected"`` or ``"refused"``) when it cannot be posted: nothing is queued."""
+        ...
+
+    def __len__(self) -> int: ...
+
+class PreparedBatch:
+    """One post of a :class:`PreparedTransfer`: one request, done when every pair is."""
+
+    pairs: int
+    runs: int
+    slices: int
+    bytes: int
+    def poll(self) -> _BatchState:
+        """``"DONE"``, ``"ERR"`` or ``"PROC"``, without blocking."""
+        ...
+
+    def wait(self, timeout_s: float | None = None) -> _BatchState:
+        """Block (GIL released) until it resolved or ``timeout_s`` passed (default: its
+        deadline and a grace)."""
+        ...
+
+    def failure(self) -> tuple[str, str] | None:
+        """``(reason, description)`` once it failed (reason as the metrics name it:
+        ``"peer_unavailable"``, ``"timeout"``…), else ``None``."""
+        ...
+
+    def peer_lost(self) -> bool:
+        """Whether it failed because the peer is gone or unreachable."""
         ...
 
 class StoreError(Exception):
