@@ -27,7 +27,7 @@ use super::error::{PrepareError, TransferError};
 use super::op::Op;
 use super::peer::Peer;
 use super::state::Engine;
-use super::transfer::{EngineSubmitter, SubmitTiming, eligible, least_loaded};
+use super::transfer::{EngineSubmitter, PreparedTotals, SubmitTiming, eligible, least_loaded};
 
 /// One descriptor of a list: a range and its region in the list's table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,8 +46,10 @@ struct LocalRegion {
     lkeys: Vec<u32>,
 }
 
-/// Local ranges resolved to their registered regions once: see the [module docs](self).
-/// `Send + Sync`; share it behind an `Arc` between threads.
+/// Local ranges resolved to their registered regions once ([`Engine::prepare_local`]), for
+/// [`EngineSubmitter::submit_prepared`]. Posting checks it against the engine's regions only
+/// when they changed: a region it names deregistered or registered anew (a new id) makes
+/// it stale. `Send + Sync`; share it behind an `Arc` between threads.
 #[derive(Debug)]
 pub struct LocalList {
     engine: Incarnation,
@@ -121,8 +123,11 @@ struct RemoteState {
     regions: Arc<[RemoteRegion]>,
 }
 
-/// Remote ranges of one peer resolved to its regions and keys once: see the
-/// [module docs](self). `Send + Sync`; share it behind an `Arc` between threads.
+/// Remote ranges of one peer resolved to its regions and keys once ([`Peer::prepare`]), for
+/// [`EngineSubmitter::submit_prepared`]. Posting checks it against the peer's descriptor only
+/// when it changed (a region gone or of a new generation makes it stale; new keys for the
+/// same generation are taken in) and against the peer's fences (a revoke since makes it
+/// stale for good). `Send + Sync`; share it behind an `Arc` between threads.
 #[derive(Debug)]
 pub struct RemoteList {
     peer: Peer,
@@ -360,19 +365,6 @@ impl Default for PostOptions {
             deadline: None,
         }
     }
-}
-
-/// What the last prepared submission posted ([`EngineSubmitter::last_prepared`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PreparedTotals {
-    /// Descriptor pairs given.
-    pub pairs: usize,
-    /// Runs they became once contiguous pairs merged (each split at the slice size).
-    pub runs: usize,
-    /// Slices posted.
-    pub slices: usize,
-    /// Bytes.
-    pub bytes: u64,
 }
 
 /// A run of descriptor pairs contiguous on both sides, in one region each side.

@@ -26,7 +26,6 @@ use railyard_dataplane::{Batch, EndpointId, Epoch, SliceSpec, Submitter};
 use super::error::TransferError;
 use super::op::Op;
 use super::peer::Peer;
-use super::prepared::PreparedTotals;
 use super::region::Region;
 use super::state::Engine;
 use super::stats::PeerCounters;
@@ -60,6 +59,19 @@ pub struct SubmitTiming {
     pub prepare: Duration,
     /// Handing the slices to the pollers.
     pub post: Duration,
+}
+
+/// What the last prepared submission posted ([`EngineSubmitter::last_prepared`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PreparedTotals {
+    /// Descriptor pairs given.
+    pub pairs: usize,
+    /// Runs they became once contiguous pairs merged (each split at the slice size).
+    pub runs: usize,
+    /// Slices posted.
+    pub slices: usize,
+    /// Bytes.
+    pub bytes: u64,
 }
 
 /// One thread's way to submit transfers. `Send`, not `Sync`.

@@ -51,12 +51,7 @@ const PROBE_WAIT: Duration = Duration::from_secs(2);
 const CLOSE_POLL: Duration = Duration::from_millis(100);
 
 impl Engine {
-    /// Its default timeout for transfers.
-    pub(crate) fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
-    pub(crate) fn open(&self) -> PyResult<Arc<Open>> {
+    fn open(&self) -> PyResult<Arc<Open>> {
         self.open
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -368,7 +363,7 @@ impl Engine {
         addrs: &Bound<'_, PyAny>,
         lengths: &Bound<'_, PyAny>,
     ) -> PyResult<PreparedList> {
-        prepared::prepare_local(self, py, addrs, lengths)
+        prepared::prepare_local(&*self.open()?, py, addrs, lengths)
     }
 
     /// Resolves ranges of the peer at `session_id` (each inside one region it registered)
@@ -386,7 +381,8 @@ impl Engine {
         lengths: &Bound<'_, PyAny>,
         timeout_s: Option<f64>,
     ) -> PyResult<PreparedList> {
-        prepared::prepare_remote(self, py, session_id, (addrs, lengths), timeout_s)
+        let timeout = timeout_of(timeout_s, self.timeout)?;
+        prepared::prepare_remote(&*self.open()?, py, session_id, (addrs, lengths), timeout)
     }
 
     /// Pairs `local[local_indices[i]]` with `remote[remote_indices[i]]` (lists or
@@ -397,7 +393,7 @@ impl Engine {
     #[pyo3(signature = (op, local, local_indices, remote, remote_indices, *, notify=None, merge=true))]
     #[allow(clippy::too_many_arguments)]
     fn prepare_transfer(
-        slf: Py<Self>,
+        &self,
         op: &str,
         local: PyRef<'_, PreparedList>,
         local_indices: &Bound<'_, PyAny>,
@@ -407,7 +403,7 @@ impl Engine {
         merge: bool,
     ) -> PyResult<PreparedTransfer> {
         prepared::prepare_transfer(
-            slf,
+            (&self.open()?, self.timeout),
             op,
             &local,
             local_indices,

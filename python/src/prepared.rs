@@ -3,10 +3,10 @@
 //! checked once and posted as often as the caller likes, and the batch each post starts —
 //! what `railyard.compat.nixl` builds NIXL's prepared lists and transfer handles on.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use railyard_engine::dataplane::{Batch as NativeBatch, FailReason, RequestOutcome};
 use railyard_engine::{
@@ -15,8 +15,8 @@ use railyard_engine::{
 };
 
 use crate::args::{check_notify, check_session, ints, op_of, timeout_of, wait_of};
-use crate::engine::Engine;
 use crate::errors::Failure;
+use crate::open::Open;
 
 /// How long `PreparedBatch.wait()` without a timeout waits past the batch's deadline (as
 /// `Batch.wait`).
@@ -93,13 +93,12 @@ fn prepare_error(error: PrepareError) -> PyErr {
 
 /// `Engine.prepare_local`.
 pub(crate) fn prepare_local(
-    engine: &Engine,
+    open: &Open,
     py: Python<'_>,
     addrs: &Bound<'_, PyAny>,
     lengths: &Bound<'_, PyAny>,
 ) -> PyResult<PreparedList> {
     let ranges = ranges(addrs, lengths)?;
-    let open = engine.open()?;
     let list = py
         .detach(|| open.engine.prepare_local(&ranges))
         .map_err(prepare_error)?;
@@ -108,19 +107,18 @@ pub(crate) fn prepare_local(
     })
 }
 
-/// `Engine.prepare_remote`: a range the peer's descriptor lacks makes it ask for the
-/// descriptor once more (a region the peer registered since) before it refuses.
+/// `Engine.prepare_remote`, within `timeout`: a range the peer's descriptor lacks makes it
+/// ask for the descriptor once more (a region the peer registered since) before it refuses.
 pub(crate) fn prepare_remote(
-    engine: &Engine,
+    open: &Open,
     py: Python<'_>,
     session_id: &str,
     (addrs, lengths): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
-    timeout_s: Option<f64>,
+    timeout: Duration,
 ) -> PyResult<PreparedList> {
     check_session(session_id)?;
     let ranges = ranges(addrs, lengths)?;
-    let deadline = Instant::now() + timeout_of(timeout_s, engine.timeout())?;
-    let open = engine.open()?;
+    let deadline = Instant::now() + timeout;
     let list = py.detach(|| {
         let peer = open.peer(session_id).map_err(Failure::into_err)?;
         match peer.prepare(&ranges) {
@@ -145,7 +143,10 @@ pub(crate) fn prepare_remote(
 /// batch, as often as the caller likes (one post at a time is the caller's business).
 #[pyclass(module = "railyard._native", frozen)]
 pub(crate) struct PreparedTransfer {
-    engine: Py<Engine>,
+    /// The engine it posts on, while it is open (a transfer does not keep it running).
+    open: Weak<Open>,
+    /// Its default deadline.
+    timeout: Duration,
     op: Op,
     local: Arc<LocalList>,
     remote: Arc<RemoteList>,
@@ -174,10 +175,10 @@ fn indices(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<usize>> {
         .collect()
 }
 
-/// `Engine.prepare_transfer`.
+/// `Engine.prepare_transfer`, posting on `open` with `timeout` as its default deadline.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare_transfer(
-    engine: Py<Engine>,
+    (open, timeout): (&Arc<Open>, Duration),
     op: &str,
     local: &PreparedList,
     local_indices: &Bound<'_, PyAny>,
@@ -207,7 +208,8 @@ pub(crate) fn prepare_transfer(
     check_pairs(local, &local_indices, remote, &remote_indices)
         .map_err(|error| PyValueError::new_err(error.to_string()))?;
     Ok(PreparedTransfer {
-        engine,
+        open: Arc::downgrade(open),
+        timeout,
         op,
         local: local.clone(),
         remote: remote.clone(),
@@ -242,9 +244,11 @@ impl PreparedTransfer {
         timeout_s: Option<f64>,
     ) -> PyResult<PreparedBatch> {
         check_notify(notify.as_ref())?;
-        let engine = self.engine.get();
-        let deadline = Instant::now() + timeout_of(timeout_s, engine.timeout())?;
-        let open = engine.open()?;
+        let deadline = Instant::now() + timeout_of(timeout_s, self.timeout)?;
+        let open = self
+            .open
+            .upgrade()
+            .ok_or_else(|| PyRuntimeError::new_err("the engine is closed"))?;
         let notify = {
             let mut kept = self.notify.lock().unwrap_or_else(PoisonError::into_inner);
             if notify.is_some() {
