@@ -226,6 +226,28 @@ fn contiguous_pairs_merge_into_one_request_unless_asked_not_to() {
         .expect("posted");
     assert_eq!(wait_done(&batch), vec![Some(RequestOutcome::Done)]);
     assert_eq!(submitter.last_prepared().runs, 2);
+    // The same on the remote side: two adjacent regions of the target.
+    let target_split = Buffer::new(POISON);
+    let target_halves = [
+        (target_split.addr() as *mut u8, half),
+        ((target_split.addr() as *mut u8).wrapping_add(half), half),
+    ];
+    // SAFETY: as above.
+    unsafe { target.register_many(&target_halves) }.expect("two regions at the target");
+    assert!(initiator.refresh_descriptor(&peer, Instant::now() + BOUND));
+    let boundary = target_split.addr() + half as u64;
+    let remote_across = peer
+        .prepare(&[(boundary - PAGE, PAGE), (boundary, PAGE)])
+        .expect("remote across");
+    let batch = submitter
+        .submit_prepared(Op::Write, &local, &[0, 1], &remote_across, &[0, 1], None)
+        .expect("posted");
+    assert_eq!(wait_done(&batch), vec![Some(RequestOutcome::Done)]);
+    assert_eq!(submitter.last_prepared().runs, 2);
+    assert_eq!(
+        target_split.read(half - PAGE as usize, 2 * PAGE as usize),
+        source.read(0, 2 * PAGE as usize)
+    );
 }
 
 #[test]
@@ -304,7 +326,23 @@ fn bad_indices_are_refused_before_anything_is_queued() {
     let error = submitter
         .submit_prepared(Op::Write, &foreign, &[0], &remote, &[0], None)
         .expect_err("another engine's list");
-    assert!(matches!(error, TransferError::ForeignList { .. }));
+    assert!(matches!(
+        error,
+        TransferError::ForeignList { side: "local", .. }
+    ));
+    // A remote list is of a peer as one engine opened it: the target's own view of the
+    // initiator is not the initiator's.
+    let back = open(&target, &initiator);
+    let theirs = back
+        .prepare(&pages(&source))
+        .expect("the target's list of the initiator");
+    let error = submitter
+        .submit_prepared(Op::Write, &local, &[0], &theirs, &[0], None)
+        .expect_err("another engine's remote list");
+    assert!(
+        matches!(error, TransferError::ForeignList { side: "remote", .. }),
+        "{error}"
+    );
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(
         posted(&initiator),
@@ -508,15 +546,10 @@ fn register_many_registers_all_or_nothing_and_peers_see_every_range() {
     // SAFETY: as above.
     let error = unsafe { target.register_many(&overlapping) }.expect_err("overlap");
     assert!(
-        matches!(
-            error,
-            MemoryError::Overlaps {
-                region: u64::MAX,
-                ..
-            }
-        ),
+        matches!(error, MemoryError::RangesOverlap { .. }),
         "{error}"
     );
+    assert!(error.to_string().contains("of the same call"), "{error}");
     let unmapped = [
         (start, half),
         (std::ptr::dangling_mut::<u8>().wrapping_add(64), 64),

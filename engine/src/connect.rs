@@ -81,7 +81,11 @@ impl Engine {
             }
             views.push(view);
         }
-        Ok(Peer { addr, views })
+        Ok(Peer {
+            addr,
+            views,
+            engine: self.incarnation(),
+        })
     }
 
     /// What the segment named `name` last published in the directory (its incarnation,

@@ -69,6 +69,22 @@ pub enum MemoryError {
         /// Length asked for.
         len: u64,
     },
+    /// Two ranges of one [`Engine::register_many`](crate::Engine::register_many) call
+    /// overlap without being equal.
+    #[error(
+        "cannot register {len} bytes at {addr:#x}: it overlaps {other_len} bytes at \
+         {other_addr:#x} of the same call"
+    )]
+    RangesOverlap {
+        /// Start of one range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// Start of the other.
+        other_addr: u64,
+        /// Its length.
+        other_len: u64,
+    },
     /// The range overlaps a registered region without being exactly it.
     #[error(
         "cannot register {len} bytes at {addr:#x}: overlaps region {region} ({region_len} \
@@ -355,9 +371,11 @@ pub enum TransferError {
         /// Why, in words.
         reason: String,
     },
-    /// A local list prepared by another engine.
-    #[error("the local list was prepared by another engine than {engine}")]
+    /// A list prepared by (or for a peer opened by) another engine.
+    #[error("the {side} list was prepared by another engine than {engine}")]
     ForeignList {
+        /// `local` or `remote`.
+        side: &'static str,
         /// This engine's name.
         engine: String,
     },

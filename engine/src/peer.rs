@@ -13,6 +13,8 @@ use railyard_control::{EndpointView, Incarnation, SegmentDescriptor};
 pub struct Peer {
     pub(crate) addr: SocketAddr,
     pub(crate) views: Vec<Arc<EndpointView>>,
+    /// The incarnation of the engine that opened it (its endpoints are that engine's).
+    pub(crate) engine: Incarnation,
 }
 
 impl Peer {

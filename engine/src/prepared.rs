@@ -81,6 +81,7 @@ impl LocalList {
     fn check(&self, engine: &Engine) -> Result<(), TransferError> {
         if self.engine != engine.incarnation() {
             return Err(TransferError::ForeignList {
+                side: "local",
                 engine: engine.name().to_string(),
             });
         }
@@ -412,7 +413,8 @@ impl EngineSubmitter {
     /// list; [`TransferError::LengthMismatch`] when a pair's lengths differ;
     /// [`TransferError::StaleList`] for a list prepared against regions since deregistered
     /// or registered anew, or before the peer revoked this engine;
-    /// [`TransferError::ForeignList`] for a local list of another engine;
+    /// [`TransferError::ForeignList`] for a list of another engine (a remote list of a peer
+    /// another engine opened);
     /// [`TransferError::NotConnected`], [`TransferError::NotificationTooLarge`] and
     /// [`TransferError::PollerStopped`] as [`Self::submit`].
     pub fn submit_prepared_with(
@@ -441,8 +443,14 @@ impl EngineSubmitter {
             }
         }
         local.check(&self.engine)?;
-        let remote_regions = remote.current()?;
         let peer = remote.peer();
+        if peer.engine != self.engine.incarnation() {
+            return Err(TransferError::ForeignList {
+                side: "remote",
+                engine: self.engine.name().to_string(),
+            });
+        }
+        let remote_regions = remote.current()?;
         self.connected_rails(peer)?;
         let totals = self.slice_pairs(
             op,

@@ -193,9 +193,8 @@ impl Engine {
     /// As [`Self::register`], for every range.
     ///
     /// # Errors
-    /// As [`Self::register`], naming the first bad range; [`MemoryError::Overlaps`] also
-    /// for two ranges of the call that overlap without being equal (the region named is
-    /// then `u64::MAX`, with the other range's start and length).
+    /// As [`Self::register`], naming the first bad range; [`MemoryError::RangesOverlap`] for
+    /// two ranges of the call that overlap without being equal.
     pub unsafe fn register_many(
         &self,
         ranges: &[(*mut u8, usize)],
@@ -239,12 +238,11 @@ impl Engine {
         for pair in order.windows(2) {
             let (a, b) = (asked[pair[0]], asked[pair[1]]);
             if a != b && b.0 < a.0 + a.1 {
-                return Err(MemoryError::Overlaps {
+                return Err(MemoryError::RangesOverlap {
                     addr: b.0,
                     len: b.1,
-                    region: u64::MAX,
-                    region_addr: a.0,
-                    region_len: a.1,
+                    other_addr: a.0,
+                    other_len: a.1,
                 });
             }
         }
@@ -574,5 +572,42 @@ impl Engine {
             .iter()
             .find(|entry| entry.region.id == id)
             .map(|entry| (entry.region, entry.registrations.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroUsize;
+
+    use railyard_dataplane::IdleStrategy;
+
+    use crate::{Engine, FabricChoice, RailChoice};
+
+    /// Peers learn of registrations from the descriptor this engine publishes: many ranges
+    /// registered at once are one publication (one new regions version), not one each.
+    #[test]
+    fn register_many_publishes_once_for_all_its_ranges() {
+        let mut memory = vec![0u8; 64 << 10];
+        let engine = Engine::builder("register-many-unit")
+            .fabric(FabricChoice::Soft)
+            .rails(RailChoice::Count(NonZeroUsize::new(2).expect("two")))
+            .idle(IdleStrategy::gentle())
+            .build()
+            .expect("the engine starts");
+        let base = memory.as_mut_ptr();
+        let ranges: Vec<(*mut u8, usize)> = (0..16)
+            .map(|i| (base.wrapping_add(i * 4096), 4096))
+            .collect();
+        let before = engine.regions_version();
+        // SAFETY: `memory` outlives the engine (declared before it, dropped after it).
+        let regions = unsafe { engine.register_many(&ranges) }.expect("registered");
+        assert_eq!(regions.len(), 16);
+        assert_eq!(engine.regions().len(), 16);
+        assert_eq!(engine.regions_version(), before + 1, "one publication");
+        // A call that only names registered ranges publishes nothing.
+        // SAFETY: as above.
+        let again = unsafe { engine.register_many(&ranges[..4]) }.expect("the same regions");
+        assert_eq!(again, regions[..4]);
+        assert_eq!(engine.regions_version(), before + 1);
     }
 }

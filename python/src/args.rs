@@ -6,12 +6,17 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use railyard_engine::control::wire::MAX_NOTIFY;
 use railyard_engine::{Op, PeerAccess, RawTransfer};
 
 /// A list of integers from a list, a tuple, a single int, or anything with `tolist()`
-/// (NumPy arrays).
+/// (NumPy arrays; an integer array of at most one dimension is read from its bytes, with
+/// no Python object per element).
 pub(crate) fn ints(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
+    if let Some(values) = integer_array(value, what)? {
+        return Ok(values);
+    }
     let signed: Vec<i128> = if let Ok(one) = value.extract::<i128>() {
         vec![one]
     } else if let Ok(many) = value.extract::<Vec<i128>>() {
@@ -36,6 +41,49 @@ pub(crate) fn ints(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
             })
         })
         .collect()
+}
+
+/// The values of a NumPy integer array of zero or one dimension, through `astype` and
+/// `tobytes` (little-endian 64-bit); `None` for anything else.
+fn integer_array(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<Vec<u64>>> {
+    let Ok(dtype) = value.getattr("dtype") else {
+        return Ok(None);
+    };
+    let kind: String = match dtype.getattr("kind").and_then(|kind| kind.extract()) {
+        Ok(kind) => kind,
+        Err(_) => return Ok(None),
+    };
+    let ndim: usize = match value.getattr("ndim").and_then(|ndim| ndim.extract()) {
+        Ok(ndim) => ndim,
+        Err(_) => return Ok(None),
+    };
+    if ndim > 1 || (kind != "i" && kind != "u") {
+        return Ok(None);
+    }
+    let signed = kind == "i";
+    let wide = value.call_method1("astype", (if signed { "<i8" } else { "<u8" },))?;
+    let raw = wide.call_method0("tobytes")?;
+    let bytes = raw
+        .cast::<PyBytes>()
+        .map_err(|_| PyTypeError::new_err(format!("{what}: tobytes() did not give bytes")))?
+        .as_bytes();
+    bytes
+        .chunks_exact(8)
+        .map(|chunk| {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(chunk);
+            let value = u64::from_le_bytes(word);
+            if signed && (value as i64) < 0 {
+                Err(PyValueError::new_err(format!(
+                    "{what} must be between 0 and 2**64-1, not {}",
+                    value as i64
+                )))
+            } else {
+                Ok(value)
+            }
+        })
+        .collect::<PyResult<Vec<u64>>>()
+        .map(Some)
 }
 
 /// `local_addrs`, `remote_addrs` and `lengths` as transfers, checked: equal lengths, no

@@ -237,6 +237,13 @@ impl Engine {
         self.session_id.clone()
     }
 
+    /// This engine's incarnation, as text: a restarted process (or a new engine) is a new
+    /// one.
+    #[getter]
+    fn incarnation(&self) -> PyResult<String> {
+        Ok(self.open()?.engine.incarnation().to_string())
+    }
+
     /// This engine's segment name (what peers see as the sender of its notifications).
     #[getter]
     fn name(&self) -> String {
@@ -643,6 +650,32 @@ impl Engine {
             .detach(|| open.peer(session_id))
             .map_err(Failure::into_err)?;
         Ok((peer.name().to_string(), buffers))
+    }
+
+    /// Opens the peer at `session_id` again when the one kept no longer answers (it died,
+    /// or a new process took its address), then asks it for its descriptor: True when it
+    /// answered within `timeout_s` (default 2 s). Never raises for a dead peer.
+    #[pyo3(signature = (session_id, *, timeout_s=None))]
+    fn reconnect(
+        &self,
+        py: Python<'_>,
+        session_id: &str,
+        timeout_s: Option<f64>,
+    ) -> PyResult<bool> {
+        check_session(session_id)?;
+        let deadline = Instant::now() + timeout_of(timeout_s, PROBE_WAIT)?;
+        let open = self.open()?;
+        Ok(py.detach(|| {
+            let kept = open.engine.peer(session_id).ok();
+            if kept.as_ref().is_none_or(|peer| peer.is_unavailable()) {
+                // A fresh open dials the address: a new process there retires the old one,
+                // and the session then opens the new one.
+                let _ = open.engine.open(session_id);
+            }
+            open.engine.peer(session_id).is_ok_and(|peer| {
+                !peer.is_unavailable() && open.engine.refresh_descriptor(&peer, deadline)
+            })
+        }))
     }
 
     /// The engine's Prometheus metrics, in the text format (content type

@@ -97,6 +97,7 @@ pub(crate) fn memory_error(error: MemoryError) -> PyErr {
         MemoryError::BadRange { .. }
         | MemoryError::NotHostMemory { .. }
         | MemoryError::Overlaps { .. }
+        | MemoryError::RangesOverlap { .. }
         | MemoryError::UnknownRegion { .. } => PyValueError::new_err(error.to_string()),
         other => PyRuntimeError::new_err(other.to_string()),
     }

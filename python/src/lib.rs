@@ -33,6 +33,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "METRICS_CONTENT_TYPE",
         railyard_engine::metrics::CONTENT_TYPE,
     )?;
+    m.add("MAX_NOTIFY", railyard_engine::control::wire::MAX_NOTIFY)?;
     m.add("TransferError", m.py().get_type::<TransferError>())?;
     m.add_class::<Engine>()?;
     m.add_class::<Batch>()?;

@@ -9,6 +9,7 @@ and answers one-line commands on stdin with one JSON line each:
 
     NOTIFS <timeout_s>   -> {"notifs": {agent: [text, ...]}}  (waits until at least one)
     ADD <metadata hex>   -> {"name": agent name}                (add_remote_agent)
+    REREG                -> {"metadata": hex}   deregister and register the layers again
     HAS <agent>          -> {"known": bool}                     (check_remote_metadata)
     DIGEST               -> {"digests": [sha256 hex per layer]}
     QUIT                 -> exits 0
@@ -92,6 +93,11 @@ def main() -> None:
             reply: dict = {"notifs": seen}
         elif command == "ADD":
             reply = {"name": agent.add_remote_agent(bytes.fromhex(words[1])).decode()}
+        elif command == "REREG":
+            # vLLM's sleep mode: the KV caches let go and registered again, same ranges.
+            agent.deregister_memory(descs)
+            agent.register_memory(descs, backends=["UCX"])
+            reply = {"metadata": agent.get_agent_metadata().hex()}
         elif command == "HAS":
             reply = {"known": agent.check_remote_metadata(words[1])}
         elif command == "DIGEST":

@@ -29,6 +29,7 @@ shim.install()
 
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 from nixl._bindings import (  # noqa: E402
+    nixlBackendError,
     nixlInvalidParamError,
     nixlMismatchError,
     nixlNoTelemetryError,
@@ -233,7 +234,7 @@ def test_a_stalled_peer_turns_proc_into_err_by_the_deadline(spawn_peer, monkeypa
 def test_a_killed_peer_turns_proc_into_err_and_its_successor_is_added_again(spawn_peer,
                                                                              monkeypatch):
     monkeypatch.setenv("RAILYARD_FABRIC", "tcp")
-    peer = prefill(spawn_peer, "prefill-killed", fabric="tcp")
+    peer = prefill(spawn_peer, "prefill-killed", fabric="tcp", listen_port=0)
     decode = Decode(nixl_agent_config(capture_telemetry=True, xfer_timeout_s=20.0))
     try:
         name, remote = decode.add(peer)
@@ -248,8 +249,14 @@ def test_a_killed_peer_turns_proc_into_err_and_its_successor_is_added_again(spaw
         assert not decode.agent.check_remote_metadata(name)
         decode.agent.release_xfer_handle(handle)
 
-        successor = prefill(spawn_peer, "prefill-killed", fabric="tcp")
+        # Its successor takes the same address (a fixed listen port), as a restarted
+        # process does: it is added again at once, not after a cooldown.
+        port = int(peer.ready["session"].rsplit(":", 1)[1])
+        successor = prefill(spawn_peer, "prefill-killed", fabric="tcp", listen_port=port)
+        assert successor.ready["session"].endswith(f":{port}")
+        added = time.monotonic()
         name, remote = decode.add(successor)
+        assert time.monotonic() - added < 5.0
         assert decode.agent.check_remote_metadata(name)
         handle = decode.agent.make_prepped_xfer("READ", decode.local, ids, remote, ids)
         decode.agent.transfer(handle)
@@ -257,6 +264,122 @@ def test_a_killed_peer_turns_proc_into_err_and_its_successor_is_added_again(spaw
         assert np.array_equal(decode.layers[2], prefill_bytes()[2])
     finally:
         decode.close()
+
+
+@pytest.mark.parametrize("how", ["config", "environment"])
+def test_a_transfer_slower_than_its_deadline_answers_err(spawn_peer, monkeypatch, how):
+    """The peer is alive and answering; the transfer just takes longer than its deadline."""
+    monkeypatch.setenv("RAILYARD_FABRIC", "tcp")
+    peer = prefill(spawn_peer, "prefill-slow", fabric="tcp", layers=2, blocks=256,
+                   block=256 << 10)
+    if how == "config":
+        config = nixl_agent_config(capture_telemetry=True, xfer_timeout_s=0.002)
+    else:
+        monkeypatch.setenv("RAILYARD_NIXL_XFER_TIMEOUT_S", "0.002")
+        config = nixl_agent_config(capture_telemetry=True)
+    decode = Decode(config, layers=2, blocks=256, block=256 << 10)
+    try:
+        name, remote = decode.add(peer)
+        ids = decode.desc_ids(np.arange(256, dtype=np.int64))  # 128 MiB
+        handle = decode.agent.make_prepped_xfer("READ", decode.local, ids, remote, ids,
+                                                notif_msg=b"too-late:1", skip_desc_merge=True)
+        posted = time.monotonic()
+        decode.agent.transfer(handle)
+        assert decode.wait(handle) == "ERR"
+        assert time.monotonic() - posted < 3.0, "failed by its deadline, not later"
+        # Its deadline, not the peer: the peer is still known and answers.
+        assert decode.agent.check_remote_metadata(name)
+        assert peer.cmd("NOTIFS 0.5")["notifs"] == {}, "a failed transfer notified"
+        decode.agent.send_notif(name, b"still-here")
+        assert peer.cmd(f"NOTIFS {BOUND_S}")["notifs"] == {decode.agent.name: ["still-here"]}
+    finally:
+        decode.close()
+
+
+def test_a_peer_that_registers_its_memory_anew_is_prepared_anew(spawn_peer):
+    """vLLM's sleep mode: the prefill side lets its KV caches go and registers them again;
+    the decode side adds the new metadata and prepares its list again, which works at once."""
+    peer = prefill(spawn_peer, "prefill-sleep")
+    decode = Decode()
+    try:
+        name, remote = decode.add(peer)
+        ids = decode.desc_ids(np.arange(8, dtype=np.int64))
+        handle = decode.agent.make_prepped_xfer("READ", decode.local, ids, remote, ids)
+        decode.agent.transfer(handle)
+        assert decode.wait(handle) == "DONE"
+        peer.ready["metadata"] = peer.cmd("REREG")["metadata"]
+        decode.layers[1][:] = 0
+        name, remote = decode.add(peer)
+        fresh = decode.agent.make_prepped_xfer("READ", decode.local, ids, remote, ids)
+        decode.agent.transfer(fresh)
+        assert decode.wait(fresh) == "DONE"
+        assert np.array_equal(decode.layers[1][: 8 * BLOCK], prefill_bytes()[1][: 8 * BLOCK])
+        assert decode.agent.check_remote_metadata(name)
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("listen", [False, True])
+def test_notifications_keep_their_order_while_several_threads_look(listen):
+    """vLLM's main thread asks check_remote_metadata while another thread takes
+    notifications (and a listening agent has its own thread): each sender's messages still
+    come in the order they were sent."""
+    config = nixl_agent_config(True, listen, 0) if listen else nixl_agent_config()
+    receiver = nixl_agent("receiver-order", config)
+    sender = nixl_agent("sender-order")
+    count = 3000
+    try:
+        name = sender.add_remote_agent(receiver.get_agent_metadata())
+        receiver.add_remote_agent(sender.get_agent_metadata())
+        done = threading.Event()
+
+        def look() -> None:
+            while not done.is_set():
+                receiver.check_remote_metadata("sender-order")
+
+        lookers = [threading.Thread(target=look) for _ in range(2)]
+        for thread in lookers:
+            thread.start()
+        for i in range(count):
+            sender.send_notif(name, str(i).encode())
+        seen: list[int] = []
+        deadline = time.monotonic() + BOUND_S * 3
+        while len(seen) < count and time.monotonic() < deadline:
+            for message in receiver.get_new_notifs().get("sender-order", []):
+                seen.append(int(message))
+        done.set()
+        for thread in lookers:
+            thread.join(timeout=BOUND_S)
+        assert seen == list(range(count))
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_registrations_inside_registrations_are_counted():
+    agent = nixl_agent("nested-registrations")
+    try:
+        kv = np.zeros(1 << 16, dtype=np.uint8)
+        base = kv.ctypes.data
+        whole = agent.register_memory([(base, kv.nbytes, 0, "")], "DRAM")
+        part = agent.register_memory([(base + 4096, 4096, 0, ""), (base + 4096, 4096, 0, "")],
+                                     "DRAM")
+        local = agent.prep_xfer_dlist("", [(base + 4096, 4096, 0)], "DRAM")
+        agent.deregister_memory(whole)
+        # The registrations inside keep the memory registered.
+        agent.prep_xfer_dlist("", [(base + 4096, 4096, 0)], "DRAM")
+        agent.deregister_memory(part)
+        with pytest.raises(nixlNotFoundError, match="not registered"):
+            agent.prep_xfer_dlist("", [(base + 4096, 4096, 0)], "DRAM")
+        with pytest.raises(nixlNotFoundError, match="not registered"):
+            agent.deregister_memory(part)
+        assert local
+        other = np.zeros(1 << 14, dtype=np.uint8)
+        agent.register_memory([(other.ctypes.data + 4096, 4096, 0, "")], "DRAM")
+        with pytest.raises(nixlBackendError, match="overlaps"):
+            agent.register_memory([(other.ctypes.data, other.nbytes, 0, "")], "DRAM")
+    finally:
+        agent.close()
 
 
 def test_bad_input_raises_nixl_errors_that_say_what_is_wrong():
@@ -321,8 +444,8 @@ def test_bad_input_raises_nixl_errors_that_say_what_is_wrong():
         handle = agent.make_prepped_xfer("WRITE", a.local, [0], remote, [0])
         with pytest.raises(nixlNotPostedError):
             agent.check_xfer_state(handle)
-        assert a.wait(handle) if agent.transfer(handle) == "PROC" else True
-        assert agent.check_xfer_state(handle) == "DONE"
+        agent.transfer(handle)
+        assert a.wait(handle) == "DONE"
         with pytest.raises(nixlNoTelemetryError):
             agent.get_xfer_telemetry(handle)
         agent.release_xfer_handle(handle)
@@ -359,6 +482,8 @@ def test_the_worker_and_handshake_threads_share_one_agent(spawn_peer):
     name, remote = decode.add(first)
     source = prefill_bytes()
 
+    rounds = [0]
+
     def handshakes() -> None:
         try:
             rows = [(base + b * BLOCK, BLOCK, 0)
@@ -370,6 +495,9 @@ def test_the_worker_and_handshake_threads_share_one_agent(spawn_peer):
                 decode.agent.get_agent_metadata()
                 assert decode.agent.check_remote_metadata(other)
                 decode.agent.release_dlist_handle(handle)
+                # vLLM drops an engine it gave up on while the worker goes on with others.
+                decode.agent.remove_remote_agent(other)
+                rounds[0] += 1
         except BaseException as err:  # reported by the main thread
             errors.append(err)
 
@@ -397,6 +525,7 @@ def test_the_worker_and_handshake_threads_share_one_agent(spawn_peer):
         decode.close()
     assert not thread.is_alive()
     assert not errors, errors
+    assert rounds[0] > 1, "the handshake thread hardly ran beside the worker"
     seen = []
     deadline = time.monotonic() + BOUND_S
     while len(seen) < 40 and time.monotonic() < deadline:
@@ -480,6 +609,34 @@ def test_strided_lists_expand_as_nixl_does():
             (base + 12288, 1024, 0), (base + 1024, 512, 0), (base + 9216, 512, 0)]
         handle = decode.agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, mem_type="DRAM")
         assert handle._count == 6
+    finally:
+        decode.close()
+
+
+def test_vllm_strided_lists_move_the_right_blocks(spawn_peer):
+    """vLLM >= 0.33 prepares both sides as N×5 strided arrays (one row per layer:
+    address, block length, device, stride, count) and indexes the expanded blocks."""
+    peer = prefill(spawn_peer, "prefill-strided")
+    decode = Decode()
+    try:
+        name = decode.agent.add_remote_agent(bytes.fromhex(peer.ready["metadata"]))
+        local_rows = np.array([[kv.ctypes.data, BLOCK, 0, BLOCK, BLOCKS] for kv in decode.layers],
+                              dtype=np.uint64)
+        remote_rows = np.array([[base, BLOCK, 0, BLOCK, BLOCKS] for base, _ in peer.ready["layers"]],
+                               dtype=np.uint64)
+        local = decode.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_rows, mem_type="DRAM")
+        remote = decode.agent.prep_xfer_dlist(name, remote_rows, "DRAM")
+        local_blocks = np.array([5, 17, 40], dtype=np.int32)
+        remote_blocks = np.array([60, 2, 33], dtype=np.int32)
+        handle = decode.agent.make_prepped_xfer("READ", local, decode.desc_ids(local_blocks),
+                                                remote, decode.desc_ids(remote_blocks))
+        decode.agent.transfer(handle)
+        assert decode.wait(handle) == "DONE"
+        source = prefill_bytes()
+        for layer in range(LAYERS):
+            for here, there in zip(local_blocks, remote_blocks):
+                got = decode.layers[layer][here * BLOCK:(here + 1) * BLOCK]
+                assert np.array_equal(got, source[layer][there * BLOCK:(there + 1) * BLOCK])
     finally:
         decode.close()
 

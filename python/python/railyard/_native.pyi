@@ -14,6 +14,8 @@ from typing import Any, Literal, Protocol
 __version__: str
 METRICS_CONTENT_TYPE: str
 """The content type of :meth:`Engine.metrics_text` (the Prometheus text format)."""
+MAX_NOTIFY: int
+"""Most bytes one notification carries."""
 
 class _IntBuffer(Protocol):
     """A 1-D buffer of 64-bit integers, e.g. ``numpy.ndarray`` of ``uint64``/``int64``."""
@@ -135,6 +137,11 @@ class Engine:
     @property
     def name(self) -> str:
         """This engine's name (the sender name on its notifications)."""
+        ...
+
+    @property
+    def incarnation(self) -> str:
+        """This engine's incarnation: a restarted process (or a new engine) is a new one."""
         ...
 
     @property
@@ -297,6 +304,12 @@ class Engine:
     ) -> tuple[str, list[tuple[int, int]]]:
         """``(name, buffers)`` of the engine at ``session_id``: its segment name and what
         :meth:`peer_buffers` gives. ``TransferError`` when the peer cannot be opened."""
+        ...
+
+    def reconnect(self, session_id: str, *, timeout_s: float | None = None) -> bool:
+        """Open the peer at ``session_id`` again when the one kept no longer answers (it
+        died, or a new process took its address), then ask it for its descriptor: ``True``
+        when it answered within ``timeout_s`` (default 2 s). Never raises for a dead peer."""
         ...
 
     def prepare_local(self, addrs: _Addrs, lengths: _Addrs) -> PreparedList:

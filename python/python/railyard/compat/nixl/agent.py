@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from ... import _native
 from ..._native import Engine, PreparedBatch, PreparedList, PreparedTransfer, TransferError
 from .bindings import (
     _MEM_NAMES,
@@ -56,6 +57,12 @@ logger = logging.getLogger("railyard.compat.nixl")
 
 #: Default deadline of a posted transfer (seconds).
 DEFAULT_XFER_TIMEOUT_S = 30.0
+
+#: How long ``release_xfer_handle`` of a transfer still in flight waits for it to end.
+RELEASE_WAIT_S = 1.0
+
+#: Most bytes one notification (or metadata message) carries: railyard's control frame.
+MAX_NOTIFY = _native.MAX_NOTIFY
 
 class nixl_thread_sync_t(enum.Enum):
     """How NIXL serialises calls into one agent. railyard's agent is always thread-safe; the
@@ -110,13 +117,19 @@ _METADATA_MAGIC = b"RYNIXL1\n"
 
 
 class _Remote:
-    """A remote agent as this one knows it."""
+    """A remote agent as this one knows it. ``stale``: its metadata was (re)loaded since the
+    engine last looked at the process behind it, which may have restarted or registered its
+    memory anew: the next call that reaches it reconnects and takes its descriptor first."""
 
-    __slots__ = ("name", "session", "mems", "valid")
+    __slots__ = ("name", "session", "identity", "mems", "valid", "stale")
 
-    def __init__(self, name: str, session: str, mems: list[tuple[int, int]]) -> None:
+    def __init__(self, name: str, session: str, mems: list[tuple[int, int]],
+                 identity: str = "") -> None:
         self.name, self.session, self.mems = name, session, mems
+        # The engine's incarnation and the agent's registration generation.
+        self.identity = identity
         self.valid = True
+        self.stale = True
 
     def holds(self, addr: int, length: int) -> bool:
         return any(base <= addr and addr + length <= base + size for base, size in self.mems)
@@ -172,7 +185,10 @@ class nixl_xfer_handle:
 
 def _name(agent: Any) -> str:
     if isinstance(agent, (bytes, bytearray)):
-        return bytes(agent).decode()
+        try:
+            return bytes(agent).decode()
+        except UnicodeDecodeError:
+            raise nixlNotFoundError(f"no agent is named {bytes(agent)!r}") from None
     if isinstance(agent, str):
         return agent
     raise TypeError(f"an agent name is str or bytes, not {type_name(agent)}")
@@ -272,8 +288,19 @@ class nixl_agent:
         self._timeout_s = _xfer_timeout(conf)
         self._lock = threading.RLock()
         self._remotes: dict[str, _Remote] = {}
-        self._registered: list[tuple[int, int, int]] = []
+        # Registered ranges of the engine (base -> [length, registrations inside]), and each
+        # registration's range (-> the bases it counts against, one per registration).
+        self._regions: dict[int, list[int]] = {}
+        self._registrations: dict[tuple[int, int], list[int]] = {}
+        # Held across a registration or deregistration and the engine's call.
+        self._registering = threading.Lock()
+        # Bumped by every registration and deregistration: metadata that carries a newer one
+        # tells a peer to take this agent's descriptor again.
+        self._generation = 0
         self._pending: dict[str, list[bytes]] = {}
+        # Held while notifications are taken from the engine and filed.
+        self._drain = threading.Lock()
+        self._listener: Optional[threading.Thread] = None
         config = nixlAgentConfig()
         config.useProgThread = conf.enable_pthread
         config.useListenThread = conf.enable_listen
@@ -293,7 +320,6 @@ class nixl_agent:
                 logger.warning("no backend %r: railyard answers to %s", backend,
                                ", ".join(self.plugin_list))
         self._closed = threading.Event()
-        self._listener: Optional[threading.Thread] = None
         if conf.enable_listen:
             self._listener = threading.Thread(
                 target=_listen, args=(weakref.ref(self), self._closed),
@@ -430,33 +456,77 @@ class nixl_agent:
 
     def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
                         backends: Iterable[str] = ()) -> nixlRegDList:
+        """Registers each range. A range inside one this agent registered already (a
+        registration within a registration, as NIXL allows) is counted against it; ranges
+        that overlap partly are refused (``nixlBackendError``): register the larger first."""
         descs = self.get_reg_descs(reg_list, mem_type)
         if descs is None:
             raise TypeError("register_memory takes a nixlRegDList, 4-tuples with a memory type, "
                             "an N×3 array with a memory type, or host tensors")
         addrs, lens = descs._ranges()
-        try:
-            self._engine.register(addrs, lens)
-        except (ValueError, RuntimeError) as err:
-            raise nixlBackendError(f"railyard cannot register the memory: {err}") from None
-        with self._lock:
-            for i in range(descs.descCount()):
-                row = (int(addrs[i]), int(lens[i]), int(descs._devs[i]))
-                if row not in self._registered:
-                    self._registered.append(row)
+        ranges = sorted({(int(a), int(n)) for a, n in zip(addrs, lens)},
+                        key=lambda r: (-r[1], r[0]))
+        with self._registering:
+            regions = dict(self._regions)
+            fresh: list[tuple[int, int]] = []
+            inside: dict[tuple[int, int], int] = {}
+            for addr, size in ranges:
+                container = next((base for base, (length, _) in regions.items()
+                                  if base <= addr and addr + size <= base + length), None)
+                if container is None:
+                    container = next((base for base, length in fresh
+                                      if base <= addr and addr + size <= base + length), None)
+                if container is None:
+                    fresh.append((addr, size))
+                else:
+                    inside[(addr, size)] = container
+            if fresh:
+                try:
+                    self._engine.register([a for a, _ in fresh], [n for _, n in fresh])
+                except (ValueError, RuntimeError) as err:
+                    raise nixlBackendError(f"railyard cannot register the memory: {err}") from None
+            with self._lock:
+                self._generation += 1
+                for addr, size in fresh:
+                    self._regions[addr] = [size, 0]
+                    inside[(addr, size)] = addr
+                for a, n in zip(addrs.tolist(), lens.tolist()):
+                    base = inside[(a, n)]
+                    self._regions[base][1] += 1
+                    self._registrations.setdefault((a, n), []).append(base)
         return descs
 
     def deregister_memory(self, dereg_list: nixlRegDList, backends: Iterable[str] = ()) -> None:
+        """Takes each registration back; a registered range goes once nothing registered in
+        it is left."""
         if not isinstance(dereg_list, nixlRegDList):
             raise TypeError(f"deregister_memory takes a nixlRegDList, not {type_name(dereg_list)}")
         addrs, lens = dereg_list._ranges()
-        try:
-            self._engine.deregister(addrs)
-        except ValueError as err:
-            raise nixlNotFoundError(f"memory not registered with this agent: {err}") from None
-        with self._lock:
-            gone = {(int(a), int(n)) for a, n in zip(addrs, lens)}
-            self._registered = [r for r in self._registered if (r[0], r[1]) not in gone]
+        with self._registering:
+            with self._lock:
+                wanted = [(int(a), int(n)) for a, n in zip(addrs, lens)]
+                counts: dict[tuple[int, int], int] = {}
+                for key in wanted:
+                    counts[key] = counts.get(key, 0) + 1
+                for key, count in counts.items():
+                    if len(self._registrations.get(key, [])) < count:
+                        raise nixlNotFoundError(
+                            f"{key[1]} bytes at {key[0]:#x} are not registered with this agent")
+                self._generation += 1
+                emptied = []
+                for key in wanted:
+                    base = self._registrations[key].pop()
+                    if not self._registrations[key]:
+                        del self._registrations[key]
+                    self._regions[base][1] -= 1
+                    if self._regions[base][1] == 0:
+                        del self._regions[base]
+                        emptied.append(base)
+            if emptied:
+                try:
+                    self._engine.deregister(emptied)
+                except (ValueError, RuntimeError) as err:
+                    raise nixlBackendError(f"railyard cannot deregister the memory: {err}") from None
 
     def query_memory(self, reg_list: Any, backend: str, mem_type: Optional[str] = None) -> list:
         if backend not in self.backends:
@@ -468,8 +538,10 @@ class nixl_agent:
 
     def get_agent_metadata(self) -> bytes:
         with self._lock:
-            mems = [[addr, size, dev] for addr, size, dev in self._registered]
-        body = {"name": self.name, "session": self._engine.session_id, "mems": mems}
+            mems = [[base, size, 0] for base, (size, _) in sorted(self._regions.items())]
+            generation = self._generation
+        body = {"name": self.name, "session": self._engine.session_id,
+                "identity": f"{self._engine.incarnation}/{generation}", "mems": mems}
         return _METADATA_MAGIC + json.dumps(body).encode()
 
     def get_partial_agent_metadata(self, descs: Any, inc_conn_info: bool = False,
@@ -477,7 +549,7 @@ class nixl_agent:
         return self.get_agent_metadata()
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
-        name, session, mems = self._parse(metadata)
+        name, session, identity, mems = self._parse(metadata)
         if name == self.name and session == self._engine.session_id:
             raise nixlInvalidParamError("this agent's own metadata")
         with self._lock:
@@ -486,13 +558,15 @@ class nixl_agent:
                 raise nixlNotAllowedError(
                     f"agent {name} is known at {known.session}, not {session}: remove it first")
             if known is not None and known.valid:
-                known.mems = mems
+                if (known.identity, known.mems) != (identity, mems):
+                    # Restarted at its address, or its memory registered anew.
+                    known.identity, known.mems, known.stale = identity, mems, True
             else:
-                self._remotes[name] = _Remote(name, session, mems)
+                self._remotes[name] = _Remote(name, session, mems, identity)
         return name.encode()
 
     @staticmethod
-    def _parse(metadata: Any) -> tuple[str, str, list[tuple[int, int]]]:
+    def _parse(metadata: Any) -> tuple[str, str, str, list[tuple[int, int]]]:
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
             raise nixlMismatchError(f"metadata is bytes, not {type_name(metadata)}")
         raw = bytes(metadata)
@@ -501,17 +575,18 @@ class nixl_agent:
         try:
             body = json.loads(raw[len(_METADATA_MAGIC):])
             name, session = str(body["name"]), str(body["session"])
+            identity = str(body.get("identity", ""))
             mems = [(int(m[0]), int(m[1])) for m in body["mems"]]
         except (ValueError, KeyError, TypeError, IndexError) as err:
             raise nixlMismatchError(f"metadata that cannot be read: {err}") from None
         if not name or ":" not in session:
             raise nixlMismatchError("metadata without a name or an address")
-        return name, session, mems
+        return name, session, identity, mems
 
     def remove_remote_agent(self, agent: Any) -> None:
         try:
             name = _name(agent)
-        except TypeError:
+        except (TypeError, nixlNotFoundError):
             return
         with self._lock:
             remote = self._remotes.pop(name, None)
@@ -520,8 +595,19 @@ class nixl_agent:
 
     def make_connection(self, remote_agent: Any, backends: Iterable[str] = ()) -> None:
         remote = self._remote(remote_agent)
-        if not self._engine.probe(remote.session):
+        if not self._fresh(remote, force=True):
             raise nixlBackendError(f"agent {remote.name} at {remote.session} does not answer")
+
+    def _fresh(self, remote: _Remote, force: bool = False) -> bool:
+        """Reconnects to a remote whose metadata was (re)loaded since the engine last looked
+        (a restarted process at the same address, memory registered anew), and takes its
+        descriptor: True when it answered. Cheap when nothing changed."""
+        if not (remote.stale or force) or remote.name == self.name:
+            return True
+        answered = self._engine.reconnect(remote.session, timeout_s=min(self._timeout_s, 5.0))
+        if answered:
+            remote.stale = False
+        return answered
 
     def check_remote_metadata(self, remote_name: Any, descs: Any = None) -> bool:
         try:
@@ -576,9 +662,13 @@ class nixl_agent:
 
     def _send_to(self, ip_addr: str, port: int, message: bytes) -> None:
         session = self._address(ip_addr, port)
+        if len(message) > MAX_NOTIFY:
+            raise nixlInvalidParamError(
+                f"the metadata is {len(message)} bytes; railyard carries at most {MAX_NOTIFY} "
+                "in one message (register fewer, larger ranges)")
         try:
             self._engine.notify(session, message)
-        except (TransferError, ValueError) as err:
+        except TransferError as err:
             # NIXL sends metadata from a worker thread and only logs failures.
             logger.warning("sending metadata to %s failed: %s", session, err)
 
@@ -619,6 +709,7 @@ class nixl_agent:
             remote = _Remote(name, self._engine.session_id, [])
         else:
             remote = self._remote(name)
+            self._fresh(remote)
         try:
             native = self._engine.prepare_remote(remote.session, addrs, lens)
         except ValueError as err:
@@ -709,6 +800,8 @@ class nixl_agent:
             try:
                 handle._batch = handle._native.post(notify=notify or None,
                                                     timeout_s=self._timeout_s)
+            except ValueError as err:
+                raise nixlInvalidParamError(str(err)) from None
             except TransferError as err:
                 handle._batch = None
                 if getattr(err, "kind", None) == "stale_list":
@@ -769,7 +862,7 @@ class nixl_agent:
             raise nixlInvalidParamError(f"expected a nixl_xfer_handle, not {type_name(handle)}")
         if handle._released:
             return
-        if handle._batch is not None and handle._batch.poll() == "PROC":
+        if handle._batch is not None and handle._batch.wait(RELEASE_WAIT_S) == "PROC":
             raise nixlRepostActiveError(
                 "the transfer is still in progress and railyard cannot cancel it: release it "
                 "once check_xfer_state no longer answers \"PROC\" (by its deadline)")
@@ -795,15 +888,25 @@ class nixl_agent:
                    backend: Optional[str] = None) -> None:
         remote = self._remote(remote_agent_name)
         message = _message(notif_msg)
+        if len(message) > MAX_NOTIFY:
+            raise nixlInvalidParamError(
+                f"a notification of {len(message)} bytes; railyard carries at most {MAX_NOTIFY}")
+        self._fresh(remote)
         try:
             self._engine.notify(remote.session, message)
         except (TransferError, ValueError) as err:
             raise nixlBackendError(f"notification to {remote.name} failed: {err}") from None
 
-    def _pump(self, wait_s: float = 0.0) -> None:
-        """Takes the engine's notifications: metadata messages are applied, the rest kept
-        for ``get_new_notifs``."""
-        received = self._engine.wait_notifs(wait_s) if wait_s else self._engine.get_notifs()
+    def _pump(self) -> None:
+        """Takes the engine's notifications now, unless the listen thread does (one drainer
+        keeps each sender's messages in order)."""
+        if self._listener is not None:
+            return
+        with self._drain:
+            self._apply(self._engine.get_notifs())
+
+    def _apply(self, received: dict[str, list[bytes]]) -> None:
+        """Applies metadata messages and keeps the rest for ``get_new_notifs``, in order."""
         for sender, messages in received.items():
             for message in messages:
                 if message.startswith(_MD_LOAD):
@@ -812,7 +915,11 @@ class nixl_agent:
                     except Exception as err:  # a bad message from a peer is logged, not raised
                         logger.warning("metadata from %s not loaded: %s", sender, err)
                 elif message.startswith(_MD_INVALIDATE):
-                    self.remove_remote_agent(message[len(_MD_INVALIDATE):])
+                    # Only an agent itself takes its metadata back.
+                    if message[len(_MD_INVALIDATE):] == sender.encode():
+                        self.remove_remote_agent(sender)
+                    else:
+                        logger.warning("%s tried to invalidate another agent", sender)
                 else:
                     with self._lock:
                         self._pending.setdefault(sender, []).append(message)
@@ -847,7 +954,9 @@ def _listen(agent_ref: "weakref.ref[nixl_agent]", closed: threading.Event) -> No
         if agent is None:
             return
         try:
-            agent._pump(0.1)
+            received = agent._engine.wait_notifs(0.1)
+            with agent._drain:
+                agent._apply(received)
         except RuntimeError:  # the engine was closed
             return
         except Exception as err:
