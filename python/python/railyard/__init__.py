@@ -23,6 +23,7 @@ underneath: ranges resolved once, posted by index.
 """
 
 from ._native import (
+    MAX_NOTIFY,
     METRICS_CONTENT_TYPE,
     Batch,
     Engine,
@@ -37,6 +38,7 @@ from ._native import (
 from .store import ReplicateConfig, Store
 
 __all__ = [
+    "MAX_NOTIFY",
     "METRICS_CONTENT_TYPE",
     "Batch",
     "Engine",

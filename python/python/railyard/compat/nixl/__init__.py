@@ -50,11 +50,20 @@ What differs from NIXL:
 * Failures of a posted transfer answer ``"ERR"`` (NIXL raises ``nixlRemoteDisconnectError``
   and the like); misuse still raises (released handles, a post while one is in progress,
   a peer removed).
-* ``release_xfer_handle`` of a transfer still in progress raises ``nixlRepostActiveError``
-  (railyard cannot cancel posted work; it resolves by its deadline): release it once
-  ``check_xfer_state`` stops answering ``"PROC"``.
+* ``release_xfer_handle`` of a transfer still in progress waits up to 1 s for it to end,
+  then raises ``nixlRepostActiveError`` (railyard cannot cancel posted work; it resolves
+  by its deadline): release it once ``check_xfer_state`` stops answering ``"PROC"``.
+* A registration inside another of the same agent is counted against it (the memory stays
+  registered until both are taken back); ranges that overlap only partly are refused
+  (``nixlBackendError``): register the larger first.
+* A notification, and the metadata ``send_local_metadata`` sends, carry at most
+  ``railyard.MAX_NOTIFY`` bytes (1 MiB); more raises ``nixlInvalidParamError``.
+* When a peer restarted or registered its memory anew, the metadata it hands out says so:
+  adding it again makes the next ``prep_xfer_dlist`` (or ``send_notif``) reconnect and take
+  its descriptor first.
 * No etcd or TCPStore metadata exchange (``label=``), no memory views, no cost model
-  (``estimate_xfer_cost`` answers ``(0, 0, "UNKNOWN")``).
+  (``estimate_xfer_cost`` answers ``(0, 0, "UNKNOWN")``), none of the raw
+  ``nixl._bindings.nixlAgent`` methods (the agent API above is what callers use).
 
 Environment: ``RAILYARD_BUSY_POLL=1`` gives every rail a busy-polling core (default: pollers
 that park when idle); ``RAILYARD_FABRIC`` picks the fabric (``auto``, the default, ``tcp``,
