@@ -570,6 +570,33 @@ def test_metadata_goes_over_the_listener():
         initiator.close()
 
 
+EXITING = """
+import time
+from railyard.compat.nixl import nixl_agent, nixl_agent_config
+
+
+class SlowToGo:
+    # Destroyed while the interpreter finalizes, after the atexit hooks: a window in which a
+    # thread still inside the engine would come back into Python and be cut off there.
+    def __del__(self):
+        time.sleep(0.5)
+
+
+agent = nixl_agent("exiting", nixl_agent_config(True, True, 0))
+slow = SlowToGo()
+"""
+
+
+def test_a_process_with_a_listening_agent_exits_cleanly(tmp_path):
+    """The listen thread is stopped at exit: a daemon thread that returns from the engine
+    while the interpreter finalizes is ended mid-call, and the process aborts."""
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", EXITING], cwd=tmp_path, timeout=60,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert not list(tmp_path.iterdir()), "a crash report was written"
+
+
 def test_install_makes_nixl_imports_resolve_to_railyard():
     import nixl._api
     import nixl._bindings

@@ -4,6 +4,7 @@ applies metadata messages for agents that listen."""
 
 from __future__ import annotations
 
+import atexit
 import enum
 import json
 import logging
@@ -324,6 +325,8 @@ class nixl_agent:
             self._listener = threading.Thread(
                 target=_listen, args=(weakref.ref(self), self._closed),
                 name=f"nixl-listen-{name}", daemon=True)
+            with _LISTENERS_LOCK:
+                _LISTENERS.add((self._closed, self._listener))
             self._listener.start()
         logger.info("NIXL agent %s on railyard at %s (%s)", name, self._engine.session_id,
                     self._engine.fabric)
@@ -336,8 +339,12 @@ class nixl_agent:
         return self._engine.session_id
 
     def close(self) -> None:
-        """Stops the agent's engine (idempotent); NIXL agents end when collected."""
+        """Stops the agent's listen thread and its engine (idempotent); NIXL agents end
+        when collected."""
         self._closed.set()
+        listener = self._listener
+        if listener is not None and listener is not threading.current_thread():
+            listener.join(timeout=LISTEN_WAIT_S * 10)
         self._engine.close()
 
     def __del__(self) -> None:
@@ -947,18 +954,46 @@ class nixl_agent:
         return False
 
 
+#: How long the listen thread waits for notifications at a time (and so how soon it sees
+#: that it should stop).
+LISTEN_WAIT_S = 0.1
+
+#: Listen threads that run, with the event that stops each. They are stopped and joined at
+#: exit, so that none is inside the engine when the interpreter finalizes: a daemon thread
+#: that comes back into Python then is ended mid-call, which aborts the process.
+_LISTENERS: set[tuple[threading.Event, threading.Thread]] = set()
+_LISTENERS_LOCK = threading.Lock()
+
+
+def _stop_listeners() -> None:
+    with _LISTENERS_LOCK:
+        running = list(_LISTENERS)
+        _LISTENERS.clear()
+    for closed, _ in running:
+        closed.set()
+    for _, thread in running:
+        thread.join(timeout=LISTEN_WAIT_S * 10)
+
+
+atexit.register(_stop_listeners)
+
+
 def _listen(agent_ref: "weakref.ref[nixl_agent]", closed: threading.Event) -> None:
     """The agent's listen thread: applies metadata messages as they come, as NIXL's does."""
-    while not closed.is_set():
-        agent = agent_ref()
-        if agent is None:
-            return
-        try:
-            received = agent._engine.wait_notifs(0.1)
-            with agent._drain:
-                agent._apply(received)
-        except RuntimeError:  # the engine was closed
-            return
-        except Exception as err:
-            logger.warning("the NIXL listen thread of %s: %s", agent.name, err)
-        del agent
+    try:
+        while not closed.is_set():
+            agent = agent_ref()
+            if agent is None:
+                return
+            try:
+                received = agent._engine.wait_notifs(LISTEN_WAIT_S)
+                with agent._drain:
+                    agent._apply(received)
+            except RuntimeError:  # the engine was closed
+                return
+            except Exception as err:
+                logger.warning("the NIXL listen thread of %s: %s", agent.name, err)
+            del agent
+    finally:
+        with _LISTENERS_LOCK:
+            _LISTENERS.discard((closed, threading.current_thread()))
