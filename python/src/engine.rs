@@ -316,7 +316,8 @@ impl Engine {
 
     /// Registers memory the caller owns, by address and length (lists or single ints),
     /// all of them or none, in one pass (peers see one new descriptor). The same range twice
-    /// is a no-op; a range overlapping another registered one is refused (ValueError). The memory must stay valid until it is deregistered.
+    /// is a no-op; a range overlapping another registered one is refused (ValueError). The
+    /// memory must stay valid until it is deregistered.
     /// `peer_access` says what peers may do to it: "read_write" (the default), "read" or
     /// "none".
     #[pyo3(signature = (addrs, lengths, *, peer_access="read_write"))]
