@@ -93,8 +93,10 @@ fn a_stopped_tcp_target_never_receives_the_reused_source_of_a_timed_out_write() 
         landed_new, 0,
         "bytes of the source reused after the report reached the target"
     );
-    // Stricter than the contract (which lets a write of a failed request land until the
-    // target processes the retirement): the target sees the reset the moment it wakes and
-    // executes nothing the initiator reported flushed.
-    assert_eq!(landed_old, 0, "flushed writes landed after the target woke");
+    // The old pattern is not asserted: the contract lets a write of a failed request land
+    // until the target has processed the retirement of its queue pair. The target nearly
+    // always sees the reset the moment it wakes (0 bytes); once, on a fresh clone, 127 968
+    // bytes landed — a socket buffer's worth, most likely read by a poller that was stopped
+    // in the middle of a round after it had found the connection readable, before it looked
+    // for the hang-up.
 }
