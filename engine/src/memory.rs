@@ -168,16 +168,10 @@ impl HostMemory {
     }
 }
 
-/// Whether `addr..addr + len` is covered, without a gap, by mappings of this process that
-/// are readable and writable (`/proc/self/maps`). Device memory a GPU driver maps into the
-/// address space (CUDA's unified addresses) is not mapped there like this, nor is an address
-/// nothing backs. `false` when the table cannot be read.
-pub(crate) fn mapped_read_write(addr: u64, len: u64) -> bool {
-    ReadWriteMappings::read().is_some_and(|mappings| mappings.cover(addr, len))
-}
-
 /// This process's readable and writable mappings, read once from `/proc/self/maps`, sorted
-/// by start: for checking many ranges at one read.
+/// by start: what registration checks ranges against. Device memory a GPU driver maps into
+/// the address space (CUDA's unified addresses) is not mapped there like this, nor is an
+/// address nothing backs.
 pub(crate) struct ReadWriteMappings(Vec<(u64, u64)>);
 
 impl ReadWriteMappings {
@@ -237,13 +231,17 @@ mod tests {
     #[test]
     fn only_readable_writable_mappings_of_this_process_are_host_memory() {
         let memory = HostMemory::new(4 << 20).expect("maps");
+        let mapped_read_write = |addr: u64, len: u64| {
+            ReadWriteMappings::read().is_some_and(|mappings| mappings.cover(addr, len))
+        };
         assert!(mapped_read_write(memory.addr(), 4 << 20));
         assert!(mapped_read_write(memory.addr() + 4096, 4096));
         // Past its end, a wrapping range, an address nothing maps, read-only code.
         assert!(!mapped_read_write(memory.addr(), (4 << 20) + (1 << 30)));
         assert!(!mapped_read_write(u64::MAX - 10, 100));
         assert!(!mapped_read_write(0x1000, 4096));
-        let code = mapped_read_write as *const () as u64;
+        let code =
+            only_readable_writable_mappings_of_this_process_are_host_memory as *const () as u64;
         assert!(!mapped_read_write(code, 16));
     }
 

@@ -126,60 +126,12 @@ impl Engine {
         len: usize,
         peer_access: PeerAccess,
     ) -> Result<Region, MemoryError> {
-        let addr = ptr as u64;
-        let len = len as u64;
-        if ptr.is_null() || len == 0 || addr.checked_add(len).is_none() {
-            return Err(MemoryError::BadRange { addr, len });
-        }
-        if !memory::mapped_read_write(addr, len) {
-            return Err(MemoryError::NotHostMemory { addr, len });
-        }
-        // Held across the check and the registration, so that two threads registering one
-        // range get one region; the regions' lock is taken only to read and then to insert,
-        // so submitters never wait for a rail pinning memory.
-        let _registering = self
-            .inner
-            .registering
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let overlapping =
-            self.find_region(|region| region.addr < addr + len && addr < region.addr + region.len);
-        if let Some(existing) = overlapping {
-            if existing.addr == addr && existing.len == len && existing.peer_access == peer_access {
-                return Ok(existing);
-            }
-            return Err(MemoryError::Overlaps {
-                addr,
-                len,
-                region: existing.id,
-                region_addr: existing.addr,
-                region_len: existing.len,
-            });
-        }
-        // SAFETY: the caller's contract is the rails'.
-        let registrations = unsafe {
-            self.inner
-                .rails
-                .register_user(addr, len, peer_access.access())
-        }?;
-        let region = Region {
-            id: self.inner.next_region.fetch_add(1, Ordering::Relaxed),
-            addr,
-            len,
-            backing: None,
-            numa: None,
-            peer_access,
-        };
-        self.insert(RegionEntry {
-            region,
-            memory: None,
-            registrations,
-            generation: region.id,
-            lingering: Vec::new(),
-            rekeyed: Vec::new(),
-            withdrawn: false,
-        });
-        Ok(region)
+        // SAFETY: the caller's contract, for its one range.
+        let regions = unsafe { self.register_many_with_access(&[(ptr, len)], peer_access) }?;
+        regions.into_iter().next().ok_or(MemoryError::BadRange {
+            addr: ptr as u64,
+            len: len as u64,
+        })
     }
 
     /// Registers many ranges of memory the application owns at once ([`Self::register`]

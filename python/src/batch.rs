@@ -12,7 +12,7 @@ use crate::args::wait_of;
 /// How long `Batch.wait()` without a timeout waits past the batch's deadline (the poller
 /// fails what is overdue at the deadline, and posted work once its flush comes back; this is
 /// slack for a busy machine).
-const RESOLVE_GRACE: Duration = Duration::from_secs(2);
+pub(crate) const RESOLVE_GRACE: Duration = Duration::from_secs(2);
 
 /// Transfers started with `Engine.submit`.
 #[pyclass(module = "railyard._native", frozen)]
@@ -22,7 +22,8 @@ pub(crate) struct Batch {
     pub(crate) transfers: Vec<RawTransfer>,
 }
 
-fn state(batch: &NativeBatch) -> &'static str {
+/// "DONE", "ERR" (every request resolved, one failed) or "PROC".
+pub(crate) fn state(batch: &NativeBatch) -> &'static str {
     let status = batch.poll();
     if status.failed > 0 && status.is_complete() {
         "ERR"

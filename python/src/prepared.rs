@@ -15,12 +15,9 @@ use railyard_engine::{
 };
 
 use crate::args::{check_notify, check_session, ints, op_of, timeout_of, wait_of};
+use crate::batch::{RESOLVE_GRACE, state};
 use crate::errors::Failure;
 use crate::open::Open;
-
-/// How long `PreparedBatch.wait()` without a timeout waits past the batch's deadline (as
-/// `Batch.wait`).
-const RESOLVE_GRACE: Duration = Duration::from_secs(2);
 
 /// Which side a prepared list is of.
 enum Side {
@@ -313,17 +310,6 @@ pub(crate) struct PreparedBatch {
     totals: PreparedTotals,
 }
 
-fn state(batch: &NativeBatch) -> &'static str {
-    let status = batch.poll();
-    if !status.is_complete() {
-        "PROC"
-    } else if status.failed > 0 {
-        "ERR"
-    } else {
-        "DONE"
-    }
-}
-
 #[pymethods]
 impl PreparedBatch {
     /// "DONE", "ERR" or "PROC".
@@ -331,7 +317,8 @@ impl PreparedBatch {
         state(&self.batch)
     }
 
-    /// Waits until it resolved or `timeout_s` passed (default: its deadline and a grace):
+    /// Waits until it resolved or `timeout_s` passed (default: its deadline and a grace, as
+    /// `Batch.wait`):
     /// "DONE", "ERR", or "PROC".
     #[pyo3(signature = (timeout_s=None))]
     fn wait(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<&'static str> {
