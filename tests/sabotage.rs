@@ -167,3 +167,55 @@ fn without_liveness_a_stopped_target_is_detected_only_past_the_bound() {
     assert_eq!(engine.stats().control.unreachable_peers, 0);
     target.signal(libc::SIGCONT);
 }
+
+/// The simulation's invariants can fail, and a failing run shrinks: with liveness off, the
+/// stopped process is never noticed, and the shortest run that still shows it is found and
+/// its trace printed.
+#[test]
+fn without_liveness_the_simulation_reports_a_stopped_peer_undetected_and_shrinks_the_run() {
+    use railyard::control::sim::{self, SimConfig};
+
+    let _turn = ONE_SWITCH_AT_A_TIME
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let _off = sabotage::turn_off(Protection::Liveness);
+    let config = SimConfig {
+        peers: 40,
+        seed: 5,
+        duration: Duration::from_secs(12),
+        ..SimConfig::default()
+    };
+    let report = sim::simulate(&config);
+    let broken = "stopped-peers-detected-in-time";
+    assert!(
+        report.violations.iter().any(|v| v.invariant == broken),
+        "{:?}",
+        report.violations
+    );
+    let shrunk = sim::shrink(&config, 40).expect("the run fails, so it shrinks");
+    assert!(shrunk.runs <= 41, "{} runs", shrunk.runs);
+    assert!(
+        shrunk
+            .report
+            .violations
+            .iter()
+            .any(|v| v.invariant == broken),
+        "{:?}",
+        shrunk.report.violations
+    );
+    let faults = shrunk.config.faults.as_ref().expect("explicit faults");
+    assert!(
+        shrunk.config.peers < config.peers && faults.len() < sim::faults(&config).len(),
+        "not much was taken away: {:?}",
+        shrunk.config
+    );
+    assert!(shrunk.config.duration < config.duration);
+    assert!(
+        shrunk
+            .report
+            .trace
+            .iter()
+            .any(|line| line.contains("VIOLATION")),
+        "the trace shows the violation"
+    );
+}

@@ -74,6 +74,21 @@ pub struct SegmentDescriptor {
 }
 
 impl SegmentDescriptor {
+    /// About how many bytes of memory it takes: itself, its strings and its lists.
+    pub fn footprint(&self) -> usize {
+        let rails: usize = self
+            .rails
+            .iter()
+            .map(|rail| size_of::<RailDescriptor>() + rail.name.len() + rail.address.len())
+            .sum();
+        let regions: usize = self
+            .regions
+            .iter()
+            .map(|region| size_of::<RegionDescriptor>() + 4 * region.rkeys.len())
+            .sum();
+        size_of::<Self>() + self.name.len() + self.handshake_addr.len() + rails + regions
+    }
+
     /// The region holding `[addr, addr + len)`, if one does: a slice never crosses a region
     /// boundary.
     pub fn region_for(&self, addr: u64, len: u64) -> Option<&RegionDescriptor> {

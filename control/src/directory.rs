@@ -45,6 +45,17 @@ impl P2pDirectory {
     pub fn new() -> Self {
         Self::default()
     }
+
+    /// About how many bytes of memory the cache holds: its table and every descriptor in it.
+    pub fn footprint(&self) -> usize {
+        let table = self.cache.capacity() * (size_of::<(Incarnation, Cached)>() + 1);
+        let descriptors: usize = self
+            .cache
+            .values()
+            .map(|cached| cached.descriptor.footprint())
+            .sum();
+        table + descriptors
+    }
 }
 
 impl Directory for P2pDirectory {

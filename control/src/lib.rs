@@ -36,6 +36,7 @@ pub mod plane;
 pub mod policy;
 pub mod rail;
 pub mod shared;
+pub mod sim;
 pub mod warn;
 pub mod wire;
 

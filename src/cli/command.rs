@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
-use super::{bench, chaos, master, serve, store, topology};
+use super::{bench, chaos, master, serve, sim, store, topology};
 
 /// railyard: zero-copy KV-cache transfer engine.
 #[derive(Debug, Parser)]
@@ -40,6 +40,11 @@ enum Command {
     /// load) and print what happened as counts. Exit status 1 when the scenario breaks one
     /// of its promises.
     Chaos(chaos::ChaosArgs),
+    /// Simulate the control plane of many processes (1 000 by default) deterministically
+    /// from a seed, under kills, stops, partitions and lost leases, check its invariants at
+    /// every step and print its figures. Exit status 1 (with the shortest failing trace)
+    /// when an invariant broke.
+    Sim(sim::SimArgs),
     /// Serve a registered pool to peers (a transfer target) until stopped.
     Serve(serve::ServeArgs),
     /// The main job: KV-cache-shaped transfers to a target (started here unless --target is
@@ -70,7 +75,9 @@ impl Cli {
             // Chaos scenarios provoke control-plane warnings on purpose (their report counts
             // them): by default it shows only the rest.
             None => EnvFilter::try_from_default_env().unwrap_or_else(|_| match self.command {
-                Command::Chaos(_) => EnvFilter::new("warn,railyard::control=error"),
+                Command::Chaos(_) | Command::Sim(_) => {
+                    EnvFilter::new("warn,railyard::control=error")
+                }
                 _ => EnvFilter::new("warn"),
             }),
         };
@@ -88,6 +95,7 @@ impl Cli {
                 topology::run(&args).map(|()| std::process::ExitCode::SUCCESS)
             }
             Command::Chaos(args) => chaos::run(&args),
+            Command::Sim(args) => sim::run(&args),
             Command::Serve(args) => serve::run(&args).map(|()| std::process::ExitCode::SUCCESS),
             Command::Bench(args) => bench::run(&args).map(|()| std::process::ExitCode::SUCCESS),
             Command::Master(args) => master::run(&args).map(|()| std::process::ExitCode::SUCCESS),

@@ -7,6 +7,7 @@ mod duration;
 mod engine_args;
 mod master;
 mod serve;
+mod sim;
 mod size;
 mod store;
 mod store_bench;

@@ -1,7 +1,7 @@
 //! Liveness: which peers are alive — pings and silence, redials, an address answered by a new
 //! incarnation, what a cluster directory reports — and the timers that tick it all.
 
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::Instant;
 
@@ -110,7 +110,7 @@ impl<F: RailFabric> Core<F> {
     /// circuit is open dials when its cooldown ends.
     pub(super) fn redial_live_peers(&mut self, now: Instant) {
         let interval = self.policy.keepalive_interval;
-        let orphaned: HashSet<SocketAddr> = self
+        let orphaned: BTreeSet<SocketAddr> = self
             .active
             .values()
             .filter(|a| matches!(a.machine.phase(), Phase::Ready | Phase::Backoff))
@@ -251,7 +251,7 @@ impl<F: RailFabric> Core<F> {
         // A peer this side heard from within the liveness timeout is alive whatever etcd
         // says (it lost etcd, not its peers): transfers never depend on the directory, and
         // liveness fails its work fast if it does stop.
-        let alive: HashSet<SocketAddr> = self
+        let alive: BTreeSet<SocketAddr> = self
             .conns
             .values()
             .filter(|conn| {

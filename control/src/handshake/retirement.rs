@@ -1,7 +1,7 @@
 //! Retirement: endpoints and queue pairs taken out of service — retired, announced with
 //! RetireQp, revoked behind a fence, drained, or left behind by an initiator that is gone.
 
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 use railyard_dataplane::{EndpointId, Epoch};
@@ -151,9 +151,9 @@ impl<F: RailFabric> Core<F> {
         if self.passive.is_empty() && self.orphans.is_empty() {
             return;
         }
-        let connected: HashSet<Incarnation> =
+        let connected: BTreeSet<Incarnation> =
             self.conns.values().filter_map(|conn| conn.peer).collect();
-        let orphaned: HashSet<Incarnation> = self
+        let orphaned: BTreeSet<Incarnation> = self
             .passive
             .keys()
             .map(|key| key.initiator)

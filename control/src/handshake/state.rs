@@ -2,7 +2,9 @@
 //! endpoints, the actions it queues for the driver, and how a frame is queued on a
 //! connection (held until the peer proved the cluster secret).
 
+use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, Hasher};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
@@ -37,6 +39,31 @@ macro_rules! warning {
     };
 }
 pub(super) use warning;
+
+/// The hasher of the core's tables: SipHash with the core's seed written first. Iteration
+/// over a table (timers, retirements, evictions) then depends only on the seed and on what
+/// happened, so a simulation replays bit for bit; a peer, not knowing the seed, still cannot
+/// choose keys that collide.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TableHasher(u64);
+
+impl BuildHasher for TableHasher {
+    type Hasher = DefaultHasher;
+
+    fn build_hasher(&self) -> DefaultHasher {
+        let mut hasher = DefaultHasher::new();
+        hasher.write_u64(self.0);
+        hasher
+    }
+}
+
+/// A table of the core's, iterated in an order fixed by its seed.
+pub(crate) type Table<K, V> = HashMap<K, V, TableHasher>;
+
+/// The memory a table holds at its capacity: its entries and a control byte each.
+fn table_bytes<K, V>(table: &Table<K, V>) -> usize {
+    table.capacity() * (size_of::<(K, V)>() + 1)
+}
 
 /// A control connection, as the core names it. Never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -213,33 +240,33 @@ pub(crate) struct Core<F: RailFabric> {
     pub(super) policy: Policy,
     pub(super) shared: Arc<ControlShared>,
     pub(super) fabrics: Vec<F>,
-    pub(super) conns: HashMap<ConnId, Conn>,
+    pub(super) conns: Table<ConnId, Conn>,
     pub(super) next_conn: u64,
     /// The open dialed connection to each handshake address.
-    pub(super) dialed: HashMap<SocketAddr, ConnId>,
+    pub(super) dialed: Table<SocketAddr, ConnId>,
     /// Which incarnation listens at each address dialed: the newest Hello's.
-    pub(super) listeners: HashMap<SocketAddr, Incarnation>,
+    pub(super) listeners: Table<SocketAddr, Incarnation>,
     /// What each peer incarnation's Hello said.
-    pub(super) peers: HashMap<Incarnation, PeerInfo>,
+    pub(super) peers: Table<Incarnation, PeerInfo>,
     pub(super) descriptors: P2pDirectory,
-    pub(super) active: HashMap<(u16, EndpointId), Active<F::Qp>>,
-    pub(super) by_key: HashMap<EndpointKey, EndpointId>,
+    pub(super) active: Table<(u16, EndpointId), Active<F::Qp>>,
+    pub(super) by_key: Table<EndpointKey, EndpointId>,
     /// Ids whose endpoint drained, per rail.
     pub(super) free_ids: Vec<(u16, EndpointId)>,
     /// The next first epoch of each id that was used (epochs continue across occupants).
-    pub(super) next_epochs: HashMap<(u16, EndpointId), Epoch>,
+    pub(super) next_epochs: Table<(u16, EndpointId), Epoch>,
     /// Handshakes waiting for their reply, by id.
-    pub(super) handshakes: HashMap<u64, (u16, EndpointId)>,
-    pub(super) passive: HashMap<WireKey, Passive<F::Connected>>,
+    pub(super) handshakes: Table<u64, (u16, EndpointId)>,
+    pub(super) passive: Table<WireKey, Passive<F::Connected>>,
     /// This side's fence generation for each initiator it revoked (absent: 0), told in every
     /// ConnectQp reply. Kept for good: an initiator that reconnects after any number of
     /// revokes must still see that one happened.
-    pub(super) fences: HashMap<Incarnation, u64>,
+    pub(super) fences: Table<Incarnation, u64>,
     /// Initiators holding target queue pairs here with no control connection left.
-    pub(super) orphans: HashMap<Incarnation, Orphan>,
+    pub(super) orphans: Table<Incarnation, Orphan>,
     /// When each listener was last dialed again for endpoints left without a connection
     /// (at most once per keepalive interval).
-    pub(super) redialed: HashMap<SocketAddr, Instant>,
+    pub(super) redialed: Table<SocketAddr, Instant>,
     pub(super) waiting: Vec<Waiting>,
     pub(super) rng: SplitMix64,
     pub(super) actions: VecDeque<Action>,
@@ -248,7 +275,7 @@ pub(crate) struct Core<F: RailFabric> {
     /// Only with [`Protection::IncarnationCheck`] off: each newcomer taken for the
     /// predecessor at its address (newcomer → predecessor).
     #[cfg(feature = "sabotage")]
-    pub(super) mistaken: HashMap<Incarnation, Incarnation>,
+    pub(super) mistaken: Table<Incarnation, Incarnation>,
 }
 
 impl<F: RailFabric> Core<F> {
@@ -261,32 +288,33 @@ impl<F: RailFabric> Core<F> {
         fabrics: Vec<F>,
         shared: Arc<ControlShared>,
     ) -> Self {
+        let hasher = TableHasher(seed ^ me.incarnation.0);
         Self {
             rng: SplitMix64::new(seed ^ me.incarnation.0),
             me,
             policy,
             shared,
             fabrics,
-            conns: HashMap::new(),
+            conns: Table::with_hasher(hasher),
             next_conn: 0,
-            dialed: HashMap::new(),
-            listeners: HashMap::new(),
-            peers: HashMap::new(),
+            dialed: Table::with_hasher(hasher),
+            listeners: Table::with_hasher(hasher),
+            peers: Table::with_hasher(hasher),
             descriptors: P2pDirectory::new(),
-            active: HashMap::new(),
-            by_key: HashMap::new(),
+            active: Table::with_hasher(hasher),
+            by_key: Table::with_hasher(hasher),
             free_ids: Vec::new(),
-            next_epochs: HashMap::new(),
-            handshakes: HashMap::new(),
-            passive: HashMap::new(),
-            fences: HashMap::new(),
-            orphans: HashMap::new(),
-            redialed: HashMap::new(),
+            next_epochs: Table::with_hasher(hasher),
+            handshakes: Table::with_hasher(hasher),
+            passive: Table::with_hasher(hasher),
+            fences: Table::with_hasher(hasher),
+            orphans: Table::with_hasher(hasher),
+            redialed: Table::with_hasher(hasher),
             waiting: Vec::new(),
             actions: VecDeque::new(),
             immediates: Vec::new(),
             #[cfg(feature = "sabotage")]
-            mistaken: HashMap::new(),
+            mistaken: Table::with_hasher(hasher),
         }
     }
 
@@ -330,6 +358,51 @@ impl<F: RailFabric> Core<F> {
             }
         }
         self.actions.push_back(Action::Send { conn, message });
+    }
+
+    /// Endpoints that exist now, on every rail.
+    pub(crate) fn endpoint_count(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Peer incarnations known (each said Hello on some connection).
+    pub(crate) fn known_peers(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// About how many bytes of memory the peer table takes: every table at its capacity,
+    /// each connection's held frames, each endpoint's view and each cached descriptor.
+    pub(crate) fn footprint(&self) -> usize {
+        let conns: usize = self
+            .conns
+            .values()
+            .map(|conn| conn.held.len() * size_of::<Message>())
+            .sum();
+        let names: usize = self.peers.values().map(|peer| peer.name.len()).sum();
+        let views: usize = self
+            .active
+            .values()
+            .map(|active| size_of::<EndpointView>() + active.view.peer_name.len())
+            .sum();
+        let waiting = self.waiting.capacity() * size_of::<Waiting>();
+        table_bytes(&self.conns)
+            + conns
+            + table_bytes(&self.dialed)
+            + table_bytes(&self.listeners)
+            + table_bytes(&self.peers)
+            + names
+            + self.descriptors.footprint()
+            + table_bytes(&self.active)
+            + views
+            + table_bytes(&self.by_key)
+            + self.free_ids.capacity() * size_of::<(u16, EndpointId)>()
+            + table_bytes(&self.next_epochs)
+            + table_bytes(&self.handshakes)
+            + table_bytes(&self.passive)
+            + table_bytes(&self.fences)
+            + table_bytes(&self.orphans)
+            + table_bytes(&self.redialed)
+            + waiting
     }
 
     /// The name `peer`'s Hello gave (empty if it never said Hello).
