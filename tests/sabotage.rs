@@ -219,3 +219,34 @@ fn without_liveness_the_simulation_reports_a_stopped_peer_undetected_and_shrinks
         "the trace shows the violation"
     );
 }
+
+/// With the poller's idle check off, the simulation's evictions take work in flight with
+/// them: it reports the transfers they failed.
+#[test]
+fn without_the_idle_check_the_simulation_reports_evictions_that_fail_transfers() {
+    use railyard::control::sim::{self, SimConfig};
+
+    let _turn = ONE_SWITCH_AT_A_TIME
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let _off = sabotage::turn_off(Protection::IdleEviction);
+    let report = sim::simulate(&SimConfig {
+        peers: 60,
+        seed: 3,
+        duration: Duration::from_secs(6),
+        policy: Policy {
+            max_endpoints_per_rail: 4,
+            ..Policy::default()
+        },
+        ..SimConfig::default()
+    });
+    assert!(report.failed_by_eviction > 0, "{report:?}");
+    assert!(
+        report
+            .violations
+            .iter()
+            .any(|v| v.invariant == "evictions-fail-nothing"),
+        "{:?}",
+        report.violations
+    );
+}

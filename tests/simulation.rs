@@ -122,3 +122,31 @@ fn without_a_directory_survivors_find_restarted_peers_by_their_address() {
         "{converged:?}"
     );
 }
+
+/// With room for half the peers each process sends to, endpoints are parked and woken as
+/// traffic moves: no rail ever holds more queue pairs than its cap, nothing fails because
+/// of an eviction, and woken endpoints are not counted as reconnects.
+#[test]
+fn a_queue_pair_cap_below_the_fanout_parks_idle_endpoints_and_fails_nothing() {
+    let report = run(&SimConfig {
+        peers: 200,
+        seed: 31,
+        duration: Duration::from_secs(10),
+        policy: railyard::control::Policy {
+            max_endpoints_per_rail: 4,
+            ..railyard::control::Policy::default()
+        },
+        ..SimConfig::default()
+    });
+    assert!(report.evictions > 1_000, "{} evictions", report.evictions);
+    assert_eq!(report.failed_by_eviction, 0);
+    assert!(report.peak_queue_pairs_per_rail <= 4);
+    assert!(report.peak_endpoints_per_rail > 4);
+    assert!(report.max_reconnects_per_pair <= 4);
+    assert!(
+        report.completed * 10 >= report.requests * 9,
+        "{} of {} transfers completed",
+        report.completed,
+        report.requests
+    );
+}

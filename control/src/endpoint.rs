@@ -120,6 +120,10 @@ pub enum Input {
     PeerUnreachable,
     /// The application no longer wants the endpoint.
     Retire,
+    /// Its queue pair was freed while it was idle (parked, to stay within the rail's queue
+    /// pairs) and traffic wants it again: connect a new one at the next epoch. Not a
+    /// failure: nothing is counted against the peer.
+    Wake,
 }
 
 /// What the caller must do.
@@ -426,6 +430,10 @@ impl Endpoint {
                 _ => self.stats.stale_inputs += 1,
             },
             Input::Retire => self.retire(FailReason::EndpointRetired),
+            Input::Wake => match self.state {
+                State::Ready { .. } => self.create_qp(now),
+                _ => self.stats.stale_inputs += 1,
+            },
         }
     }
 

@@ -49,6 +49,12 @@ pub struct Policy {
     pub max_queue_pairs_per_peer: usize,
     /// Target queue pairs all initiators together may hold here. Default 16 384.
     pub max_target_queue_pairs: usize,
+    /// Endpoints of one rail that may hold a queue pair (or be connecting one) at once.
+    /// Beyond it, idle endpoints are parked — their queue pairs freed, never one with work
+    /// queued or in flight — and connect again at the next epoch when traffic wants them;
+    /// an endpoint that finds every other one busy waits for room (counted in
+    /// `endpoint_waits`). Default 1 024.
+    pub max_endpoints_per_rail: usize,
     /// A control connection quiet this long is sent a Ping. Default 250 ms.
     pub keepalive_interval: Duration,
     /// A peer that has said nothing (not even a Pong) on its control connection this long
@@ -81,6 +87,7 @@ impl Default for Policy {
             frame_timeout: Duration::from_secs(10),
             max_queue_pairs_per_peer: 256,
             max_target_queue_pairs: 16 * 1024,
+            max_endpoints_per_rail: 1024,
             passive_linger: Duration::from_secs(30),
             keepalive_interval: Duration::from_millis(250),
             liveness_timeout: Duration::from_millis(1500),

@@ -232,6 +232,17 @@ pub struct ControlStats {
     pub max_detection_ms: u64,
     /// Every detection time.
     pub detection_times: TimeHistogram,
+    /// Idle endpoints parked to stay within [`Policy::max_endpoints_per_rail`] (their
+    /// queue pairs freed).
+    ///
+    /// [`Policy::max_endpoints_per_rail`]: crate::Policy::max_endpoints_per_rail
+    pub evictions: u64,
+    /// Parks a poller refused: the endpoint had work queued or in flight.
+    pub eviction_refusals: u64,
+    /// Endpoints that had to wait for room on their rail (every other one was busy).
+    pub endpoint_waits: u64,
+    /// Parked endpoints connected again because traffic wanted them.
+    pub wakes: u64,
     /// Queue-pair handshakes that succeeded: from ConnectQp sent to its reply applied.
     pub handshake_times: TimeHistogram,
 }
@@ -320,6 +331,10 @@ pub(crate) struct Counters {
     pub(crate) max_detection_ms: AtomicU64,
     pub(crate) detection_times: AtomicTimeHistogram,
     pub(crate) handshake_times: AtomicTimeHistogram,
+    pub(crate) evictions: AtomicU64,
+    pub(crate) eviction_refusals: AtomicU64,
+    pub(crate) endpoint_waits: AtomicU64,
+    pub(crate) wakes: AtomicU64,
 }
 
 pub(crate) fn bump_by(counter: &AtomicU64, n: usize) {
@@ -646,6 +661,10 @@ impl ControlShared {
             max_detection_ms: get(&c.max_detection_ms),
             detection_times: c.detection_times.snapshot(),
             handshake_times: c.handshake_times.snapshot(),
+            evictions: get(&c.evictions),
+            eviction_refusals: get(&c.eviction_refusals),
+            endpoint_waits: get(&c.endpoint_waits),
+            wakes: get(&c.wakes),
         }
     }
 }

@@ -17,6 +17,9 @@ pub enum Protection {
     /// incarnation that answered there before (an address treated as an identity), so that
     /// incarnation's endpoints carry on into the newcomer.
     IncarnationCheck,
+    /// Idle-only eviction: a poller told to park an endpoint frees its queue pair even with
+    /// work queued or in flight on it (that work is flushed and fails).
+    IdleEviction,
     /// The store's read fail-over: a read whose first replica fails is not tried on the
     /// next one.
     StoreReadFailover,
@@ -28,11 +31,12 @@ pub enum Protection {
 #[cfg(feature = "sabotage")]
 impl Protection {
     /// Every protection a switch can turn off.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::EpochCheck,
         Self::IdempotentReplies,
         Self::Liveness,
         Self::IncarnationCheck,
+        Self::IdleEviction,
         Self::StoreReadFailover,
         Self::StoreLeaderFencing,
     ];
@@ -44,6 +48,7 @@ impl Protection {
             Self::IdempotentReplies => "idempotent-replies",
             Self::Liveness => "liveness",
             Self::IncarnationCheck => "incarnation-check",
+            Self::IdleEviction => "idle-eviction",
             Self::StoreReadFailover => "store-read-failover",
             Self::StoreLeaderFencing => "store-leader-fencing",
         }

@@ -47,6 +47,12 @@ pub(crate) struct SimArgs {
     /// by dialing its address (after their circuit's cooldown).
     #[arg(long)]
     no_directory: bool,
+    /// Queue pairs one rail of a process may hold ([`Policy::max_endpoints_per_rail`]):
+    /// fewer than `--fanout` makes idle endpoints be parked and woken as traffic moves.
+    ///
+    /// [`Policy::max_endpoints_per_rail`]: railyard::control::Policy::max_endpoints_per_rail
+    #[arg(long)]
+    max_endpoints_per_rail: Option<usize>,
     /// Runs a failing seed may take to find its smallest failing run.
     #[arg(long, default_value_t = 60)]
     shrink_budget: usize,
@@ -79,7 +85,15 @@ impl SimArgs {
         if self.duration.is_zero() {
             bail!("--duration must be longer than zero");
         }
+        let mut policy = railyard::control::Policy::default();
+        if let Some(cap) = self.max_endpoints_per_rail {
+            if cap == 0 {
+                bail!("--max-endpoints-per-rail must be at least 1");
+            }
+            policy.max_endpoints_per_rail = cap;
+        }
         Ok(SimConfig {
+            policy,
             peers: self.peers,
             seed: self.seed,
             duration: self.duration,
@@ -209,6 +223,10 @@ fn json(config: &SimConfig, report: &SimReport) -> serde_json::Value {
         "max_reconnects_per_pair": report.max_reconnects_per_pair,
         "mean_reconnects_per_pair": report.mean_reconnects_per_pair,
         "peak_endpoints_per_rail": report.peak_endpoints_per_rail,
+        "peak_queue_pairs_per_rail": report.peak_queue_pairs_per_rail,
+        "max_endpoints_per_rail": config.policy.max_endpoints_per_rail,
+        "evictions": report.evictions,
+        "failed_by_eviction": report.failed_by_eviction,
         "control_state_bytes_per_peer": report.control_state_bytes_per_peer,
         "control_wire_bytes_per_peer": report.control_wire_bytes_per_peer,
         "max_stop_detection_ms": ms(report.max_stop_detection),
@@ -250,8 +268,11 @@ fn print_figures(config: &SimConfig, report: &SimReport) {
         report.max_reconnects_per_pair, report.mean_reconnects_per_pair
     );
     println!(
-        "peak endpoints per rail        {}",
-        report.peak_endpoints_per_rail
+        "peak endpoints per rail        {} ({} with a queue pair; {} evictions, {} failed by one)",
+        report.peak_endpoints_per_rail,
+        report.peak_queue_pairs_per_rail,
+        report.evictions,
+        report.failed_by_eviction
     );
     println!(
         "control state per peer         {} B",

@@ -248,9 +248,13 @@ impl<F: RailFabric> Core<F> {
                 published: None,
                 fence: None,
                 span,
+                parked: false,
+                parking: false,
+                wants_room: false,
+                last_wanted: now,
             },
         );
-        self.handle_input(local_rail, id, Input::ConnectWanted, now);
+        self.acquire_queue_pair(local_rail, id, Input::ConnectWanted, now);
         view
     }
 }

@@ -325,6 +325,7 @@ impl<F: RailFabric> Core<F> {
         }
         self.check_liveness(now);
         self.expire_orphaned_queue_pairs(now);
+        self.tend_room(now);
         self.take_immediates();
     }
 }

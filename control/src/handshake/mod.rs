@@ -45,6 +45,7 @@
 
 mod admission;
 mod descriptors;
+mod eviction;
 mod liveness;
 mod queue_pairs;
 mod retirement;

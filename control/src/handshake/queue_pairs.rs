@@ -400,6 +400,9 @@ impl<F: RailFabric> Core<F> {
                 self.handle_input(rail, endpoint, Input::Confirmed { epoch }, now);
             }
             Event::EndpointDrained { endpoint } => self.drained(rail, endpoint),
+            Event::Parked { endpoint, epoch } => self.parked(rail, endpoint, epoch, now),
+            Event::ParkRefused { endpoint, .. } => self.park_refused(rail, endpoint, now),
+            Event::Wanted { endpoint } => self.wanted(rail, endpoint, now),
             _ => {}
         }
     }

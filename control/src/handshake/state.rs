@@ -15,7 +15,7 @@ use railyard_dataplane::{Command, EndpointId, Epoch};
 
 use crate::auth::ClusterSecret;
 use crate::directory::P2pDirectory;
-use crate::endpoint::{Endpoint, EndpointKey, Incarnation, Phase};
+use crate::endpoint::{Endpoint, EndpointKey, Incarnation, Input, Phase};
 use crate::error::ControlError;
 use crate::host::HostId;
 use crate::policy::Policy;
@@ -213,6 +213,15 @@ pub(super) struct Active<Q> {
     pub(super) fence: Option<u64>,
     /// Its `endpoint` span.
     pub(super) span: tracing::Span,
+    /// Its queue pair was freed while it was idle (see `eviction.rs`); it connects again
+    /// when traffic wants it.
+    pub(super) parked: bool,
+    /// A park was asked of its poller and not answered yet.
+    pub(super) parking: bool,
+    /// It waits for room on its rail before connecting a queue pair.
+    pub(super) wants_room: bool,
+    /// When it was last created, woken, or found busy: parks go to the least recent.
+    pub(super) last_wanted: Instant,
 }
 
 /// An initiator with target queue pairs here and no control connection.
@@ -268,6 +277,11 @@ pub(crate) struct Core<F: RailFabric> {
     /// (at most once per keepalive interval).
     pub(super) redialed: Table<SocketAddr, Instant>,
     pub(super) waiting: Vec<Waiting>,
+    /// Endpoints waiting for room on their rail, in order, with the input that starts
+    /// their queue pair once there is.
+    pub(super) room_wanted: VecDeque<(u16, EndpointId, Input)>,
+    /// When to ask for parks again after refusals or too few candidates.
+    pub(super) park_retry: Option<Instant>,
     pub(super) rng: SplitMix64,
     pub(super) actions: VecDeque<Action>,
     /// Scratch for immediates taken from passive queue pairs.
@@ -311,6 +325,8 @@ impl<F: RailFabric> Core<F> {
             orphans: Table::with_hasher(hasher),
             redialed: Table::with_hasher(hasher),
             waiting: Vec::new(),
+            room_wanted: VecDeque::new(),
+            park_retry: None,
             actions: VecDeque::new(),
             immediates: Vec::new(),
             #[cfg(feature = "sabotage")]

@@ -207,6 +207,8 @@ pub struct SimReport {
     pub mean_reconnects_per_pair: f64,
     /// The most endpoints one rail of one process held at once.
     pub peak_endpoints_per_rail: usize,
+    /// The most queue pairs (endpoints not parked) one rail of one process held at once.
+    pub peak_queue_pairs_per_rail: usize,
     /// The most control-state bytes per known peer any process held.
     pub control_state_bytes_per_peer: usize,
     /// Control-path bytes sent, per process.
@@ -223,6 +225,11 @@ pub struct SimReport {
     pub failed: u64,
     /// Slices re-prepared for a newer epoch before they were posted.
     pub reprepared: u64,
+    /// Idle endpoints parked to stay within the rail's queue-pair cap.
+    pub evictions: u64,
+    /// Transfers that failed because their endpoint was parked under them (never, unless
+    /// the idle check is sabotaged).
+    pub failed_by_eviction: u64,
     /// Application connects that failed.
     pub connects_failed: u64,
     /// What broke, in order.

@@ -21,6 +21,8 @@
 //! | a stopped peer is detected (circuit open) within the liveness bound | the bound after each stop |
 //! | each pair reconnects at most a small number of times, even after a mass restart | at the end |
 //! | the control state per known peer stays under a bound | each second, per process |
+//! | a rail never holds more queue pairs than its cap | each second, per process |
+//! | an eviction fails nothing: only idle endpoints are parked | every park |
 //!
 //! A run that breaks one reports [`Violation`]s; [`shrink`] then looks for the smallest
 //! run (fewer faults, fewer peers, less time, a quieter network) that still breaks it, and

@@ -22,6 +22,10 @@ pub(super) struct ModelEndpoint {
     pub(super) confirmed: bool,
     /// A transport failure was reported for the current queue pair.
     pub(super) failed: bool,
+    /// Its queue pair was freed while idle; waiting for a newer epoch.
+    pub(super) parked: bool,
+    /// Wanted was reported since it was parked.
+    pub(super) wanted: bool,
     /// Requests waiting for a queue pair.
     pub(super) backlog: VecDeque<u64>,
     /// Requests posted on the current queue pair.
@@ -38,6 +42,8 @@ impl ModelEndpoint {
             retired: false,
             confirmed: false,
             failed: false,
+            parked: false,
+            wanted: false,
             backlog: VecDeque::new(),
             in_flight: Vec::new(),
         }

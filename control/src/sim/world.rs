@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use railyard_dataplane::FailReason;
 use railyard_dataplane::fabric::WcStatus;
 use railyard_dataplane::rng::SplitMix64;
+use railyard_dataplane::sabotage::Protection;
 use railyard_dataplane::{Command, EndpointId, Epoch, Event};
 
 use super::config::{Fault, FaultKind, SimConfig, SimReport, Violation};
@@ -833,6 +834,7 @@ impl World {
                     self.pump_endpoint(slot, rail, endpoint);
                 }
             }
+            Command::Park { endpoint, epoch } => self.park(slot, rail, endpoint, epoch),
             Command::Unreachable { endpoint } => {
                 let Some(model) = self.nodes[slot].rails[r].endpoints.get_mut(&endpoint) else {
                     return;
@@ -849,6 +851,45 @@ impl World {
             }
             _ => {}
         }
+    }
+
+    /// The poller's park: frees the queue pair only if the endpoint is idle (unless the
+    /// idle check is sabotaged: then what was in flight on it fails).
+    fn park(&mut self, slot: usize, rail: u16, endpoint: EndpointId, epoch: Epoch) {
+        let sabotaged = railyard_dataplane::sabotage::is_off(Protection::IdleEviction);
+        let model = self.nodes[slot].rails[usize::from(rail)]
+            .endpoints
+            .get_mut(&endpoint)
+            .filter(|model| {
+                model.epoch == epoch.get()
+                    && model.remote.is_some()
+                    && !model.retired
+                    && (sabotaged || (model.backlog.is_empty() && model.in_flight.is_empty()))
+            });
+        let Some(model) = model else {
+            return self.poller_event(slot, rail, Event::ParkRefused { endpoint, epoch });
+        };
+        model.remote = None;
+        model.parked = true;
+        model.wanted = false;
+        let lost: Vec<u64> = model.in_flight.drain(..).collect();
+        self.report.evictions += 1;
+        if !lost.is_empty() {
+            self.violation(
+                "evictions-fail-nothing",
+                format!(
+                    "p{slot} endpoint {} was parked with {} transfers in flight",
+                    endpoint.0,
+                    lost.len()
+                ),
+            );
+        }
+        for request in lost {
+            self.report.failed_by_eviction += 1;
+            self.resolve(request, Err(FailReason::EndpointRetired));
+        }
+        self.poller_event(slot, rail, Event::Parked { endpoint, epoch });
+        self.pump_endpoint(slot, rail, endpoint);
     }
 
     fn poller_event(&mut self, slot: usize, rail: u16, event: Event) {
@@ -878,12 +919,15 @@ impl World {
         for &request in retried.iter().rev() {
             model.backlog.push_front(request);
         }
-        let peer = model.peer;
+        let (peer, woken) = (model.peer, model.parked);
         for request in retried {
             self.watch_deadline(request);
         }
         if let Some(&target) = self.slot_of_incarnation.get(&peer) {
-            *self.reconnects.entry((slot, target)).or_insert(0) += 1;
+            if !woken {
+                // A parked endpoint woken by traffic is not a reconnect.
+                *self.reconnects.entry((slot, target)).or_insert(0) += 1;
+            }
         }
         self.connect(slot, rail, endpoint, epoch);
     }
@@ -908,6 +952,8 @@ impl World {
         model.epoch = epoch.get();
         model.confirmed = false;
         model.failed = false;
+        model.parked = false;
+        model.wanted = false;
         let peer = model.peer;
         match staged {
             Some((remote, owner)) => {
@@ -957,6 +1003,10 @@ impl World {
             return;
         }
         let Some(remote) = model.remote else {
+            if model.parked && !model.wanted && !model.backlog.is_empty() {
+                model.wanted = true;
+                self.poller_event(slot, rail, Event::Wanted { endpoint });
+            }
             return;
         };
         let epoch = model.epoch;
@@ -1432,6 +1482,7 @@ impl World {
 
     fn sample(&mut self) {
         let mut over = Vec::new();
+        let mut capped = Vec::new();
         for (slot, node) in self.nodes.iter().enumerate() {
             if !node.up {
                 continue;
@@ -1439,12 +1490,24 @@ impl World {
             let endpoints = node.core.endpoint_count();
             self.report.peak_endpoints_per_rail =
                 self.report.peak_endpoints_per_rail.max(endpoints);
+            let queue_pairs = node.core.queue_pairs_on(0);
+            self.report.peak_queue_pairs_per_rail =
+                self.report.peak_queue_pairs_per_rail.max(queue_pairs);
+            if queue_pairs > self.config.policy.max_endpoints_per_rail {
+                capped.push((slot, queue_pairs));
+            }
             let per_peer = node.core.footprint() / node.core.known_peers().max(1);
             self.report.control_state_bytes_per_peer =
                 self.report.control_state_bytes_per_peer.max(per_peer);
             if per_peer > self.config.max_state_per_peer {
                 over.push((slot, per_peer));
             }
+        }
+        for (slot, queue_pairs) in capped {
+            self.violation(
+                "queue-pairs-within-the-cap",
+                format!("p{slot} holds {queue_pairs} queue pairs on rail 0"),
+            );
         }
         for (slot, per_peer) in over {
             self.violation(

@@ -78,6 +78,10 @@ impl<F: Fabric> Poller<F> {
                 return self.fail(slice, reason);
             }
             Some(e) if e.circuit_open => return self.fail(slice, FailReason::PeerUnavailable),
+            // Its queue pair was freed under it: only a sabotaged park frees a busy one.
+            Some(e) if matches!(e.link, Link::Parked { .. }) => {
+                return self.fail(slice, FailReason::EndpointRetired);
+            }
             // Flushed behind another slice's work-request error: not this slice's doing.
             Some(e) => {
                 status == WcStatus::WrFlushErr && e.failed_by_work_request == Some(completion.qp)

@@ -10,6 +10,7 @@ use super::shared::Control;
 use super::state::{Endpoint, Link, Poller, endpoint_mut};
 use crate::batch::FailReason;
 use crate::fabric::{Fabric, FabricError, QpNum};
+use crate::sabotage::Protection;
 use crate::{EndpointId, Epoch};
 
 impl<F: Fabric> Poller<F> {
@@ -37,6 +38,7 @@ impl<F: Fabric> Poller<F> {
                 Control::Command(Command::RetireEndpoint { endpoint, reason }) => {
                     self.retire(endpoint, reason);
                 }
+                Control::Command(Command::Park { endpoint, epoch }) => self.park(endpoint, epoch),
                 Control::Command(Command::SetCircuit { endpoint, open }) => {
                     self.set_circuit(endpoint, open);
                 }
@@ -156,6 +158,44 @@ impl<F: Fabric> Poller<F> {
         }
         if drained {
             self.emit(Event::EndpointDrained { endpoint: id });
+        }
+    }
+
+    /// Frees the queue pair of `id` at `epoch` if nothing of the endpoint is queued, waiting
+    /// or in flight: the one check that makes evicting an endpoint safe, made by the owner of
+    /// its work.
+    fn park(&mut self, id: EndpointId, epoch: Epoch) {
+        let parked = match endpoint_mut(&mut self.endpoints, id) {
+            Some(endpoint)
+                if endpoint.epoch == epoch
+                    && matches!(endpoint.link, Link::Up(_))
+                    && (endpoint.is_idle()
+                        || crate::sabotage::is_off(Protection::IdleEviction)) =>
+            {
+                let Link::Up(qp) = endpoint.link else {
+                    return;
+                };
+                endpoint.link = Link::Parked { wanted: false };
+                endpoint.credits.reset();
+                Some(qp)
+            }
+            _ => None,
+        };
+        match parked {
+            Some(qp) => {
+                // Nothing is posted on it (unless sabotaged: then its work is flushed and
+                // fails, which is what the idle check prevents).
+                self.fabric.retire(qp);
+                self.requeue_waiting(id);
+                self.emit(Event::Parked {
+                    endpoint: id,
+                    epoch,
+                });
+            }
+            None => self.emit(Event::ParkRefused {
+                endpoint: id,
+                epoch,
+            }),
         }
     }
 

@@ -52,6 +52,18 @@ pub enum Command {
         /// The endpoint.
         endpoint: EndpointId,
     },
+    /// Free the endpoint's queue pair if the endpoint is idle — nothing of it queued,
+    /// waiting for credits or in flight — and still at `epoch`: the queue pair is destroyed
+    /// (it carries nothing, so nothing fails) and the endpoint is parked; otherwise nothing
+    /// changes. Either way the poller answers ([`Event::Parked`] or
+    /// [`Event::ParkRefused`]). A parked endpoint keeps what is sent to it in its backlog
+    /// and reports [`Event::Wanted`] once, until a newer epoch's queue pair arrives.
+    Park {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// The epoch of the queue pair to free.
+        epoch: Epoch,
+    },
     /// Resolve everything (in-flight work is flushed; queued work fails with `Shutdown`) and
     /// stop the thread.
     Shutdown,
@@ -102,6 +114,27 @@ pub enum Event {
         /// The endpoint.
         endpoint: EndpointId,
     },
+    /// The endpoint was idle: its queue pair of `epoch` is gone and it is parked
+    /// ([`Command::Park`]).
+    Parked {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// The epoch of the queue pair freed.
+        epoch: Epoch,
+    },
+    /// The endpoint was busy (or no longer at `epoch`): it keeps its queue pair.
+    ParkRefused {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// The epoch asked for.
+        epoch: Epoch,
+    },
+    /// A slice arrived for a parked endpoint: it waits in the backlog for a queue pair at a
+    /// newer epoch.
+    Wanted {
+        /// The endpoint.
+        endpoint: EndpointId,
+    },
 }
 
 impl Event {
@@ -112,7 +145,10 @@ impl Event {
             | Self::QpFatal { endpoint, .. }
             | Self::ConnectFailed { endpoint, .. }
             | Self::Confirmed { endpoint, .. }
-            | Self::EndpointDrained { endpoint } => endpoint,
+            | Self::EndpointDrained { endpoint }
+            | Self::Parked { endpoint, .. }
+            | Self::ParkRefused { endpoint, .. }
+            | Self::Wanted { endpoint } => endpoint,
         }
     }
 }

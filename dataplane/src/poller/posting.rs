@@ -85,11 +85,11 @@ impl<F: Fabric> Poller<F> {
             Link::Retired => LinkState::Retired(endpoint.retired_reason),
             _ if endpoint.circuit_open => LinkState::CircuitOpen,
             Link::Up(_) => LinkState::Up,
-            Link::Down => LinkState::Down,
+            Link::Down | Link::Parked { .. } => LinkState::Down,
         };
         let up = match endpoint.link {
             Link::Up(qp) => Some(qp),
-            Link::Down | Link::Retired => None,
+            Link::Down | Link::Parked { .. } | Link::Retired => None,
         };
         let mut route = epoch_rule(slice.epoch, endpoint.epoch, state);
         if route == Route::Reprepare && crate::sabotage::is_off(Protection::EpochCheck) {
@@ -118,6 +118,10 @@ impl<F: Fabric> Poller<F> {
             Placement::Backlog { counted } => {
                 endpoint.fresh_in_backlog += usize::from(counted);
                 endpoint.backlog.push_back(slice);
+                if endpoint.link == (Link::Parked { wanted: false }) {
+                    endpoint.link = Link::Parked { wanted: true };
+                    self.emit(crate::Event::Wanted { endpoint: id });
+                }
             }
             Placement::Fail(reason) => self.fail(slice, reason),
             Placement::Reprepare => {

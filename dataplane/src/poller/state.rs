@@ -24,6 +24,14 @@ pub(super) enum Link {
     Up(QpNum),
     /// The queue pair failed or could not connect; waiting for a newer epoch.
     Down,
+    /// Idle, its queue pair freed for another endpoint ([`Command::Park`]); waiting for a
+    /// newer epoch, asked for ([`Event::Wanted`]) when a slice arrives.
+    ///
+    /// [`Command::Park`]: super::messages::Command::Park
+    Parked {
+        /// [`Event::Wanted`] was reported since it was parked.
+        wanted: bool,
+    },
     Retired,
 }
 
@@ -52,6 +60,13 @@ pub(super) struct Endpoint {
     /// The newest queue pair a work-request error took down: the slices flushed behind that
     /// error are innocent, and are retried without being charged to their budgets.
     pub(super) failed_by_work_request: Option<QpNum>,
+}
+
+impl Endpoint {
+    /// Nothing of it is queued, waiting for credits or in flight.
+    pub(super) fn is_idle(&self) -> bool {
+        self.in_flight == 0 && self.backlog.is_empty() && self.waiting.is_empty()
+    }
 }
 
 /// The fabric is the first field: when a panic unwinds the poller, the fabric (and with it

@@ -1,0 +1,198 @@
+//! Bounded queue pairs per rail: at most [`Policy::max_endpoints_per_rail`] endpoints of a
+//! rail hold (or are connecting) a queue pair. An endpoint that needs one beyond that waits
+//! for room, and room is made by parking idle endpoints, least recently wanted first.
+//!
+//! Only the poller knows whether an endpoint is idle, so the core asks it
+//! ([`Command::Park`]) and the poller frees the queue pair only if nothing of the endpoint
+//! is queued, waiting or in flight ([`Event::Parked`]); a busy one keeps it
+//! ([`Event::ParkRefused`]) and the next candidate is asked at the next tick. A parked
+//! endpoint stays what the application holds — its view, its id, its phase — and when a
+//! slice arrives for it the poller keeps the slice and says so ([`Event::Wanted`]): the
+//! endpoint connects a queue pair at its next epoch and the slice, re-prepared by the epoch
+//! rule, goes out on it. Nothing fails because of an eviction.
+//!
+//! [`Policy::max_endpoints_per_rail`]: crate::policy::Policy::max_endpoints_per_rail
+
+use std::time::{Duration, Instant};
+
+use railyard_dataplane::{Command, EndpointId, Epoch};
+
+use super::state::{Action, Core};
+use crate::endpoint::{Input, Phase};
+use crate::rail::RailFabric;
+use crate::shared::bump;
+
+/// How long after every candidate refused (all busy) the next round of parks is asked for.
+pub(super) const PARK_RETRY: Duration = Duration::from_millis(10);
+
+impl<F: RailFabric> Core<F> {
+    /// Endpoints of `rail` holding or connecting a queue pair: neither retired, parked nor
+    /// waiting for room.
+    pub(crate) fn queue_pairs_on(&self, rail: u16) -> usize {
+        self.active
+            .iter()
+            .filter(|((r, _), a)| {
+                *r == rail && !a.parked && !a.wants_room && a.machine.phase() != Phase::Retired
+            })
+            .count()
+    }
+
+    /// Feeds `input` (ConnectWanted for a new endpoint, Wake for a parked one) to endpoint
+    /// `id` of `rail` if the rail has room for its queue pair; otherwise the endpoint waits
+    /// (in order) and idle endpoints are asked to park.
+    pub(super) fn acquire_queue_pair(
+        &mut self,
+        rail: u16,
+        id: EndpointId,
+        input: Input,
+        now: Instant,
+    ) {
+        let room = self.queue_pairs_on(rail) < self.policy.max_endpoints_per_rail;
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        if room {
+            active.wants_room = false;
+            active.parked = false;
+            active.last_wanted = now;
+            if input == Input::Wake {
+                bump(&self.shared.counters.wakes);
+            }
+            return self.handle_input(rail, id, input, now);
+        }
+        if !active.wants_room {
+            active.wants_room = true;
+            bump(&self.shared.counters.endpoint_waits);
+            self.room_wanted.push_back((rail, id, input));
+        }
+        self.make_room(rail, now);
+    }
+
+    /// Asks the pollers to park as many idle endpoints of `rail`, least recently wanted
+    /// first, as there are endpoints waiting for room and no park already asked for.
+    fn make_room(&mut self, rail: u16, now: Instant) {
+        let waiting = self.room_wanted.iter().filter(|(r, ..)| *r == rail).count();
+        let parking = self
+            .active
+            .iter()
+            .filter(|((r, _), a)| *r == rail && a.parking)
+            .count();
+        let needed = waiting.saturating_sub(parking);
+        if needed == 0 {
+            return;
+        }
+        let mut candidates: Vec<(Instant, EndpointId, Epoch)> = self
+            .active
+            .iter()
+            .filter(|((r, _), a)| {
+                *r == rail
+                    && !a.parked
+                    && !a.parking
+                    && !a.wants_room
+                    && a.machine.phase() == Phase::Ready
+            })
+            .filter_map(|(&(_, id), a)| Some((a.last_wanted, id, a.machine.epoch()?)))
+            .collect();
+        candidates.sort_unstable_by_key(|&(wanted, id, _)| (wanted, id));
+        if candidates.len() < needed {
+            // Not enough endpoints to ask now (connecting, parking): look again soon.
+            self.park_retry.get_or_insert(now + PARK_RETRY);
+        }
+        for (_, id, epoch) in candidates.into_iter().take(needed) {
+            if let Some(active) = self.active.get_mut(&(rail, id)) {
+                active.parking = true;
+            }
+            self.actions.push_back(Action::Command {
+                rail,
+                command: Command::Park {
+                    endpoint: id,
+                    epoch,
+                },
+            });
+        }
+    }
+
+    /// The poller parked endpoint `id`: its queue pair is gone; the target is told to drop
+    /// its side, and the room goes to the endpoints waiting for it.
+    pub(super) fn parked(&mut self, rail: u16, id: EndpointId, epoch: Epoch, now: Instant) {
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
+            return;
+        };
+        active.parking = false;
+        if active.machine.epoch() != Some(epoch) || active.machine.phase() != Phase::Ready {
+            // It moved on meanwhile (failed, retired): its new queue pair stays.
+            return self.admit_waiting(rail, now);
+        }
+        active.parked = true;
+        bump(&self.shared.counters.evictions);
+        self.announce_retired_qp(rail, id, Some(epoch), now);
+        self.admit_waiting(rail, now);
+    }
+
+    /// The poller refused to park endpoint `id` (it was busy): it counts as just wanted, and
+    /// the next candidate is asked at the next tick after [`PARK_RETRY`].
+    pub(super) fn park_refused(&mut self, rail: u16, id: EndpointId, now: Instant) {
+        if let Some(active) = self.active.get_mut(&(rail, id)) {
+            active.parking = false;
+            active.last_wanted = now;
+        }
+        bump(&self.shared.counters.eviction_refusals);
+        self.park_retry.get_or_insert(now + PARK_RETRY);
+    }
+
+    /// A slice arrived for parked endpoint `id`: it connects again when there is room.
+    pub(super) fn wanted(&mut self, rail: u16, id: EndpointId, now: Instant) {
+        let parked = self
+            .active
+            .get(&(rail, id))
+            .is_some_and(|active| active.parked && !active.wants_room);
+        if parked {
+            self.acquire_queue_pair(rail, id, Input::Wake, now);
+        }
+    }
+
+    /// Lets endpoints waiting for room on `rail` go, in order, while there is room.
+    fn admit_waiting(&mut self, rail: u16, now: Instant) {
+        while self.queue_pairs_on(rail) < self.policy.max_endpoints_per_rail {
+            let Some(position) = self.room_wanted.iter().position(|(r, ..)| *r == rail) else {
+                return;
+            };
+            let Some((rail, id, input)) = self.room_wanted.remove(position) else {
+                return;
+            };
+            let still_wants = self.active.get(&(rail, id)).is_some_and(|active| {
+                active.wants_room && active.machine.phase() != Phase::Retired
+            });
+            if still_wants {
+                self.acquire_queue_pair(rail, id, input, now);
+            }
+        }
+    }
+
+    /// At each tick: room freed by retirements goes to the waiting endpoints, and after
+    /// refusals the next idle endpoints are asked to park.
+    pub(super) fn tend_room(&mut self, now: Instant) {
+        if self.room_wanted.is_empty() {
+            return;
+        }
+        // Forget waiters that retired meanwhile.
+        let active = &self.active;
+        self.room_wanted.retain(|(rail, id, _)| {
+            active
+                .get(&(*rail, *id))
+                .is_some_and(|a| a.wants_room && a.machine.phase() != Phase::Retired)
+        });
+        let mut rails: Vec<u16> = self.room_wanted.iter().map(|(rail, ..)| *rail).collect();
+        rails.sort_unstable();
+        rails.dedup();
+        for &rail in &rails {
+            self.admit_waiting(rail, now);
+        }
+        if self.park_retry.is_some_and(|at| now >= at) {
+            self.park_retry = None;
+            for rail in rails {
+                self.make_room(rail, now);
+            }
+        }
+    }
+}
