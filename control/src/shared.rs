@@ -34,6 +34,12 @@ pub struct EndpointView {
     phase: AtomicU8,
     /// Its circuit is half-open (see [`Self::on_probation`]).
     probation: AtomicBool,
+    /// Its queue pair was freed while it was idle (see [`Self::is_parked`]).
+    parked: AtomicBool,
+    /// Signalled after each new phase or epoch: [`Self::wait_ready`] sleeps on it.
+    changed: Condvar,
+    /// The lock `changed` is waited on with (it guards nothing but the wake-up).
+    changed_lock: Mutex<()>,
     descriptor: RwLock<Option<Arc<SegmentDescriptor>>>,
     /// Bumped after each new descriptor: readers keep the one they have while it is equal
     /// (no lock on their hot path).
@@ -57,6 +63,9 @@ impl EndpointView {
             revoked_below: AtomicU64::new(0),
             phase: AtomicU8::new(0),
             probation: AtomicBool::new(false),
+            parked: AtomicBool::new(false),
+            changed: Condvar::new(),
+            changed_lock: Mutex::new(()),
             descriptor: RwLock::new(descriptor),
             descriptor_version: AtomicU64::new(0),
         }
@@ -109,17 +118,40 @@ impl EndpointView {
             .clone()
     }
 
-    /// Sleeps in 1 ms steps until the endpoint is ready or `deadline` passes.
+    /// Sleeps until the endpoint is ready or `deadline` passes (woken by each new phase or
+    /// epoch, so thousands of waiting threads cost nothing while they wait).
     pub fn wait_ready(&self, deadline: Instant) -> bool {
+        let mut guard = self
+            .changed_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         loop {
             if self.phase() == Phase::Ready && self.epoch().is_some() {
                 return true;
             }
-            if Instant::now() >= deadline || self.phase() == Phase::Retired {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return false;
+            };
+            if left.is_zero() || self.phase() == Phase::Retired {
                 return false;
             }
-            std::thread::sleep(Duration::from_millis(1));
+            guard = self
+                .changed
+                .wait_timeout(guard, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
         }
+    }
+
+    /// Wakes the threads in [`Self::wait_ready`] after a change: taking the lock first
+    /// means a waiter either has not checked yet (and sees the change) or already sleeps.
+    fn signal_change(&self) {
+        drop(
+            self.changed_lock
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        self.changed.notify_all();
     }
 
     /// Whether its circuit is half-open: ready after a cooldown, no success yet. A
@@ -127,6 +159,17 @@ impl EndpointView {
     /// link still dead fails little.
     pub fn on_probation(&self) -> bool {
         self.probation.load(Ordering::Acquire)
+    }
+
+    /// Whether its queue pair was freed while it was idle, to keep its rail within
+    /// [`Policy::max_endpoints_per_rail`](crate::Policy::max_endpoints_per_rail): the next
+    /// slice sent to it waits while it connects a new one.
+    pub fn is_parked(&self) -> bool {
+        self.parked.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_parked(&self, parked: bool) {
+        self.parked.store(parked, Ordering::Release);
     }
 
     /// Publishes the endpoint's phase and whether its circuit is half-open.
@@ -145,12 +188,14 @@ impl EndpointView {
             Phase::Retired => 5,
         };
         self.phase.store(code, Ordering::Release);
+        self.signal_change();
     }
 
     /// Publishes the epoch slices are prepared for: only after the poller was commanded
     /// to expect it.
     pub(crate) fn set_epoch(&self, epoch: Epoch) {
         self.epoch.store(epoch.get(), Ordering::Release);
+        self.signal_change();
     }
 
     pub(crate) fn set_descriptor(&self, descriptor: Arc<SegmentDescriptor>) {
@@ -167,6 +212,13 @@ impl EndpointView {
     /// descriptor it then read may keep using it while the version stays.
     pub fn descriptor_version(&self) -> u64 {
         self.descriptor_version.load(Ordering::Acquire)
+    }
+}
+
+impl ControlStats {
+    /// Bytes of control state per known peer (all of it when none is known).
+    pub fn control_bytes_per_peer(&self) -> u64 {
+        self.control_state_bytes / self.known_peers.max(1)
     }
 }
 
@@ -243,6 +295,15 @@ pub struct ControlStats {
     pub endpoint_waits: u64,
     /// Parked endpoints connected again because traffic wanted them.
     pub wakes: u64,
+    /// Handshakes that failed: refused, timed out, or their queue pair not adopted.
+    pub handshake_failures: u64,
+    /// Handshakes waiting for their reply now (a gauge).
+    pub handshakes_in_flight: u64,
+    /// About how many bytes of memory the control plane's peer table holds (a gauge,
+    /// refreshed every second).
+    pub control_state_bytes: u64,
+    /// Peer incarnations the control plane knows now (a gauge).
+    pub known_peers: u64,
     /// Queue-pair handshakes that succeeded: from ConnectQp sent to its reply applied.
     pub handshake_times: TimeHistogram,
 }
@@ -271,6 +332,26 @@ pub struct TimeHistogram {
     pub count: u64,
     /// Their sum, in microseconds.
     pub sum_us: u64,
+}
+
+impl TimeHistogram {
+    /// The bucket bound at or under which at least `quantile` (0 to 1) of the durations
+    /// fall: an upper bound of that quantile, in microseconds. `None` with nothing
+    /// recorded, or when the quantile lies above the last bound.
+    pub fn quantile_bound_us(&self, quantile: f64) -> Option<u64> {
+        if self.count == 0 {
+            return None;
+        }
+        let wanted = (quantile.clamp(0.0, 1.0) * self.count as f64).ceil() as u64;
+        let mut seen = 0;
+        for (bucket, bound) in self.buckets.iter().zip(TIME_BUCKET_BOUNDS_US) {
+            seen += bucket;
+            if seen >= wanted.max(1) {
+                return Some(bound);
+            }
+        }
+        None
+    }
 }
 
 /// The shared, atomically updated form of a [`TimeHistogram`].
@@ -335,6 +416,10 @@ pub(crate) struct Counters {
     pub(crate) eviction_refusals: AtomicU64,
     pub(crate) endpoint_waits: AtomicU64,
     pub(crate) wakes: AtomicU64,
+    pub(crate) handshake_failures: AtomicU64,
+    pub(crate) handshakes_in_flight: AtomicU64,
+    pub(crate) control_state_bytes: AtomicU64,
+    pub(crate) known_peers: AtomicU64,
 }
 
 pub(crate) fn bump_by(counter: &AtomicU64, n: usize) {
@@ -665,6 +750,10 @@ impl ControlShared {
             eviction_refusals: get(&c.eviction_refusals),
             endpoint_waits: get(&c.endpoint_waits),
             wakes: get(&c.wakes),
+            handshake_failures: get(&c.handshake_failures),
+            handshakes_in_flight: get(&c.handshakes_in_flight),
+            control_state_bytes: get(&c.control_state_bytes),
+            known_peers: get(&c.known_peers),
         }
     }
 }

@@ -1,8 +1,11 @@
-//! How an engine reaches its peers: opening one with an endpoint on every rail, looking a
-//! name up in the directory, and the notifications sent to them and taken from them.
+//! How an engine reaches its peers: opening one with an endpoint on every rail (or many at
+//! once: [`Engine::warmup`]), looking a name up in the directory, and the notifications sent
+//! to them and taken from them.
 
 use std::net::ToSocketAddrs;
-use std::time::Instant;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use railyard_control::{Notification, SegmentDescriptor};
 use railyard_dataplane::Batch;
@@ -11,7 +14,64 @@ use super::error::PeerError;
 use super::peer::Peer;
 use super::state::Engine;
 
+/// Opens [`Engine::warmup`] runs at once: as many handshakes as a target admits before their
+/// Hello by default ([`Policy::max_handshakes`](railyard_control::Policy::max_handshakes)).
+pub const WARMUP_PARALLEL: usize = 64;
+
+/// One target of [`Engine::warmup`]: what opening it gave, and how long that took.
+#[derive(Debug)]
+pub struct Warmed {
+    /// The target as given (`host:port` or a segment name).
+    pub target: String,
+    /// The peer, or why it could not be opened.
+    pub result: Result<Peer, PeerError>,
+    /// How long its open took (its handshakes and queue pairs on every rail).
+    pub took: Duration,
+}
+
 impl Engine {
+    /// Opens every target at once, [`WARMUP_PARALLEL`] at a time, before traffic needs
+    /// them: a cluster's peers in about the time of the slowest few instead of one after
+    /// the other. Answers one [`Warmed`] per target, in the order given; a target that
+    /// cannot be opened fails alone.
+    pub fn warmup(&self, targets: &[&str]) -> Vec<Warmed> {
+        self.warmup_with(targets, WARMUP_PARALLEL)
+    }
+
+    /// [`Self::warmup`] with at most `parallel` opens at once (at least one).
+    pub fn warmup_with(&self, targets: &[&str], parallel: usize) -> Vec<Warmed> {
+        let next = AtomicUsize::new(0);
+        let done: Mutex<Vec<(usize, Warmed)>> = Mutex::new(Vec::with_capacity(targets.len()));
+        let workers = parallel.clamp(1, targets.len().max(1));
+        std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| {
+                    loop {
+                        let index = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&target) = targets.get(index) else {
+                            return;
+                        };
+                        let started = Instant::now();
+                        let result = self.open(target);
+                        let warmed = Warmed {
+                            target: target.to_string(),
+                            result,
+                            took: started.elapsed(),
+                        };
+                        done.lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .push((index, warmed));
+                    }
+                });
+            }
+        });
+        let mut done = done
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        done.sort_unstable_by_key(|(index, _)| *index);
+        done.into_iter().map(|(_, warmed)| warmed).collect()
+    }
+
     /// Connects to the engine at `target` — `host:port`, or with a directory, a segment
     /// name — with an endpoint on every local rail, its descriptor fetched. Waits for the
     /// queue pairs (up to the connect timeout).

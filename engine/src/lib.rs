@@ -85,6 +85,7 @@ pub use builder::{
     DEFAULT_SLICE_SIZE, EngineBuilder, FabricChoice, RailChoice, default_name, ofi_provider,
     primary_ip,
 };
+pub use connect::{WARMUP_PARALLEL, Warmed};
 pub use directory::DirectoryChoice;
 pub use error::{BuildError, MemoryError, PeerError, PrepareError, RevokeError, TransferError};
 pub use op::Op;
@@ -94,5 +95,5 @@ pub use region::{DEREGISTER_WAIT, PeerAccess, Region};
 pub use revoke::REVOKE_WAIT;
 pub use session::{FAILED_OPEN_KEPT, MAX_IDLE_SUBMITTERS, RawTransfer, SubmitterPool};
 pub use state::Engine;
-pub use stats::{EndpointStats, EngineStats, OpTotals, PeerStats, RailStats};
+pub use stats::{EndpointStats, EngineStats, OpTotals, PeerStats, RailEndpoints, RailStats};
 pub use transfer::{EngineSubmitter, PreparedTotals, REFRESH_WAIT, SubmitTiming, Transfer};

@@ -408,6 +408,69 @@ impl Collector for EngineMetrics {
             one(c.auth_failures),
         )?;
         family.counter(
+            "railyard_evictions",
+            "Idle endpoints parked (their queue pairs freed) to keep a rail within its \
+             queue-pair cap; refused: parks a poller refused because the endpoint was busy.",
+            None,
+            [("parked", c.evictions), ("refused", c.eviction_refusals)]
+                .map(|(outcome, value)| (labels([("outcome", outcome.to_string())]), value)),
+        )?;
+        family.counter(
+            "railyard_endpoint_waits",
+            "Endpoints that waited for room on their rail (every other endpoint busy).",
+            None,
+            one(c.endpoint_waits),
+        )?;
+        family.counter(
+            "railyard_endpoint_wakes",
+            "Parked endpoints connected again because traffic wanted them.",
+            None,
+            one(c.wakes),
+        )?;
+        family.counter(
+            "railyard_handshake_failures",
+            "Handshakes that failed: refused, timed out, or their queue pair not adopted.",
+            None,
+            one(c.handshake_failures),
+        )?;
+        family.gauge(
+            "railyard_handshakes_in_flight",
+            "Handshakes waiting for their reply.",
+            None,
+            one(c.handshakes_in_flight),
+        )?;
+        family.gauge(
+            "railyard_known_peers",
+            "Peer incarnations the control plane knows.",
+            None,
+            one(c.known_peers),
+        )?;
+        family.gauge(
+            "railyard_control_state",
+            "Memory the control plane's peer table holds, about.",
+            Some(&Unit::Bytes),
+            one(c.control_state_bytes),
+        )?;
+        family.gauge(
+            "railyard_rail_endpoints",
+            "Endpoints of a rail, by state: live (holding or connecting a queue pair), parked \
+             (idle, queue pair freed), retiring.",
+            None,
+            stats.rails.iter().flat_map(|rail| {
+                [
+                    ("live", rail.endpoints.live),
+                    ("parked", rail.endpoints.parked),
+                    ("retiring", rail.endpoints.retiring),
+                ]
+                .map(|(state, value)| {
+                    (
+                        labels([("rail", rail.name.clone()), ("state", state.to_string())]),
+                        value as u64,
+                    )
+                })
+            }),
+        )?;
+        family.counter(
             "railyard_accept_pauses",
             "Times the handshake listener stopped accepting (at a cap, or out of descriptors).",
             None,

@@ -15,7 +15,7 @@ use super::directory::Directory;
 use super::peer::SessionTable;
 use super::rails::Rails;
 use super::region::{DEREGISTER_WAIT, RegionEntry};
-use super::stats::{EndpointStats, EngineStats, PeerTable, RailStats, peer_stats};
+use super::stats::{EndpointStats, EngineStats, PeerTable, RailEndpoints, RailStats, peer_stats};
 
 /// railyard embedded in an application. See the [crate docs](crate).
 #[derive(Clone)]
@@ -170,24 +170,35 @@ impl Engine {
 
     /// Counters per rail, per peer and of the control plane.
     pub fn stats(&self) -> EngineStats {
+        let views = self.inner.control.endpoints();
+        let mut by_rail = vec![RailEndpoints::default(); self.inner.pollers.len()];
+        for (rail, view) in &views {
+            let Some(counts) = by_rail.get_mut(usize::from(*rail)) else {
+                continue;
+            };
+            match view.phase() {
+                railyard_control::Phase::Retired => counts.retiring += 1,
+                _ if view.is_parked() => counts.parked += 1,
+                _ => counts.live += 1,
+            }
+        }
         EngineStats {
             rails: self
                 .inner
                 .pollers
                 .iter()
+                .zip(by_rail)
                 .enumerate()
-                .map(|(rail, poller)| RailStats {
+                .map(|(rail, (poller, endpoints))| RailStats {
                     name: self.inner.rails.name(rail),
                     poller: poller.counters(),
                     served: self.inner.rails.served(rail),
+                    endpoints,
                 })
                 .collect(),
             peers: peer_stats(&self.inner.peers),
             control: self.inner.control.stats(),
-            endpoints: self
-                .inner
-                .control
-                .endpoints()
+            endpoints: views
                 .into_iter()
                 .map(|(rail, view)| EndpointStats {
                     peer: view.peer_name.clone(),
@@ -195,6 +206,7 @@ impl Engine {
                     rail: self.inner.rails.name(usize::from(rail)),
                     endpoint: u64::from(view.id.0),
                     phase: view.phase(),
+                    parked: view.is_parked(),
                 })
                 .collect(),
         }

@@ -23,6 +23,20 @@ pub struct RailStats {
     /// What its TCP target side carried out for initiators (`None` on verbs). Soft-fabric
     /// and RDMA transfers are one-sided: the target never sees them.
     pub served: Option<ServedStats>,
+    /// Its endpoints now, by what they hold.
+    pub endpoints: RailEndpoints,
+}
+
+/// The endpoints of one rail now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RailEndpoints {
+    /// Endpoints holding or connecting a queue pair (at most
+    /// [`Policy::max_endpoints_per_rail`](railyard_control::Policy::max_endpoints_per_rail)).
+    pub live: usize,
+    /// Endpoints parked: idle, their queue pair freed until traffic wants them.
+    pub parked: usize,
+    /// Endpoints retired and not yet drained by the poller.
+    pub retiring: usize,
 }
 
 /// Counters of one peer.
@@ -90,6 +104,8 @@ pub struct EndpointStats {
     pub endpoint: u64,
     /// Its state.
     pub phase: Phase,
+    /// Its queue pair was freed while it was idle; the next transfer connects a new one.
+    pub parked: bool,
 }
 
 /// What an engine counts per peer.

@@ -22,7 +22,7 @@ use crate::endpoint::{Input, Phase};
 use crate::rail::RailFabric;
 use crate::shared::bump;
 
-/// How long after every candidate refused (all busy) the next round of parks is asked for.
+/// How often endpoints waiting for room look for idle endpoints to park again.
 pub(super) const PARK_RETRY: Duration = Duration::from_millis(10);
 
 impl<F: RailFabric> Core<F> {
@@ -52,8 +52,8 @@ impl<F: RailFabric> Core<F> {
             return;
         };
         if room {
+            // A park ends when the queue pair starts (`drive`, at CreateQp).
             active.wants_room = false;
-            active.parked = false;
             active.last_wanted = now;
             if input == Input::Wake {
                 bump(&self.shared.counters.wakes);
@@ -65,12 +65,12 @@ impl<F: RailFabric> Core<F> {
             bump(&self.shared.counters.endpoint_waits);
             self.room_wanted.push_back((rail, id, input));
         }
-        self.make_room(rail, now);
+        self.make_room(rail);
     }
 
     /// Asks the pollers to park as many idle endpoints of `rail`, least recently wanted
     /// first, as there are endpoints waiting for room and no park already asked for.
-    fn make_room(&mut self, rail: u16, now: Instant) {
+    fn make_room(&mut self, rail: u16) {
         let waiting = self.room_wanted.iter().filter(|(r, ..)| *r == rail).count();
         let parking = self
             .active
@@ -94,10 +94,6 @@ impl<F: RailFabric> Core<F> {
             .filter_map(|(&(_, id), a)| Some((a.last_wanted, id, a.machine.epoch()?)))
             .collect();
         candidates.sort_unstable_by_key(|&(wanted, id, _)| (wanted, id));
-        if candidates.len() < needed {
-            // Not enough endpoints to ask now (connecting, parking): look again soon.
-            self.park_retry.get_or_insert(now + PARK_RETRY);
-        }
         for (_, id, epoch) in candidates.into_iter().take(needed) {
             if let Some(active) = self.active.get_mut(&(rail, id)) {
                 active.parking = true;
@@ -112,40 +108,41 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    /// The poller parked endpoint `id`: its queue pair is gone; the target is told to drop
-    /// its side, and the room goes to the endpoints waiting for it.
+    /// The poller parked endpoint `id`: its queue pair of `epoch` is gone. If that is still
+    /// the endpoint's queue pair, the target is told to drop its side and the endpoint
+    /// connects again when traffic wants it (or when its state machine moves on); the room
+    /// goes to the endpoints waiting for it.
     pub(super) fn parked(&mut self, rail: u16, id: EndpointId, epoch: Epoch, now: Instant) {
         let Some(active) = self.active.get_mut(&(rail, id)) else {
             return;
         };
         active.parking = false;
-        if active.machine.epoch() != Some(epoch) || active.machine.phase() != Phase::Ready {
-            // It moved on meanwhile (failed, retired): its new queue pair stays.
-            return self.admit_waiting(rail, now);
+        if active.machine.epoch() == Some(epoch) {
+            active.parked = true;
+            active.view.set_parked(true);
+            bump(&self.shared.counters.evictions);
+            self.announce_retired_qp(rail, id, Some(epoch), now);
         }
-        active.parked = true;
-        bump(&self.shared.counters.evictions);
-        self.announce_retired_qp(rail, id, Some(epoch), now);
         self.admit_waiting(rail, now);
     }
 
     /// The poller refused to park endpoint `id` (it was busy): it counts as just wanted, and
-    /// the next candidate is asked at the next tick after [`PARK_RETRY`].
+    /// the next candidate is asked at the next look ([`PARK_RETRY`]).
     pub(super) fn park_refused(&mut self, rail: u16, id: EndpointId, now: Instant) {
         if let Some(active) = self.active.get_mut(&(rail, id)) {
             active.parking = false;
             active.last_wanted = now;
         }
         bump(&self.shared.counters.eviction_refusals);
-        self.park_retry.get_or_insert(now + PARK_RETRY);
     }
 
-    /// A slice arrived for parked endpoint `id`: it connects again when there is room.
+    /// A slice arrived for parked endpoint `id`: it connects again when there is room. (An
+    /// endpoint that is not ready — failed, backing off, its circuit open — connects again
+    /// on its own, or fails what it is sent.)
     pub(super) fn wanted(&mut self, rail: u16, id: EndpointId, now: Instant) {
-        let parked = self
-            .active
-            .get(&(rail, id))
-            .is_some_and(|active| active.parked && !active.wants_room);
+        let parked = self.active.get(&(rail, id)).is_some_and(|active| {
+            active.parked && !active.wants_room && active.machine.phase() == Phase::Ready
+        });
         if parked {
             self.acquire_queue_pair(rail, id, Input::Wake, now);
         }
@@ -169,8 +166,9 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    /// At each tick: room freed by retirements goes to the waiting endpoints, and after
-    /// refusals the next idle endpoints are asked to park.
+    /// At each tick: room freed by retirements goes to the waiting endpoints, and every
+    /// [`PARK_RETRY`] the idle endpoints still needed are asked to park (after refusals,
+    /// parks that came too late, or when every endpoint was still connecting).
     pub(super) fn tend_room(&mut self, now: Instant) {
         if self.room_wanted.is_empty() {
             return;
@@ -188,10 +186,10 @@ impl<F: RailFabric> Core<F> {
         for &rail in &rails {
             self.admit_waiting(rail, now);
         }
-        if self.park_retry.is_some_and(|at| now >= at) {
-            self.park_retry = None;
+        if self.park_retry.is_none_or(|at| now >= at) {
+            self.park_retry = Some(now + PARK_RETRY);
             for rail in rails {
-                self.make_room(rail, now);
+                self.make_room(rail);
             }
         }
     }

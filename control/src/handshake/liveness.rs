@@ -3,12 +3,13 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use railyard_dataplane::EndpointId;
 use railyard_dataplane::sabotage::{self, Protection};
 
-use super::state::{ConnId, Core, warning};
+use super::state::{ConnId, Core, FOOTPRINT_EVERY, warning};
 use crate::endpoint::{Incarnation, Input, Phase};
 use crate::rail::RailFabric;
 use crate::shared::bump;
@@ -307,7 +308,11 @@ impl<F: RailFabric> Core<F> {
             .collect();
         for (rail, id) in due {
             if let Some(active) = self.active.get_mut(&(rail, id)) {
+                let connecting = active.machine.phase() == Phase::Connecting;
                 active.machine.handle_timeout(now);
+                if connecting && active.machine.phase() != Phase::Connecting {
+                    bump(&self.shared.counters.handshake_failures);
+                }
             }
             self.drive(rail, id, now);
         }
@@ -327,6 +332,27 @@ impl<F: RailFabric> Core<F> {
         self.expire_orphaned_queue_pairs(now);
         self.tend_room(now);
         self.take_immediates();
+        self.publish_gauges(now);
+    }
+
+    /// The gauges of [`ControlStats`](crate::ControlStats): handshakes in flight and peers
+    /// known at every tick, the peer table's footprint once a second (it walks the tables).
+    fn publish_gauges(&mut self, now: Instant) {
+        let counters = &self.shared.counters;
+        counters
+            .handshakes_in_flight
+            .store(self.handshakes.len() as u64, Ordering::Relaxed);
+        counters
+            .known_peers
+            .store(self.peers.len() as u64, Ordering::Relaxed);
+        if self.footprint_at.is_none_or(|at| now >= at) {
+            self.footprint_at = Some(now + FOOTPRINT_EVERY);
+            let bytes = self.footprint() as u64;
+            self.shared
+                .counters
+                .control_state_bytes
+                .store(bytes, Ordering::Relaxed);
+        }
     }
 }
 

@@ -35,6 +35,15 @@
 //! newer epoch) cancels it. A ConnectQp is answered only for the incarnation that said
 //! Hello on that connection; a notification is delivered only if it names this incarnation.
 //!
+//! # Queue pairs per rail
+//! At most [`Policy::max_endpoints_per_rail`](crate::policy::Policy::max_endpoints_per_rail)
+//! endpoints of a rail hold a queue pair; room is made by parking idle endpoints, which the
+//! poller alone can vouch for (`eviction.rs`).
+//!
+//! # Determinism
+//! Its tables hash with its seed and its sets are ordered, so what it does depends only on
+//! the seed and what it was fed: [`crate::sim`] replays thousands of cores bit for bit.
+//!
 //! # Log events
 //! Warnings go out as `tracing` events with fields ([`crate::warn`]). Each control
 //! connection has a `handshake` span (its address, and once it said Hello the peer's name

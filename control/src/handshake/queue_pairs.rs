@@ -411,6 +411,9 @@ impl<F: RailFabric> Core<F> {
         let Some(active) = self.active.get_mut(&(rail, id)) else {
             return;
         };
+        if matches!(input, Input::HandshakeFailed { .. }) {
+            bump(&self.shared.counters.handshake_failures);
+        }
         active.machine.handle(input, now);
         let span = active.span.clone();
         let _entered = span.enter();
@@ -432,6 +435,7 @@ impl<F: RailFabric> Core<F> {
                 // In order with the commands before it (all of one step's actions run
                 // before the next step's).
                 active.published = Some((phase, probation));
+
                 let view = active.view.clone();
                 self.actions.push_back(Action::Publish {
                     view,
@@ -443,7 +447,15 @@ impl<F: RailFabric> Core<F> {
                 break;
             };
             match output {
-                Output::CreateQp { epoch } => self.create_qp(rail, id, epoch, now),
+                Output::CreateQp { epoch } => {
+                    // Whatever starts a new queue pair (a wake, a backoff, a circuit's
+                    // trial) ends a park.
+                    if active.parked {
+                        active.parked = false;
+                        active.view.set_parked(false);
+                    }
+                    self.create_qp(rail, id, epoch, now);
+                }
                 Output::ConnectQp { epoch } => {
                     let view = active.view.clone();
                     self.actions

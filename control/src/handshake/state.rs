@@ -27,6 +27,9 @@ use crate::wire::{Message, NONCE_LEN, QpSide, WireKey};
 /// driver to read a Hello sent right after the connect.
 pub(crate) const EVICTABLE_AFTER: Duration = Duration::from_millis(100);
 
+/// How often the footprint gauge of the control stats is refreshed.
+pub(super) const FOOTPRINT_EVERY: Duration = Duration::from_secs(1);
+
 /// Messages that may wait on a connection for its peer to prove the cluster secret; one more
 /// closes it at the next tick.
 pub(super) const MAX_HELD: usize = 1024;
@@ -280,8 +283,10 @@ pub(crate) struct Core<F: RailFabric> {
     /// Endpoints waiting for room on their rail, in order, with the input that starts
     /// their queue pair once there is.
     pub(super) room_wanted: VecDeque<(u16, EndpointId, Input)>,
-    /// When to ask for parks again after refusals or too few candidates.
+    /// When endpoints waiting for room next ask for parks (see `eviction.rs`).
     pub(super) park_retry: Option<Instant>,
+    /// When the footprint gauge is next refreshed.
+    pub(super) footprint_at: Option<Instant>,
     pub(super) rng: SplitMix64,
     pub(super) actions: VecDeque<Action>,
     /// Scratch for immediates taken from passive queue pairs.
@@ -327,6 +332,7 @@ impl<F: RailFabric> Core<F> {
             waiting: Vec::new(),
             room_wanted: VecDeque::new(),
             park_retry: None,
+            footprint_at: None,
             actions: VecDeque::new(),
             immediates: Vec::new(),
             #[cfg(feature = "sabotage")]
