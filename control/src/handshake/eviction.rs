@@ -47,7 +47,13 @@ impl<F: RailFabric> Core<F> {
         input: Input,
         now: Instant,
     ) {
-        let room = self.queue_pairs_on(rail) < self.policy.max_endpoints_per_rail;
+        // Counted without itself: a new endpoint is already in the table.
+        let itself = self
+            .active
+            .get(&(rail, id))
+            .is_some_and(|a| !a.parked && !a.wants_room && a.machine.phase() != Phase::Retired);
+        let others = self.queue_pairs_on(rail) - usize::from(itself);
+        let room = others < self.policy.max_endpoints_per_rail;
         let Some(active) = self.active.get_mut(&(rail, id)) else {
             return;
         };

@@ -2576,3 +2576,125 @@ fn a_revoke_fences_off_every_epoch_before_the_initiators_next_queue_pair() {
         "{view:?}"
     );
 }
+
+/// The Park commands process `index` sent, in order: (endpoint, epoch).
+fn parks_sent(net: &Net, index: usize) -> Vec<(EndpointId, Epoch)> {
+    net.procs[index]
+        .commands
+        .iter()
+        .filter_map(|(_, command)| match *command {
+            Command::Park { endpoint, epoch } => Some((endpoint, epoch)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// With room for one queue pair, a second endpoint waits while the first is asked to park;
+/// a park answered after the first moved on frees nothing, and the first's next transfer
+/// (Wanted) waits its turn in turn. Nothing is retired on the way.
+#[test]
+fn endpoints_beyond_the_rails_cap_wait_for_an_idle_one_to_park() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    net.spawn("decode-b", addr(1, 7001), 12, 1);
+    let prefill = net.spawn_with(
+        "prefill",
+        addr(2, 7000),
+        20,
+        1,
+        Policy {
+            max_endpoints_per_rail: 1,
+            ..policy()
+        },
+    );
+    let first = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let first = ready(&first);
+    let second = net.connect(prefill, addr(1, 7001));
+    net.settle();
+    let second = second.try_recv().expect("answered").expect("an endpoint");
+    // It exists, but waits for room: no handshake, and the first is asked to park.
+    assert_eq!(second.phase(), Phase::Idle);
+    assert_eq!(second.epoch(), None);
+    let first_epoch = first.epoch().expect("ready");
+    assert_eq!(parks_sent(&net, prefill), vec![(first.id, first_epoch)]);
+    assert_eq!(net.stats(prefill).endpoint_waits, 1);
+
+    // The poller refuses (the first is busy): the second keeps waiting, and the next look
+    // asks again.
+    let now = net.now;
+    net.procs[prefill].core.poller_event(
+        0,
+        Event::ParkRefused {
+            endpoint: first.id,
+            epoch: first_epoch,
+        },
+        now,
+    );
+    net.settle();
+    assert_eq!(second.phase(), Phase::Idle);
+    net.advance(Duration::from_millis(20));
+    net.settle();
+    assert_eq!(parks_sent(&net, prefill).len(), 2);
+
+    // Parked: the second connects; the first stays ready, marked parked, and its target is
+    // told to drop its queue pair.
+    let now = net.now;
+    net.procs[prefill].core.poller_event(
+        0,
+        Event::Parked {
+            endpoint: first.id,
+            epoch: first_epoch,
+        },
+        now,
+    );
+    net.settle();
+    assert_eq!(second.phase(), Phase::Ready);
+    assert!(second.epoch().is_some());
+    assert_eq!(first.phase(), Phase::Ready);
+    assert!(first.is_parked());
+    assert_eq!(net.stats(prefill).evictions, 1);
+
+    // A transfer arrives for the first: it waits for room, and the second (idle) is asked
+    // to park; once it is, the first connects at its next epoch.
+    let now = net.now;
+    net.procs[prefill]
+        .core
+        .poller_event(0, Event::Wanted { endpoint: first.id }, now);
+    net.settle();
+    let second_epoch = second.epoch().expect("ready");
+    assert_eq!(
+        parks_sent(&net, prefill).last(),
+        Some(&(second.id, second_epoch))
+    );
+    let now = net.now;
+    net.procs[prefill].core.poller_event(
+        0,
+        Event::Parked {
+            endpoint: second.id,
+            epoch: second_epoch,
+        },
+        now,
+    );
+    net.settle();
+    assert_eq!(first.phase(), Phase::Ready);
+    assert!(!first.is_parked());
+    assert!(first.epoch().expect("ready").is_newer_than(first_epoch));
+    assert!(second.is_parked());
+    assert_eq!(net.stats(prefill).wakes, 1);
+    // A park answered for an epoch the endpoint has left frees nothing.
+    let now = net.now;
+    net.procs[prefill].core.poller_event(
+        0,
+        Event::Parked {
+            endpoint: first.id,
+            epoch: first_epoch,
+        },
+        now,
+    );
+    net.settle();
+    assert!(!first.is_parked());
+    assert_eq!(net.stats(prefill).evictions, 2);
+    assert_eq!(net.retired_endpoints(prefill), 0);
+    assert_no_crossed_queue_pairs(&net, prefill);
+}
