@@ -141,7 +141,10 @@ fn two_busy_threads(name: &str, fabric: FabricChoice) -> (u64, u64) {
                             len: BLOCK,
                         })
                         .collect();
-                    let batch = submitter.submit(peer, &transfers).expect("submits");
+                    // One thread's transfer may wait for the other's idle moment.
+                    let batch = submitter
+                        .submit_by(peer, &transfers, Instant::now() + BOUND)
+                        .expect("submits");
                     let status = batch.wait(Instant::now() + BOUND);
                     assert!(status.is_complete(), "target {t} round {round}: {status:?}");
                     failed.fetch_add(status.failed as u64, Ordering::Relaxed);

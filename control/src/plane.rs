@@ -181,13 +181,14 @@ impl ControlPlane {
             host: HostId::this_process(),
             secret: config.secret.clone(),
         };
-        let core = Core::new(
+        let mut core = Core::new(
             me,
             config.policy.clone(),
             config.seed,
             fabrics,
             shared.clone(),
         );
+        core.key_tables(railyard_dataplane::entropy::random_u64());
         let driver = Driver::new(
             core,
             DriverParts {

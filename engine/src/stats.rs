@@ -30,7 +30,8 @@ pub struct RailStats {
 /// The endpoints of one rail now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RailEndpoints {
-    /// Endpoints holding or connecting a queue pair (at most
+    /// Endpoints holding, connecting or waiting for room for a queue pair (those holding
+    /// or connecting one are at most
     /// [`Policy::max_endpoints_per_rail`](railyard_control::Policy::max_endpoints_per_rail)).
     pub live: usize,
     /// Endpoints parked: idle, their queue pair freed until traffic wants them.

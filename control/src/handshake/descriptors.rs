@@ -249,7 +249,7 @@ impl<F: RailFabric> Core<F> {
                 fence: None,
                 span,
                 parked: false,
-                parking: false,
+                parking: None,
                 wants_room: false,
                 last_wanted: now,
             },

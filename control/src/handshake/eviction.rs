@@ -25,6 +25,9 @@ use crate::shared::bump;
 /// How often endpoints waiting for room look for idle endpoints to park again.
 pub(super) const PARK_RETRY: Duration = Duration::from_millis(10);
 
+/// How long a park may go unanswered before it is taken as lost and asked again.
+const PARK_ANSWER_WAIT: Duration = Duration::from_secs(1);
+
 impl<F: RailFabric> Core<F> {
     /// Endpoints of `rail` holding or connecting a queue pair: neither retired, parked nor
     /// waiting for room.
@@ -71,17 +74,17 @@ impl<F: RailFabric> Core<F> {
             bump(&self.shared.counters.endpoint_waits);
             self.room_wanted.push_back((rail, id, input));
         }
-        self.make_room(rail);
+        self.make_room(rail, now);
     }
 
     /// Asks the pollers to park as many idle endpoints of `rail`, least recently wanted
     /// first, as there are endpoints waiting for room and no park already asked for.
-    fn make_room(&mut self, rail: u16) {
+    fn make_room(&mut self, rail: u16, now: Instant) {
         let waiting = self.room_wanted.iter().filter(|(r, ..)| *r == rail).count();
         let parking = self
             .active
             .iter()
-            .filter(|((r, _), a)| *r == rail && a.parking)
+            .filter(|((r, _), a)| *r == rail && a.parking.is_some())
             .count();
         let needed = waiting.saturating_sub(parking);
         if needed == 0 {
@@ -93,7 +96,7 @@ impl<F: RailFabric> Core<F> {
             .filter(|((r, _), a)| {
                 *r == rail
                     && !a.parked
-                    && !a.parking
+                    && a.parking.is_none()
                     && !a.wants_room
                     && a.machine.phase() == Phase::Ready
             })
@@ -102,7 +105,7 @@ impl<F: RailFabric> Core<F> {
         candidates.sort_unstable_by_key(|&(wanted, id, _)| (wanted, id));
         for (_, id, epoch) in candidates.into_iter().take(needed) {
             if let Some(active) = self.active.get_mut(&(rail, id)) {
-                active.parking = true;
+                active.parking = Some((epoch, now));
             }
             self.actions.push_back(Action::Command {
                 rail,
@@ -122,8 +125,8 @@ impl<F: RailFabric> Core<F> {
         let Some(active) = self.active.get_mut(&(rail, id)) else {
             return;
         };
-        active.parking = false;
-        if active.machine.epoch() == Some(epoch) {
+        active.parking = None;
+        if active.machine.epoch() == Some(epoch) && !active.parked {
             active.parked = true;
             active.view.set_parked(true);
             bump(&self.shared.counters.evictions);
@@ -136,7 +139,7 @@ impl<F: RailFabric> Core<F> {
     /// the next candidate is asked at the next look ([`PARK_RETRY`]).
     pub(super) fn park_refused(&mut self, rail: u16, id: EndpointId, now: Instant) {
         if let Some(active) = self.active.get_mut(&(rail, id)) {
-            active.parking = false;
+            active.parking = None;
             active.last_wanted = now;
         }
         bump(&self.shared.counters.eviction_refusals);
@@ -146,6 +149,11 @@ impl<F: RailFabric> Core<F> {
     /// endpoint that is not ready — failed, backing off, its circuit open — connects again
     /// on its own, or fails what it is sent.)
     pub(super) fn wanted(&mut self, rail: u16, id: EndpointId, now: Instant) {
+        // The poller says Wanted only after a park: if the Parked before it was folded into
+        // this event (a full event ring keeps an endpoint's latest), it happened all the same.
+        if let Some((epoch, _)) = self.active.get(&(rail, id)).and_then(|a| a.parking) {
+            self.parked(rail, id, epoch, now);
+        }
         let parked = self.active.get(&(rail, id)).is_some_and(|active| {
             active.parked && !active.wants_room && active.machine.phase() == Phase::Ready
         });
@@ -179,6 +187,16 @@ impl<F: RailFabric> Core<F> {
         if self.room_wanted.is_empty() {
             return;
         }
+        // A park whose answer never came (its event folded into a later one) is forgotten:
+        // the endpoint may be asked again.
+        for active in self.active.values_mut() {
+            if active
+                .parking
+                .is_some_and(|(_, asked)| now.duration_since(asked) > PARK_ANSWER_WAIT)
+            {
+                active.parking = None;
+            }
+        }
         // Forget waiters that retired meanwhile.
         let active = &self.active;
         self.room_wanted.retain(|(rail, id, _)| {
@@ -195,7 +213,7 @@ impl<F: RailFabric> Core<F> {
         if self.park_retry.is_none_or(|at| now >= at) {
             self.park_retry = Some(now + PARK_RETRY);
             for rail in rails {
-                self.make_room(rail);
+                self.make_room(rail, now);
             }
         }
     }

@@ -274,7 +274,17 @@ impl<F: RailFabric> Core<F> {
 
     /// Creates a queue pair for `epoch` and sends its ConnectQp with a fresh handshake id
     /// (fetching the descriptor first on a reconnect, on the same ordered connection).
-    pub(super) fn create_qp(&mut self, rail: u16, id: EndpointId, epoch: Epoch, now: Instant) {
+    /// Creates endpoint `id`'s queue pair at `epoch` and offers it to the peer; `woken`: it
+    /// ends a park (see `eviction.rs`), which is not a reconnect — nothing failed, nothing
+    /// is counted or warned about, and the peer's descriptor is not fetched again.
+    pub(super) fn create_qp(
+        &mut self,
+        rail: u16,
+        id: EndpointId,
+        epoch: Epoch,
+        woken: bool,
+        now: Instant,
+    ) {
         let Some(active) = self.active.get(&(rail, id)) else {
             return;
         };
@@ -283,7 +293,7 @@ impl<F: RailFabric> Core<F> {
             active.machine.key(),
             active.view.peer_name.clone(),
         );
-        let reconnect = epoch != active.view.first_epoch;
+        let reconnect = epoch != active.view.first_epoch && !woken;
         let span = active.span.clone();
         let _entered = span.enter();
         let conn = self.conn_to(addr, now);
@@ -450,11 +460,14 @@ impl<F: RailFabric> Core<F> {
                 Output::CreateQp { epoch } => {
                     // Whatever starts a new queue pair (a wake, a backoff, a circuit's
                     // trial) ends a park.
-                    if active.parked {
+                    let woken = active.parked;
+                    if woken {
                         active.parked = false;
                         active.view.set_parked(false);
                     }
-                    self.create_qp(rail, id, epoch, now);
+                    // Any park asked for is moot: this queue pair replaces the one it named.
+                    active.parking = None;
+                    self.create_qp(rail, id, epoch, woken, now);
                 }
                 Output::ConnectQp { epoch } => {
                     let view = active.view.clone();

@@ -43,10 +43,10 @@ macro_rules! warning {
 }
 pub(super) use warning;
 
-/// The hasher of the core's tables: SipHash with the core's seed written first. Iteration
-/// over a table (timers, retirements, evictions) then depends only on the seed and on what
-/// happened, so a simulation replays bit for bit; a peer, not knowing the seed, still cannot
-/// choose keys that collide.
+/// The hasher of the core's tables: SipHash with a key written first. Iteration over a
+/// table (timers, retirements, evictions) depends only on the key and on what happened: the
+/// simulation keys it with its seed and replays bit for bit; a running control plane keys it
+/// at random ([`Core::key_tables`]), so peers cannot choose keys that collide.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct TableHasher(u64);
 
@@ -219,8 +219,8 @@ pub(super) struct Active<Q> {
     /// Its queue pair was freed while it was idle (see `eviction.rs`); it connects again
     /// when traffic wants it.
     pub(super) parked: bool,
-    /// A park was asked of its poller and not answered yet.
-    pub(super) parking: bool,
+    /// A park was asked of its poller for this epoch, at this time, and not answered yet.
+    pub(super) parking: Option<(Epoch, Instant)>,
     /// It waits for room on its rail before connecting a queue pair.
     pub(super) wants_room: bool,
     /// When it was last created, woken, or found busy: parks go to the least recent.
@@ -337,6 +337,28 @@ impl<F: RailFabric> Core<F> {
             immediates: Vec::new(),
             #[cfg(feature = "sabotage")]
             mistaken: Table::with_hasher(hasher),
+        }
+    }
+
+    /// Keys every table with `key` (drawn at random by a running control plane; see
+    /// [`TableHasher`]). Called before the core is fed anything: the tables are empty.
+    pub(crate) fn key_tables(&mut self, key: u64) {
+        let hasher = TableHasher(key);
+        self.conns = Table::with_hasher(hasher);
+        self.dialed = Table::with_hasher(hasher);
+        self.listeners = Table::with_hasher(hasher);
+        self.peers = Table::with_hasher(hasher);
+        self.active = Table::with_hasher(hasher);
+        self.by_key = Table::with_hasher(hasher);
+        self.next_epochs = Table::with_hasher(hasher);
+        self.handshakes = Table::with_hasher(hasher);
+        self.passive = Table::with_hasher(hasher);
+        self.fences = Table::with_hasher(hasher);
+        self.orphans = Table::with_hasher(hasher);
+        self.redialed = Table::with_hasher(hasher);
+        #[cfg(feature = "sabotage")]
+        {
+            self.mistaken = Table::with_hasher(hasher);
         }
     }
 

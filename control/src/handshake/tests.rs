@@ -2698,3 +2698,59 @@ fn endpoints_beyond_the_rails_cap_wait_for_an_idle_one_to_park() {
     assert_eq!(net.retired_endpoints(prefill), 0);
     assert_no_crossed_queue_pairs(&net, prefill);
 }
+
+/// A full event ring keeps only an endpoint's latest event: a Parked folded into the Wanted
+/// after it still counts, and the endpoint connects again instead of waiting forever.
+#[test]
+fn a_wanted_whose_parked_was_folded_into_it_still_wakes_the_endpoint() {
+    let mut net = Net::new();
+    net.spawn(NAME, addr(1, 7000), 11, 1);
+    net.spawn("decode-b", addr(1, 7001), 12, 1);
+    let prefill = net.spawn_with(
+        "prefill",
+        addr(2, 7000),
+        20,
+        1,
+        Policy {
+            max_endpoints_per_rail: 1,
+            ..policy()
+        },
+    );
+    let first = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let first = ready(&first);
+    let first_epoch = first.epoch().expect("ready");
+    let second = net.connect(prefill, addr(1, 7001));
+    net.settle();
+    let second = second.try_recv().expect("answered").expect("an endpoint");
+    assert_eq!(parks_sent(&net, prefill), vec![(first.id, first_epoch)]);
+    // Only the Wanted arrives: the first was parked, so the second connects, and the first
+    // waits for room in turn (the second is asked to park).
+    let now = net.now;
+    net.procs[prefill]
+        .core
+        .poller_event(0, Event::Wanted { endpoint: first.id }, now);
+    net.settle();
+    assert_eq!(second.phase(), Phase::Ready);
+    assert!(first.is_parked());
+    // The second was still connecting when the first asked for room: the next look asks it.
+    net.advance(Duration::from_millis(20));
+    net.settle();
+    let second_epoch = second.epoch().expect("ready");
+    assert_eq!(
+        parks_sent(&net, prefill).last(),
+        Some(&(second.id, second_epoch))
+    );
+    let now = net.now;
+    net.procs[prefill].core.poller_event(
+        0,
+        Event::Parked {
+            endpoint: second.id,
+            epoch: second_epoch,
+        },
+        now,
+    );
+    net.settle();
+    assert!(!first.is_parked());
+    assert!(first.epoch().expect("ready").is_newer_than(first_epoch));
+}

@@ -141,7 +141,9 @@ impl<F: Fabric> Poller<F> {
 
     fn retire(&mut self, id: EndpointId, reason: FailReason) {
         let Some(endpoint) = endpoint_mut(&mut self.endpoints, id) else {
-            return;
+            // Never added (retired while it waited for room or a handshake): nothing of it
+            // is here, so it is drained, and its owner may reuse the id.
+            return self.emit(Event::EndpointDrained { endpoint: id });
         };
         if let Link::Up(qp) = endpoint.link {
             self.fabric.retire(qp);
