@@ -34,6 +34,23 @@ fn capped_initiator(name: &str, fabric: FabricChoice, cap: usize) -> Engine {
         .expect("the engine starts")
 }
 
+/// `count` target engines named after `name`, each with a registered buffer of
+/// [`POISON`].
+fn targets(name: &str, fabric: FabricChoice, count: usize) -> (Vec<Engine>, Vec<Buffer>) {
+    let targets: Vec<Engine> = (0..count)
+        .map(|t| one_rail_engine(&format!("decode-{name}-{t}"), fabric))
+        .collect();
+    let destinations = targets
+        .iter()
+        .map(|target| {
+            let buffer = Buffer::new(POISON);
+            buffer.register(target);
+            buffer
+        })
+        .collect();
+    (targets, destinations)
+}
+
 /// The bytes of block `round` to target `target`.
 fn pattern(target: usize, round: usize) -> Vec<u8> {
     (0..BLOCK as usize)
@@ -44,17 +61,7 @@ fn pattern(target: usize, round: usize) -> Vec<u8> {
 #[test]
 fn one_queue_pair_serves_three_targets_and_nothing_fails() {
     let _shared = SABOTAGE.read().unwrap_or_else(PoisonError::into_inner);
-    let targets: Vec<Engine> = (0..3)
-        .map(|t| one_rail_engine(&format!("decode-capped-{t}"), FabricChoice::Soft))
-        .collect();
-    let destinations: Vec<Buffer> = targets
-        .iter()
-        .map(|target| {
-            let buffer = Buffer::new(POISON);
-            buffer.register(target);
-            buffer
-        })
-        .collect();
+    let (targets, destinations) = targets("capped", FabricChoice::Soft, 3);
     let initiator = capped_initiator("prefill-capped", FabricChoice::Soft, 1);
     let source = Buffer::new(0);
     let local = source.register(&initiator);
@@ -102,17 +109,7 @@ fn one_queue_pair_serves_three_targets_and_nothing_fails() {
 /// Two threads keep transfers going to two targets through an initiator with room for one
 /// queue pair: (transfers failed, evictions).
 fn two_busy_threads(name: &str, fabric: FabricChoice) -> (u64, u64) {
-    let targets: Vec<Engine> = (0..2)
-        .map(|t| one_rail_engine(&format!("decode-{name}-{t}"), fabric))
-        .collect();
-    let destinations: Vec<Buffer> = targets
-        .iter()
-        .map(|target| {
-            let buffer = Buffer::new(POISON);
-            buffer.register(target);
-            buffer
-        })
-        .collect();
+    let (targets, destinations) = targets(name, fabric, 2);
     let initiator = capped_initiator(&format!("prefill-{name}"), fabric, 1);
     let source = Buffer::new(0xc3);
     let local = source.register(&initiator);

@@ -2589,11 +2589,9 @@ fn parks_sent(net: &Net, index: usize) -> Vec<(EndpointId, Epoch)> {
         .collect()
 }
 
-/// With room for one queue pair, a second endpoint waits while the first is asked to park;
-/// a park answered after the first moved on frees nothing, and the first's next transfer
-/// (Wanted) waits its turn in turn. Nothing is retired on the way.
-#[test]
-fn endpoints_beyond_the_rails_cap_wait_for_an_idle_one_to_park() {
+/// Two targets and an initiator with room for one queue pair, its endpoint to the first
+/// target ready: (network, initiator, that endpoint).
+fn capped_at_one() -> (Net, usize, Arc<EndpointView>) {
     let mut net = Net::new();
     net.spawn(NAME, addr(1, 7000), 11, 1);
     net.spawn("decode-b", addr(1, 7001), 12, 1);
@@ -2610,6 +2608,15 @@ fn endpoints_beyond_the_rails_cap_wait_for_an_idle_one_to_park() {
     let first = net.connect(prefill, addr(1, 7000));
     net.settle();
     let first = ready(&first);
+    (net, prefill, first)
+}
+
+/// With room for one queue pair, a second endpoint waits while the first is asked to park;
+/// a park answered after the first moved on frees nothing, and the first's next transfer
+/// (Wanted) waits its turn in turn. Nothing is retired on the way.
+#[test]
+fn endpoints_beyond_the_rails_cap_wait_for_an_idle_one_to_park() {
+    let (mut net, prefill, first) = capped_at_one();
     let second = net.connect(prefill, addr(1, 7001));
     net.settle();
     let second = second.try_recv().expect("answered").expect("an endpoint");
@@ -2703,22 +2710,7 @@ fn endpoints_beyond_the_rails_cap_wait_for_an_idle_one_to_park() {
 /// after it still counts, and the endpoint connects again instead of waiting forever.
 #[test]
 fn a_wanted_whose_parked_was_folded_into_it_still_wakes_the_endpoint() {
-    let mut net = Net::new();
-    net.spawn(NAME, addr(1, 7000), 11, 1);
-    net.spawn("decode-b", addr(1, 7001), 12, 1);
-    let prefill = net.spawn_with(
-        "prefill",
-        addr(2, 7000),
-        20,
-        1,
-        Policy {
-            max_endpoints_per_rail: 1,
-            ..policy()
-        },
-    );
-    let first = net.connect(prefill, addr(1, 7000));
-    net.settle();
-    let first = ready(&first);
+    let (mut net, prefill, first) = capped_at_one();
     let first_epoch = first.epoch().expect("ready");
     let second = net.connect(prefill, addr(1, 7001));
     net.settle();
