@@ -213,8 +213,15 @@ fn child_process() {
     for (e, buffer) in buffers.iter().enumerate() {
         let me = process * ENGINES_PER_PROCESS + e;
         for source in (0..ENGINES).filter(|&source| source != me) {
-            if buffer.read(source * BLOCK, BLOCK) != pattern(source, me, ROUNDS - 1) {
+            let landed = buffer.read(source * BLOCK, BLOCK);
+            if landed != pattern(source, me, ROUNDS - 1) {
                 wrong += 1;
+                // What landed instead, for the report: an older round's block, another
+                // destination's, or something else.
+                let whose = (0..ROUNDS)
+                    .flat_map(|round| (0..ENGINES).map(move |to| (round, to)))
+                    .find(|&(round, to)| landed == pattern(source, to, round));
+                eprintln!("engine {me}: the block from {source} is wrong: {whose:?} (round, for)");
             }
         }
     }

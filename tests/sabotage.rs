@@ -250,3 +250,49 @@ fn without_the_idle_check_the_simulation_reports_evictions_that_fail_transfers()
         report.violations
     );
 }
+
+/// Without handshake admission, initiators past what a busy target answers within the
+/// connect timeout give up and ask again, and the target answers every abandoned attempt
+/// too: the simulation's reconnect count shows the storm that taking turns prevents.
+#[test]
+fn without_handshake_admission_the_simulation_shows_a_reconnect_storm() {
+    use railyard::control::sim::{self, SimConfig};
+
+    let config = SimConfig {
+        peers: 500,
+        seed: 3,
+        duration: Duration::from_secs(15),
+        hot_targets: 4,
+        handshake_cost: Duration::from_millis(10),
+        ..SimConfig::default()
+    };
+    let _turn = ONE_SWITCH_AT_A_TIME
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let in_turns = sim::simulate(&config);
+    assert!(in_turns.passed(), "{:?}", in_turns.violations);
+    assert!(in_turns.all_connected_after.is_some());
+    assert!(in_turns.max_reconnects_per_pair <= 1, "{in_turns:?}");
+    let storm = {
+        let _off = sabotage::turn_off(Protection::HandshakeAdmission);
+        sim::simulate(&config)
+    };
+    assert_eq!(storm.handshakes_told_to_wait, 0);
+    assert!(
+        storm.mean_reconnects_per_pair > 100.0 * in_turns.mean_reconnects_per_pair.max(0.001),
+        "reconnects per pair: {} with admission, {} without",
+        in_turns.mean_reconnects_per_pair,
+        storm.mean_reconnects_per_pair
+    );
+    assert!(storm.max_reconnects_per_pair >= 3, "{storm:?}");
+    assert!(
+        storm.handshakes > in_turns.handshakes * 3 / 2,
+        "{} handshakes with admission, {} without",
+        in_turns.handshakes,
+        storm.handshakes
+    );
+    assert!(
+        storm.all_connected_after.is_none(),
+        "the storm never settles"
+    );
+}

@@ -150,3 +150,28 @@ fn a_queue_pair_cap_below_the_fanout_parks_idle_endpoints_and_fails_nothing() {
         report.requests
     );
 }
+
+/// A thousand processes all writing into eight, each handshake costing its target 1 ms:
+/// with handshakes taking turns (at most 64 in progress per target), every pair connects
+/// within 2 s of simulated time and none times out and asks again.
+#[test]
+fn a_thousand_initiators_into_eight_targets_connect_in_turn_within_two_seconds() {
+    let report = run(&SimConfig {
+        peers: 1000,
+        seed: 7,
+        duration: Duration::from_secs(4),
+        hot_targets: 8,
+        handshake_cost: Duration::from_millis(1),
+        kill_fraction: 0.0,
+        stops: 0,
+        partitions: 0,
+        lease_losses: 0,
+        ..SimConfig::default()
+    });
+    let connected = report.all_connected_after.expect("every pair connected");
+    assert!(connected <= Duration::from_secs(2), "after {connected:?}");
+    assert!(report.handshakes_told_to_wait > 1_000, "{report:?}");
+    // A lost message resets its connection now and then (the default network).
+    assert!(report.max_reconnects_per_pair <= 1, "{report:?}");
+    assert!(report.peak_handshakes_per_sec_into_one >= 900, "{report:?}");
+}

@@ -77,8 +77,15 @@ pub(crate) enum Request {
     Shutdown,
 }
 
-/// Longest the control thread sleeps: pollers' events have no descriptor to wait on.
+/// Longest the control thread sleeps while it polls something: pollers' events, the
+/// immediates of passive queue pairs and batch completions have no descriptor to wait on.
 const TICK: Duration = Duration::from_millis(1);
+
+/// Longest it sleeps when there is nothing to poll for but poller events ([`Core::polls`]
+/// is false): sockets and the application's requests wake it at once, and a poller's report
+/// of a failed queue pair waits at most this long. Hundreds of engines on one host would
+/// otherwise spend its cores waking each other.
+const IDLE_TICK: Duration = Duration::from_millis(10);
 
 /// How long the listener is left alone after the process ran out of file descriptors.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -145,6 +152,8 @@ pub(crate) struct Driver<F: RailFabric> {
     accept_paused_until: Option<Instant>,
     /// The core was at a connection cap in the last round.
     at_cap: bool,
+    /// ConnectQps the core had not answered at the end of this turn.
+    handshakes_waiting: usize,
     held_notifications: Vec<HeldNotification>,
     /// Immediates waiting for their batch.
     held_signals: Vec<(Vec<Arc<EndpointView>>, u32, Batch)>,
@@ -183,6 +192,7 @@ impl<F: RailFabric> Driver<F> {
             sockets: HashMap::new(),
             accept_paused_until: None,
             at_cap: false,
+            handshakes_waiting: 0,
             held_notifications: Vec::new(),
             held_signals: Vec::new(),
             signals_in_flight: Vec::new(),
@@ -203,6 +213,10 @@ impl<F: RailFabric> Driver<F> {
             }
             self.accept(now);
             self.service(now);
+            // A bounded number per turn: accepts and keepalives never wait behind a burst.
+            self.core
+                .answer_handshakes(self.policy.max_handshakes_per_target.max(1));
+            self.handshakes_waiting = self.core.handshakes_unanswered();
             self.take_poller_events(now);
             self.core.tick(now);
             self.release_notifications(now);
@@ -620,7 +634,20 @@ impl<F: RailFabric> Driver<F> {
             });
             polled.push(conn);
         }
-        let timeout = TICK.as_millis() as libc::c_int;
+        // ConnectQps still waiting are answered in the next turn, after a look at the sockets.
+        let polling = self.core.polls()
+            || self.at_cap
+            || self.accept_paused_until.is_some()
+            || !self.held_notifications.is_empty()
+            || !self.held_signals.is_empty()
+            || !self.signals_in_flight.is_empty();
+        let timeout = if self.handshakes_waiting > 0 {
+            0
+        } else if polling {
+            TICK.as_millis() as libc::c_int
+        } else {
+            IDLE_TICK.as_millis() as libc::c_int
+        };
         // SAFETY:
         // - `fds` is a valid array of `fds.len()` pollfd structs that lives across the call;
         //   every descriptor in it is owned by this thread and open.

@@ -120,6 +120,18 @@ pub enum Input {
     PeerUnreachable,
     /// The application no longer wants the endpoint.
     Retire,
+    /// The handshake of `epoch` waits its turn (at this side's cap on handshakes out, or at
+    /// the target's on handshakes in): its timeout becomes the queue timeout.
+    HandshakeQueued {
+        /// Its epoch.
+        epoch: Epoch,
+    },
+    /// The handshake of `epoch` that waited here is sent now: its timeout is the connect
+    /// timeout again.
+    HandshakeSent {
+        /// Its epoch.
+        epoch: Epoch,
+    },
     /// Its queue pair was freed while it was idle (parked, to stay within the rail's queue
     /// pairs) and traffic wants it again: connect a new one at the next epoch. Not a
     /// failure: nothing is counted against the peer.
@@ -429,6 +441,22 @@ impl Endpoint {
                 }
                 _ => self.stats.stale_inputs += 1,
             },
+            Input::HandshakeQueued { epoch } => match &mut self.state {
+                State::Connecting {
+                    epoch: current,
+                    deadline,
+                } if *current == epoch => {
+                    *deadline = (*deadline).max(now + self.policy.handshake_queue_timeout);
+                }
+                _ => self.stats.stale_inputs += 1,
+            },
+            Input::HandshakeSent { epoch } => match &mut self.state {
+                State::Connecting {
+                    epoch: current,
+                    deadline,
+                } if *current == epoch => *deadline = now + self.policy.connect_timeout,
+                _ => self.stats.stale_inputs += 1,
+            },
             Input::Retire => self.retire(FailReason::EndpointRetired),
             Input::Wake => match self.state {
                 State::Ready { .. } => self.create_qp(now),
@@ -589,8 +617,10 @@ mod tests {
     }
 
     /// Every input that names an epoch, for `epoch`.
-    fn inputs_for(epoch: Epoch) -> [Input; 6] {
+    fn inputs_for(epoch: Epoch) -> [Input; 8] {
         [
+            Input::HandshakeQueued { epoch },
+            Input::HandshakeSent { epoch },
             Input::HandshakeDone { epoch },
             Input::HandshakeFailed { epoch },
             Input::QpError {
@@ -639,6 +669,33 @@ mod tests {
         // And so are a newer epoch's, which nothing asked for.
         assert_stale(&mut e, Input::QpFatal { epoch: new.next() }, t0 + ms(5));
         assert_eq!((e.phase(), e.epoch()), (Phase::Ready, Some(new)));
+    }
+
+    #[test]
+    fn a_queued_handshake_waits_out_the_queue_timeout_and_a_sent_one_the_connect_timeout() {
+        let t0 = Instant::now();
+        let mut e = endpoint(11);
+        e.handle(Input::ConnectWanted, t0);
+        let [Output::CreateQp { epoch }] = outputs(&mut e)[..] else {
+            panic!("expected a queue pair to be created");
+        };
+        let policy = Policy::default();
+        e.handle(Input::HandshakeQueued { epoch }, t0 + ms(1));
+        assert_eq!(
+            e.next_timeout(),
+            Some(t0 + ms(1) + policy.handshake_queue_timeout)
+        );
+        // Past the connect timeout it still waits its turn.
+        e.handle_timeout(t0 + policy.connect_timeout + ms(1));
+        assert_eq!(e.phase(), Phase::Connecting);
+        assert_eq!(outputs(&mut e), []);
+        // Its turn: the connect timeout runs from the moment it is sent.
+        let sent = t0 + ms(5000);
+        e.handle(Input::HandshakeSent { epoch }, sent);
+        assert_eq!(e.next_timeout(), Some(sent + policy.connect_timeout));
+        e.handle_timeout(sent + policy.connect_timeout);
+        assert_eq!(e.phase(), Phase::Backoff);
+        assert_eq!(e.stats().flaps, 1);
     }
 
     #[test]

@@ -29,6 +29,7 @@
 
 use std::io::{self, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -123,6 +124,10 @@ impl std::fmt::Debug for ControlPlane {
     }
 }
 
+/// Connections the kernel completes and holds for the handshake listener before it accepts
+/// them (capped by `net.core.somaxconn`, 4 096 on current kernels).
+const LISTEN_BACKLOG: libc::c_int = 4096;
+
 impl ControlPlane {
     /// Binds the listener and starts the control thread over `rails`.
     ///
@@ -137,6 +142,15 @@ impl ControlPlane {
             addr: config.listen,
             source,
         })?;
+        // The standard library listens with a backlog of 128: hundreds of initiators dialing
+        // at once would see their SYNs dropped and retried a second later.
+        // SAFETY: `listener` owns an open, bound, listening socket for the whole call.
+        if unsafe { libc::listen(listener.as_raw_fd(), LISTEN_BACKLOG) } != 0 {
+            return Err(ControlError::Listen {
+                addr: config.listen,
+                source: std::io::Error::last_os_error(),
+            });
+        }
         listener
             .set_nonblocking(true)
             .map_err(ControlError::Thread)?;
@@ -189,6 +203,7 @@ impl ControlPlane {
             shared.clone(),
         );
         core.key_tables(railyard_dataplane::entropy::random_u64());
+        core.take_turns(config.policy.max_handshakes_per_target.max(1));
         let driver = Driver::new(
             core,
             DriverParts {

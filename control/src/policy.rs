@@ -55,6 +55,17 @@ pub struct Policy {
     /// an endpoint that finds every other one busy waits for room (counted in
     /// `endpoint_waits`). Default 1 024.
     pub max_endpoints_per_rail: usize,
+    /// ConnectQps this process, as a target, works on at once. Those beyond wait in
+    /// arrival order, and each one's initiator is told so (`ConnectQpQueued`) and stops its
+    /// handshake timeout: a burst of initiators is answered in turn instead of timing out
+    /// and asking again (a reconnect storm). Default 64.
+    pub max_handshakes_per_target: usize,
+    /// ConnectQps this process, as an initiator, has out at once (to all targets); more
+    /// wait here in order, their handshake timeout stopped. Default 64.
+    pub max_handshakes_per_initiator: usize,
+    /// How long a handshake may wait its turn (at either cap) before it fails. Default
+    /// 30 s; an application's own deadlines still bound its transfers.
+    pub handshake_queue_timeout: Duration,
     /// A control connection quiet this long is sent a Ping. Default 250 ms.
     pub keepalive_interval: Duration,
     /// A peer that has said nothing (not even a Pong) on its control connection this long
@@ -88,6 +99,9 @@ impl Default for Policy {
             max_queue_pairs_per_peer: 256,
             max_target_queue_pairs: 16 * 1024,
             max_endpoints_per_rail: 1024,
+            max_handshakes_per_target: 64,
+            max_handshakes_per_initiator: 64,
+            handshake_queue_timeout: Duration::from_secs(30),
             passive_linger: Duration::from_secs(30),
             keepalive_interval: Duration::from_millis(250),
             liveness_timeout: Duration::from_millis(1500),

@@ -297,6 +297,9 @@ pub struct ControlStats {
     pub wakes: u64,
     /// Handshakes that failed: refused, timed out, or their queue pair not adopted.
     pub handshake_failures: u64,
+    /// Handshakes that waited their turn: at this side's cap on handshakes out, or (as a
+    /// target) beyond its cap on those in progress, their initiator told to wait.
+    pub handshakes_queued: u64,
     /// Handshakes waiting for their reply now (a gauge).
     pub handshakes_in_flight: u64,
     /// About how many bytes of memory the control plane's peer table holds (a gauge,
@@ -417,6 +420,7 @@ pub(crate) struct Counters {
     pub(crate) endpoint_waits: AtomicU64,
     pub(crate) wakes: AtomicU64,
     pub(crate) handshake_failures: AtomicU64,
+    pub(crate) handshakes_queued: AtomicU64,
     pub(crate) handshakes_in_flight: AtomicU64,
     pub(crate) control_state_bytes: AtomicU64,
     pub(crate) known_peers: AtomicU64,
@@ -751,6 +755,7 @@ impl ControlShared {
             endpoint_waits: get(&c.endpoint_waits),
             wakes: get(&c.wakes),
             handshake_failures: get(&c.handshake_failures),
+            handshakes_queued: get(&c.handshakes_queued),
             handshakes_in_flight: get(&c.handshakes_in_flight),
             control_state_bytes: get(&c.control_state_bytes),
             known_peers: get(&c.known_peers),

@@ -19,7 +19,7 @@ use crate::host::HostId;
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RYCP";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 7;
+pub const VERSION: u16 = 8;
 /// Header bytes.
 pub const HEADER_LEN: usize = 12;
 /// Largest body accepted.
@@ -119,6 +119,20 @@ pub enum Message {
         /// The listener's side, or the reason it refused.
         result: Result<QpSide, String>,
     },
+    /// The listener has more ConnectQps in progress than it works on at once: this one
+    /// waits its turn behind `ahead` others, and the dialer stops its handshake timeout
+    /// until the reply comes (within its queue timeout). Sent only for a ConnectQp that
+    /// waits; the reply follows in order.
+    ConnectQpQueued {
+        /// The endpoint.
+        key: WireKey,
+        /// The epoch asked for.
+        epoch: u64,
+        /// The request's handshake id.
+        handshake: u64,
+        /// ConnectQps the listener will answer first.
+        ahead: u32,
+    },
     /// The dialer took its queue pair `qp_num` for the endpoint out of service (it failed,
     /// timed out, or the endpoint retired): the listener drops the passive queue pair
     /// connected to it, if that is still the one, so that nothing still buffered from it
@@ -213,6 +227,7 @@ const RETIRE_QP: u16 = 8;
 const PING: u16 = 9;
 const PONG: u16 = 10;
 const AUTH: u16 = 11;
+const CONNECT_QP_QUEUED: u16 = 12;
 
 /// Appends fields to a body.
 #[derive(Default)]
@@ -485,6 +500,18 @@ impl Message {
                 }
                 CONNECT_QP_REPLY
             }
+            Self::ConnectQpQueued {
+                key,
+                epoch,
+                handshake,
+                ahead,
+            } => {
+                body.key(key);
+                body.u64(*epoch);
+                body.u64(*handshake);
+                body.u32(*ahead);
+                CONNECT_QP_QUEUED
+            }
             Self::RetireQp { key, epoch, qp_num } => {
                 body.key(key);
                 body.u64(*epoch);
@@ -566,6 +593,12 @@ impl Message {
                     result,
                 }
             }
+            CONNECT_QP_QUEUED => Self::ConnectQpQueued {
+                key: r.key()?,
+                epoch: r.u64("epoch")?,
+                handshake: r.u64("handshake id")?,
+                ahead: r.u32("handshakes ahead")?,
+            },
             RETIRE_QP => Self::RetireQp {
                 key: r.key()?,
                 epoch: r.u64("epoch")?,
@@ -867,6 +900,14 @@ mod tests {
                         result: Err(reason),
                     }
                 }),
+            (key(), any::<u64>(), any::<u64>(), any::<u32>()).prop_map(
+                |(key, epoch, handshake, ahead)| Message::ConnectQpQueued {
+                    key,
+                    epoch,
+                    handshake,
+                    ahead,
+                }
+            ),
             (key(), any::<u64>(), any::<u32>())
                 .prop_map(|(key, epoch, qp_num)| { Message::RetireQp { key, epoch, qp_num } }),
             (any::<u64>(), prop::collection::vec(any::<u8>(), 0..128)).prop_map(

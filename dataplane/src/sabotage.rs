@@ -20,6 +20,10 @@ pub enum Protection {
     /// Idle-only eviction: a poller told to park an endpoint frees its queue pair even with
     /// work queued or in flight on it (that work is flushed and fails).
     IdleEviction,
+    /// Handshake admission: every ConnectQp goes out at once and a target answers each in
+    /// turn without telling the initiator it waits, so a burst's tail times out and asks
+    /// again.
+    HandshakeAdmission,
     /// The store's read fail-over: a read whose first replica fails is not tried on the
     /// next one.
     StoreReadFailover,
@@ -31,12 +35,13 @@ pub enum Protection {
 #[cfg(feature = "sabotage")]
 impl Protection {
     /// Every protection a switch can turn off.
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::EpochCheck,
         Self::IdempotentReplies,
         Self::Liveness,
         Self::IncarnationCheck,
         Self::IdleEviction,
+        Self::HandshakeAdmission,
         Self::StoreReadFailover,
         Self::StoreLeaderFencing,
     ];
@@ -49,6 +54,7 @@ impl Protection {
             Self::Liveness => "liveness",
             Self::IncarnationCheck => "incarnation-check",
             Self::IdleEviction => "idle-eviction",
+            Self::HandshakeAdmission => "handshake-admission",
             Self::StoreReadFailover => "store-read-failover",
             Self::StoreLeaderFencing => "store-leader-fencing",
         }

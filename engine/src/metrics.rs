@@ -433,6 +433,12 @@ impl Collector for EngineMetrics {
             None,
             one(c.handshake_failures),
         )?;
+        family.counter(
+            "railyard_handshakes_queued",
+            "Handshakes that waited their turn, here or at their target.",
+            None,
+            one(c.handshakes_queued),
+        )?;
         family.gauge(
             "railyard_handshakes_in_flight",
             "Handshakes waiting for their reply.",

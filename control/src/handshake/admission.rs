@@ -54,7 +54,9 @@ impl<F: RailFabric> Core<F> {
         };
         match &mut message {
             Message::Descriptor(descriptor) => mistake(&mut descriptor.incarnation),
-            Message::ConnectQpReply { key, .. } => mistake(&mut key.target),
+            Message::ConnectQpReply { key, .. } | Message::ConnectQpQueued { key, .. } => {
+                mistake(&mut key.target)
+            }
             _ => {}
         }
         message
@@ -206,6 +208,16 @@ impl<F: RailFabric> Core<F> {
             return conn;
         }
         let conn = self.new_conn(addr, true, now);
+        let timeout = self.policy.liveness_timeout;
+        if let Some(heard) = self
+            .heard_before
+            .remove(&addr)
+            .filter(|&heard| now.saturating_duration_since(heard) < timeout)
+        {
+            if let Some(state) = self.conns.get_mut(&conn) {
+                state.last_heard = heard;
+            }
+        }
         self.dialed.insert(addr, conn);
         self.actions.push_back(Action::Dial { conn, addr });
         self.send(conn, self.hello(conn));
@@ -224,6 +236,7 @@ impl<F: RailFabric> Core<F> {
         self.actions.push_back(Action::Close { conn });
         if self.dialed.get(&state.addr) == Some(&conn) {
             self.dialed.remove(&state.addr);
+            self.heard_before.insert(state.addr, state.last_heard);
         }
         let (failed, still_waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
             .into_iter()
@@ -254,9 +267,12 @@ impl<F: RailFabric> Core<F> {
         for (rail, id, epoch) in failing {
             self.handle_input(rail, id, Input::HandshakeFailed { epoch }, now);
         }
+        // Nobody waits for the answers to what came on it.
+        self.unanswered.retain(|waiting| waiting.conn != conn);
         if let Some(peer) = state.peer {
             self.forget_if_unused(peer);
         }
+        self.send_waiting_handshakes(now);
     }
 
     /// Closes `conn` for breaking a bound or the protocol: counted, and a warning names the
@@ -340,7 +356,13 @@ impl<F: RailFabric> Core<F> {
                 epoch,
                 handshake,
                 side,
-            } => self.on_connect_qp(conn, key, epoch, handshake, &side),
+            } => self.on_connect_qp(conn, key, epoch, handshake, side),
+            Message::ConnectQpQueued {
+                key,
+                epoch,
+                handshake,
+                ahead: _,
+            } => self.on_connect_queued(conn, key, (epoch, handshake), now),
             Message::ConnectQpReply {
                 key,
                 epoch,
@@ -362,6 +384,8 @@ impl<F: RailFabric> Core<F> {
             // Heard: that is all a Pong is for.
             Message::Pong { .. } => {}
         }
+        // A reply or a closed connection may have made room for a waiting handshake.
+        self.send_waiting_handshakes(now);
     }
 
     /// With a cluster secret, closes connections whose peer said Hello but has not proven

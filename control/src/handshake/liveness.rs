@@ -39,6 +39,9 @@ impl<F: RailFabric> Core<F> {
         if sabotage::is_off(Protection::Liveness) {
             return;
         }
+        let timeout = self.policy.liveness_timeout;
+        self.heard_before
+            .retain(|_, &mut heard| now.saturating_duration_since(heard) < timeout);
         self.redial_live_peers(now);
         let mut quiet = Vec::new();
         let mut silent = Vec::new();
@@ -331,6 +334,7 @@ impl<F: RailFabric> Core<F> {
         self.check_liveness(now);
         self.expire_orphaned_queue_pairs(now);
         self.tend_room(now);
+        self.send_waiting_handshakes(now);
         self.take_immediates();
         self.publish_gauges(now);
     }

@@ -35,6 +35,10 @@
 //! newer epoch) cancels it. A ConnectQp is answered only for the incarnation that said
 //! Hello on that connection; a notification is delivered only if it names this incarnation.
 //!
+//! # Handshake admission
+//! ConnectQps take turns on both sides, within caps on those in progress per target and
+//! per initiator; one that waits is told so and stops its handshake timeout (`turns.rs`).
+//!
 //! # Queue pairs per rail
 //! At most [`Policy::max_endpoints_per_rail`](crate::policy::Policy::max_endpoints_per_rail)
 //! endpoints of a rail hold a queue pair; room is made by parking idle endpoints, which the
@@ -59,6 +63,7 @@ mod liveness;
 mod queue_pairs;
 mod retirement;
 mod state;
+mod turns;
 
 pub use liveness::PeerChange;
 pub(crate) use state::{Action, ConnId, Core, Identity};

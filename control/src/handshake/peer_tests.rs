@@ -315,6 +315,31 @@ fn a_redial_a_stopped_peer_accepts_but_never_answers_opens_the_circuit_in_time()
     assert_eq!(net.stats(prefill).unreachable_peers, 1);
 }
 
+/// Caught by the simulation (seed 13, no directory, lossy network): a peer stopped, its
+/// connection was lost 0.6 s later, and the redial's silence was counted from the redial —
+/// the stopped peer went unnoticed for 2.1 s instead of 1.5 s.
+#[test]
+fn a_connection_lost_under_a_silent_peer_does_not_restart_the_liveness_clock() {
+    let (mut net, target, prefill, view) = lively_pair();
+    let stopped_at = net.now;
+    net.stop(target);
+    net.run_for(Duration::from_millis(600), Duration::from_millis(10));
+    // The connection resets (a lost segment); the redial reaches the stopped target's
+    // kernel, which accepts it, and nothing more.
+    let conn = dialed_conn(&net, prefill, addr(1, 7000));
+    let now = net.now;
+    net.procs[prefill].core.closed(conn, "reset", now);
+    net.settle();
+    let took =
+        until_circuit_opens(&mut net, &view, Duration::from_secs(5)).map(|_| net.now - stopped_at);
+    // The liveness timeout, plus the 10 ms steps the two loops may overshoot by.
+    let bound = lively().liveness_timeout + Duration::from_millis(20);
+    assert!(
+        took.is_some_and(|took| took <= bound),
+        "silent since the stop, not since the redial: {took:?}"
+    );
+}
+
 #[test]
 fn an_accepted_connection_without_hello_gets_the_connect_timeout_not_the_liveness_bound() {
     let (mut net, _, prefill, _) = lively_pair();

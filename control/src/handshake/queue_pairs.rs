@@ -13,7 +13,7 @@ use super::state::{Action, ConnId, Core, Passive, Pending, warning};
 use crate::directory::Directory;
 use crate::endpoint::{Incarnation, Input, Output, Phase};
 use crate::rail::{PeerLink, RailFabric};
-use crate::shared::{Notification, NotificationBody, bump};
+use crate::shared::{ControlShared, Notification, NotificationBody, bump};
 use crate::warn::{WarningKind, control_warning};
 use crate::wire::{Message, QpSide, WireKey};
 
@@ -57,7 +57,8 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    pub(super) fn on_connect_qp(
+    /// Answers a ConnectQp (its turn has come: see `turns.rs`).
+    pub(super) fn answer_connect_qp_on(
         &mut self,
         conn: ConnId,
         key: WireKey,
@@ -192,6 +193,33 @@ impl<F: RailFabric> Core<F> {
 
     // ---- the initiator's side of a handshake -------------------------------------------
 
+    /// The endpoint waiting for handshake `handshake` at `epoch`, if a message about it on
+    /// `conn` for `key` is for that endpoint: it came on the connection the ConnectQp went
+    /// out on, from the peer the endpoint is for, and the endpoint still waits for exactly
+    /// that attempt.
+    pub(super) fn waiting_endpoint(
+        &self,
+        conn: ConnId,
+        key: WireKey,
+        epoch: u64,
+        handshake: u64,
+    ) -> Option<(u16, EndpointId)> {
+        let speaker = self.conns.get(&conn).and_then(|state| state.peer);
+        let endpoint = self.handshakes.get(&handshake).copied()?;
+        let active = self.active.get(&endpoint)?;
+        let machine_key = active.machine.key();
+        let expected = WireKey {
+            initiator: self.me.incarnation,
+            target: machine_key.peer,
+            initiator_rail: machine_key.local_rail,
+            target_rail: machine_key.remote_rail,
+        };
+        let waits = active.pending.as_ref().is_some_and(|pending| {
+            pending.handshake == handshake && pending.conn == conn && pending.epoch.get() == epoch
+        });
+        (key == expected && speaker == Some(machine_key.peer) && waits).then_some(endpoint)
+    }
+
     /// A ConnectQp reply for `(epoch, handshake)`, with the peer's fence generation for this
     /// side: when it changed since the endpoint's previous queue pair, the peer revoked this
     /// side meanwhile, and every slice prepared for an older epoch fails `Revoked` before
@@ -205,27 +233,11 @@ impl<F: RailFabric> Core<F> {
         result: Result<QpSide, String>,
         now: Instant,
     ) {
-        let speaker = self.conns.get(&conn).and_then(|state| state.peer);
-        let endpoint = self.handshakes.get(&handshake).copied();
-        let found = endpoint.and_then(|endpoint| Some((endpoint, self.active.get_mut(&endpoint)?)));
-        let me = self.me.incarnation;
-        let Some(((rail, id), active)) = found.filter(|(_, active)| {
-            let machine_key = active.machine.key();
-            let expected = WireKey {
-                initiator: me,
-                target: machine_key.peer,
-                initiator_rail: machine_key.local_rail,
-                target_rail: machine_key.remote_rail,
-            };
-            key == expected
-                && speaker == Some(machine_key.peer)
-                && active.pending.as_ref().is_some_and(|pending| {
-                    pending.handshake == handshake
-                        && pending.conn == conn
-                        && pending.epoch.get() == epoch
-                })
-        }) else {
+        let Some((rail, id)) = self.waiting_endpoint(conn, key, epoch, handshake) else {
             bump(&self.shared.counters.stray_replies);
+            return;
+        };
+        let Some(active) = self.active.get_mut(&(rail, id)) else {
             return;
         };
         self.handshakes.remove(&handshake);
@@ -467,7 +479,7 @@ impl<F: RailFabric> Core<F> {
                     }
                     // Any park asked for is moot: this queue pair replaces the one it named.
                     active.parking = None;
-                    self.create_qp(rail, id, epoch, woken, now);
+                    self.start_handshake(rail, id, epoch, woken, now);
                 }
                 Output::ConnectQp { epoch } => {
                     let view = active.view.clone();
@@ -567,27 +579,38 @@ impl<F: RailFabric> Core<F> {
     /// Turns the immediates that arrived on passive queue pairs into notifications; drops
     /// passive queue pairs that broke (their initiator sees its side fail and reconnects).
     pub(super) fn take_immediates(&mut self) {
-        let keys: Vec<WireKey> = self.passive.keys().copied().collect();
-        for key in keys {
-            let Some(mut passive) = self.passive.remove(&key) else {
+        // Every tick, with thousands of target queue pairs: one pass over them in place,
+        // and the table touched again only for those that had something.
+        let mut broke = Vec::new();
+        for (&key, passive) in &mut self.passive {
+            let Some(fabric) = self.fabrics.get(usize::from(key.target_rail)) else {
                 continue;
             };
-            match self.deliver_immediates(key, &mut passive.qp) {
-                Ok(()) => {
-                    self.passive.insert(key, passive);
-                }
-                Err(reason) => {
-                    bump(&self.shared.counters.teardowns);
-                    warning!(
-                        self,
-                        Handshake,
-                        incarnation = %key.initiator,
-                        rail = key.target_rail,
-                        initiator_rail = key.initiator_rail,
-                        reason,
-                        "dropping a target queue pair that broke"
-                    );
-                }
+            self.immediates.clear();
+            let taken = fabric.take_immediates(&mut passive.qp, &mut self.immediates);
+            if !self.immediates.is_empty() {
+                let from = self
+                    .peers
+                    .get(&key.initiator)
+                    .map(|info| info.name.as_str());
+                hand_over(&self.shared, from, key, &self.immediates);
+            }
+            if let Err(reason) = taken {
+                broke.push((key, reason));
+            }
+        }
+        for (key, reason) in broke {
+            if self.passive.remove(&key).is_some() {
+                bump(&self.shared.counters.teardowns);
+                warning!(
+                    self,
+                    Handshake,
+                    incarnation = %key.initiator,
+                    rail = key.target_rail,
+                    initiator_rail = key.initiator_rail,
+                    reason,
+                    "dropping a target queue pair that broke"
+                );
             }
         }
     }
@@ -608,14 +631,23 @@ impl<F: RailFabric> Core<F> {
         self.immediates.clear();
         let taken = fabric.take_immediates(qp, &mut self.immediates);
         if !self.immediates.is_empty() {
-            let from = self.peer_name(key.initiator);
-            self.shared
-                .deliver(self.immediates.iter().map(|&imm| Notification {
-                    from: from.clone(),
-                    incarnation: key.initiator,
-                    body: NotificationBody::Immediate(imm),
-                }));
+            let from = self
+                .peers
+                .get(&key.initiator)
+                .map(|info| info.name.as_str());
+            hand_over(&self.shared, from, key, &self.immediates);
         }
         taken
     }
+}
+
+/// Hands the immediates taken from `key`'s target queue pair to the application as
+/// notifications from its initiator (named `from`, if it said Hello).
+fn hand_over(shared: &ControlShared, from: Option<&str>, key: WireKey, immediates: &[u32]) {
+    let from = from.unwrap_or_default();
+    shared.deliver(immediates.iter().map(|&imm| Notification {
+        from: from.to_string(),
+        incarnation: key.initiator,
+        body: NotificationBody::Immediate(imm),
+    }));
 }

@@ -21,6 +21,11 @@ impl<F: RailFabric> Core<F> {
         if speaker != Some(key.initiator) || key.target != self.me.incarnation {
             return;
         }
+        // Given up before its turn came: it is never answered, so nothing is connected to
+        // a queue pair its initiator has taken out of service.
+        self.unanswered.retain(|waiting| {
+            !(waiting.conn == conn && waiting.key == key && waiting.side.info.qp_num == qp_num)
+        });
         let still_that_one = self
             .passive
             .get(&key)

@@ -227,6 +227,25 @@ pub(super) struct Active<Q> {
     pub(super) last_wanted: Instant,
 }
 
+/// A ConnectQp received and not yet answered (see `turns.rs`).
+pub(super) struct Unanswered {
+    pub(super) conn: ConnId,
+    pub(super) key: WireKey,
+    pub(super) epoch: u64,
+    pub(super) handshake: u64,
+    pub(super) side: QpSide,
+}
+
+/// An endpoint's handshake waiting for its turn to go out (see `turns.rs`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Unsent {
+    pub(super) rail: u16,
+    pub(super) id: EndpointId,
+    pub(super) epoch: Epoch,
+    /// It ends a park.
+    pub(super) woken: bool,
+}
+
 /// An initiator with target queue pairs here and no control connection.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Orphan {
@@ -256,6 +275,10 @@ pub(crate) struct Core<F: RailFabric> {
     pub(super) next_conn: u64,
     /// The open dialed connection to each handshake address.
     pub(super) dialed: Table<SocketAddr, ConnId>,
+    /// When each listener was last heard on a dialed connection that closed since: the
+    /// next one dialed to it counts its silence from then, so a connection lost to a peer
+    /// that stopped answering does not restart the liveness clock.
+    pub(super) heard_before: Table<SocketAddr, Instant>,
     /// Which incarnation listens at each address dialed: the newest Hello's.
     pub(super) listeners: Table<SocketAddr, Incarnation>,
     /// What each peer incarnation's Hello said.
@@ -270,6 +293,15 @@ pub(crate) struct Core<F: RailFabric> {
     /// Handshakes waiting for their reply, by id.
     pub(super) handshakes: Table<u64, (u16, EndpointId)>,
     pub(super) passive: Table<WireKey, Passive<F::Connected>>,
+    /// ConnectQps received and not answered yet, in arrival order.
+    pub(super) unanswered: VecDeque<Unanswered>,
+    /// This side's handshakes waiting to go out, in order.
+    pub(super) unsent: VecDeque<Unsent>,
+    /// ConnectQps answered as they arrive in each turn of the driver before the rest wait
+    /// in `unanswered` for [`Core::answer_handshakes`]; `None`: every one as it arrives.
+    pub(super) turn_budget: Option<usize>,
+    /// ConnectQps answered in this turn.
+    pub(super) answered_this_turn: usize,
     /// This side's fence generation for each initiator it revoked (absent: 0), told in every
     /// ConnectQp reply. Kept for good: an initiator that reconnects after any number of
     /// revokes must still see that one happened.
@@ -317,6 +349,7 @@ impl<F: RailFabric> Core<F> {
             conns: Table::with_hasher(hasher),
             next_conn: 0,
             dialed: Table::with_hasher(hasher),
+            heard_before: Table::with_hasher(hasher),
             listeners: Table::with_hasher(hasher),
             peers: Table::with_hasher(hasher),
             descriptors: P2pDirectory::new(),
@@ -326,6 +359,10 @@ impl<F: RailFabric> Core<F> {
             next_epochs: Table::with_hasher(hasher),
             handshakes: Table::with_hasher(hasher),
             passive: Table::with_hasher(hasher),
+            unanswered: VecDeque::new(),
+            unsent: VecDeque::new(),
+            turn_budget: None,
+            answered_this_turn: 0,
             fences: Table::with_hasher(hasher),
             orphans: Table::with_hasher(hasher),
             redialed: Table::with_hasher(hasher),
@@ -346,6 +383,7 @@ impl<F: RailFabric> Core<F> {
         let hasher = TableHasher(key);
         self.conns = Table::with_hasher(hasher);
         self.dialed = Table::with_hasher(hasher);
+        self.heard_before = Table::with_hasher(hasher);
         self.listeners = Table::with_hasher(hasher);
         self.peers = Table::with_hasher(hasher);
         self.active = Table::with_hasher(hasher);
@@ -404,6 +442,19 @@ impl<F: RailFabric> Core<F> {
         self.actions.push_back(Action::Send { conn, message });
     }
 
+    /// Whether the driver must look every tick at what only polling finds: the immediates
+    /// of passive queue pairs, and the poller's answers about parks (an endpoint woken by
+    /// traffic, or one that waits for room). Everything else comes on a socket or can wait
+    /// for the idle tick.
+    pub(crate) fn polls(&self) -> bool {
+        !self.passive.is_empty()
+            || !self.room_wanted.is_empty()
+            || self
+                .active
+                .values()
+                .any(|active| active.parked || active.parking.is_some())
+    }
+
     /// Endpoints that exist now, on every rail.
     pub(crate) fn endpoint_count(&self) -> usize {
         self.active.len()
@@ -432,6 +483,7 @@ impl<F: RailFabric> Core<F> {
         table_bytes(&self.conns)
             + conns
             + table_bytes(&self.dialed)
+            + table_bytes(&self.heard_before)
             + table_bytes(&self.listeners)
             + table_bytes(&self.peers)
             + names
@@ -443,6 +495,8 @@ impl<F: RailFabric> Core<F> {
             + table_bytes(&self.next_epochs)
             + table_bytes(&self.handshakes)
             + table_bytes(&self.passive)
+            + self.unanswered.capacity() * size_of::<Unanswered>()
+            + self.unsent.capacity() * size_of::<Unsent>()
             + table_bytes(&self.fences)
             + table_bytes(&self.orphans)
             + table_bytes(&self.redialed)

@@ -2493,6 +2493,10 @@ fn immediates_on_a_target_queue_pair_reach_the_application_at_the_next_tick() {
 #[path = "peer_tests.rs"]
 mod peer_tests;
 
+/// Handshake admission (the same network and fake fabric as above).
+#[path = "turns_tests.rs"]
+mod turns_tests;
+
 /// Fails the endpoint's queue pair at `view`'s epoch and lets it reconnect.
 fn reconnect(net: &mut Net, prefill: usize, view: &EndpointView) -> Epoch {
     let failed = view.epoch().expect("connected");

@@ -103,6 +103,13 @@ pub struct SimConfig {
     pub duration: Duration,
     /// How many other processes each one sends transfers to (chosen from the seed).
     pub fanout: usize,
+    /// With `n > 0`, every process sends only to the first `n` processes (the decode
+    /// ranks a whole cluster of prefill ranks writes into): each of them is the target of
+    /// nearly every handshake.
+    pub hot_targets: usize,
+    /// How long a process takes to answer one ConnectQp (creating and connecting its
+    /// queue pair); it answers them one at a time.
+    pub handshake_cost: Duration,
     /// Each process starts a transfer this often.
     pub request_interval: Duration,
     /// A transfer's deadline.
@@ -147,6 +154,8 @@ impl Default for SimConfig {
             seed: 1,
             duration: Duration::from_secs(20),
             fanout: 8,
+            hot_targets: 0,
+            handshake_cost: Duration::from_micros(200),
             request_interval: Duration::from_millis(50),
             request_timeout: Duration::from_secs(5),
             tick: Duration::from_millis(25),
@@ -191,8 +200,10 @@ pub struct SimReport {
     pub wall: Duration,
     /// Events processed.
     pub events: u64,
-    /// ConnectQp handshakes answered.
+    /// ConnectQps received (handshakes, each attempt counted).
     pub handshakes: u64,
+    /// ConnectQps a target told its initiator to wait their turn (`ConnectQpQueued`).
+    pub handshakes_told_to_wait: u64,
     /// Handshakes per simulated second, over the run.
     pub handshakes_per_sec: f64,
     /// The most handshakes one process answered within one simulated second.

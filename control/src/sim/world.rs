@@ -93,6 +93,12 @@ enum Happening {
         slot: usize,
         incarnation: Incarnation,
     },
+    /// The process answers its next waiting ConnectQp (it has been busy with the one
+    /// before for `handshake_cost`).
+    Answer {
+        slot: usize,
+        generation: u32,
+    },
     Sample,
 }
 
@@ -151,6 +157,9 @@ struct Node {
     uses: BTreeMap<usize, Arc<EndpointView>>,
     /// Connects waiting for their answer: (target, answer, deadline).
     opens: Vec<Open>,
+    /// An [`Happening::Answer`] is scheduled: it answers ConnectQps one after another, each
+    /// taking `handshake_cost` of its time.
+    answering: bool,
 }
 
 pub(super) struct World {
@@ -176,8 +185,12 @@ pub(super) struct World {
     next_port: u32,
     trace: Trace,
     report: SimReport,
-    /// Reconnects per (initiator slot, target slot).
+    /// Reconnects per (initiator slot, target slot): ConnectQps after the first between
+    /// two incarnations, but for those that end a park.
     reconnects: BTreeMap<(usize, usize), u64>,
+    /// Incarnation pairs that have sent a ConnectQp, and their parks not yet followed by
+    /// one.
+    attempted: BTreeMap<(Incarnation, Incarnation), u64>,
     /// Pairs that have had a ready endpoint, and how many pairs there are.
     ever_ready: BTreeSet<(usize, usize)>,
     pairs: usize,
@@ -223,6 +236,12 @@ fn fingerprint(message: &Message) -> [u64; 3] {
         Message::Ping { nonce } => [9, *nonce, 0],
         Message::Pong { nonce } => [10, *nonce, 0],
         Message::Auth { .. } => [11, 0, 0],
+        Message::ConnectQpQueued {
+            epoch,
+            handshake,
+            ahead,
+            ..
+        } => [12, *epoch, handshake ^ u64::from(*ahead)],
     }
 }
 
@@ -320,6 +339,7 @@ impl World {
                 ..SimReport::default()
             },
             reconnects: BTreeMap::new(),
+            attempted: BTreeMap::new(),
             ever_ready: BTreeSet::new(),
             pairs: 0,
             converging: BTreeSet::new(),
@@ -331,8 +351,11 @@ impl World {
         };
         let mut choose = SplitMix64::new(world.config.seed ^ 0x07a2_9e75);
         for slot in 0..world.config.peers {
-            let targets =
-                choose_targets(&mut choose, slot, world.config.peers, world.config.fanout);
+            let pool = match world.config.hot_targets {
+                0 => world.config.peers,
+                hot => hot.min(world.config.peers),
+            };
+            let targets = choose_targets(&mut choose, slot, pool, world.config.fanout);
             world.pairs += targets.len();
             let node = world.spawn(slot, 0, targets);
             world.nodes.push(node);
@@ -393,7 +416,7 @@ impl World {
             owner: incarnation,
             rail: 0,
         };
-        let core = Core::new(
+        let mut core = Core::new(
             Identity {
                 name: name.clone(),
                 incarnation,
@@ -406,6 +429,8 @@ impl World {
             vec![fabric],
             shared.clone(),
         );
+        // Every ConnectQp waits for its turn: the simulation charges each its cost.
+        core.take_turns(0);
         self.slot_of_addr.insert(addr, slot);
         self.slot_of_incarnation.insert(incarnation, slot);
         Node {
@@ -423,6 +448,7 @@ impl World {
             next_target: 0,
             uses: BTreeMap::new(),
             opens: Vec::new(),
+            answering: false,
         }
     }
 
@@ -475,12 +501,15 @@ impl World {
                     &[to.2.0, print[0], print[1], print[2]],
                     || format!("conn {} {message:?}", to.2.0),
                 );
-                if matches!(message, Message::ConnectQp { .. }) {
-                    self.count_handshake(to.0);
+                match message {
+                    Message::ConnectQp { .. } => self.count_handshake(to.0),
+                    Message::ConnectQpQueued { .. } => self.report.handshakes_told_to_wait += 1,
+                    _ => {}
                 }
                 let instant = self.instant();
                 self.nodes[to.0].core.received(to.2, message, instant);
                 self.pump(to.0);
+                self.answer_soon(to.0);
             }
             Happening::Closed { to } | Happening::DialFailed { to } => {
                 if !self.live(to.0, to.1) {
@@ -578,12 +607,47 @@ impl World {
             Happening::StopBound { slot, incarnation } => {
                 self.check_stop_detected(slot, incarnation)
             }
+            Happening::Answer { slot, generation } => {
+                if !self.live(slot, generation) {
+                    return;
+                }
+                if self.nodes[slot].stopped {
+                    // Looked at again once it runs.
+                    let next = self.now + micros(self.config.tick).max(1);
+                    return self.at(next, Happening::Answer { slot, generation });
+                }
+                let answered = self.nodes[slot].core.answer_handshakes(1);
+                self.pump(slot);
+                let busy = if answered > 0 {
+                    micros(self.config.handshake_cost)
+                } else {
+                    0
+                };
+                if self.nodes[slot].core.handshakes_unanswered() > 0 {
+                    let next = self.now + busy;
+                    self.at(next, Happening::Answer { slot, generation });
+                } else {
+                    self.nodes[slot].answering = false;
+                }
+            }
             Happening::Sample => {
                 self.sample();
                 let next = self.now + 1_000_000;
                 self.at(next, Happening::Sample);
             }
         }
+    }
+
+    /// Schedules `slot`'s next answer to a ConnectQp unless one is scheduled.
+    fn answer_soon(&mut self, slot: usize) {
+        let node = &mut self.nodes[slot];
+        if node.answering || node.core.handshakes_unanswered() == 0 {
+            return;
+        }
+        node.answering = true;
+        let generation = node.generation;
+        let now = self.now;
+        self.at(now, Happening::Answer { slot, generation });
     }
 
     fn count_handshake(&mut self, slot: usize) {
@@ -596,6 +660,29 @@ impl World {
         window.1 += 1;
         self.report.peak_handshakes_per_sec_into_one =
             self.report.peak_handshakes_per_sec_into_one.max(window.1);
+    }
+
+    /// `slot` offers a queue pair to `target`: after the pair's first, a reconnect, unless
+    /// it ends a park (a parked endpoint woken by traffic is not a reconnect) or `target`
+    /// is dead (retrying a dead peer until its death is known is not a storm: backoff and
+    /// the circuit bound it).
+    fn count_attempt(&mut self, slot: usize, target: Incarnation) {
+        let pair = (self.nodes[slot].incarnation, target);
+        let Some(parks) = self.attempted.get_mut(&pair) else {
+            self.attempted.insert(pair, 0);
+            return;
+        };
+        if *parks > 0 {
+            *parks -= 1;
+            return;
+        }
+        let Some(&target_slot) = self.slot_of_incarnation.get(&target) else {
+            return;
+        };
+        let node = &self.nodes[target_slot];
+        if node.up && node.incarnation == target {
+            *self.reconnects.entry((slot, target_slot)).or_insert(0) += 1;
+        }
     }
 
     /// Carries out everything `slot`'s core asked for.
@@ -616,6 +703,9 @@ impl World {
                 self.dial(slot, conn, addr);
             }
             Action::Send { conn, message } => {
+                if let Message::ConnectQp { key, .. } = &message {
+                    self.count_attempt(slot, key.target);
+                }
                 self.wire_bytes += message.encode().len() as u64;
                 self.send((slot, generation, conn), message);
             }
@@ -872,7 +962,10 @@ impl World {
         model.remote = None;
         model.parked = true;
         model.wanted = false;
+        let peer = model.peer;
         let lost: Vec<u64> = model.in_flight.drain(..).collect();
+        let pair = (self.nodes[slot].incarnation, peer);
+        *self.attempted.entry(pair).or_insert(0) += 1;
         self.report.evictions += 1;
         if !lost.is_empty() {
             self.violation(
@@ -919,15 +1012,8 @@ impl World {
         for &request in retried.iter().rev() {
             model.backlog.push_front(request);
         }
-        let (peer, woken) = (model.peer, model.parked);
         for request in retried {
             self.watch_deadline(request);
-        }
-        if let Some(&target) = self.slot_of_incarnation.get(&peer) {
-            if !woken {
-                // A parked endpoint woken by traffic is not a reconnect.
-                *self.reconnects.entry((slot, target)).or_insert(0) += 1;
-            }
         }
         self.connect(slot, rail, endpoint, epoch);
     }
@@ -1559,9 +1645,10 @@ impl World {
     }
 }
 
-/// `fanout` distinct processes other than `slot`, drawn from `rng` (all others if fewer).
+/// `fanout` distinct processes among the first `peers`, other than `slot`, drawn from `rng`
+/// (all of them if fewer).
 fn choose_targets(rng: &mut SplitMix64, slot: usize, peers: usize, fanout: usize) -> Vec<usize> {
-    let others = peers.saturating_sub(1);
+    let others = peers - usize::from(slot < peers);
     if fanout >= others {
         return (0..peers).filter(|&other| other != slot).collect();
     }
