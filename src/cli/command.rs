@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
-use super::{bench, chaos, master, serve, sim, store, topology};
+use super::{bench, chaos, handshakes, master, serve, sim, store, topology};
 
 /// railyard: zero-copy KV-cache transfer engine.
 #[derive(Debug, Parser)]
@@ -45,6 +45,11 @@ enum Command {
     /// every step and print its figures. Exit status 1 (with the shortest failing trace)
     /// when an invariant broke.
     Sim(sim::SimArgs),
+    /// Measure handshakes per second into one target: hundreds of initiator engines in
+    /// several processes open it at once, round after round (each open a whole handshake);
+    /// prints the rate, each open's p50/p99 and the target's control memory per peer.
+    /// Exit status 1 when an open failed.
+    Handshakes(handshakes::HandshakesArgs),
     /// Serve a registered pool to peers (a transfer target) until stopped.
     Serve(serve::ServeArgs),
     /// The main job: KV-cache-shaped transfers to a target (started here unless --target is
@@ -78,6 +83,8 @@ impl Cli {
                 Command::Chaos(_) | Command::Sim(_) => {
                     EnvFilter::new("warn,railyard::control=error")
                 }
+                // Hundreds of loopback engines: their warnings would bury the figures.
+                Command::Handshakes(_) => EnvFilter::new("error"),
                 _ => EnvFilter::new("warn"),
             }),
         };
@@ -96,6 +103,7 @@ impl Cli {
             }
             Command::Chaos(args) => chaos::run(&args),
             Command::Sim(args) => sim::run(&args),
+            Command::Handshakes(args) => handshakes::run(&args),
             Command::Serve(args) => serve::run(&args).map(|()| std::process::ExitCode::SUCCESS),
             Command::Bench(args) => bench::run(&args).map(|()| std::process::ExitCode::SUCCESS),
             Command::Master(args) => master::run(&args).map(|()| std::process::ExitCode::SUCCESS),

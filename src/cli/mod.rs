@@ -5,6 +5,7 @@ mod chaos;
 mod command;
 mod duration;
 mod engine_args;
+mod handshakes;
 mod master;
 mod serve;
 mod sim;

@@ -53,6 +53,22 @@ pub(crate) struct SimArgs {
     /// [`Policy::max_endpoints_per_rail`]: railyard::control::Policy::max_endpoints_per_rail
     #[arg(long)]
     max_endpoints_per_rail: Option<usize>,
+    /// Send every process's transfers to the first N processes only (a cluster writing
+    /// into a few decode ranks): each of them is the target of nearly every handshake.
+    #[arg(long, default_value_t = 0)]
+    hot_targets: usize,
+    /// How long a process takes to answer one ConnectQp (creating and connecting a queue
+    /// pair); it answers them one at a time.
+    #[arg(long, default_value = "200us", value_parser = parse_duration)]
+    handshake_cost: Duration,
+    /// Handshakes in progress per target and per initiator
+    /// ([`Policy::max_handshakes_per_target`], [`Policy::max_handshakes_per_initiator`]);
+    /// more wait their turn.
+    ///
+    /// [`Policy::max_handshakes_per_target`]: railyard::control::Policy::max_handshakes_per_target
+    /// [`Policy::max_handshakes_per_initiator`]: railyard::control::Policy::max_handshakes_per_initiator
+    #[arg(long, default_value_t = railyard::control::Policy::default().max_handshakes_per_target)]
+    max_handshakes: usize,
     /// Runs a failing seed may take to find its smallest failing run.
     #[arg(long, default_value_t = 60)]
     shrink_budget: usize,
@@ -92,12 +108,19 @@ impl SimArgs {
             }
             policy.max_endpoints_per_rail = cap;
         }
+        if self.max_handshakes == 0 {
+            bail!("--max-handshakes must be at least 1");
+        }
+        policy.max_handshakes_per_target = self.max_handshakes;
+        policy.max_handshakes_per_initiator = self.max_handshakes;
         Ok(SimConfig {
             policy,
             peers: self.peers,
             seed: self.seed,
             duration: self.duration,
             fanout: self.fanout,
+            hot_targets: self.hot_targets,
+            handshake_cost: self.handshake_cost,
             kill_fraction: self.kill_fraction,
             stops: self.stops,
             net: NetFaults {
@@ -211,12 +234,16 @@ fn json(config: &SimConfig, report: &SimReport) -> serde_json::Value {
         "peers": report.peers,
         "seed": config.seed,
         "fanout": config.fanout,
+        "hot_targets": config.hot_targets,
+        "handshake_cost_us": config.handshake_cost.as_secs_f64() * 1e6,
+        "max_handshakes": config.policy.max_handshakes_per_target,
         "simulated_s": report.simulated.as_secs_f64(),
         "wall_s": report.wall.as_secs_f64(),
         "events": report.events,
         "trace_hash": format!("{:016x}", report.trace_hash),
         "handshakes": report.handshakes,
         "handshakes_per_s": report.handshakes_per_sec,
+        "handshakes_told_to_wait": report.handshakes_told_to_wait,
         "peak_handshakes_per_s_into_one": report.peak_handshakes_per_sec_into_one,
         "all_connected_ms": ms(report.all_connected_after),
         "converged_after_restart_ms": ms(report.converged_after_restart),
@@ -254,6 +281,14 @@ fn print_figures(config: &SimConfig, report: &SimReport) {
     println!(
         "handshakes                     {} ({:.0}/s; at most {}/s into one process)",
         report.handshakes, report.handshakes_per_sec, report.peak_handshakes_per_sec_into_one
+    );
+    println!(
+        "handshakes told to wait        {} (at most {} in progress per target, {} per \
+         initiator; {:?} each)",
+        report.handshakes_told_to_wait,
+        config.policy.max_handshakes_per_target,
+        config.policy.max_handshakes_per_initiator,
+        config.handshake_cost
     );
     println!(
         "all pairs connected after      {}",
