@@ -55,10 +55,11 @@ pub struct Policy {
     /// an endpoint that finds every other one busy waits for room (counted in
     /// `endpoint_waits`). Default 1 024.
     pub max_endpoints_per_rail: usize,
-    /// ConnectQps this process, as a target, works on at once. Those beyond wait in
-    /// arrival order, and each one's initiator is told so (`ConnectQpQueued`) and stops its
-    /// handshake timeout: a burst of initiators is answered in turn instead of timing out
-    /// and asking again (a reconnect storm). Default 64.
+    /// ConnectQps this process, as a target, answers per turn of its control loop, and how
+    /// many may wait for their answer before the initiators of the rest are told to wait
+    /// their turn (`ConnectQpQueued`) — which stops their handshake timeout: a burst of
+    /// initiators is answered in order instead of timing out and asking again (a
+    /// reconnect storm). Default 64.
     pub max_handshakes_per_target: usize,
     /// ConnectQps this process, as an initiator, has out at once (to all targets); more
     /// wait here in order, their handshake timeout stopped. Default 64.

@@ -20,9 +20,9 @@ pub enum Protection {
     /// Idle-only eviction: a poller told to park an endpoint frees its queue pair even with
     /// work queued or in flight on it (that work is flushed and fails).
     IdleEviction,
-    /// Handshake admission: every ConnectQp goes out at once and a target answers each in
-    /// turn without telling the initiator it waits, so a burst's tail times out and asks
-    /// again.
+    /// Handshake admission: every ConnectQp goes out at once and a target answers every
+    /// one it received in order (superseded or retired ones too) without telling the
+    /// initiator it waits, so a burst's tail times out and asks again.
     HandshakeAdmission,
     /// The store's read fail-over: a read whose first replica fails is not tried on the
     /// next one.

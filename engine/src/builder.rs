@@ -389,6 +389,7 @@ impl EngineBuilder {
                 slice_size: self.slice_size,
                 deadline: self.deadline,
                 connect_timeout: self.policy.connect_timeout,
+                handshake_queue_timeout: self.policy.handshake_queue_timeout,
                 rails: started.rails,
                 pollers: started.pollers,
                 control: started.control,

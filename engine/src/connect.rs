@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use railyard_control::{Notification, SegmentDescriptor};
+use railyard_control::{EndpointView, Notification, Phase, SegmentDescriptor};
 use railyard_dataplane::Batch;
 
 use super::error::PeerError;
@@ -111,8 +111,8 @@ impl Engine {
                  the record is stale (look the name up again)"
             )));
         }
-        let deadline = Instant::now() + self.inner.connect_timeout;
-        if !first.wait_ready(deadline) {
+        let started = Instant::now();
+        if !self.wait_connected(&first, started) {
             return Err(unreachable(format!(
                 "no queue pair within the connect timeout ({:?})",
                 first.phase()
@@ -136,7 +136,7 @@ impl Engine {
                     view.key.peer
                 )));
             }
-            if !view.wait_ready(deadline) {
+            if !self.wait_connected(&view, started) {
                 return Err(unreachable(format!("rail {rail} did not connect")));
             }
             views.push(view);
@@ -146,6 +146,24 @@ impl Engine {
             views,
             engine: self.incarnation(),
         })
+    }
+
+    /// Waits for `view`'s queue pair: for the connect timeout, and past it for as long as
+    /// its handshake still runs — which, past the connect timeout, means it waits its turn at
+    /// a busy target or behind this side's other handshakes — up to the queue timeout.
+    fn wait_connected(&self, view: &EndpointView, started: Instant) -> bool {
+        let patience = started + self.inner.connect_timeout + self.inner.handshake_queue_timeout;
+        let mut deadline = started + self.inner.connect_timeout;
+        loop {
+            if view.wait_ready(deadline) {
+                return true;
+            }
+            let now = Instant::now();
+            if view.phase() != Phase::Connecting || now >= patience {
+                return false;
+            }
+            deadline = (now + self.inner.connect_timeout).min(patience);
+        }
     }
 
     /// What the segment named `name` last published in the directory (its incarnation,

@@ -435,7 +435,7 @@ impl Collector for EngineMetrics {
         )?;
         family.counter(
             "railyard_handshakes_queued",
-            "Handshakes that waited their turn, here or at their target.",
+            "Handshakes that waited their turn here: behind this process's cap on handshakes out, or as the target that told their initiator to wait.",
             None,
             one(c.handshakes_queued),
         )?;

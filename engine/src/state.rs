@@ -63,6 +63,8 @@ pub(crate) struct Inner {
     pub(crate) slice_size: usize,
     pub(crate) deadline: Duration,
     pub(crate) connect_timeout: Duration,
+    /// How long a handshake may wait its turn past the connect timeout.
+    pub(crate) handshake_queue_timeout: Duration,
     pub(crate) rails: Rails,
     pub(crate) pollers: Vec<Arc<PollerHandle>>,
     pub(crate) control: ControlPlane,

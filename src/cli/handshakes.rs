@@ -8,6 +8,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, ExitCode, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
@@ -48,7 +49,7 @@ pub(crate) struct HandshakesArgs {
 const READY: &str = "ready";
 /// What the parent says to start a round's opens.
 const GO: &str = "go";
-/// How long a child may take to build its engines, or a round to finish.
+/// How long a child may take to build its engines, to answer a line, or to end.
 const STEP: Duration = Duration::from_secs(300);
 
 pub(crate) fn run(args: &HandshakesArgs) -> anyhow::Result<ExitCode> {
@@ -193,7 +194,21 @@ fn child(
 struct Initiators {
     process: Child,
     stdin: ChildStdin,
-    lines: std::io::Lines<BufReader<ChildStdout>>,
+    /// Its stdout's lines, read by a thread of their own so that every wait has a bound.
+    lines: Receiver<std::io::Result<String>>,
+}
+
+/// Reads `stdout`'s lines into a channel until it ends.
+fn lines_of(stdout: ChildStdout) -> Receiver<std::io::Result<String>> {
+    let (send, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            if send.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    lines
 }
 
 impl Initiators {
@@ -222,17 +237,23 @@ impl Initiators {
         Ok(Self {
             process,
             stdin,
-            lines: BufReader::new(stdout).lines(),
+            lines: lines_of(stdout),
         })
     }
 
     fn line(&mut self) -> anyhow::Result<String> {
-        match self.lines.next() {
-            Some(line) => Ok(line?),
-            None => bail!(
-                "an initiator process ended early ({:?})",
-                self.process.try_wait()?
-            ),
+        match self.lines.recv_timeout(STEP) {
+            Ok(line) => Ok(line?),
+            Err(RecvTimeoutError::Timeout) => {
+                let _ = self.process.kill();
+                bail!("an initiator process said nothing for {STEP:?}")
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                bail!(
+                    "an initiator process ended early ({:?})",
+                    self.process.try_wait()?
+                )
+            }
         }
     }
 

@@ -236,7 +236,10 @@ impl<F: RailFabric> Core<F> {
         self.actions.push_back(Action::Close { conn });
         if self.dialed.get(&state.addr) == Some(&conn) {
             self.dialed.remove(&state.addr);
-            self.heard_before.insert(state.addr, state.last_heard);
+            // Only a connection that heard its peer says when it was last heard.
+            if state.peer.is_some() {
+                self.heard_before.insert(state.addr, state.last_heard);
+            }
         }
         let (failed, still_waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
             .into_iter()

@@ -23,9 +23,7 @@ impl<F: RailFabric> Core<F> {
         }
         // Given up before its turn came: it is never answered, so nothing is connected to
         // a queue pair its initiator has taken out of service.
-        self.unanswered.retain(|waiting| {
-            !(waiting.conn == conn && waiting.key == key && waiting.side.info.qp_num == qp_num)
-        });
+        self.forget_unanswered(key, qp_num);
         let still_that_one = self
             .passive
             .get(&key)

@@ -3,7 +3,7 @@
 //! connection (held until the peer proved the cluster secret).
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -297,6 +297,9 @@ pub(crate) struct Core<F: RailFabric> {
     pub(super) unanswered: VecDeque<Unanswered>,
     /// This side's handshakes waiting to go out, in order.
     pub(super) unsent: VecDeque<Unsent>,
+    /// This side's handshakes their target told to wait (by id): taken in, they do not
+    /// count against this side's cap on handshakes out.
+    pub(super) waiting_at_target: BTreeSet<u64>,
     /// ConnectQps answered as they arrive in each turn of the driver before the rest wait
     /// in `unanswered` for [`Core::answer_handshakes`]; `None`: every one as it arrives.
     pub(super) turn_budget: Option<usize>,
@@ -361,6 +364,7 @@ impl<F: RailFabric> Core<F> {
             passive: Table::with_hasher(hasher),
             unanswered: VecDeque::new(),
             unsent: VecDeque::new(),
+            waiting_at_target: BTreeSet::new(),
             turn_budget: None,
             answered_this_turn: 0,
             fences: Table::with_hasher(hasher),
@@ -497,6 +501,12 @@ impl<F: RailFabric> Core<F> {
             + table_bytes(&self.passive)
             + self.unanswered.capacity() * size_of::<Unanswered>()
             + self.unsent.capacity() * size_of::<Unsent>()
+            + self.waiting_at_target.len() * size_of::<u64>() * 3
+            + self
+                .unanswered
+                .iter()
+                .map(|waiting| waiting.side.attachment.len())
+                .sum::<usize>()
             + table_bytes(&self.fences)
             + table_bytes(&self.orphans)
             + table_bytes(&self.redialed)

@@ -36,7 +36,7 @@ use crate::wire::{Message, QpSide, WireKey};
 
 /// Whether handshakes take turns (off only with the `handshake-admission` sabotage switch:
 /// every ConnectQp goes out at once, a target answers every one it received in order,
-/// superseded or not, and tells no initiator to wait).
+/// superseded, retired or not, and tells no initiator to wait).
 fn admission_on() -> bool {
     !sabotage::is_off(Protection::HandshakeAdmission)
 }
@@ -70,7 +70,14 @@ impl<F: RailFabric> Core<F> {
             self.unanswered
                 .retain(|waiting| !(waiting.conn == conn && waiting.key == key));
         }
-        if self.unanswered.len() >= self.policy.max_target_queue_pairs {
+        let from_this_connection = self
+            .unanswered
+            .iter()
+            .filter(|waiting| waiting.conn == conn)
+            .count();
+        if from_this_connection >= self.policy.max_queue_pairs_per_peer
+            || self.unanswered.len() >= self.policy.max_target_queue_pairs
+        {
             bump(&self.shared.counters.refused);
             return self.send(
                 conn,
@@ -80,7 +87,8 @@ impl<F: RailFabric> Core<F> {
                     handshake,
                     fence: self.fences.get(&key.initiator).copied().unwrap_or(0),
                     result: Err(format!(
-                        "{} handshakes wait here already",
+                        "{from_this_connection} handshakes from this connection and {} in all \
+                         wait here already",
                         self.unanswered.len()
                     )),
                 },
@@ -105,6 +113,15 @@ impl<F: RailFabric> Core<F> {
                     ahead: u32::try_from(ahead).unwrap_or(u32::MAX),
                 },
             );
+        }
+    }
+
+    /// Takes the waiting ConnectQp that offers queue pair `qp_num` for `key` out of the
+    /// queue (its initiator retired that queue pair before its turn came).
+    pub(super) fn forget_unanswered(&mut self, key: WireKey, qp_num: u32) {
+        if admission_on() {
+            self.unanswered
+                .retain(|waiting| !(waiting.key == key && waiting.side.info.qp_num == qp_num));
         }
     }
 
@@ -154,6 +171,9 @@ impl<F: RailFabric> Core<F> {
             bump(&self.shared.counters.stray_replies);
             return;
         };
+        // Taken in by the target: it no longer holds one of this side's slots, so one busy
+        // target cannot keep the handshakes to every other peer waiting.
+        self.waiting_at_target.insert(handshake);
         self.handle_input(
             rail,
             id,
@@ -174,7 +194,7 @@ impl<F: RailFabric> Core<F> {
         woken: bool,
         now: Instant,
     ) {
-        let full = self.handshakes.len() >= self.policy.max_handshakes_per_initiator
+        let full = self.handshakes_out() >= self.policy.max_handshakes_per_initiator
             || !self.unsent.is_empty();
         if !(admission_on() && full) {
             return self.create_qp(rail, id, epoch, woken, now);
@@ -191,10 +211,19 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
+    /// This side's handshakes awaiting their reply that count against its cap: all but
+    /// those their target told to wait.
+    fn handshakes_out(&mut self) -> usize {
+        let handshakes = &self.handshakes;
+        self.waiting_at_target
+            .retain(|handshake| handshakes.contains_key(handshake));
+        self.handshakes.len() - self.waiting_at_target.len()
+    }
+
     /// Sends waiting handshakes while this side has fewer out than it may. One whose
     /// endpoint moved on (retired, timed out, another epoch) is dropped.
     pub(super) fn send_waiting_handshakes(&mut self, now: Instant) {
-        while self.handshakes.len() < self.policy.max_handshakes_per_initiator {
+        while self.handshakes_out() < self.policy.max_handshakes_per_initiator {
             let Some(unsent) = self.unsent.pop_front() else {
                 return;
             };

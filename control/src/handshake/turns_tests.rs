@@ -177,3 +177,46 @@ fn a_retire_qp_takes_the_connect_qp_it_names_out_of_the_queue() {
         "nothing connected to it"
     );
 }
+
+/// Caught in review: a handshake its target told to wait kept its slot under this side's
+/// cap, so one busy target held up the handshakes to every other peer.
+#[test]
+fn a_handshake_a_busy_target_queued_does_not_hold_up_those_to_other_peers() {
+    let mut net = Net::new();
+    let busy = net.spawn_with(
+        NAME,
+        addr(1, 7000),
+        11,
+        1,
+        Policy {
+            max_handshakes_per_target: 0,
+            ..policy()
+        },
+    );
+    net.procs[busy].core.take_turns(0);
+    net.spawn("decode-b", addr(1, 7001), 12, 1);
+    let prefill = net.spawn_with(
+        "prefill",
+        addr(2, 7000),
+        20,
+        1,
+        Policy {
+            max_handshakes_per_initiator: 1,
+            ..policy()
+        },
+    );
+    let to_busy = net.connect(prefill, addr(1, 7000));
+    net.settle();
+    let to_busy = to_busy.try_recv().expect("answered").expect("an endpoint");
+    assert_eq!(net.stats(busy).handshakes_queued, 1, "told to wait");
+    let to_idle = net.connect(prefill, addr(1, 7001));
+    net.settle();
+    let to_idle = ready(&to_idle);
+    assert_eq!(to_idle.phase(), Phase::Ready);
+    assert_eq!(to_busy.phase(), Phase::Connecting, "still waiting its turn");
+    assert_eq!(
+        net.stats(prefill).handshakes_queued,
+        0,
+        "nothing waited here"
+    );
+}
