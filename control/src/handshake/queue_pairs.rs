@@ -9,7 +9,7 @@ use railyard_dataplane::fabric::tcp::TcpAttachment;
 use railyard_dataplane::sabotage::{self, Protection};
 use railyard_dataplane::{Command, EndpointId, Epoch, Event};
 
-use super::state::{Action, ConnId, Core, Passive, PeerInfo, Pending, Table, warning};
+use super::state::{Action, ConnId, Core, Passive, Pending, warning};
 use crate::directory::Directory;
 use crate::endpoint::{Incarnation, Input, Output, Phase};
 use crate::rail::{PeerLink, RailFabric};
@@ -284,9 +284,10 @@ impl<F: RailFabric> Core<F> {
         }
     }
 
-    /// Creates endpoint `id`'s queue pair at `epoch` and sends its ConnectQp with a fresh
-    /// handshake id (fetching the descriptor first on a reconnect, on the same ordered
-    /// connection); `woken`: it ends a park (see `eviction.rs`), which is not a reconnect — nothing failed, nothing
+    /// Creates a queue pair for `epoch` and sends its ConnectQp with a fresh handshake id
+    /// (fetching the descriptor first on a reconnect, on the same ordered connection).
+    /// Creates endpoint `id`'s queue pair at `epoch` and offers it to the peer; `woken`: it
+    /// ends a park (see `eviction.rs`), which is not a reconnect — nothing failed, nothing
     /// is counted or warned about, and the peer's descriptor is not fetched again.
     pub(super) fn create_qp(
         &mut self,
@@ -582,12 +583,18 @@ impl<F: RailFabric> Core<F> {
         // and the table touched again only for those that had something.
         let mut broke = Vec::new();
         for (&key, passive) in &mut self.passive {
-            let taken = hand_over(
-                (&self.fabrics, &self.peers, &self.shared),
-                key,
-                &mut passive.qp,
-                &mut self.immediates,
-            );
+            let Some(fabric) = self.fabrics.get(usize::from(key.target_rail)) else {
+                continue;
+            };
+            self.immediates.clear();
+            let taken = fabric.take_immediates(&mut passive.qp, &mut self.immediates);
+            if !self.immediates.is_empty() {
+                let from = self
+                    .peers
+                    .get(&key.initiator)
+                    .map(|info| info.name.as_str());
+                hand_over(&self.shared, from, key, &self.immediates);
+            }
             if let Err(reason) = taken {
                 broke.push((key, reason));
             }
@@ -618,42 +625,29 @@ impl<F: RailFabric> Core<F> {
         key: WireKey,
         qp: &mut F::Connected,
     ) -> Result<(), String> {
-        hand_over(
-            (&self.fabrics, &self.peers, &self.shared),
-            key,
-            qp,
-            &mut self.immediates,
-        )
+        let Some(fabric) = self.fabrics.get(usize::from(key.target_rail)) else {
+            return Ok(());
+        };
+        self.immediates.clear();
+        let taken = fabric.take_immediates(qp, &mut self.immediates);
+        if !self.immediates.is_empty() {
+            let from = self
+                .peers
+                .get(&key.initiator)
+                .map(|info| info.name.as_str());
+            hand_over(&self.shared, from, key, &self.immediates);
+        }
+        taken
     }
 }
 
-/// Takes the immediates that arrived on `qp` (`key`'s target queue pair, on one of
-/// `fabrics`) into the scratch `immediates` and hands them to the application as
-/// notifications from its initiator (named as `peers` know it). A free function: the caller
-/// may be walking the table that holds `qp`.
-///
-/// # Errors
-/// The fabric's reason when the queue pair is broken.
-fn hand_over<F: RailFabric>(
-    (fabrics, peers, shared): (&[F], &Table<Incarnation, PeerInfo>, &ControlShared),
-    key: WireKey,
-    qp: &mut F::Connected,
-    immediates: &mut Vec<u32>,
-) -> Result<(), String> {
-    let Some(fabric) = fabrics.get(usize::from(key.target_rail)) else {
-        return Ok(());
-    };
-    immediates.clear();
-    let taken = fabric.take_immediates(qp, immediates);
-    if !immediates.is_empty() {
-        let from = peers
-            .get(&key.initiator)
-            .map_or("", |info| info.name.as_str());
-        shared.deliver(immediates.iter().map(|&imm| Notification {
-            from: from.to_string(),
-            incarnation: key.initiator,
-            body: NotificationBody::Immediate(imm),
-        }));
-    }
-    taken
+/// Hands the immediates taken from `key`'s target queue pair to the application as
+/// notifications from its initiator (named `from`, if it said Hello).
+fn hand_over(shared: &ControlShared, from: Option<&str>, key: WireKey, immediates: &[u32]) {
+    let from = from.unwrap_or_default();
+    shared.deliver(immediates.iter().map(|&imm| Notification {
+        from: from.to_string(),
+        incarnation: key.initiator,
+        body: NotificationBody::Immediate(imm),
+    }));
 }
