@@ -30,12 +30,16 @@ pub enum Protection {
     /// The store master's leader fencing: its journal is written whatever the term, and a
     /// leader whose lease lapsed goes on serving.
     StoreLeaderFencing,
+    /// The store master's term fences: a new master's rebuilt segments take replicas at
+    /// once, before earlier terms' writers are fenced there (their late writes land on
+    /// space the new term handed out again).
+    StoreTermFences,
 }
 
 #[cfg(feature = "sabotage")]
 impl Protection {
     /// Every protection a switch can turn off.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::EpochCheck,
         Self::IdempotentReplies,
         Self::Liveness,
@@ -44,6 +48,7 @@ impl Protection {
         Self::HandshakeAdmission,
         Self::StoreReadFailover,
         Self::StoreLeaderFencing,
+        Self::StoreTermFences,
     ];
 
     /// Its name in [`ENV`].
@@ -57,6 +62,7 @@ impl Protection {
             Self::HandshakeAdmission => "handshake-admission",
             Self::StoreReadFailover => "store-read-failover",
             Self::StoreLeaderFencing => "store-leader-fencing",
+            Self::StoreTermFences => "store-term-fences",
         }
     }
 }

@@ -2,15 +2,13 @@
 //! endpoints, the actions it queues for the driver, and how a frame is queued on a
 //! connection (held until the peer proved the cluster secret).
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::hash::{BuildHasher, Hasher};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
-use railyard_dataplane::rng::SplitMix64;
+use railyard_dataplane::rng::{KeyedHasher, SplitMix64};
 use railyard_dataplane::{Command, EndpointId, Epoch};
 
 use crate::auth::ClusterSecret;
@@ -43,25 +41,8 @@ macro_rules! warning {
 }
 pub(super) use warning;
 
-/// The hasher of the core's tables: SipHash with a key written first. Iteration over a
-/// table (timers, retirements, evictions) depends only on the key and on what happened: the
-/// simulation keys it with its seed and replays bit for bit; a running control plane keys it
-/// at random ([`Core::key_tables`]), so peers cannot choose keys that collide.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct TableHasher(u64);
-
-impl BuildHasher for TableHasher {
-    type Hasher = DefaultHasher;
-
-    fn build_hasher(&self) -> DefaultHasher {
-        let mut hasher = DefaultHasher::new();
-        hasher.write_u64(self.0);
-        hasher
-    }
-}
-
 /// A table of the core's, iterated in an order fixed by its seed.
-pub(crate) type Table<K, V> = HashMap<K, V, TableHasher>;
+pub(crate) type Table<K, V> = HashMap<K, V, KeyedHasher>;
 
 /// The memory a table holds at its capacity: its entries and a control byte each.
 fn table_bytes<K, V>(table: &Table<K, V>) -> usize {
@@ -342,7 +323,7 @@ impl<F: RailFabric> Core<F> {
         fabrics: Vec<F>,
         shared: Arc<ControlShared>,
     ) -> Self {
-        let hasher = TableHasher(seed ^ me.incarnation.0);
+        let hasher = KeyedHasher(seed ^ me.incarnation.0);
         Self {
             rng: SplitMix64::new(seed ^ me.incarnation.0),
             me,
@@ -382,9 +363,9 @@ impl<F: RailFabric> Core<F> {
     }
 
     /// Keys every table with `key` (drawn at random by a running control plane; see
-    /// [`TableHasher`]). Called before the core is fed anything: the tables are empty.
+    /// [`KeyedHasher`]). Called before the core is fed anything: the tables are empty.
     pub(crate) fn key_tables(&mut self, key: u64) {
-        let hasher = TableHasher(key);
+        let hasher = KeyedHasher(key);
         self.conns = Table::with_hasher(hasher);
         self.dialed = Table::with_hasher(hasher);
         self.heard_before = Table::with_hasher(hasher);

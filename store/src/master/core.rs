@@ -9,6 +9,8 @@
 use serde::{Deserialize, Serialize};
 
 use std::collections::{HashMap, HashSet, VecDeque};
+
+use railyard_engine::dataplane::rng::KeyedHasher;
 use std::time::{Duration, Instant};
 
 use crate::config::{MasterPolicy, ReplicaConfig};
@@ -189,12 +191,12 @@ pub(super) struct PendingFence {
 pub struct MasterCore {
     pub(super) policy: MasterPolicy,
     pub(super) segments: Segments,
-    pub(super) objects: HashMap<String, Object>,
+    pub(super) objects: HashMap<String, Object, KeyedHasher>,
     next_put: u64,
     next_fence: u64,
     /// Logical time of reads and completed writes, for least-recently-used eviction.
     pub(super) clock: u64,
-    pub(super) fences: HashMap<FenceId, PendingFence>,
+    pub(super) fences: HashMap<FenceId, PendingFence, KeyedHasher>,
     /// Replicas no reader can be pointed at any more but one may still be reading, freed
     /// when the lease they were handed out under ends.
     pub(super) retired: Vec<(Instant, Replica)>,
@@ -203,19 +205,22 @@ pub struct MasterCore {
     /// When segments' recent reads were last halved (none before the first tick).
     load_decayed: Option<Instant>,
     /// Members that contribute segments, by liveness.
-    pub(super) members: HashMap<ClientId, Member>,
+    pub(super) members: HashMap<ClientId, Member, KeyedHasher>,
     /// Why writes the master let go of ended (answered to a late put-end or put-revoke),
     /// kept until then.
-    ended: HashMap<PutId, (Instant, StoreErrorKind)>,
+    ended: HashMap<PutId, (Instant, StoreErrorKind), KeyedHasher>,
     /// The leader's term (0: a master with no journal). Put ids start at `term << 32`, so
     /// a write placed by an earlier master is never taken for one of this term's.
     pub(super) term: u64,
     /// What changed since the journal last took it (`None`: no journal).
     pub(super) dirty: Option<Dirty>,
     /// Clients that started writes this term (written down once each).
-    writers: HashSet<ClientId>,
+    writers: HashSet<ClientId, KeyedHasher>,
     /// Writers of earlier terms: their term and the fences against them still awaited.
-    pub(super) old_writers: HashMap<ClientId, (u64, u32)>,
+    pub(super) old_writers: HashMap<ClientId, (u64, u32), KeyedHasher>,
+    /// The fences against each earlier term's writer, some perhaps done since (a writer
+    /// that attaches releases its own at once, whatever the number of segments).
+    pub(super) fences_against: HashMap<ClientId, Vec<FenceId>, KeyedHasher>,
     /// When the owners are asked to fence earlier terms' writers that did not attach.
     pub(super) term_fences_due: Option<Instant>,
     /// When fences against earlier terms' writers stop holding segments back, done or not
@@ -227,24 +232,33 @@ pub struct MasterCore {
 impl MasterCore {
     /// A master with no segment.
     pub fn new(policy: MasterPolicy) -> Self {
+        Self::keyed(policy, KeyedHasher::random())
+    }
+
+    /// A master with no segment whose tables are keyed with `tables`: the same key and the
+    /// same calls give the same answers, in the same order (the simulation replays a seed
+    /// bit for bit); [`Self::new`] keys them at random, so clients cannot choose keys that
+    /// collide.
+    pub fn keyed(policy: MasterPolicy, tables: KeyedHasher) -> Self {
         Self {
             policy,
             segments: Segments::default(),
-            objects: HashMap::new(),
+            objects: HashMap::with_hasher(tables),
             next_put: 0,
             next_fence: 0,
             clock: 0,
-            fences: HashMap::new(),
+            fences: HashMap::with_hasher(tables),
             retired: Vec::new(),
             actions: VecDeque::new(),
             counters: MasterCounters::default(),
             load_decayed: None,
-            members: HashMap::new(),
-            ended: HashMap::new(),
+            members: HashMap::with_hasher(tables),
+            ended: HashMap::with_hasher(tables),
             term: 0,
             dirty: None,
-            writers: HashSet::new(),
-            old_writers: HashMap::new(),
+            writers: HashSet::with_hasher(tables),
+            old_writers: HashMap::with_hasher(tables),
+            fences_against: HashMap::with_hasher(tables),
             term_fences_due: None,
             term_fences_expire: None,
         }

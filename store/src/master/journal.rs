@@ -11,6 +11,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::time::Instant;
 
+use railyard_engine::dataplane::rng::KeyedHasher;
+use railyard_engine::dataplane::sabotage::{self, Protection};
+
 use crate::config::MasterPolicy;
 use crate::master::core::{FenceId, MasterAction, MasterCore, PendingFence};
 use crate::master::objects::{Dirty, Object, PutId, Replica, Version};
@@ -201,7 +204,18 @@ impl MasterCore {
         term: u64,
         now: Instant,
     ) -> (Self, RebuildReport) {
-        let mut core = Self::new(policy);
+        Self::rebuild_keyed(policy, snapshot, term, now, KeyedHasher::random())
+    }
+
+    /// [`Self::rebuild`], with tables keyed as [`Self::keyed`] keys them.
+    pub fn rebuild_keyed(
+        policy: MasterPolicy,
+        snapshot: Snapshot,
+        term: u64,
+        now: Instant,
+        tables: KeyedHasher,
+    ) -> (Self, RebuildReport) {
+        let mut core = Self::keyed(policy, tables);
         core.term = term;
         core.enable_journal();
         let mut report = RebuildReport::default();
@@ -292,12 +306,15 @@ impl MasterCore {
                 if owner == client {
                     continue;
                 }
-                core.new_fence(PendingFence {
+                let fence = core.new_fence(PendingFence {
                     segment,
                     extents: Vec::new(),
                     writer: Some(client),
                 });
-                if let Some(segment) = core.segments.get_mut(segment) {
+                core.fences_against.entry(client).or_default().push(fence);
+                if let Some(segment) = core.segments.get_mut(segment)
+                    && !sabotage::is_off(Protection::StoreTermFences)
+                {
                     segment.fences_awaited += 1;
                 }
                 pending += 1;
@@ -328,15 +345,11 @@ impl MasterCore {
 
     /// Lets segments take replicas again as far as `client`'s fences go.
     fn release_term_fences(&mut self, client: ClientId) {
-        let fences: Vec<(FenceId, SegmentId)> = self
-            .fences
-            .iter()
-            .filter(|(_, pending)| pending.writer == Some(client))
-            .map(|(&fence, pending)| (fence, pending.segment))
-            .collect();
-        for (fence, segment) in fences {
-            self.fences.remove(&fence);
-            if let Some(segment) = self.segments.get_mut(segment) {
+        for fence in self.fences_against.remove(&client).unwrap_or_default() {
+            let Some(pending) = self.fences.remove(&fence) else {
+                continue;
+            };
+            if let Some(segment) = self.segments.get_mut(pending.segment) {
                 segment.fences_awaited = segment.fences_awaited.saturating_sub(1);
             }
         }
@@ -384,6 +397,7 @@ impl MasterCore {
 
     /// A writer of an earlier term is fenced on every segment: its record may go.
     pub(super) fn forget_writer(&mut self, client: ClientId) {
+        self.fences_against.remove(&client);
         if let Some((term, _)) = self.old_writers.remove(&client)
             && let Some(dirty) = self.dirty.as_mut()
         {

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::time::Instant;
 
 use crate::master::segments::{ClientId, SegmentId};
@@ -77,7 +77,7 @@ pub(crate) struct Dirty {
     /// The same keys, to touch each once.
     pub(crate) touched: HashSet<String>,
     /// Segments mounted or gone.
-    pub(crate) segments: HashSet<SegmentId>,
+    pub(crate) segments: BTreeSet<SegmentId>,
     /// Clients that started their first write of this term.
     pub(crate) writers: Vec<ClientId>,
     /// Writers of earlier terms fenced everywhere, with their term.
