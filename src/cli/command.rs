@@ -80,8 +80,10 @@ impl Cli {
             // Chaos scenarios provoke control-plane warnings on purpose (their report counts
             // them): by default it shows only the rest.
             None => EnvFilter::try_from_default_env().unwrap_or_else(|_| match self.command {
-                Command::Chaos(_) | Command::Sim(_) => {
-                    EnvFilter::new("warn,railyard::control=error")
+                Command::Chaos(_) => EnvFilter::new("warn,railyard::control=error"),
+                // The simulation's faults make the store's master warn too.
+                Command::Sim(_) => {
+                    EnvFilter::new("warn,railyard::control=error,railyard_store=error")
                 }
                 // Hundreds of loopback engines: their warnings would bury the figures.
                 Command::Handshakes(_) => EnvFilter::new("error"),

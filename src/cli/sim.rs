@@ -1,7 +1,8 @@
 //! `railyard sim`: the deterministic simulation of the control plane
 //! ([`railyard::control::sim`]) — thousands of processes' handshake cores on one thread,
 //! over a simulated network and clock, under kills, stops, partitions and lost leases —
-//! and its figures; a run that breaks an invariant is shrunk and its trace printed.
+//! with the store's master beside them ([`railyard_store::sim`]), and its figures; a run
+//! that breaks an invariant is shrunk and its trace printed.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -9,6 +10,7 @@ use std::time::Duration;
 use anyhow::bail;
 use clap::Args;
 use railyard::control::sim::{self, NetFaults, SimConfig, SimReport};
+use railyard_store::sim::StoreSimConfig;
 
 use super::duration::parse_duration;
 
@@ -69,6 +71,10 @@ pub(crate) struct SimArgs {
     /// [`Policy::max_handshakes_per_initiator`]: railyard::control::Policy::max_handshakes_per_initiator
     #[arg(long, default_value_t = railyard::control::Policy::default().max_handshakes_per_target)]
     max_handshakes: usize,
+    /// Leave the store out: by default every process is also a store client, and two
+    /// masters (the real master core, failing over through a modelled etcd) serve them.
+    #[arg(long)]
+    no_store: bool,
     /// Runs a failing seed may take to find its smallest failing run.
     #[arg(long, default_value_t = 60)]
     shrink_budget: usize,
@@ -131,6 +137,11 @@ impl SimArgs {
             },
             directory: !self.no_directory,
             record_trace: self.trace,
+            services: if self.no_store {
+                Vec::new()
+            } else {
+                vec![StoreSimConfig::default().service()]
+            },
             ..SimConfig::default()
         })
     }
@@ -263,6 +274,11 @@ fn json(config: &SimConfig, report: &SimReport) -> serde_json::Value {
         "failed": report.failed,
         "reprepared": report.reprepared,
         "connects_failed": report.connects_failed,
+        "services": report.services.iter().map(|service| (
+            service.name.to_string(),
+            serde_json::Value::Object(service.figures.iter().map(|(name, value)| (name.to_string(), serde_json::json!(value)))
+                .collect()),
+        )).collect::<serde_json::Map<_, _>>(),
         "violations": report.violations.iter().map(|v| serde_json::json!({
             "at_ms": v.at.as_secs_f64() * 1e3,
             "invariant": v.invariant,
@@ -327,6 +343,14 @@ fn print_figures(config: &SimConfig, report: &SimReport) {
         report.requests, report.completed, report.failed_fast, report.failed, report.reprepared
     );
     println!("connects failed                {}", report.connects_failed);
+    for service in &report.services {
+        let figures: Vec<String> = service
+            .figures
+            .iter()
+            .map(|(name, value)| format!("{name} {value}"))
+            .collect();
+        println!("{:<31}{}", service.name, figures.join(", "));
+    }
     println!(
         "invariants                     {}",
         if report.passed() {

@@ -69,6 +69,7 @@ pub mod master;
 mod metrics;
 pub mod protocol;
 pub mod server;
+pub mod sim;
 mod time;
 
 pub use client::{LocalRange, Store, StoreOptions};

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use super::service::{ServiceFactory, ServiceReport};
 use crate::policy::Policy;
 
 /// What the simulated network does to control messages.
@@ -145,6 +146,9 @@ pub struct SimConfig {
     pub max_state_per_peer: usize,
     /// Keep every event's line (for printing a trace); otherwise only the hash.
     pub record_trace: bool,
+    /// Services simulated beside the control plane (the store's master), on the same
+    /// clock, processes and faults.
+    pub services: Vec<ServiceFactory>,
 }
 
 impl Default for SimConfig {
@@ -172,6 +176,7 @@ impl Default for SimConfig {
             max_reconnects_per_pair: 4,
             max_state_per_peer: 16 << 10,
             record_trace: false,
+            services: Vec::new(),
         }
     }
 }
@@ -243,6 +248,8 @@ pub struct SimReport {
     pub failed_by_eviction: u64,
     /// Application connects that failed.
     pub connects_failed: u64,
+    /// What each service simulated beside the control plane reported.
+    pub services: Vec<ServiceReport>,
     /// What broke, in order.
     pub violations: Vec<Violation>,
     /// Every event's line, with `record_trace`.

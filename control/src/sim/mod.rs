@@ -28,6 +28,11 @@
 //! run (fewer faults, fewer peers, less time, a quieter network) that still breaks it, and
 //! its trace is what `railyard sim` prints.
 //!
+//! Other crates' sans-IO state machines run beside the cores as [`SimService`]s (the
+//! store's master, `railyard_store::sim`), on the same clock, processes, faults and trace:
+//! the world tells a service when a process dies, restarts, stops or resumes, wakes it when
+//! it asked to be woken, and records the violations of its own invariants with the rest.
+//!
 //! The model poller is a model: it checks the control plane's side of the contract (what
 //! it hands pollers, and when), not the data plane's code, which its own tests and loom
 //! models cover.
@@ -35,10 +40,12 @@
 mod config;
 mod fabric;
 mod model;
+mod service;
 mod shrink;
 mod trace;
 mod world;
 
 pub use config::{Fault, FaultKind, NetFaults, SimConfig, SimReport, Violation};
+pub use service::{ProcessView, ServiceFactory, ServiceReport, ServiceWorld, SimService};
 pub use shrink::{Shrunk, shrink};
 pub use world::{faults, simulate};

@@ -18,6 +18,7 @@ use railyard_dataplane::{Command, EndpointId, Epoch, Event};
 use super::config::{Fault, FaultKind, SimConfig, SimReport, Violation};
 use super::fabric::{Registry, SimFabric, lock};
 use super::model::{ModelEndpoint, ModelRail, Request};
+use super::service::{ProcessView, ServiceReport, ServiceWorld, SimService};
 use super::trace::Trace;
 use crate::endpoint::{Incarnation, Phase};
 use crate::error::ControlError;
@@ -100,6 +101,11 @@ enum Happening {
         generation: u32,
     },
     Sample,
+    /// A wake-up a service asked for.
+    Service {
+        service: usize,
+        token: u64,
+    },
 }
 
 struct Scheduled {
@@ -203,6 +209,8 @@ pub(super) struct World {
     /// Handshakes answered per slot in the current simulated second.
     handshake_window: HashMap<usize, (u64, u64)>,
     wire_bytes: u64,
+    /// Services simulated beside the control plane (each taken out while it is called).
+    services: Vec<Option<Box<dyn SimService>>>,
 }
 
 fn micros(duration: Duration) -> Micros {
@@ -347,6 +355,11 @@ impl World {
             stopped_since: BTreeMap::new(),
             handshake_window: HashMap::new(),
             wire_bytes: 0,
+            services: config
+                .services
+                .iter()
+                .map(|factory| Some(factory.make(&config)))
+                .collect(),
             config,
         };
         let mut choose = SplitMix64::new(world.config.seed ^ 0x07a2_9e75);
@@ -366,7 +379,82 @@ impl World {
             world.at(at, Happening::Fault(index));
         }
         world.at(1_000_000, Happening::Sample);
+        world.call_services(|service, view| service.start(view));
         world
+    }
+
+    /// Calls every service in turn with its view of the world.
+    fn call_services(&mut self, mut call: impl FnMut(&mut dyn SimService, &mut ServiceWorld<'_>)) {
+        for index in 0..self.services.len() {
+            self.call_service(index, &mut call);
+        }
+    }
+
+    fn call_service(
+        &mut self,
+        index: usize,
+        call: &mut impl FnMut(&mut dyn SimService, &mut ServiceWorld<'_>),
+    ) {
+        let Some(mut service) = self.services[index].take() else {
+            return;
+        };
+        call(
+            service.as_mut(),
+            &mut ServiceWorld {
+                world: self,
+                service: index,
+            },
+        );
+        self.services[index] = Some(service);
+    }
+
+    pub(super) fn elapsed(&self) -> Duration {
+        Duration::from_micros(self.now)
+    }
+
+    pub(super) fn instant_now(&self) -> Instant {
+        self.instant()
+    }
+
+    pub(super) fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    pub(super) fn process_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub(super) fn process_view(&self, slot: usize) -> ProcessView {
+        let node = &self.nodes[slot];
+        ProcessView {
+            incarnation: node.incarnation.0,
+            up: node.up,
+            stopped: node.stopped,
+        }
+    }
+
+    pub(super) fn partitioned(&self, a: usize, b: usize) -> bool {
+        self.cut(a, b).is_some()
+    }
+
+    pub(super) fn wake_service(&mut self, service: usize, delay: Duration, token: u64) {
+        let at = self.now + micros(delay);
+        self.at(at, Happening::Service { service, token });
+    }
+
+    pub(super) fn trace_event(
+        &mut self,
+        slot: usize,
+        what: &'static str,
+        fields: &[u64],
+        line: impl FnOnce() -> String,
+    ) {
+        let now = self.now;
+        self.trace.event(now, slot, what, fields, line);
+    }
+
+    pub(super) fn report_violation(&mut self, invariant: &'static str, detail: String) {
+        self.violation(invariant, detail);
     }
 
     fn instant(&self) -> Instant {
@@ -599,6 +687,7 @@ impl World {
                     self.handle(waiting);
                 }
                 self.pump(slot);
+                self.call_services(|service, view| service.process_changed(slot, view));
             }
             Happening::LeaseBack { slot, incarnation } => {
                 let name = self.nodes[slot].name.clone();
@@ -634,6 +723,9 @@ impl World {
                 self.sample();
                 let next = self.now + 1_000_000;
                 self.at(next, Happening::Sample);
+            }
+            Happening::Service { service, token } => {
+                self.call_service(service, &mut |service, view| service.wake(token, view));
             }
         }
     }
@@ -1460,6 +1552,7 @@ impl World {
                         generation,
                     },
                 );
+                self.call_services(|service, view| service.process_changed(peer, view));
             }
             FaultKind::Partition { peers, duration } => {
                 let side: BTreeSet<usize> = peers.into_iter().collect();
@@ -1515,6 +1608,7 @@ impl World {
         }
         self.requests
             .retain(|_, request| request.node != (slot, generation));
+        self.call_services(|service, view| service.process_changed(slot, view));
     }
 
     fn restart(&mut self, slot: usize) {
@@ -1541,6 +1635,7 @@ impl World {
                 self.converging.insert((other, slot));
             }
         }
+        self.call_services(|service, view| service.process_changed(slot, view));
     }
 
     fn check_stop_detected(&mut self, slot: usize, incarnation: Incarnation) {
@@ -1605,6 +1700,17 @@ impl World {
 
     fn finish(mut self, wall: Instant) -> SimReport {
         self.sample();
+        let mut services = Vec::new();
+        let names: Vec<&'static str> = self.config.services.iter().map(|f| f.name).collect();
+        for (index, name) in names.into_iter().enumerate() {
+            self.call_service(index, &mut |service, view| {
+                services.push(ServiceReport {
+                    name,
+                    figures: service.finish(view),
+                });
+            });
+        }
+        self.report.services = services;
         let mut overdue: Vec<u64> = self
             .requests
             .iter()
