@@ -320,8 +320,7 @@ fn without_term_fences_the_simulation_reads_another_objects_bytes_after_a_failov
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
     let _off = sabotage::turn_off(Protection::StoreTermFences);
-    let broken: Vec<String> = [21, 22, 23]
-        .into_iter()
+    let broken: Vec<String> = (21..=26)
         .flat_map(|seed| store_simulation(seed).violations)
         .map(|violation| violation.invariant.to_string())
         .collect();

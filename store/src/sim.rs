@@ -1,4 +1,4 @@
-//! The store's master in the deterministic simulation (`railyard sim --store`): the real
+//! The store's master in the deterministic simulation (`railyard sim`): the real
 //! [`MasterCore`] (placement, leases, eviction, members' liveness, fences, the journal and
 //! rebuilding from it) run on the control plane's simulated clock, against the same
 //! processes and the same faults, in the same trace.
@@ -65,7 +65,7 @@ pub struct StoreSimConfig {
     pub kill_leader_at: Option<f64>,
     /// When (a share of the run) the leading master is stopped, for two leases.
     pub stop_leader_at: Option<f64>,
-    /// Writers whose poller stalls (descheduled, swapped out) across each fault of the
+    /// Writers (drawn with replacement: up to this many) whose poller stalls (descheduled, swapped out) across each fault of the
     /// leader, from just before it until a new leader has taken over: their writes wait in
     /// the poller, then land, long after their put timed out and in another term — the
     /// zombie writes a new master must fence before it reuses their space.
@@ -118,9 +118,13 @@ const MASTER_TICK: Duration = Duration::from_millis(50);
 /// for each to have started a put through the old leader.
 const STALL_LEAD: Duration = Duration::from_millis(300);
 
-/// How long past the leader's lease the stalled writers' pollers stay stalled: a new
-/// leader has taken over by then, and their writes are still within their deadline.
-const STALL_PAST_LEASE: Duration = Duration::from_secs(1);
+/// How long past the leader's lease the stalled writers' pollers stay stalled, at least: a
+/// new leader has taken over by then.
+const STALL_PAST_LEASE_MIN: Duration = Duration::from_millis(500);
+
+/// And at most this much longer: past when the new leader asks the owners to fence
+/// (its silence bound after taking over), and still within the writes' deadline.
+const STALL_PAST_LEASE_SPREAD: Duration = Duration::from_millis(1800);
 
 /// Keys kept for gets, per client.
 const RECENT_KEYS_PER_CLIENT: usize = 4;
@@ -550,9 +554,14 @@ impl StoreSim {
         let (client, state) = self.ops.remove(&op)?;
         if let Some(slot) = self.clients.get_mut(client.0)
             && slot.incarnation == client.1
-            && slot.busy == Some(op)
         {
-            slot.busy = None;
+            if slot.busy == Some(op) {
+                slot.busy = None;
+            }
+            if matches!(state, Op::Mount) {
+                // Unanswered: the next tick mounts again.
+                slot.mounting = false;
+            }
         }
         Some((client, state))
     }
@@ -1051,6 +1060,10 @@ impl StoreSim {
         let Some(write) = self.writes.remove(&id) else {
             return;
         };
+        if !Self::alive(world, write.writer) {
+            // Its queue pairs went with its process.
+            return;
+        }
         let writer = &mut self.clients[write.writer.0];
         if writer.incarnation == write.writer.1 {
             writer.writes_out = writer.writes_out.saturating_sub(1);
@@ -1106,6 +1119,9 @@ impl StoreSim {
     }
 
     fn write_acked(&mut self, world: &mut ServiceWorld<'_>, client: Caller, op: u64, ok: bool) {
+        if !Self::alive(world, client) {
+            return;
+        }
         if self.frozen(world, client) {
             // Its poller reports it once it runs.
             return self.schedule(world, RECHECK, Event::WriteAcked { client, op, ok });
@@ -1299,6 +1315,11 @@ impl StoreSim {
             return;
         };
         let client = *client;
+        if !Self::alive(world, client) {
+            // Died with it.
+            self.end_op(op);
+            return;
+        }
         if self.frozen(world, client) {
             // Its engine reports once it runs.
             return self.schedule(world, RECHECK, Event::OpTimeout { op });
@@ -1329,10 +1350,15 @@ impl StoreSim {
             && (process.stopped || world.now() < self.clients[client.0].stalled_until)
     }
 
-    /// Stalls the pollers of a few running writers until a new leader has taken over.
+    /// Stalls the pollers of a few running writers until a new leader has taken over:
+    /// some until before the new leader asks the owners to fence earlier terms' writers
+    /// (their writes meet segments still held back), some until after (their writes meet
+    /// the owners' fences).
     fn stall_writers(&mut self, world: &mut ServiceWorld<'_>) {
-        let until = world.now() + STALL_LEAD + self.config.leader_lease + STALL_PAST_LEASE;
         for _ in 0..self.config.stalled_writers {
+            let past_lease = STALL_PAST_LEASE_MIN
+                + Duration::from_micros(self.rng.below(STALL_PAST_LEASE_SPREAD.as_micros() as u64));
+            let until = world.now() + STALL_LEAD + self.config.leader_lease + past_lease;
             let slot = self.rng.below(self.clients.len() as u64) as usize;
             let client = (slot, self.clients[slot].incarnation);
             if Self::alive(world, client) {

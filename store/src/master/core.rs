@@ -280,9 +280,11 @@ impl MasterCore {
         }
     }
 
-    /// Starts waiting for a fence; returns its id.
+    /// Starts waiting for a fence; returns its id. Like a put id, it carries the term: an
+    /// owner reporting an earlier master's fence to this one never completes another fence
+    /// that happens to have the same number.
     pub(super) fn new_fence(&mut self, pending: PendingFence) -> FenceId {
-        let fence = FenceId(self.next_fence);
+        let fence = FenceId(((self.term & TERM_BITS) << 32) | (self.next_fence & TERM_BITS));
         self.next_fence += 1;
         self.fences.insert(fence, pending);
         fence

@@ -310,3 +310,44 @@ fn a_writer_that_attaches_with_nothing_in_flight_is_not_fenced_by_the_owners() {
         "its record names the new term"
     );
 }
+
+#[test]
+fn an_earlier_masters_fence_reported_to_a_new_one_completes_none_of_its_fences() {
+    let now = Instant::now();
+    let policy = MasterPolicy::default();
+    let mut old = MasterCore::new(policy.clone());
+    old.enable_journal();
+    for (owner, name) in [(100, "s0"), (101, "s1")] {
+        old.mount_segment(ClientId(owner), spec(name, name, 1 << 40, 64 * MIB), now)
+            .expect("mounts");
+    }
+    put(&mut old, "done", 4096, &one(2), now);
+    // A write left behind: past the put timeout the old master asks the owners to fence.
+    old.put_start(WRITER, "left", 4096, &one(2), now)
+        .expect("put-start");
+    old.tick(now + policy.put_timeout);
+    let Some(MasterAction::Fence { fence, owner, .. }) = old.next_action() else {
+        panic!("the owners are asked to fence the writer");
+    };
+    let mut written = Written::default();
+    written.apply(old.take_journal());
+    let (mut new, report) = MasterCore::rebuild(policy.clone(), written.snapshot(), 5, now);
+    assert_eq!(
+        report.fences, 2,
+        "one per segment against the earlier writer"
+    );
+    new.heard(ClientId(100), now);
+    new.heard(ClientId(101), now);
+    // The owner reports the old master's fence to the new one (after it attached again).
+    assert_eq!(
+        new.fence_owner(fence),
+        None,
+        "not one of this term's fences"
+    );
+    new.fenced(fence);
+    assert_eq!(
+        kind(new.put_start(ClientId(7), "next", 4096, &one(1), now)),
+        StoreErrorKind::SegmentsNotReady { asked: 1, ready: 0 },
+        "both segments still wait for {owner:?}'s and the other owner's fences"
+    );
+}
