@@ -75,6 +75,10 @@ pub(crate) struct SimArgs {
     /// masters (the real master core, failing over through a modelled etcd) serve them.
     #[arg(long)]
     no_store: bool,
+    /// How many processes (the first ones) are also store clients: a new master's term
+    /// fences grow with the square of the store's members.
+    #[arg(long, default_value_t = StoreSimConfig::default().clients)]
+    store_clients: usize,
     /// Runs a failing seed may take to find its smallest failing run.
     #[arg(long, default_value_t = 60)]
     shrink_budget: usize,
@@ -140,7 +144,13 @@ impl SimArgs {
             services: if self.no_store {
                 Vec::new()
             } else {
-                vec![StoreSimConfig::default().service()]
+                vec![
+                    StoreSimConfig {
+                        clients: self.store_clients,
+                        ..StoreSimConfig::default()
+                    }
+                    .service(),
+                ]
             },
             ..SimConfig::default()
         })

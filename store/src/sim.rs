@@ -46,6 +46,11 @@ use crate::master::{
 pub struct StoreSimConfig {
     /// Master processes standing for election.
     pub masters: usize,
+    /// How many processes (the first ones) are store clients. A new master holds a fence
+    /// per earlier writer and segment until they are done, so the store's cost grows with
+    /// the square of its clients: ten thousand processes run with a thousand of them in
+    /// the store.
+    pub clients: usize,
     /// The leader's lease in the modelled etcd.
     pub leader_lease: Duration,
     /// Each client starts a put or a get this often (one at a time).
@@ -78,6 +83,7 @@ impl Default for StoreSimConfig {
     fn default() -> Self {
         Self {
             masters: 2,
+            clients: 1000,
             leader_lease: Duration::from_secs(1),
             op_interval: Duration::from_millis(200),
             op_timeout: Duration::from_secs(4),
@@ -1476,8 +1482,9 @@ impl StoreSim {
 
 impl SimService for StoreSim {
     fn start(&mut self, world: &mut ServiceWorld<'_>) {
-        self.clients = (0..world.processes()).map(|_| Client::default()).collect();
-        for slot in 0..world.processes() {
+        let clients = world.processes().min(self.config.clients);
+        self.clients = (0..clients).map(|_| Client::default()).collect();
+        for slot in 0..clients {
             self.start_client(slot, world);
         }
         for master in 0..self.masters.len() {
@@ -1512,6 +1519,9 @@ impl SimService for StoreSim {
     }
 
     fn process_changed(&mut self, slot: usize, world: &mut ServiceWorld<'_>) {
+        if slot >= self.clients.len() {
+            return;
+        }
         let process = world.process(slot);
         let known = self.clients[slot].incarnation;
         let now = world.now();
