@@ -30,7 +30,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
-use railyard_engine::control::sim::{ServiceFactory, ServiceWorld, SimConfig, SimService};
+use railyard_engine::control::sim::{ServiceFactory, ServiceWorld, SimService};
 use railyard_engine::dataplane::rng::{KeyedHasher, SplitMix64};
 use railyard_engine::dataplane::sabotage::{self, Protection};
 
@@ -108,8 +108,8 @@ impl Default for StoreSimConfig {
 impl StoreSimConfig {
     /// This store as a service of the control plane's simulation.
     pub fn service(self) -> ServiceFactory {
-        ServiceFactory::new("store", move |sim: &SimConfig| {
-            Box::new(StoreSim::new(self.clone(), sim.seed, sim.duration))
+        ServiceFactory::new("store", move |seed, duration| {
+            Box::new(StoreSim::new(self.clone(), seed, duration))
         })
     }
 }
@@ -484,9 +484,9 @@ impl StoreSim {
 
     /// A one-way network latency, drawn as the control path's are.
     fn latency(&mut self, world: &ServiceWorld<'_>) -> Duration {
-        let net = &world.config().net;
-        let spread = net.latency_max.saturating_sub(net.latency_min).as_micros() as u64;
-        net.latency_min + Duration::from_micros(self.rng.below(spread + 1))
+        let (shortest, longest) = world.latency_range();
+        let spread = longest.saturating_sub(shortest).as_micros() as u64;
+        shortest + Duration::from_micros(self.rng.below(spread + 1))
     }
 
     fn chance(&mut self, probability: f64) -> bool {

@@ -7,9 +7,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::config::SimConfig;
-use super::world::World;
-
 /// A state machine simulated beside the control plane. Each call gets the world's view
 /// ([`ServiceWorld`]): the time, the processes, the network's partitions, and ways to ask
 /// for a wake-up, trace an event and report a violation.
@@ -27,8 +24,8 @@ pub trait SimService {
     fn finish(&mut self, world: &mut ServiceWorld<'_>) -> Vec<(&'static str, f64)>;
 }
 
-/// Makes a service for a run's configuration.
-type MakeService = dyn Fn(&SimConfig) -> Box<dyn SimService> + Send + Sync;
+/// Makes a service for a run, given its seed and how long it runs.
+type MakeService = dyn Fn(u64, Duration) -> Box<dyn SimService> + Send + Sync;
 
 /// Makes a fresh service for each run of a configuration (shrinking runs it many times).
 #[derive(Clone)]
@@ -39,10 +36,10 @@ pub struct ServiceFactory {
 }
 
 impl ServiceFactory {
-    /// A factory named `name` that calls `make` with the run's configuration.
+    /// A factory named `name` that calls `make` with the run's seed and duration.
     pub fn new(
         name: &'static str,
-        make: impl Fn(&SimConfig) -> Box<dyn SimService> + Send + Sync + 'static,
+        make: impl Fn(u64, Duration) -> Box<dyn SimService> + Send + Sync + 'static,
     ) -> Self {
         Self {
             name,
@@ -50,8 +47,8 @@ impl ServiceFactory {
         }
     }
 
-    pub(super) fn make(&self, config: &SimConfig) -> Box<dyn SimService> {
-        (self.make)(config)
+    pub(super) fn make(&self, seed: u64, duration: Duration) -> Box<dyn SimService> {
+        (self.make)(seed, duration)
     }
 }
 
@@ -89,9 +86,29 @@ pub struct ProcessView {
     pub stopped: bool,
 }
 
+/// What the world offers its services (the world implements it; a service sees it through
+/// [`ServiceWorld`]).
+pub(super) trait Host {
+    fn elapsed(&self) -> Duration;
+    fn instant_now(&self) -> Instant;
+    fn latency_range(&self) -> (Duration, Duration);
+    fn process_count(&self) -> usize;
+    fn process_view(&self, slot: usize) -> ProcessView;
+    fn partitioned(&self, a: usize, b: usize) -> bool;
+    fn wake_service(&mut self, service: usize, delay: Duration, token: u64);
+    fn trace_event(
+        &mut self,
+        slot: usize,
+        what: &'static str,
+        fields: &[u64],
+        line: Box<dyn FnOnce() -> String + '_>,
+    );
+    fn report_violation(&mut self, invariant: &'static str, detail: String);
+}
+
 /// The world, as a service's call sees it.
 pub struct ServiceWorld<'w> {
-    pub(super) world: &'w mut World,
+    pub(super) world: &'w mut dyn Host,
     pub(super) service: usize,
 }
 
@@ -106,9 +123,9 @@ impl ServiceWorld<'_> {
         self.world.instant_now()
     }
 
-    /// The run's configuration.
-    pub fn config(&self) -> &SimConfig {
-        self.world.config()
+    /// The shortest and longest one-way latency of the simulated network.
+    pub fn latency_range(&self) -> (Duration, Duration) {
+        self.world.latency_range()
     }
 
     /// Processes (slots), killed ones included.
@@ -139,7 +156,7 @@ impl ServiceWorld<'_> {
         fields: &[u64],
         line: impl FnOnce() -> String,
     ) {
-        self.world.trace_event(slot, what, fields, line);
+        self.world.trace_event(slot, what, fields, Box::new(line));
     }
 
     /// Reports that `invariant` broke.

@@ -18,7 +18,7 @@ use railyard_dataplane::{Command, EndpointId, Epoch, Event};
 use super::config::{Fault, FaultKind, SimConfig, SimReport, Violation};
 use super::fabric::{Registry, SimFabric, lock};
 use super::model::{ModelEndpoint, ModelRail, Request};
-use super::service::{ProcessView, ServiceReport, ServiceWorld, SimService};
+use super::service::{Host, ProcessView, ServiceReport, ServiceWorld, SimService};
 use super::trace::Trace;
 use crate::endpoint::{Incarnation, Phase};
 use crate::error::ControlError;
@@ -358,7 +358,7 @@ impl World {
             services: config
                 .services
                 .iter()
-                .map(|factory| Some(factory.make(&config)))
+                .map(|factory| Some(factory.make(config.seed, config.duration)))
                 .collect(),
             config,
         };
@@ -406,55 +406,6 @@ impl World {
             },
         );
         self.services[index] = Some(service);
-    }
-
-    pub(super) fn elapsed(&self) -> Duration {
-        Duration::from_micros(self.now)
-    }
-
-    pub(super) fn instant_now(&self) -> Instant {
-        self.instant()
-    }
-
-    pub(super) fn config(&self) -> &SimConfig {
-        &self.config
-    }
-
-    pub(super) fn process_count(&self) -> usize {
-        self.nodes.len()
-    }
-
-    pub(super) fn process_view(&self, slot: usize) -> ProcessView {
-        let node = &self.nodes[slot];
-        ProcessView {
-            incarnation: node.incarnation.0,
-            up: node.up,
-            stopped: node.stopped,
-        }
-    }
-
-    pub(super) fn partitioned(&self, a: usize, b: usize) -> bool {
-        self.cut(a, b).is_some()
-    }
-
-    pub(super) fn wake_service(&mut self, service: usize, delay: Duration, token: u64) {
-        let at = self.now + micros(delay);
-        self.at(at, Happening::Service { service, token });
-    }
-
-    pub(super) fn trace_event(
-        &mut self,
-        slot: usize,
-        what: &'static str,
-        fields: &[u64],
-        line: impl FnOnce() -> String,
-    ) {
-        let now = self.now;
-        self.trace.event(now, slot, what, fields, line);
-    }
-
-    pub(super) fn report_violation(&mut self, invariant: &'static str, detail: String) {
-        self.violation(invariant, detail);
     }
 
     fn instant(&self) -> Instant {
@@ -1748,6 +1699,57 @@ impl World {
         self.report.trace = self.trace.take_lines();
         self.report.wall = wall.elapsed();
         self.report
+    }
+}
+
+impl Host for World {
+    fn elapsed(&self) -> Duration {
+        Duration::from_micros(self.now)
+    }
+
+    fn instant_now(&self) -> Instant {
+        self.instant()
+    }
+
+    fn latency_range(&self) -> (Duration, Duration) {
+        (self.config.net.latency_min, self.config.net.latency_max)
+    }
+
+    fn process_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    fn process_view(&self, slot: usize) -> ProcessView {
+        let node = &self.nodes[slot];
+        ProcessView {
+            incarnation: node.incarnation.0,
+            up: node.up,
+            stopped: node.stopped,
+        }
+    }
+
+    fn partitioned(&self, a: usize, b: usize) -> bool {
+        self.cut(a, b).is_some()
+    }
+
+    fn wake_service(&mut self, service: usize, delay: Duration, token: u64) {
+        let at = self.now + micros(delay);
+        self.at(at, Happening::Service { service, token });
+    }
+
+    fn trace_event(
+        &mut self,
+        slot: usize,
+        what: &'static str,
+        fields: &[u64],
+        line: Box<dyn FnOnce() -> String + '_>,
+    ) {
+        let now = self.now;
+        self.trace.event(now, slot, what, fields, line);
+    }
+
+    fn report_violation(&mut self, invariant: &'static str, detail: String) {
+        self.violation(invariant, detail);
     }
 }
 
