@@ -3,7 +3,8 @@
 //! rebuilding from it) run on the control plane's simulated clock, against the same
 //! processes and the same faults, in the same trace.
 //!
-//! Every simulated process is also a store client: it mounts a segment of its memory, puts
+//! Every simulated process (the first [`StoreSimConfig::clients`]) is also a store client:
+//! it mounts a segment of its memory, puts
 //! values (placed by the master, written replica by replica, then put-end) and gets them
 //! back (a lease from the master, then a read of one replica). Two master processes
 //! stand for election through a modelled etcd: one leads under a lease it renews, its
@@ -14,10 +15,12 @@
 //! What the model does on the master's behalf follows what `server.rs`, `failover.rs` and
 //! the client do: a master answers only while its last renewal is within three quarters
 //! of its lease, and a journal commit succeeds only under the current term; a writer
-//! submits nothing past its ticket's expiry, and its engine stops what it can reach when it
-//! reports a write failed (writes held by a partition or by a stopped writer's poller land
-//! later — the zombies an owner's revoke must stop); an owner told to fence a writer drops
-//! every write of it submitted before the fence.
+//! submits nothing past its ticket's expiry; its engine lets no write land after the
+//! write's deadline or after it reported the write failed, but writes waiting in a stopped
+//! or stalled writer's poller land when it runs again, after their put may have been
+//! abandoned and in another term (the zombies an owner's fence must stop); an owner told to
+//! fence a writer drops every write of it submitted before the fence; a killed process's
+//! writes die with it.
 //!
 //! Checked at every step:
 //!
@@ -48,8 +51,7 @@ pub struct StoreSimConfig {
     pub masters: usize,
     /// How many processes (the first ones) are store clients. A new master holds a fence
     /// per earlier writer and segment until they are done, so the store's cost grows with
-    /// the square of its clients: ten thousand processes run with a thousand of them in
-    /// the store.
+    /// the square of its clients: by default a thousand are, however many processes run.
     pub clients: usize,
     /// The leader's lease in the modelled etcd.
     pub leader_lease: Duration,
@@ -70,10 +72,11 @@ pub struct StoreSimConfig {
     pub kill_leader_at: Option<f64>,
     /// When (a share of the run) the leading master is stopped, for two leases.
     pub stop_leader_at: Option<f64>,
-    /// Writers (drawn with replacement: up to this many) whose poller stalls (descheduled, swapped out) across each fault of the
-    /// leader, from just before it until a new leader has taken over: their writes wait in
-    /// the poller, then land, long after their put timed out and in another term — the
-    /// zombie writes a new master must fence before it reuses their space.
+    /// Writers (drawn with replacement: up to this many) whose poller stalls (descheduled,
+    /// swapped out) across each fault of the leader, from just before it until a new
+    /// leader has taken over: their writes wait in the poller, then land, long after their
+    /// put timed out and in another term — the zombie writes a new master must fence
+    /// before it reuses their space.
     pub stalled_writers: usize,
     /// The masters' policy.
     pub policy: MasterPolicy,
