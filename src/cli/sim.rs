@@ -71,8 +71,9 @@ pub(crate) struct SimArgs {
     /// [`Policy::max_handshakes_per_initiator`]: railyard::control::Policy::max_handshakes_per_initiator
     #[arg(long, default_value_t = railyard::control::Policy::default().max_handshakes_per_target)]
     max_handshakes: usize,
-    /// Leave the store out: by default every process is also a store client, and two
-    /// masters (the real master core, failing over through a modelled etcd) serve them.
+    /// Leave the store out: by default processes are also store clients (see
+    /// `--store-clients`), and two masters (the real master core, failing over through a
+    /// modelled etcd) serve them.
     #[arg(long)]
     no_store: bool,
     /// How many processes (the first ones) are also store clients: a new master's term
@@ -120,6 +121,9 @@ impl SimArgs {
         }
         if self.max_handshakes == 0 {
             bail!("--max-handshakes must be at least 1");
+        }
+        if self.store_clients == 0 && !self.no_store {
+            bail!("--store-clients must be at least 1 (--no-store leaves the store out)");
         }
         policy.max_handshakes_per_target = self.max_handshakes;
         policy.max_handshakes_per_initiator = self.max_handshakes;

@@ -1364,6 +1364,9 @@ impl StoreSim {
     /// (their writes meet segments still held back), some until after (their writes meet
     /// the owners' fences).
     fn stall_writers(&mut self, world: &mut ServiceWorld<'_>) {
+        if self.clients.is_empty() {
+            return;
+        }
         for _ in 0..self.config.stalled_writers {
             let past_lease = STALL_PAST_LEASE_MIN
                 + Duration::from_micros(self.rng.below(STALL_PAST_LEASE_SPREAD.as_micros() as u64));
