@@ -194,9 +194,10 @@ fn store_figure(report: &SimReport, name: &str) -> f64 {
 
 /// The store's master (the real core) beside the control plane: two masters failing over
 /// through the modelled etcd (the leader killed, then stopped), writers whose pollers stall
-/// across each failover, processes killed and stopped under it. Every read within its
-/// lease sees its own value, no replica is handed out on a silent member, one term answers
-/// at a time, and the run replays bit for bit.
+/// across each failover, processes killed and stopped under it, connections to the master
+/// reset by lost messages. Every read within its lease sees its own value, no replica is
+/// handed out on a silent member, one term answers at a time, and the run replays bit for
+/// bit.
 #[test]
 fn the_store_master_fails_over_and_holds_its_invariants_in_the_simulation() {
     for seed in [21, 22, 23] {
@@ -205,11 +206,22 @@ fn the_store_master_fails_over_and_holds_its_invariants_in_the_simulation() {
             seed,
             duration: Duration::from_secs(12),
             services: vec![StoreSimConfig::default().service()],
+            // Lossier than the default: the store's connections to the master reset too.
+            net: NetFaults {
+                loss: 0.001,
+                ..NetFaults::default()
+            },
             ..SimConfig::default()
         };
         let report = run(&config);
         let figure = |name| store_figure(&report, name);
         assert_eq!(figure("terms"), 3.0, "the leader was killed, then stopped");
+        assert!(figure("connection_resets") > 0.0, "{:?}", report.services);
+        assert!(
+            figure("quiesced_after_resolving") > 0.0,
+            "writers that attached with writes out said so once they resolved: {:?}",
+            report.services
+        );
         assert!(figure("reads_verified") > 1000.0, "{:?}", report.services);
         assert!(
             figure("puts_completed") > 2.0 * figure("puts_failed"),

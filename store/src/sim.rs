@@ -20,7 +20,12 @@
 //! or stalled writer's poller land when it runs again, after their put may have been
 //! abandoned and in another term (the zombies an owner's fence must stop); an owner told to
 //! fence a writer drops every write of it submitted before the fence; a killed process's
-//! writes die with it.
+//! writes die with it. A lost message resets its client's TCP connection to the master:
+//! the operation waiting on it fails, the master sees the connection end (a client stays
+//! connected while a newer connection of its is open), and the client attaches again. A
+//! client that attaches (to a new leader, or after a reset) with writes still out starts
+//! nothing until they resolve, then says it is quiesced; it writes no ticket answered on
+//! a connection it has left.
 //!
 //! Checked at every step:
 //!
@@ -195,6 +200,8 @@ enum Event {
         master: usize,
         generation: u32,
         from: Caller,
+        /// The connection it came on.
+        link: u64,
         op: Option<u64>,
         ask: Ask,
     },
@@ -250,6 +257,9 @@ struct Master {
     stopped: bool,
     /// What reached it while stopped, in order.
     inbox: Vec<Event>,
+    /// Each client's newest connection to it, by incarnation: an older one closing
+    /// leaves the client connected (the server's last-connection rule).
+    links: BTreeMap<u64, u64>,
     leading: Option<Leading>,
 }
 
@@ -328,8 +338,15 @@ struct Client {
     incarnation: u64,
     segment: Option<SegmentId>,
     mounting: bool,
-    /// The term it is attached to.
+    /// The term it is attached to (`None`: its connection reset, it attaches again).
     attached: Option<u64>,
+    /// Its connection to the master, numbered: a new one each time it attaches. A ticket
+    /// answered on an earlier one is not written (the client's `MasterChanged`).
+    link: u64,
+    /// It attached with writes of earlier connections still out: it starts nothing until
+    /// they resolve, then tells the master it is quiesced — unless this deadline passed
+    /// first (the client's `attach_again`).
+    resolving_until: Option<Duration>,
     /// Its memory: the write that last landed at each byte range, by first byte.
     memory: BTreeMap<u64, (u64, u64)>,
     /// Writers it fenced, and when: their writes submitted before then never land.
@@ -365,6 +382,8 @@ enum Op {
     PutStart {
         key: String,
         sent: Duration,
+        /// The connection it was asked on.
+        link: u64,
     },
     Writing {
         key: String,
@@ -397,6 +416,9 @@ struct Counts {
     misses: u64,
     timeouts: u64,
     refused: u64,
+    connection_resets: u64,
+    tickets_of_a_left_connection: u64,
+    quiesced_after_resolving: u64,
     terms: u64,
     commits_refused: u64,
     fences: u64,
@@ -453,6 +475,7 @@ impl StoreSim {
                 up: true,
                 stopped: false,
                 inbox: Vec::new(),
+                links: BTreeMap::new(),
                 leading: None,
             })
             .collect();
@@ -525,7 +548,8 @@ impl StoreSim {
         self.etcd.leader_now(world.now())
     }
 
-    /// Sends `ask` from `from` to the leader (if any) as operation `op`.
+    /// Sends `ask` from `from` to the leader (if any) as operation `op`, on its current
+    /// connection. A lost message resets the connection.
     fn ask(&mut self, world: &mut ServiceWorld<'_>, from: Caller, op: Option<u64>, ask: Ask) {
         let Some((master, generation, _)) = self.leader(world) else {
             self.counts.no_leader += 1;
@@ -534,6 +558,10 @@ impl StoreSim {
             }
             return;
         };
+        if self.chance(world.connection_loss()) {
+            return self.connection_reset(world, master, from, op);
+        }
+        let link = self.clients[from.0].link;
         let delay = self.latency(world);
         self.schedule(
             world,
@@ -542,8 +570,49 @@ impl StoreSim {
                 master,
                 generation,
                 from,
+                link,
                 op,
                 ask,
+            },
+        );
+    }
+
+    /// `client`'s connection to `master` lost a message, so TCP resets it: the operation
+    /// waiting on it fails, the master sees the connection end, and the client attaches
+    /// again on a new connection at its next tick.
+    fn connection_reset(
+        &mut self,
+        world: &mut ServiceWorld<'_>,
+        master: usize,
+        client: Caller,
+        op: Option<u64>,
+    ) {
+        if self.clients[client.0].incarnation != client.1 || !Self::alive(world, client) {
+            return;
+        }
+        self.counts.connection_resets += 1;
+        if let Some((_, Op::PutStart { .. } | Op::PutEnd { .. })) =
+            op.and_then(|op| self.end_op(op))
+        {
+            self.counts.puts_failed += 1;
+        }
+        let link = self.clients[client.0].link;
+        self.clients[client.0].attached = None;
+        world.trace(client.0, "store-reset", &[master as u64, link], || {
+            format!("connection #{link} to master {master} resets")
+        });
+        let generation = self.masters[master].generation;
+        let delay = self.latency(world);
+        self.schedule(
+            world,
+            delay,
+            Event::AtMaster {
+                master,
+                generation,
+                from: client,
+                link,
+                op: None,
+                ask: Ask::Disconnected,
             },
         );
     }
@@ -594,24 +663,19 @@ impl StoreSim {
         };
         let slot = client.0;
         if self.clients[slot].attached != Some(term) {
-            // A new leader: what the old one placed is given up (nothing more of it is
-            // submitted); with no write of ours still out, say so.
-            self.clients[slot].attached = Some(term);
-            let abandoned: Vec<u64> = self
-                .ops
-                .iter()
-                .filter(|(_, (owner, op))| *owner == client && matches!(op, Op::Writing { .. }))
-                .map(|(&id, _)| id)
-                .collect();
-            for op in abandoned {
-                self.end_op(op);
-            }
-            let ask = if self.clients[slot].writes_out == 0 {
-                Ask::Quiesced
+            self.attach(world, client, term);
+        }
+        if let Some(until) = self.clients[slot].resolving_until {
+            let now = world.now();
+            if self.clients[slot].writes_out == 0 || now > until {
+                self.clients[slot].resolving_until = None;
+                if self.clients[slot].writes_out == 0 {
+                    self.counts.quiesced_after_resolving += 1;
+                    return self.ask(world, client, None, Ask::Quiesced);
+                }
             } else {
-                Ask::Ping
-            };
-            self.ask(world, client, None, ask);
+                return self.ask(world, client, None, Ask::Ping);
+            }
         }
         if self.clients[slot].busy.is_some() {
             return self.ask(world, client, None, Ask::Ping);
@@ -648,6 +712,7 @@ impl StoreSim {
                 Op::PutStart {
                     key: key.clone(),
                     sent,
+                    link: self.clients[slot].link,
                 },
             );
             self.ask(world, client, Some(op), Ask::PutStart { key });
@@ -657,6 +722,32 @@ impl StoreSim {
             self.counts.gets += 1;
             let op = self.begin(world, client, Op::Get { key: key.clone() });
             self.ask(world, client, Some(op), Ask::Get { key });
+        }
+    }
+
+    /// `client` attaches to the leader of `term` on a new connection (a new leader, or its
+    /// connection reset): what the connections before placed is given up (nothing more of
+    /// it is submitted). With no write of its still out it says so at once; otherwise it
+    /// waits for them to resolve first.
+    fn attach(&mut self, world: &mut ServiceWorld<'_>, client: Caller, term: u64) {
+        let slot = client.0;
+        self.clients[slot].attached = Some(term);
+        self.clients[slot].link += 1;
+        let abandoned: Vec<u64> = self
+            .ops
+            .iter()
+            .filter(|(_, (owner, op))| *owner == client && matches!(op, Op::Writing { .. }))
+            .map(|(&id, _)| id)
+            .collect();
+        for op in abandoned {
+            self.end_op(op);
+        }
+        if self.clients[slot].writes_out == 0 {
+            self.ask(world, client, None, Ask::Quiesced);
+        } else {
+            let until = world.now() + self.config.op_timeout + crate::client::RESOLVE_GRACE;
+            self.clients[slot].resolving_until = Some(until);
+            self.ask(world, client, None, Ask::Ping);
         }
     }
 
@@ -808,16 +899,20 @@ impl StoreSim {
         &mut self,
         world: &mut ServiceWorld<'_>,
         master: usize,
-        from: Caller,
+        (from, link): (Caller, u64),
         op: Option<u64>,
         ask: Ask,
     ) {
         let now = world.now();
         let instant = world.instant();
+        let newest = self.masters[master].links.entry(from.1).or_insert(link);
+        *newest = (*newest).max(link);
+        // A connection older than the newest ending leaves the client connected.
+        let last_connection_ends = matches!(ask, Ask::Disconnected) && link == *newest;
         if !self.still_leads(world, master) {
             if let Some(op) = op {
                 self.counts.refused += 1;
-                self.reply(world, from, op, Answer::Refused);
+                self.reply(world, master, from, op, Answer::Refused);
             }
             return;
         }
@@ -827,9 +922,9 @@ impl StoreSim {
         let (term, since) = (leading.term, leading.since);
         let client = ClientId(from.1);
         let core = &mut leading.core;
-        if matches!(ask, Ask::Disconnected) {
+        if last_connection_ends {
             core.disconnected(client, instant);
-        } else {
+        } else if !matches!(ask, Ask::Disconnected) {
             core.heard(client, instant);
             self.heard_in.insert(from.1, term);
         }
@@ -871,7 +966,7 @@ impl StoreSim {
         if !self.after_core(world, master) {
             if let Some(op) = op {
                 self.counts.refused += 1;
-                self.reply(world, from, op, Answer::Refused);
+                self.reply(world, master, from, op, Answer::Refused);
             }
             return;
         }
@@ -894,7 +989,7 @@ impl StoreSim {
             }
             _ => {}
         }
-        self.reply(world, from, op, answer);
+        self.reply(world, master, from, op, answer);
     }
 
     /// No replica handed out lives on a member silent (dead or stopped) for longer than
@@ -932,7 +1027,18 @@ impl StoreSim {
         }
     }
 
-    fn reply(&mut self, world: &mut ServiceWorld<'_>, client: Caller, op: u64, answer: Answer) {
+    /// `master` answers operation `op` of `client`. A lost answer resets the connection.
+    fn reply(
+        &mut self,
+        world: &mut ServiceWorld<'_>,
+        master: usize,
+        client: Caller,
+        op: u64,
+        answer: Answer,
+    ) {
+        if self.chance(world.connection_loss()) {
+            return self.connection_reset(world, master, client, Some(op));
+        }
         let delay = self.latency(world);
         self.schedule(world, delay, Event::AtClient { client, op, answer });
     }
@@ -959,9 +1065,19 @@ impl StoreSim {
                 self.clients[client.0].mounting = false;
                 self.clients[client.0].busy = None;
             }
-            (Op::PutStart { key, sent }, Answer::Ticket(Ok(ticket))) => {
+            (Op::PutStart { key, sent, link }, Answer::Ticket(Ok(ticket)))
+                if link == self.clients[client.0].link =>
+            {
                 let expires = sent + ticket.expires_in;
                 self.write_replicas(world, client, op, key, ticket, expires);
+            }
+            (Op::PutStart { key, .. }, Answer::Ticket(Ok(ticket))) => {
+                // Placed through a connection it has left: nothing of it is submitted.
+                self.counts.tickets_of_a_left_connection += 1;
+                self.counts.puts_failed += 1;
+                self.clients[client.0].busy = None;
+                let put = ticket.put;
+                self.ask(world, client, None, Ask::PutRevoke { key, put });
             }
             (Op::PutEnd { key }, Answer::Done(Ok(()))) => {
                 self.counts.puts_completed += 1;
@@ -1422,6 +1538,7 @@ impl StoreSim {
                 master,
                 generation,
                 from,
+                link,
                 op,
                 ask,
             } => {
@@ -1434,11 +1551,12 @@ impl StoreSim {
                         master,
                         generation,
                         from,
+                        link,
                         op,
                         ask,
                     });
                 }
-                self.at_master(world, master, from, op, ask);
+                self.at_master(world, master, (from, link), op, ask);
             }
             Event::AtClient { client, op, answer } => self.at_client(world, client, op, answer),
             Event::WriteArrives { write } => self.write_arrives(world, write),
@@ -1469,6 +1587,7 @@ impl StoreSim {
                 node.generation += 1;
                 node.up = true;
                 node.stopped = false;
+                node.links.clear();
                 let generation = node.generation;
                 self.schedule(world, MASTER_TICK, Event::MasterTick { master, generation });
             }
@@ -1543,6 +1662,7 @@ impl SimService for StoreSim {
                         master,
                         generation,
                         from: (slot, known),
+                        link: self.clients[slot].link,
                         op: None,
                         ask: Ask::Disconnected,
                     },
@@ -1577,6 +1697,15 @@ impl SimService for StoreSim {
             ("misses", counts.misses as f64),
             ("timeouts", counts.timeouts as f64),
             ("refused", counts.refused as f64),
+            ("connection_resets", counts.connection_resets as f64),
+            (
+                "tickets_of_a_left_connection",
+                counts.tickets_of_a_left_connection as f64,
+            ),
+            (
+                "quiesced_after_resolving",
+                counts.quiesced_after_resolving as f64,
+            ),
             ("no_leader", counts.no_leader as f64),
             ("terms", counts.terms as f64),
             ("commits_refused", counts.commits_refused as f64),

@@ -92,6 +92,7 @@ pub(super) trait Host {
     fn elapsed(&self) -> Duration;
     fn instant_now(&self) -> Instant;
     fn latency_range(&self) -> (Duration, Duration);
+    fn connection_loss(&self) -> f64;
     fn process_count(&self) -> usize;
     fn process_view(&self, slot: usize) -> ProcessView;
     fn partitioned(&self, a: usize, b: usize) -> bool;
@@ -126,6 +127,12 @@ impl ServiceWorld<'_> {
     /// The shortest and longest one-way latency of the simulated network.
     pub fn latency_range(&self) -> (Duration, Duration) {
         self.world.latency_range()
+    }
+
+    /// Probability that a message is lost, which resets its TCP connection
+    /// ([`super::NetFaults::loss`]).
+    pub fn connection_loss(&self) -> f64 {
+        self.world.connection_loss()
     }
 
     /// Processes (slots), killed ones included.

@@ -1715,6 +1715,10 @@ impl Host for World {
         (self.config.net.latency_min, self.config.net.latency_max)
     }
 
+    fn connection_loss(&self) -> f64 {
+        self.config.net.loss
+    }
+
     fn process_count(&self) -> usize {
         self.nodes.len()
     }

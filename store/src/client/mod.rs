@@ -6,4 +6,5 @@ pub(crate) mod link;
 mod staging;
 mod store;
 
+pub(crate) use store::RESOLVE_GRACE;
 pub use store::{LocalRange, Store, StoreOptions};

@@ -470,7 +470,7 @@ fn submit_by(sent: Instant, ticket: &PutTicket) -> Instant {
 }
 
 /// How long past a call's deadline it waits for the engine to resolve its transfers.
-const RESOLVE_GRACE: Duration = Duration::from_secs(30);
+pub(crate) const RESOLVE_GRACE: Duration = Duration::from_secs(30);
 
 impl Inner {
     /// The current connection to the master.
