@@ -218,10 +218,16 @@ fn the_store_master_fails_over_and_holds_its_invariants_in_the_simulation() {
         assert_eq!(figure("terms"), 3.0, "the leader was killed, then stopped");
         assert!(figure("connection_resets") > 0.0, "{:?}", report.services);
         assert!(
-            figure("quiesced_after_resolving") > 0.0,
+            figure("deferred_calls") > 0.0,
+            "calls cut off by a reset or made while attaching went out once attached: {:?}",
+            report.services
+        );
+        assert!(
+            figure("quiesced_after_waiting") > 0.0,
             "writers that attached with writes out said so once they resolved: {:?}",
             report.services
         );
+        assert!(figure("unresolved_writes") > 0.0, "{:?}", report.services);
         assert!(figure("reads_verified") > 1000.0, "{:?}", report.services);
         assert!(
             figure("puts_completed") > 2.0 * figure("puts_failed"),

@@ -16,16 +16,22 @@
 //! the client do: a master answers only while its last renewal is within three quarters
 //! of its lease, and a journal commit succeeds only under the current term; a writer
 //! submits nothing past its ticket's expiry; its engine lets no write land after the
-//! write's deadline or after it reported the write failed, but writes waiting in a stopped
-//! or stalled writer's poller land when it runs again, after their put may have been
-//! abandoned and in another term (the zombies an owner's fence must stop); an owner told to
+//! write's deadline or after it reported the write failed — but for a few it never
+//! resolves, which may land later until their owner fences the writer — and writes waiting
+//! in a stopped or stalled writer's poller land when it runs again, after their put may
+//! have been abandoned and in another term (the zombies an owner's fence must stop); a
+//! replica in the writer's own segment is a plain copy, done at once; an owner told to
 //! fence a writer drops every write of it submitted before the fence; a killed process's
-//! writes die with it. A lost message resets its client's TCP connection to the master:
-//! the operation waiting on it fails, the master sees the connection end (a client stays
-//! connected while a newer connection of its is open), and the client attaches again. A
-//! client that attaches (to a new leader, or after a reset) with writes still out starts
-//! nothing until they resolve, then says it is quiesced; it writes no ticket answered on
-//! a connection it has left.
+//! writes die with it.
+//!
+//! Each client's connection to the master is a TCP connection: in order, and a lost
+//! message resets it. The master then sees it end after what was sent before (a client
+//! stays connected while a newer connection of its is open) and drops what was still
+//! queued on it; the client leaves it and attaches again, and the call the reset cut off
+//! is made once more (a call cut off twice fails). A client that attaches — to a new
+//! leader, or after a reset — submits nothing placed through the connection it left,
+//! starts nothing until its writes in flight resolve, and then says it is quiesced if its
+//! `InFlight` (the real client's bookkeeping) says nothing it placed can land.
 //!
 //! Checked at every step:
 //!
@@ -42,6 +48,7 @@ use railyard_engine::control::sim::{ServiceFactory, ServiceWorld, SimService};
 use railyard_engine::dataplane::rng::{KeyedHasher, SplitMix64};
 use railyard_engine::dataplane::sabotage::{self, Protection};
 
+use crate::client::{InFlight, RESOLVE_GRACE};
 use crate::config::{MasterPolicy, ReplicaConfig};
 use crate::error::StoreError;
 use crate::master::{
@@ -73,6 +80,9 @@ pub struct StoreSimConfig {
     pub replicas: usize,
     /// Probability that a write takes up to twice the put timeout.
     pub slow_writes: f64,
+    /// Probability that a write never resolves: its writer's engine reports nothing by
+    /// its deadline, and it lands up to twice the put timeout later unless fenced.
+    pub unresolved_writes: f64,
     /// When (a share of the run) the leading master is killed; it restarts a lease later.
     pub kill_leader_at: Option<f64>,
     /// When (a share of the run) the leading master is stopped, for two leases.
@@ -99,6 +109,7 @@ impl Default for StoreSimConfig {
             segment_size: 64 << 10,
             replicas: 2,
             slow_writes: 0.01,
+            unresolved_writes: 0.002,
             kill_leader_at: Some(0.3),
             stop_leader_at: Some(0.65),
             stalled_writers: 16,
@@ -172,7 +183,7 @@ enum Ask {
         fence: FenceId,
     },
     Quiesced,
-    /// The client's connection reset (its process died).
+    /// The client's connection ended (its process died, or a lost message reset it).
     Disconnected,
 }
 
@@ -207,6 +218,8 @@ enum Event {
     },
     AtClient {
         client: Caller,
+        /// The connection it comes on.
+        link: u64,
         op: u64,
         answer: Answer,
     },
@@ -260,6 +273,9 @@ struct Master {
     /// Each client's newest connection to it, by incarnation: an older one closing
     /// leaves the client connected (the server's last-connection rule).
     links: BTreeMap<u64, u64>,
+    /// Each client's newest connection that ended: what still arrives on it is dropped
+    /// (the server drops a closed connection's queued requests).
+    closed: BTreeMap<u64, u64>,
     leading: Option<Leading>,
 }
 
@@ -340,13 +356,27 @@ struct Client {
     mounting: bool,
     /// The term it is attached to (`None`: its connection reset, it attaches again).
     attached: Option<u64>,
-    /// Its connection to the master, numbered: a new one each time it attaches. A ticket
-    /// answered on an earlier one is not written (the client's `MasterChanged`).
-    link: u64,
-    /// It attached with writes of earlier connections still out: it starts nothing until
-    /// they resolve, then tells the master it is quiesced — unless this deadline passed
-    /// first (the client's `attach_again`).
+    /// The master (and its generation) its connection goes to.
+    master: Option<(usize, u32)>,
+    /// Its writes in flight and its connection to the master (the client's own
+    /// bookkeeping, whose generation numbers the connection): a new connection each time
+    /// it attaches.
+    in_flight: InFlight,
+    /// Attaching: it starts nothing until its writes resolve or this deadline passes,
+    /// then tells the master it is quiesced if nothing of it can land (the client's
+    /// `attach_again`).
     resolving_until: Option<Duration>,
+    /// When it last attached.
+    attached_at: Duration,
+    /// Calls to make once attached: the one a reset cut off (sent again once, as the
+    /// client's `call` does), or made while attaching. With their operation, if any.
+    deferred: Vec<(Option<u64>, Ask)>,
+    /// Operations already sent again once.
+    resent: Vec<u64>,
+    /// When its last message to the master arrives, and its master's last to it: a TCP
+    /// connection delivers in order.
+    to_master_at: Duration,
+    from_master_at: Duration,
     /// Its memory: the write that last landed at each byte range, by first byte.
     memory: BTreeMap<u64, (u64, u64)>,
     /// Writers it fenced, and when: their writes submitted before then never land.
@@ -354,8 +384,6 @@ struct Client {
     next_key: u64,
     /// Its one operation in flight.
     busy: Option<u64>,
-    /// Writes it submitted that have not landed or been dropped.
-    writes_out: u64,
     /// Its poller is stalled until then: its writes wait, and it reports nothing.
     stalled_until: Duration,
 }
@@ -373,6 +401,11 @@ struct Write {
     value: u64,
     /// Stopped by its writer's report before it landed.
     cancelled: bool,
+    /// Its writer's engine never resolves it: no report by its deadline, and it may land
+    /// later, until its owner fences the writer.
+    unresolved: bool,
+    /// Still counted in its writer's writes in flight.
+    counted: bool,
 }
 
 /// A client's operation in flight.
@@ -382,8 +415,6 @@ enum Op {
     PutStart {
         key: String,
         sent: Duration,
-        /// The connection it was asked on.
-        link: u64,
     },
     Writing {
         key: String,
@@ -391,9 +422,12 @@ enum Op {
         left: usize,
         failed: bool,
         writes: Vec<u64>,
+        /// The connection its ticket came on.
+        link: u64,
     },
     PutEnd {
         key: String,
+        put: PutId,
     },
     Get {
         key: String,
@@ -417,8 +451,11 @@ struct Counts {
     timeouts: u64,
     refused: u64,
     connection_resets: u64,
-    tickets_of_a_left_connection: u64,
-    quiesced_after_resolving: u64,
+    deferred_calls: u64,
+    quiesced: u64,
+    quiesced_after_waiting: u64,
+    unresolved_writes: u64,
+    unresolved_writes_landed: u64,
     terms: u64,
     commits_refused: u64,
     fences: u64,
@@ -476,6 +513,7 @@ impl StoreSim {
                 stopped: false,
                 inbox: Vec::new(),
                 links: BTreeMap::new(),
+                closed: BTreeMap::new(),
                 leading: None,
             })
             .collect();
@@ -548,10 +586,15 @@ impl StoreSim {
         self.etcd.leader_now(world.now())
     }
 
-    /// Sends `ask` from `from` to the leader (if any) as operation `op`, on its current
-    /// connection. A lost message resets the connection.
+    /// Sends `ask` from `from` as operation `op` on its current connection: to the master
+    /// it attached to (the leader, before it attached). A lost message resets the
+    /// connection.
     fn ask(&mut self, world: &mut ServiceWorld<'_>, from: Caller, op: Option<u64>, ask: Ask) {
-        let Some((master, generation, _)) = self.leader(world) else {
+        let attached_to = self.clients[from.0].master;
+        let Some((master, generation)) = attached_to.or_else(|| {
+            self.leader(world)
+                .map(|(master, generation, _)| (master, generation))
+        }) else {
             self.counts.no_leader += 1;
             if let Some(op) = op {
                 self.end_op(op);
@@ -559,10 +602,11 @@ impl StoreSim {
             return;
         };
         if self.chance(world.connection_loss()) {
-            return self.connection_reset(world, master, from, op);
+            let retry = !matches!(ask, Ask::Ping | Ask::Quiesced | Ask::Disconnected);
+            return self.connection_lost(world, master, from, retry.then_some((op, ask)));
         }
-        let link = self.clients[from.0].link;
-        let delay = self.latency(world);
+        let link = self.clients[from.0].in_flight.generation();
+        let delay = self.in_order(world, from.0, true);
         self.schedule(
             world,
             delay,
@@ -577,32 +621,58 @@ impl StoreSim {
         );
     }
 
-    /// `client`'s connection to `master` lost a message, so TCP resets it: the operation
-    /// waiting on it fails, the master sees the connection end, and the client attaches
-    /// again on a new connection at its next tick.
-    fn connection_reset(
+    /// A call: made now when `client` is attached, or once it is (the client's calls wait
+    /// while it attaches).
+    fn call(&mut self, world: &mut ServiceWorld<'_>, client: Caller, op: Option<u64>, ask: Ask) {
+        let me = &mut self.clients[client.0];
+        if me.attached.is_none() || me.resolving_until.is_some() {
+            me.deferred.push((op, ask));
+        } else {
+            self.ask(world, client, op, ask);
+        }
+    }
+
+    /// The delay of a message on `slot`'s connection to the master (`to_master`) or from
+    /// it: a TCP connection delivers in order, so none arrives before one sent earlier.
+    fn in_order(&mut self, world: &ServiceWorld<'_>, slot: usize, to_master: bool) -> Duration {
+        let now = world.now();
+        let arrives = now + self.latency(world);
+        let me = &mut self.clients[slot];
+        let last = if to_master {
+            &mut me.to_master_at
+        } else {
+            &mut me.from_master_at
+        };
+        *last = (*last).max(arrives);
+        *last - now
+    }
+
+    /// `client`'s connection to `master` lost a message, so TCP resets it: the master sees
+    /// the connection end (after what was sent before), and the client leaves it. The
+    /// call the lost message carried (`retry`, with its operation) is made again once it
+    /// has attached again — once: a call cut off twice fails.
+    fn connection_lost(
         &mut self,
         world: &mut ServiceWorld<'_>,
         master: usize,
         client: Caller,
-        op: Option<u64>,
+        retry: Option<(Option<u64>, Ask)>,
     ) {
         if self.clients[client.0].incarnation != client.1 || !Self::alive(world, client) {
             return;
         }
         self.counts.connection_resets += 1;
-        if let Some((_, Op::PutStart { .. } | Op::PutEnd { .. })) =
-            op.and_then(|op| self.end_op(op))
-        {
-            self.counts.puts_failed += 1;
+        let link = self.clients[client.0].in_flight.generation();
+        if self.clients[client.0].attached.take().is_some() {
+            self.leave(client, retry);
+        } else if let Some((op, ask)) = retry {
+            self.retry(client, op, ask);
         }
-        let link = self.clients[client.0].link;
-        self.clients[client.0].attached = None;
         world.trace(client.0, "store-reset", &[master as u64, link], || {
             format!("connection #{link} to master {master} resets")
         });
         let generation = self.masters[master].generation;
-        let delay = self.latency(world);
+        let delay = self.in_order(world, client.0, true);
         self.schedule(
             world,
             delay,
@@ -667,14 +737,35 @@ impl StoreSim {
         }
         if let Some(until) = self.clients[slot].resolving_until {
             let now = world.now();
-            if self.clients[slot].writes_out == 0 || now > until {
-                self.clients[slot].resolving_until = None;
-                if self.clients[slot].writes_out == 0 {
-                    self.counts.quiesced_after_resolving += 1;
-                    return self.ask(world, client, None, Ask::Quiesced);
-                }
-            } else {
+            let me = &mut self.clients[slot];
+            if me.in_flight.writes() > 0 && now <= until {
                 return self.ask(world, client, None, Ask::Ping);
+            }
+            // Attached: its writes resolved, or it gave up waiting for them.
+            me.resolving_until = None;
+            if me.in_flight.quiesced() {
+                self.counts.quiesced += 1;
+                if now > me.attached_at {
+                    self.counts.quiesced_after_waiting += 1;
+                }
+                self.ask(world, client, None, Ask::Quiesced);
+            }
+            let deferred = std::mem::take(&mut self.clients[slot].deferred);
+            let calls = deferred.len();
+            for (op, ask) in deferred {
+                match op.map(|op| self.ops.get_mut(&op)) {
+                    // Timed out meanwhile.
+                    Some(None) => continue,
+                    Some(Some((_, Op::PutStart { sent, .. }))) => *sent = now,
+                    _ => {}
+                }
+                self.counts.deferred_calls += 1;
+                self.ask(world, client, op, ask);
+            }
+            let ops = &self.ops;
+            self.clients[slot].resent.retain(|op| ops.contains_key(op));
+            if calls > 0 {
+                return;
             }
         }
         if self.clients[slot].busy.is_some() {
@@ -683,13 +774,7 @@ impl StoreSim {
         if self.clients[slot].segment.is_none() {
             if !self.clients[slot].mounting {
                 self.clients[slot].mounting = true;
-                let spec = SegmentSpec {
-                    name: format!("segment-{slot}"),
-                    host: format!("host-{slot}"),
-                    handshake_addr: format!("p{slot}"),
-                    base: 1 << 32,
-                    size: self.config.segment_size,
-                };
+                let spec = self.segment_spec(slot);
                 let op = self.begin(world, client, Op::Mount);
                 self.ask(world, client, Some(op), Ask::Mount(spec));
             } else {
@@ -712,7 +797,6 @@ impl StoreSim {
                 Op::PutStart {
                     key: key.clone(),
                     sent,
-                    link: self.clients[slot].link,
                 },
             );
             self.ask(world, client, Some(op), Ask::PutStart { key });
@@ -725,30 +809,51 @@ impl StoreSim {
         }
     }
 
+    /// `client` leaves its connection to the master: nothing placed through it is submitted
+    /// any more, and the calls waiting on it (`retry`, and its busy operation's) fail, to
+    /// be made again once it has attached again.
+    fn leave(&mut self, client: Caller, retry: Option<(Option<u64>, Ask)>) {
+        self.clients[client.0].in_flight.leave();
+        let waiting = self.clients[client.0].busy.and_then(|op| {
+            let (_, state) = self.ops.get(&op)?;
+            Some((Some(op), self.request_of(client.0, state)?))
+        });
+        for (op, ask) in retry.into_iter().chain(waiting) {
+            self.retry(client, op, ask);
+        }
+    }
+
+    /// Makes a call cut off with its connection again once attached — once: an operation
+    /// whose call was cut off twice fails.
+    fn retry(&mut self, client: Caller, op: Option<u64>, ask: Ask) {
+        let me = &mut self.clients[client.0];
+        if op.is_some() && me.deferred.iter().any(|(waiting, _)| *waiting == op) {
+            return;
+        }
+        if let Some(op) = op
+            && me.resent.contains(&op)
+        {
+            if let Some((_, Op::PutStart { .. } | Op::PutEnd { .. })) = self.end_op(op) {
+                self.counts.puts_failed += 1;
+            }
+            return;
+        }
+        me.resent.extend(op);
+        me.deferred.push((op, ask));
+    }
+
     /// `client` attaches to the leader of `term` on a new connection (a new leader, or its
-    /// connection reset): what the connections before placed is given up (nothing more of
-    /// it is submitted). With no write of its still out it says so at once; otherwise it
-    /// waits for them to resolve first.
+    /// connection reset), leaving the one before. It starts nothing until what it
+    /// submitted resolves (see `client_tick`).
     fn attach(&mut self, world: &mut ServiceWorld<'_>, client: Caller, term: u64) {
-        let slot = client.0;
-        self.clients[slot].attached = Some(term);
-        self.clients[slot].link += 1;
-        let abandoned: Vec<u64> = self
-            .ops
-            .iter()
-            .filter(|(_, (owner, op))| *owner == client && matches!(op, Op::Writing { .. }))
-            .map(|(&id, _)| id)
-            .collect();
-        for op in abandoned {
-            self.end_op(op);
+        if self.clients[client.0].attached.replace(term).is_some() {
+            self.leave(client, None);
         }
-        if self.clients[slot].writes_out == 0 {
-            self.ask(world, client, None, Ask::Quiesced);
-        } else {
-            let until = world.now() + self.config.op_timeout + crate::client::RESOLVE_GRACE;
-            self.clients[slot].resolving_until = Some(until);
-            self.ask(world, client, None, Ask::Ping);
-        }
+        let leader = self.leader(world);
+        let me = &mut self.clients[client.0];
+        me.master = leader.map(|(master, generation, _)| (master, generation));
+        me.attached_at = world.now();
+        me.resolving_until = Some(world.now() + self.config.op_timeout + RESOLVE_GRACE);
     }
 
     fn master_tick(&mut self, world: &mut ServiceWorld<'_>, master: usize, generation: u32) {
@@ -874,7 +979,7 @@ impl StoreSim {
                 let Some(slot) = self.slot_of_incarnation(owner.0) else {
                     continue;
                 };
-                let delay = self.latency(world);
+                let delay = self.in_order(world, slot, false);
                 self.schedule(
                     world,
                     delay,
@@ -905,14 +1010,31 @@ impl StoreSim {
     ) {
         let now = world.now();
         let instant = world.instant();
-        let newest = self.masters[master].links.entry(from.1).or_insert(link);
-        *newest = (*newest).max(link);
-        // A connection older than the newest ending leaves the client connected.
-        let last_connection_ends = matches!(ask, Ask::Disconnected) && link == *newest;
+        let node = &mut self.masters[master];
+        let last_connection_ends = if matches!(ask, Ask::Disconnected) {
+            let closed = node.closed.entry(from.1).or_insert(link);
+            *closed = (*closed).max(link);
+            // A connection older than the newest ending leaves the client connected; one
+            // this master never heard from was not its.
+            node.links
+                .get(&from.1)
+                .is_some_and(|&newest| newest <= link)
+        } else if node
+            .closed
+            .get(&from.1)
+            .is_some_and(|&closed| closed >= link)
+        {
+            // Its connection ended: what was still queued on it is dropped.
+            return;
+        } else {
+            let newest = node.links.entry(from.1).or_insert(link);
+            *newest = (*newest).max(link);
+            false
+        };
         if !self.still_leads(world, master) {
             if let Some(op) = op {
                 self.counts.refused += 1;
-                self.reply(world, master, from, op, Answer::Refused);
+                self.reply(world, master, (from, link), op, Answer::Refused);
             }
             return;
         }
@@ -966,7 +1088,7 @@ impl StoreSim {
         if !self.after_core(world, master) {
             if let Some(op) = op {
                 self.counts.refused += 1;
-                self.reply(world, master, from, op, Answer::Refused);
+                self.reply(world, master, (from, link), op, Answer::Refused);
             }
             return;
         }
@@ -989,7 +1111,7 @@ impl StoreSim {
             }
             _ => {}
         }
-        self.reply(world, master, from, op, answer);
+        self.reply(world, master, (from, link), op, answer);
     }
 
     /// No replica handed out lives on a member silent (dead or stopped) for longer than
@@ -1027,29 +1149,89 @@ impl StoreSim {
         }
     }
 
-    /// `master` answers operation `op` of `client`. A lost answer resets the connection.
+    /// `master` answers operation `op` of `client` on connection `link`. A lost answer
+    /// resets the connection, and the client asks again once attached again.
     fn reply(
         &mut self,
         world: &mut ServiceWorld<'_>,
         master: usize,
-        client: Caller,
+        (client, link): (Caller, u64),
         op: u64,
         answer: Answer,
     ) {
-        if self.chance(world.connection_loss()) {
-            return self.connection_reset(world, master, client, Some(op));
+        let current = self.clients[client.0].incarnation == client.1
+            && self.clients[client.0].in_flight.generation() == link;
+        if current && self.chance(world.connection_loss()) {
+            let retry = match self.ops.get(&op) {
+                Some((_, state)) => self.request_of(client.0, state),
+                None => None,
+            };
+            return self.connection_lost(world, master, client, retry.map(|ask| (Some(op), ask)));
         }
-        let delay = self.latency(world);
-        self.schedule(world, delay, Event::AtClient { client, op, answer });
+        let delay = self.in_order(world, client.0, false);
+        self.schedule(
+            world,
+            delay,
+            Event::AtClient {
+                client,
+                link,
+                op,
+                answer,
+            },
+        );
     }
 
-    fn at_client(&mut self, world: &mut ServiceWorld<'_>, client: Caller, op: u64, answer: Answer) {
+    /// The call operation `state` of the client in `slot` waits on, to make again.
+    fn request_of(&self, slot: usize, state: &Op) -> Option<Ask> {
+        Some(match state {
+            Op::Mount => Ask::Mount(self.segment_spec(slot)),
+            Op::PutStart { key, .. } => Ask::PutStart { key: key.clone() },
+            Op::PutEnd { key, put } => Ask::PutEnd {
+                key: key.clone(),
+                put: *put,
+            },
+            Op::Get { key } => Ask::Get { key: key.clone() },
+            Op::Writing { .. } | Op::Reading { .. } => return None,
+        })
+    }
+
+    /// The segment the client in `slot` mounts.
+    fn segment_spec(&self, slot: usize) -> SegmentSpec {
+        SegmentSpec {
+            name: format!("segment-{slot}"),
+            host: format!("host-{slot}"),
+            handshake_addr: format!("p{slot}"),
+            base: 1 << 32,
+            size: self.config.segment_size,
+        }
+    }
+
+    fn at_client(
+        &mut self,
+        world: &mut ServiceWorld<'_>,
+        (client, link): (Caller, u64),
+        op: u64,
+        answer: Answer,
+    ) {
         if !self.ops.contains_key(&op) || !Self::alive(world, client) {
             return;
         }
         if world.process(client.0).stopped {
             // Read once it runs again.
-            return self.schedule(world, RECHECK, Event::AtClient { client, op, answer });
+            return self.schedule(
+                world,
+                RECHECK,
+                Event::AtClient {
+                    client,
+                    link,
+                    op,
+                    answer,
+                },
+            );
+        }
+        if self.clients[client.0].in_flight.generation() != link {
+            // Its connection was reset: nothing more arrives on it.
+            return;
         }
         let Some((_, state)) = self.ops.remove(&op) else {
             return;
@@ -1065,21 +1247,11 @@ impl StoreSim {
                 self.clients[client.0].mounting = false;
                 self.clients[client.0].busy = None;
             }
-            (Op::PutStart { key, sent, link }, Answer::Ticket(Ok(ticket)))
-                if link == self.clients[client.0].link =>
-            {
+            (Op::PutStart { key, sent }, Answer::Ticket(Ok(ticket))) => {
                 let expires = sent + ticket.expires_in;
-                self.write_replicas(world, client, op, key, ticket, expires);
+                self.write_replicas(world, (client, link), op, key, ticket, expires);
             }
-            (Op::PutStart { key, .. }, Answer::Ticket(Ok(ticket))) => {
-                // Placed through a connection it has left: nothing of it is submitted.
-                self.counts.tickets_of_a_left_connection += 1;
-                self.counts.puts_failed += 1;
-                self.clients[client.0].busy = None;
-                let put = ticket.put;
-                self.ask(world, client, None, Ask::PutRevoke { key, put });
-            }
-            (Op::PutEnd { key }, Answer::Done(Ok(()))) => {
+            (Op::PutEnd { key, .. }, Answer::Done(Ok(()))) => {
                 self.counts.puts_completed += 1;
                 self.committed.push_back(key);
                 if self.committed.len() > self.clients.len() * RECENT_KEYS_PER_CLIENT {
@@ -1105,7 +1277,7 @@ impl StoreSim {
     fn write_replicas(
         &mut self,
         world: &mut ServiceWorld<'_>,
-        client: Caller,
+        (client, link): (Caller, u64),
         op: u64,
         key: String,
         ticket: crate::master::PutTicket,
@@ -1125,8 +1297,16 @@ impl StoreSim {
                 failed = true;
                 continue;
             }
+            if !self.clients[client.0].in_flight.start_write(link) {
+                failed = true;
+                continue;
+            }
             let id = self.next_write;
             self.next_write += 1;
+            // A replica in its own segment is a plain copy, done now.
+            let copy = owner == client;
+            let unresolved = !copy && self.chance(self.config.unresolved_writes);
+            self.counts.unresolved_writes += u64::from(unresolved);
             self.writes.insert(
                 id,
                 Write {
@@ -1139,12 +1319,19 @@ impl StoreSim {
                     len: replica.len,
                     value,
                     cancelled: false,
+                    unresolved,
+                    counted: true,
                 },
             );
-            self.clients[client.0].writes_out += 1;
             writes.push(id);
             let mut delay = self.latency(world);
-            if self.chance(self.config.slow_writes) {
+            if copy {
+                delay = Duration::ZERO;
+            } else if unresolved {
+                // It lands after its deadline, if its owner has not fenced its writer.
+                let most = self.config.policy.put_timeout.as_micros() as u64 * 2;
+                delay = self.config.op_timeout + Duration::from_micros(self.rng.below(most + 1));
+            } else if self.chance(self.config.slow_writes) {
                 let most = self.config.policy.put_timeout.as_micros() as u64 * 2;
                 delay += Duration::from_micros(self.rng.below(most + 1));
             }
@@ -1161,6 +1348,7 @@ impl StoreSim {
                     left,
                     failed,
                     writes,
+                    link,
                 },
             ),
         );
@@ -1175,7 +1363,8 @@ impl StoreSim {
         };
         let now = world.now();
         if !write.cancelled
-            && now < write.deadline
+            && write.writer != write.owner
+            && (now < write.deadline || write.unresolved)
             && (self.frozen(world, write.writer)
                 || world.partitioned(write.writer.0, write.owner.0))
         {
@@ -1190,10 +1379,10 @@ impl StoreSim {
             return;
         }
         let writer = &mut self.clients[write.writer.0];
-        if writer.incarnation == write.writer.1 {
-            writer.writes_out = writer.writes_out.saturating_sub(1);
+        if writer.incarnation == write.writer.1 && write.counted {
+            writer.in_flight.end_write();
         }
-        if write.cancelled || now >= write.deadline {
+        if write.cancelled || (now >= write.deadline && !write.unresolved) {
             return;
         }
         let landed = Self::alive(world, write.owner)
@@ -1216,6 +1405,11 @@ impl StoreSim {
             memory.insert(write.addr, (write.len, write.value));
         } else if Self::alive(world, write.owner) {
             self.counts.writes_dropped_by_fence += 1;
+        }
+        if write.unresolved {
+            self.counts.unresolved_writes_landed += u64::from(landed);
+            // Its writer's engine never reports it.
+            return;
         }
         world.trace(
             write.owner.0,
@@ -1275,11 +1469,19 @@ impl StoreSim {
         if failed {
             self.counts.puts_failed += 1;
             self.clients[client.0].busy = None;
-            return self.ask(world, client, None, Ask::PutRevoke { key, put });
+            return self.call(world, client, None, Ask::PutRevoke { key, put });
         }
-        self.ops
-            .insert(op, (client, Op::PutEnd { key: key.clone() }));
-        self.ask(world, client, Some(op), Ask::PutEnd { key, put });
+        self.ops.insert(
+            op,
+            (
+                client,
+                Op::PutEnd {
+                    key: key.clone(),
+                    put,
+                },
+            ),
+        );
+        self.call(world, client, Some(op), Ask::PutEnd { key, put });
     }
 
     fn read_replica(
@@ -1432,7 +1634,7 @@ impl StoreSim {
         world.trace(owner.0, "store-fence", &[fence.0, writer.0], || {
             format!("fences writer {:x} (fence #{})", writer.0, fence.0)
         });
-        self.ask(world, owner, None, Ask::Fenced { fence });
+        self.call(world, owner, None, Ask::Fenced { fence });
     }
 
     fn op_timeout(&mut self, world: &mut ServiceWorld<'_>, op: u64) {
@@ -1453,18 +1655,37 @@ impl StoreSim {
         if let Some((
             _,
             Op::Writing {
-                key, put, writes, ..
+                key,
+                put,
+                writes,
+                link,
+                ..
             },
         )) = self.end_op(op)
         {
-            // The engine reports the writes failed: nothing of them moves after that.
+            // The engine reports the writes failed: nothing of them moves after that —
+            // except one it never resolves, which may land until its owner fences this
+            // writer. Such a put is not revoked: its space waits for the master to
+            // abandon it and fence the writer.
+            let mut unresolved = false;
             for id in writes {
-                if let Some(write) = self.writes.get_mut(&id) {
+                let Some(write) = self.writes.get_mut(&id) else {
+                    continue;
+                };
+                if write.unresolved {
+                    unresolved = true;
+                    write.counted = false;
+                    let me = &mut self.clients[client.0];
+                    me.in_flight.end_write();
+                    me.in_flight.unresolved(link);
+                } else {
                     write.cancelled = true;
                 }
             }
             self.counts.puts_failed += 1;
-            self.ask(world, client, None, Ask::PutRevoke { key, put });
+            if !unresolved {
+                self.call(world, client, None, Ask::PutRevoke { key, put });
+            }
         }
     }
 
@@ -1558,7 +1779,12 @@ impl StoreSim {
                 }
                 self.at_master(world, master, (from, link), op, ask);
             }
-            Event::AtClient { client, op, answer } => self.at_client(world, client, op, answer),
+            Event::AtClient {
+                client,
+                link,
+                op,
+                answer,
+            } => self.at_client(world, (client, link), op, answer),
             Event::WriteArrives { write } => self.write_arrives(world, write),
             Event::WriteAcked { client, op, ok } => self.write_acked(world, client, op, ok),
             Event::ReadArrives {
@@ -1588,6 +1814,7 @@ impl StoreSim {
                 node.up = true;
                 node.stopped = false;
                 node.links.clear();
+                node.closed.clear();
                 let generation = node.generation;
                 self.schedule(world, MASTER_TICK, Event::MasterTick { master, generation });
             }
@@ -1654,7 +1881,8 @@ impl SimService for StoreSim {
             // Its incarnation died: its connection to the master resets.
             self.silent_since.entry(known).or_insert(now);
             if let Some((master, generation, _)) = self.leader(world) {
-                let delay = self.latency(world);
+                let link = self.clients[slot].in_flight.generation();
+                let delay = self.in_order(world, slot, true);
                 self.schedule(
                     world,
                     delay,
@@ -1662,7 +1890,7 @@ impl SimService for StoreSim {
                         master,
                         generation,
                         from: (slot, known),
-                        link: self.clients[slot].link,
+                        link,
                         op: None,
                         ask: Ask::Disconnected,
                     },
@@ -1698,13 +1926,16 @@ impl SimService for StoreSim {
             ("timeouts", counts.timeouts as f64),
             ("refused", counts.refused as f64),
             ("connection_resets", counts.connection_resets as f64),
+            ("deferred_calls", counts.deferred_calls as f64),
+            ("quiesced", counts.quiesced as f64),
             (
-                "tickets_of_a_left_connection",
-                counts.tickets_of_a_left_connection as f64,
+                "quiesced_after_waiting",
+                counts.quiesced_after_waiting as f64,
             ),
+            ("unresolved_writes", counts.unresolved_writes as f64),
             (
-                "quiesced_after_resolving",
-                counts.quiesced_after_resolving as f64,
+                "unresolved_writes_landed",
+                counts.unresolved_writes_landed as f64,
             ),
             ("no_leader", counts.no_leader as f64),
             ("terms", counts.terms as f64),

@@ -21,6 +21,7 @@ use railyard_engine::dataplane::sabotage::{self, Protection};
 use railyard_engine::dataplane::{Batch, FailReason, RequestOutcome};
 use railyard_engine::{Engine, EngineSubmitter, Op, Peer, Region, RevokeError, Transfer};
 
+use crate::client::InFlight;
 use crate::client::link::MasterLink;
 use crate::client::staging::Staging;
 use crate::config::ReplicaConfig;
@@ -105,7 +106,7 @@ struct Inner {
     /// Held while attaching again, so that one thread does it.
     attaching: Mutex<()>,
     /// Writes whose transfers may be in flight (see [`WritesInFlight`]).
-    writes: (Mutex<Writes>, Condvar),
+    writes: (Mutex<InFlight>, Condvar),
     me: Identity,
     options: StoreOptions,
     host: String,
@@ -168,7 +169,7 @@ impl Store {
             link: RwLock::new((Arc::new(link), 0)),
             events: events_tx,
             attaching: Mutex::new(()),
-            writes: (Mutex::new(Writes::default()), Condvar::new()),
+            writes: (Mutex::new(InFlight::default()), Condvar::new()),
             me,
             options,
             host,
@@ -530,21 +531,18 @@ impl Inner {
         // From here no write placed by the master it left is submitted (its generation is
         // old); the ones already submitted resolve first, each by its own deadline. Then it
         // tells the new master so, and no segment owner has to fence it — unless one of its
-        // writes never resolved (it may still land).
+        // writes, through any connection, never resolved (it may still land).
         let (writes, changed) = &self.writes;
         let resolved = after(Instant::now(), self.options.timeout + RESOLVE_GRACE);
         let mut state = writes.lock().unwrap_or_else(PoisonError::into_inner);
-        let left = state.generation;
-        state.generation += 1;
-        let generation = state.generation;
-        while state.in_flight > 0 && Instant::now() < resolved {
+        let generation = state.leave();
+        while state.writes() > 0 && Instant::now() < resolved {
             state = changed
                 .wait_timeout(state, resolved.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
-        // Unresolved writes of earlier connections were fenced when those were left.
-        if state.in_flight == 0 && state.unresolved_in != Some(left) {
+        if state.quiesced() {
             let _ = link.call(Request::Quiesced, self.options.timeout);
         }
         drop(state);
@@ -558,38 +556,24 @@ impl Inner {
     /// gone: nothing it placed is submitted any more).
     fn writing(&self, generation: u64) -> Option<WritesInFlight<'_>> {
         let mut state = self.writes.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if state.generation != generation {
-            return None;
-        }
-        state.in_flight += 1;
-        Some(WritesInFlight(&self.writes))
+        state
+            .start_write(generation)
+            .then_some(WritesInFlight(&self.writes))
     }
 
     /// A write placed through connection `generation` did not resolve: it may land any
-    /// time, so this process does not tell the next master it has nothing in flight.
+    /// time, so this process does not tell a master it has nothing in flight any more.
     fn unresolved(&self, generation: u64) {
         self.writes
             .0
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .unresolved_in = Some(generation);
+            .unresolved(generation);
     }
 }
 
-/// Writes in flight and the connection generation they may be placed through.
-#[derive(Default)]
-struct Writes {
-    /// Writes whose transfers may be in flight.
-    in_flight: usize,
-    /// The generation of the connection to the master writes are placed through now.
-    generation: u64,
-    /// The connection generation a write whose transfers never resolved was placed
-    /// through (the latest such).
-    unresolved_in: Option<u64>,
-}
-
 /// A write whose transfers may be in flight: counted while it lives.
-struct WritesInFlight<'a>(&'a (Mutex<Writes>, Condvar));
+struct WritesInFlight<'a>(&'a (Mutex<InFlight>, Condvar));
 
 impl Drop for WritesInFlight<'_> {
     fn drop(&mut self) {
@@ -597,7 +581,7 @@ impl Drop for WritesInFlight<'_> {
         writes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .in_flight -= 1;
+            .end_write();
         changed.notify_all();
     }
 }
