@@ -275,3 +275,39 @@ fn incarnation_in_span_of(events: &[serde_json::Value], message: &str) -> String
         .expect("an incarnation")
         .to_string()
 }
+
+/// Runs `railyard serve --listen LISTEN` until its first line and returns its stderr
+/// lines that warn about authentication.
+fn authentication_warnings(listen: &str) -> Vec<String> {
+    let output = Command::new(env!("CARGO_BIN_EXE_railyard"))
+        .args([
+            "serve", "--listen", listen, "--pool", "4MiB", "--rails", "2",
+        ])
+        .arg("--until-stdin-closes")
+        .env_remove("RUST_LOG")
+        .env_remove("RAILYARD_SECRET_FILE")
+        .stdin(Stdio::null())
+        .output()
+        .expect("runs");
+    assert!(output.status.success(), "{output:?}");
+    String::from_utf8_lossy(&output.stderr)
+        .lines()
+        .filter(|line| line.contains("not authenticated"))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn only_an_engine_others_can_reach_warns_that_peers_are_not_authenticated() {
+    assert_eq!(
+        authentication_warnings("127.0.0.1:0"),
+        Vec::<String>::new(),
+        "an engine on loopback only is reached by this host alone"
+    );
+    let warnings = authentication_warnings("0.0.0.0:0");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("--secret-file FILE or RAILYARD_SECRET_FILE=FILE"),
+        "it says how to set a secret: {warnings:?}"
+    );
+}

@@ -331,14 +331,21 @@ impl EngineBuilder {
             secret: self.secret.clone(),
             ..ControlConfig::new(self.name.clone())
         };
-        if self.secret.is_none() {
-            tracing::warn!(
-                target: "railyard::engine",
-                engine = %self.name,
-                "peers are not authenticated: whoever reaches the handshake port can read this \
-                 engine's descriptor and connect queue pairs to its memory (give every process \
-                 of the cluster the same secret: --secret-file or RAILYARD_SECRET_FILE)"
-            );
+        if self.secret.is_none() && !self.listen.ip().is_loopback() {
+            // Once per process: a process of many engines has one decision to make. An
+            // engine on loopback only (a local benchmark, a test) is reached by this host.
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    target: "railyard::engine",
+                    engine = %self.name,
+                    listen = %self.listen,
+                    "peers are not authenticated: whoever reaches {} can connect queue pairs \
+                     to this process's memory; to set a secret, give every process of the \
+                     cluster the same file with --secret-file FILE or RAILYARD_SECRET_FILE=FILE",
+                    self.listen
+                );
+            });
         }
         let started = if let Some(provider) = ofi {
             Rails::start_ofi(

@@ -36,7 +36,7 @@ pub(crate) struct SecretArgs {
     /// A file holding the cluster's secret (at least 16 bytes; a trailing newline is not
     /// part of it): peers must prove they hold the same before anything is answered, and
     /// this process proves it to them. Without one, peers are not authenticated (a warning
-    /// says so).
+    /// says so once, unless the process listens on loopback only).
     #[arg(long, value_name = "PATH", env = "RAILYARD_SECRET_FILE")]
     pub(crate) secret_file: Option<std::path::PathBuf>,
 }
