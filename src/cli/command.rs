@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
-use super::{bench, chaos, handshakes, master, serve, sim, store, topology};
+use super::{bench, chaos, doctor, handshakes, master, serve, sim, store, topology};
 
 /// railyard: zero-copy KV-cache transfer engine.
 #[derive(Debug, Parser)]
@@ -62,6 +62,11 @@ enum Command {
     Master(master::MasterArgs),
     /// The store: serve a memory segment, or put, get, list and inspect objects.
     Store(store::StoreArgs),
+    /// Check this host for what railyard needs (locked memory, huge pages, RDMA devices,
+    /// libfabric providers, NUMA, cores for pollers, the cluster secret, etcd, the clock)
+    /// and print, per check, OK, warning or problem with the command that fixes it. Exit
+    /// status 0, 1 (warnings) or 2 (problems).
+    Doctor(doctor::DoctorArgs),
 }
 
 impl Cli {
@@ -110,6 +115,7 @@ impl Cli {
             Command::Bench(args) => bench::run(&args).map(|()| std::process::ExitCode::SUCCESS),
             Command::Master(args) => master::run(&args).map(|()| std::process::ExitCode::SUCCESS),
             Command::Store(args) => store::run(&args).map(|()| std::process::ExitCode::SUCCESS),
+            Command::Doctor(args) => doctor::run(&args),
         }
     }
 }

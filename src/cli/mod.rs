@@ -3,6 +3,7 @@
 mod bench;
 mod chaos;
 mod command;
+mod doctor;
 mod duration;
 mod engine_args;
 mod handshakes;
