@@ -10,6 +10,7 @@ mod args;
 mod batch;
 mod engine;
 mod errors;
+mod logging;
 mod open;
 mod prepared;
 mod store;
@@ -28,6 +29,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // At import, before any engine starts a thread: it writes the environment libfabric
     // reads when it starts.
     railyard_engine::dataplane::fabric::ofi::settle_parameters();
+    logging::install();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "METRICS_CONTENT_TYPE",
