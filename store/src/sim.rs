@@ -28,7 +28,9 @@
 //! message resets it. The master then sees it end after what was sent before (a client
 //! stays connected while a newer connection of its is open) and drops what was still
 //! queued on it; the client leaves it and attaches again, and the call the reset cut off
-//! is made once more (a call cut off twice fails). A client that attaches — to a new
+//! is made once more (a call cut off twice fails). A master's request to fence goes on
+//! the owner's connection to it, and is lost with it (the master asks again). A client
+//! that attaches — to a new
 //! leader, or after a reset — submits nothing placed through the connection it left,
 //! starts nothing until its writes in flight resolve, and then says it is quiesced if its
 //! `InFlight` (the real client's bookkeeping) says nothing it placed can land.
@@ -245,6 +247,8 @@ enum Event {
     },
     FenceArrives {
         owner: Caller,
+        /// The connection it comes on.
+        link: u64,
         fence: FenceId,
         writer: ClientId,
     },
@@ -368,9 +372,9 @@ struct Client {
     resolving_until: Option<Duration>,
     /// When it last attached.
     attached_at: Duration,
-    /// Calls to make once attached: the one a reset cut off (sent again once, as the
-    /// client's `call` does), or made while attaching. With their operation, if any.
-    deferred: Vec<(Option<u64>, Ask)>,
+    /// Calls to make once attached: those a reset cut off (made again once, as the
+    /// client's `call` does), and those made while attaching.
+    deferred: Vec<Deferred>,
     /// Operations already sent again once.
     resent: Vec<u64>,
     /// When its last message to the master arrives, and its master's last to it: a TCP
@@ -386,6 +390,15 @@ struct Client {
     busy: Option<u64>,
     /// Its poller is stalled until then: its writes wait, and it reports nothing.
     stalled_until: Duration,
+}
+
+/// A call a client makes once attached.
+struct Deferred {
+    /// Its operation, if it has one.
+    op: Option<u64>,
+    ask: Ask,
+    /// Made again after a reset cut it off: cut off again, it fails.
+    again: bool,
 }
 
 /// A write on its way to a replica.
@@ -459,6 +472,7 @@ struct Counts {
     terms: u64,
     commits_refused: u64,
     fences: u64,
+    fences_lost: u64,
     writes_dropped_by_fence: u64,
     no_leader: u64,
     longest_without_leader: Duration,
@@ -590,6 +604,20 @@ impl StoreSim {
     /// it attached to (the leader, before it attached). A lost message resets the
     /// connection.
     fn ask(&mut self, world: &mut ServiceWorld<'_>, from: Caller, op: Option<u64>, ask: Ask) {
+        self.send(
+            world,
+            from,
+            Deferred {
+                op,
+                ask,
+                again: false,
+            },
+        );
+    }
+
+    /// [`Self::ask`], for a call that may be made again once already.
+    fn send(&mut self, world: &mut ServiceWorld<'_>, from: Caller, call: Deferred) {
+        let Deferred { op, ask, again } = call;
         let attached_to = self.clients[from.0].master;
         let Some((master, generation)) = attached_to.or_else(|| {
             self.leader(world)
@@ -602,7 +630,10 @@ impl StoreSim {
             return;
         };
         if self.chance(world.connection_loss()) {
-            let retry = !matches!(ask, Ask::Ping | Ask::Quiesced | Ask::Disconnected);
+            // A call is made again once (one with an operation fails when cut off twice,
+            // see `retry`); pings and Quiesced are the attaching's own.
+            let retry = !matches!(ask, Ask::Ping | Ask::Quiesced | Ask::Disconnected)
+                && (op.is_some() || !again);
             return self.connection_lost(world, master, from, retry.then_some((op, ask)));
         }
         let link = self.clients[from.0].in_flight.generation();
@@ -626,7 +657,11 @@ impl StoreSim {
     fn call(&mut self, world: &mut ServiceWorld<'_>, client: Caller, op: Option<u64>, ask: Ask) {
         let me = &mut self.clients[client.0];
         if me.attached.is_none() || me.resolving_until.is_some() {
-            me.deferred.push((op, ask));
+            me.deferred.push(Deferred {
+                op,
+                ask,
+                again: false,
+            });
         } else {
             self.ask(world, client, op, ask);
         }
@@ -663,11 +698,14 @@ impl StoreSim {
         }
         self.counts.connection_resets += 1;
         let link = self.clients[client.0].in_flight.generation();
-        if self.clients[client.0].attached.take().is_some() {
-            self.leave(client, retry);
-        } else if let Some((op, ask)) = retry {
-            self.retry(client, op, ask);
+        if self.clients[client.0].attached.take().is_none() {
+            // No connection was open: nothing to end.
+            if let Some((op, ask)) = retry {
+                self.retry(client, op, ask);
+            }
+            return;
         }
+        self.leave(client, retry);
         world.trace(client.0, "store-reset", &[master as u64, link], || {
             format!("connection #{link} to master {master} resets")
         });
@@ -750,17 +788,24 @@ impl StoreSim {
                 }
                 self.ask(world, client, None, Ask::Quiesced);
             }
-            let deferred = std::mem::take(&mut self.clients[slot].deferred);
+            let mut deferred = std::mem::take(&mut self.clients[slot].deferred).into_iter();
             let calls = deferred.len();
-            for (op, ask) in deferred {
-                match op.map(|op| self.ops.get_mut(&op)) {
+            while let Some(call) = deferred.next() {
+                if self.clients[slot].attached.is_none() {
+                    // A reset cut this connection too: the rest wait for the next one.
+                    let me = &mut self.clients[slot];
+                    me.deferred
+                        .splice(0..0, std::iter::once(call).chain(deferred));
+                    break;
+                }
+                match call.op.map(|op| self.ops.get_mut(&op)) {
                     // Timed out meanwhile.
                     Some(None) => continue,
                     Some(Some((_, Op::PutStart { sent, .. }))) => *sent = now,
                     _ => {}
                 }
                 self.counts.deferred_calls += 1;
-                self.ask(world, client, op, ask);
+                self.send(world, client, call);
             }
             let ops = &self.ops;
             self.clients[slot].resent.retain(|op| ops.contains_key(op));
@@ -827,7 +872,7 @@ impl StoreSim {
     /// whose call was cut off twice fails.
     fn retry(&mut self, client: Caller, op: Option<u64>, ask: Ask) {
         let me = &mut self.clients[client.0];
-        if op.is_some() && me.deferred.iter().any(|(waiting, _)| *waiting == op) {
+        if op.is_some() && me.deferred.iter().any(|waiting| waiting.op == op) {
             return;
         }
         if let Some(op) = op
@@ -839,7 +884,11 @@ impl StoreSim {
             return;
         }
         me.resent.extend(op);
-        me.deferred.push((op, ask));
+        me.deferred.push(Deferred {
+            op,
+            ask,
+            again: true,
+        });
     }
 
     /// `client` attaches to the leader of `term` on a new connection (a new leader, or its
@@ -979,12 +1028,27 @@ impl StoreSim {
                 let Some(slot) = self.slot_of_incarnation(owner.0) else {
                     continue;
                 };
+                // Written into the owner's connection to this master, if it has one: a
+                // fence is sent once, and lost with its connection.
+                let generation = self.masters[master].generation;
+                let me = &self.clients[slot];
+                if me.attached.is_none() || me.master != Some((master, generation)) {
+                    self.counts.fences_lost += 1;
+                    continue;
+                }
+                let link = me.in_flight.generation();
+                if self.chance(world.connection_loss()) {
+                    self.counts.fences_lost += 1;
+                    self.connection_lost(world, master, (slot, owner.0), None);
+                    continue;
+                }
                 let delay = self.in_order(world, slot, false);
                 self.schedule(
                     world,
                     delay,
                     Event::FenceArrives {
                         owner: (slot, owner.0),
+                        link,
                         fence,
                         writer,
                     },
@@ -1610,7 +1674,7 @@ impl StoreSim {
     fn fence_arrives(
         &mut self,
         world: &mut ServiceWorld<'_>,
-        owner: Caller,
+        (owner, link): (Caller, u64),
         fence: FenceId,
         writer: ClientId,
     ) {
@@ -1623,10 +1687,16 @@ impl StoreSim {
                 RECHECK,
                 Event::FenceArrives {
                     owner,
+                    link,
                     fence,
                     writer,
                 },
             );
+        }
+        if self.clients[owner.0].in_flight.generation() != link {
+            // Its connection was reset: the fence went with it.
+            self.counts.fences_lost += 1;
+            return;
         }
         let now = world.now();
         self.clients[owner.0].revoked.insert(writer, now);
@@ -1801,9 +1871,10 @@ impl StoreSim {
             } => self.read_returns(world, reader, op, content),
             Event::FenceArrives {
                 owner,
+                link,
                 fence,
                 writer,
-            } => self.fence_arrives(world, owner, fence, writer),
+            } => self.fence_arrives(world, (owner, link), fence, writer),
             Event::OpTimeout { op } => self.op_timeout(world, op),
             Event::KillLeader => self.kill_or_stop_leader(world, false),
             Event::StopLeader => self.kill_or_stop_leader(world, true),
@@ -1880,8 +1951,9 @@ impl SimService for StoreSim {
         if known != process.incarnation || !process.up {
             // Its incarnation died: its connection to the master resets.
             self.silent_since.entry(known).or_insert(now);
-            if let Some((master, generation, _)) = self.leader(world) {
-                let link = self.clients[slot].in_flight.generation();
+            let me = &self.clients[slot];
+            if let Some((master, generation)) = me.master.filter(|_| me.attached.is_some()) {
+                let link = me.in_flight.generation();
                 let delay = self.in_order(world, slot, true);
                 self.schedule(
                     world,
@@ -1941,6 +2013,7 @@ impl SimService for StoreSim {
             ("terms", counts.terms as f64),
             ("commits_refused", counts.commits_refused as f64),
             ("fences", counts.fences as f64),
+            ("fences_lost", counts.fences_lost as f64),
             (
                 "writes_dropped_by_fence",
                 counts.writes_dropped_by_fence as f64,

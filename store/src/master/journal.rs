@@ -356,8 +356,9 @@ impl MasterCore {
     }
 
     /// Timers: once writers of earlier terms had their time to attach, the owners of the
-    /// segments are asked to fence the ones that did not; twice the put timeout after the
-    /// rebuild, what is still not fenced stops holding segments back.
+    /// segments are asked to fence the ones that did not, and asked again every quarter
+    /// put timeout while they have not answered; twice the put timeout after the rebuild,
+    /// what is still not fenced stops holding segments back.
     pub(super) fn announce_term_fences(&mut self, now: Instant) {
         if self.term_fences_expire.is_some_and(|expire| now >= expire) {
             self.term_fences_expire = None;
@@ -382,6 +383,12 @@ impl MasterCore {
             .filter_map(|(&fence, pending)| Some((fence, pending.segment, pending.writer?)))
             .collect();
         due.sort();
+        // Asked once, a fence is lost with the owner's connection (a reset, a master it
+        // had not attached to yet): the owners are asked again until they answer or the
+        // fences expire.
+        if !due.is_empty() && self.term_fences_expire.is_some() {
+            self.term_fences_due = Some(after(now, self.policy.put_timeout / 4));
+        }
         for (fence, segment, writer) in due {
             let Some(owner) = self.segments.get(segment).map(|s| s.owner) else {
                 continue;

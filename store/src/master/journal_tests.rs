@@ -179,8 +179,21 @@ fn a_new_master_rebuilds_what_the_old_one_wrote_down_and_fences_its_writers_firs
     assert_eq!(fences.len(), 2);
     assert!(fences.iter().all(|(_, _, writer)| *writer == WRITER));
     new.fenced(fences[0].0);
+    // The second owner's answer is lost (say, with its connection): it is asked again,
+    // and only it.
+    let again = later + MasterPolicy::default().put_timeout / 4;
+    new.heard(ClientId(100), again);
+    new.heard(ClientId(101), again);
+    new.tick(again);
+    let asked_again: Vec<FenceId> = std::iter::from_fn(|| new.next_action())
+        .filter_map(|action| match action {
+            MasterAction::Fence { fence, .. } => Some(fence),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(asked_again, [fences[1].0]);
     let ticket = new
-        .put_start(ClientId(8), "fresh", 4096, &one(1), later)
+        .put_start(ClientId(8), "fresh", 4096, &one(1), again)
         .expect("the fenced segment takes it");
     assert_eq!(ticket.replicas[0].segment, fences[0].1);
     assert_eq!(ticket.put.0 >> 32, 2, "put ids carry the term");
