@@ -1,13 +1,19 @@
 //! `railyard doctor`: every check is reported with its status, detail and fix, the exit
 //! status is 0 / 1 / 2 for the worst of them, and the verdicts follow the host: a low
-//! locked-memory limit (set with `prlimit`), a topology snapshot with RDMA ports down, a
-//! secret file others may read, an etcd that does not answer.
+//! locked-memory limit (set as `prlimit` does, in the child before it runs), a topology
+//! snapshot with RDMA ports down or unreadable, a secret file others may read, an etcd that
+//! does not answer.
 
-use std::io::Write as _;
+use std::io::{Read as _, Write as _};
 use std::os::unix::fs::PermissionsExt as _;
-use std::process::Command;
+use std::os::unix::process::CommandExt as _;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+/// How long one doctor run may take.
+const BOUND: Duration = Duration::from_secs(60);
 
 const CHECKS: [&str; 9] = [
     "memlock",
@@ -24,22 +30,57 @@ const CHECKS: [&str; 9] = [
 /// Runs `railyard doctor --json ARGS` with a locked-memory limit of 64 KiB: its report and
 /// exit status.
 fn doctor(args: &[&str]) -> (Value, i32) {
-    let output = Command::new("prlimit")
-        .arg("--memlock=65536:65536")
-        .arg(env!("CARGO_BIN_EXE_railyard"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_railyard"));
+    command
         .args(["doctor", "--json"])
         .args(args)
         .env_remove("RAILYARD_SECRET_FILE")
-        .output()
-        .expect("prlimit (util-linux) runs railyard");
-    let report: Value = serde_json::from_slice(&output.stdout).unwrap_or_else(|_| {
-        panic!(
-            "not JSON: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: between fork and exec the closure only calls setrlimit, which is
+    // async-signal-safe, on a struct it owns.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 64 << 10,
+                rlim_max: 64 << 10,
+            };
+            if libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let mut child = command.spawn().expect("railyard runs");
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut stderr = child.stderr.take().expect("piped");
+    let read_out = std::thread::spawn(move || {
+        let mut text = Vec::new();
+        let _ = stdout.read_to_end(&mut text);
+        text
     });
-    (report, output.status.code().expect("exited"))
+    let read_err = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let end = Instant::now() + BOUND;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waitable") {
+            break status;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            panic!("railyard doctor ran past {BOUND:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = read_out.join().expect("the reader");
+    let stderr = read_err.join().expect("the reader");
+    let report: Value = serde_json::from_slice(&stdout)
+        .unwrap_or_else(|_| panic!("not JSON: {}{stderr}", String::from_utf8_lossy(&stdout)));
+    (report, status.code().expect("exited"))
 }
 
 fn check<'r>(report: &'r Value, name: &str) -> &'r Value {
@@ -133,6 +174,14 @@ fn a_snapshot_with_rdma_rails_makes_low_locked_memory_a_problem_and_names_ports_
     );
     assert_eq!(check(&report, "cores")["status"], "ok");
     assert_eq!(report["host"], "hicache-12nic");
+
+    // A snapshot that cannot be read fails the checks that need it, not the report.
+    let (report, code) = doctor(&["--topology-xml", "/nonexistent.xml", "--pool", "32KiB"]);
+    for name in ["rdma", "numa", "cores"] {
+        assert_eq!(check(&report, name)["status"], "problem", "{report}");
+    }
+    assert_eq!(check(&report, "memlock")["status"], "ok", "{report}");
+    assert_eq!(code, 2);
 }
 
 #[test]
@@ -149,7 +198,7 @@ fn a_secret_others_can_read_and_an_etcd_that_does_not_answer_are_problems() {
     let (report, code) = doctor(&["--pool", "32KiB", "--secret-file", path]);
     let check_secret = check(&report, "secret");
     assert_eq!(check_secret["status"], "problem", "{check_secret}");
-    assert_eq!(check_secret["fix"], format!("chmod 600 {path}"));
+    assert_eq!(check_secret["fix"], format!("chmod 600 '{path}'"));
     assert_eq!(code, 2);
 
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod");
@@ -159,7 +208,7 @@ fn a_secret_others_can_read_and_an_etcd_that_does_not_answer_are_problems() {
         "--secret-file",
         path,
         "--directory",
-        "etcd://127.0.0.1:1",
+        "etcd+tls://127.0.0.1:1?ca=/nonexistent",
     ]);
     assert_eq!(check(&report, "secret")["status"], "ok", "{report}");
     let etcd = check(&report, "etcd");

@@ -331,22 +331,6 @@ impl EngineBuilder {
             secret: self.secret.clone(),
             ..ControlConfig::new(self.name.clone())
         };
-        if self.secret.is_none() && !self.listen.ip().is_loopback() {
-            // Once per process: a process of many engines has one decision to make. An
-            // engine on loopback only (a local benchmark, a test) is reached by this host.
-            static WARNED: std::sync::Once = std::sync::Once::new();
-            WARNED.call_once(|| {
-                tracing::warn!(
-                    target: "railyard::engine",
-                    engine = %self.name,
-                    listen = %self.listen,
-                    "peers are not authenticated: whoever reaches {} can connect queue pairs \
-                     to this process's memory; to set a secret, give every process of the \
-                     cluster the same file with --secret-file FILE or RAILYARD_SECRET_FILE=FILE",
-                    self.listen
-                );
-            });
-        }
         let started = if let Some(provider) = ofi {
             Rails::start_ofi(
                 &self.name,
@@ -387,6 +371,24 @@ impl EngineBuilder {
                 &mut warnings,
             )?
         };
+        if self.secret.is_none() && !self.listen.ip().is_loopback() {
+            // Once per process (a process of many engines has one decision to make), once
+            // one listens. An engine on loopback only (a local benchmark, a test) is
+            // reached from this host alone.
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            let listening = started.control.local_addr();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    target: "railyard::engine",
+                    engine = %self.name,
+                    listen = %listening,
+                    "peers are not authenticated: whoever reaches {listening} can connect \
+                     queue pairs to this process's memory; to set a secret, give every \
+                     process of the cluster the same file with --secret-file FILE or \
+                     RAILYARD_SECRET_FILE=FILE"
+                );
+            });
+        }
         let rail_numa = planned.iter().map(|rail| rail.numa).collect();
         let directory = directory::start(&self.directory, &started.control, self.secret.is_some())?;
         Ok(Engine {

@@ -29,7 +29,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // At import, before any engine starts a thread: it writes the environment libfabric
     // reads when it starts.
     railyard_engine::dataplane::fabric::ofi::settle_parameters();
-    logging::install();
+    logging::install(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "METRICS_CONTENT_TYPE",

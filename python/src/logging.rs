@@ -7,11 +7,16 @@
 //! The thread that logs (a poller, the control thread, a caller holding the GIL) never
 //! waits for the GIL: events wait in a bounded queue, and when it is full they are
 //! dropped and counted, and the count is logged with the next event that gets through.
+//! At exit (`atexit`, before the interpreter finalizes) the forwarder is stopped and
+//! joined, so it never tries to attach to an interpreter that is going away; what is
+//! logged after that is dropped.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
-use std::thread;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Mutex, PoisonError};
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
 
 use pyo3::prelude::*;
 use tracing::field::{Field, Visit};
@@ -24,6 +29,15 @@ const QUEUE: usize = 1024;
 
 /// Python's `logging` levels.
 const TRACE: u8 = 5;
+
+/// How often the forwarder looks whether it is asked to stop while no event comes.
+const STOP_POLL: Duration = Duration::from_millis(100);
+
+/// Set at exit: the forwarder stops.
+static STOPPING: AtomicBool = AtomicBool::new(false);
+
+/// The forwarder, joined at exit.
+static FORWARDER: Mutex<Option<JoinHandle<()>>> = Mutex::new(None);
 
 /// One event, ready for Python.
 struct Record {
@@ -39,8 +53,11 @@ struct ToPython {
 }
 
 /// Installs the layer as this process's `tracing` subscriber (unless another one was
-/// installed first) and starts the forwarder.
-pub(crate) fn install() {
+/// installed first), starts the forwarder, and has `atexit` stop it.
+///
+/// # Errors
+/// When `atexit` cannot be reached.
+pub(crate) fn install(module: &Bound<'_, PyModule>) -> PyResult<()> {
     let (queue, records) = mpsc::sync_channel(QUEUE);
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
     let layer = ToPython {
@@ -49,19 +66,47 @@ pub(crate) fn install() {
     };
     let subscriber = Registry::default().with(filter).with(layer);
     if tracing::subscriber::set_global_default(subscriber).is_err() {
-        return;
+        return Ok(());
     }
-    let started = thread::Builder::new()
+    // Without a forwarder the queue fills and events are dropped: nothing waits.
+    if let Ok(forwarder) = thread::Builder::new()
         .name("railyard-log".into())
-        .spawn(move || forward(&records));
-    if started.is_err() {
-        // No forwarder: the queue fills and events are dropped, nothing waits.
+        .spawn(move || forward(&records))
+    {
+        *FORWARDER.lock().unwrap_or_else(PoisonError::into_inner) = Some(forwarder);
+    }
+    let stop = wrap_pyfunction!(stop_forwarding, module)?;
+    module
+        .py()
+        .import("atexit")?
+        .call_method1("register", (stop,))?;
+    Ok(())
+}
+
+/// Stops the forwarder and waits for it (without the GIL, which it may be waiting for to
+/// hand over its last event).
+#[pyfunction]
+fn stop_forwarding(py: Python<'_>) {
+    STOPPING.store(true, Ordering::Relaxed);
+    let forwarder = FORWARDER
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    if let Some(forwarder) = forwarder {
+        py.detach(|| {
+            let _ = forwarder.join();
+        });
     }
 }
 
-/// Hands queued records to Python's `logging` until the interpreter goes away.
+/// Hands queued records to Python's `logging` until it is stopped.
 fn forward(records: &Receiver<Record>) {
-    while let Ok(record) = records.recv() {
+    while !STOPPING.load(Ordering::Relaxed) {
+        let record = match records.recv_timeout(STOP_POLL) {
+            Ok(record) => record,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
         let delivered = Python::try_attach(|py| {
             // A failing handler is the application's to see in its own logging; it must
             // not take railyard's forwarder down.

@@ -46,4 +46,4 @@ def test_a_warning_of_the_engine_reaches_the_railyard_logger():
     assert name == "railyard.engine"
     assert level == "WARNING"
     assert "--secret-file FILE or RAILYARD_SECRET_FILE=FILE" in message
-    assert "listen=0.0.0.0:0" in message
+    assert "listen=" in message and ":0 " not in message, message

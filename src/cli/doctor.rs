@@ -93,8 +93,8 @@ impl Check {
 
 /// What the checks read about the host.
 struct Host {
-    machine: Machine,
-    plan: Plan,
+    /// The machine and its plan, or why they could not be had.
+    topology: Result<(Machine, Plan), String>,
     /// CPUs this process may run on.
     cpus_allowed: usize,
     /// `RLIMIT_MEMLOCK` (soft, hard); `None` is unlimited.
@@ -110,15 +110,19 @@ struct Host {
 }
 
 impl Host {
-    fn discover(args: &DoctorArgs) -> anyhow::Result<Self> {
+    fn discover(args: &DoctorArgs) -> Self {
         let topology = match &args.topology_xml {
-            Some(path) => HostTopology::from_xml_file(path)?,
-            None => HostTopology::live()?,
-        };
-        let plan = topology.plan(&PlanOptions::default())?;
-        let cpus_allowed = match &args.topology_xml {
-            Some(_) => plan.numa_nodes.iter().map(|node| node.pus.len()).sum(),
-            None => std::thread::available_parallelism().map_or(1, usize::from),
+            Some(path) => HostTopology::from_xml_file(path),
+            None => HostTopology::live(),
+        }
+        .and_then(|topology| {
+            let plan = topology.plan(&PlanOptions::default())?;
+            Ok((topology.machine().clone(), plan))
+        })
+        .map_err(|error| error.to_string());
+        let cpus_allowed = match (&args.topology_xml, &topology) {
+            (Some(_), Ok((_, plan))) => plan.numa_nodes.iter().map(|node| node.pus.len()).sum(),
+            _ => std::thread::available_parallelism().map_or(1, usize::from),
         };
         let read = |path: &str| std::fs::read_to_string(path).ok();
         let clocksource = read("/sys/devices/system/clocksource/clocksource0/current_clocksource")
@@ -128,21 +132,37 @@ impl Host {
                         .unwrap_or_default();
                 (current.trim().to_owned(), available.trim().to_owned())
             });
-        Ok(Self {
-            machine: topology.machine().clone(),
-            plan,
+        Self {
+            topology,
             cpus_allowed,
             memlock: memlock_limit(),
             meminfo: read("/proc/meminfo").unwrap_or_default(),
             thp: read("/sys/kernel/mm/transparent_hugepage/enabled"),
             clocksource,
             providers: railyard::dataplane::fabric::ofi::providers(),
-        })
+        }
     }
 
     /// Whether a rail of the plan is an RDMA device (whose registrations lock memory).
     fn has_rdma_rails(&self) -> bool {
-        self.plan.rails.iter().any(|rail| rail.link_layer.is_some())
+        self.topology.as_ref().is_ok_and(|(_, plan)| {
+            plan.rails
+                .iter()
+                .any(|rail| rail.kind == railyard::topology::RailKind::Rdma)
+        })
+    }
+
+    /// The machine and its plan, or the check `name` saying why there are none.
+    fn topology(&self, name: &'static str) -> Result<(&Machine, &Plan), Check> {
+        match &self.topology {
+            Ok((machine, plan)) => Ok((machine, plan)),
+            Err(error) => Err(Check::not_ok(
+                name,
+                Status::Problem,
+                format!("the topology could not be read: {error}"),
+                "railyard topology shows the same error; with --topology-xml, check the file",
+            )),
+        }
     }
 }
 
@@ -206,7 +226,7 @@ fn check_memlock(host: &Host, pool: u64) -> Check {
 fn check_hugepages(host: &Host, pool: u64) -> Check {
     let total = meminfo_field(&host.meminfo, "HugePages_Total").unwrap_or(0);
     let free = meminfo_field(&host.meminfo, "HugePages_Free").unwrap_or(0);
-    let page = meminfo_field(&host.meminfo, "Hugepagesize").unwrap_or(2048) * 1024;
+    let page = meminfo_field(&host.meminfo, "Hugepagesize").unwrap_or(0) * 1024;
     let thp = host
         .thp
         .as_deref()
@@ -219,22 +239,48 @@ fn check_hugepages(host: &Host, pool: u64) -> Check {
     let detail = format!(
         "{total} huge page(s) of {} configured, {free} free ({}); transparent huge pages: {thp}",
         format_size(page),
-        format_size(free * page)
+        format_size(free.saturating_mul(page))
     );
-    if free * page >= pool {
-        return Check::ok("hugepages", detail);
+    // What the engine's allocator does (`engine/src/memory.rs`): 2 MiB hugetlb pages for a
+    // pool that is a multiple of them when enough are free, else transparent huge pages
+    // unless they are off, else normal pages.
+    if page == HUGE_PAGE && pool % HUGE_PAGE == 0 && free.saturating_mul(page) >= pool {
+        return Check::ok("hugepages", format!("{detail}: the pool comes from them"));
     }
-    let wanted = total + pool.div_ceil(page) - free.min(pool.div_ceil(page));
+    if thp != "never" && thp != "unknown" {
+        return Check::ok(
+            "hugepages",
+            format!("{detail}: the pool asks for transparent huge pages"),
+        );
+    }
+    let fix = if page == HUGE_PAGE {
+        let wanted = total + pool.div_ceil(HUGE_PAGE).saturating_sub(free);
+        format!(
+            "echo {wanted} | sudo tee /proc/sys/vm/nr_hugepages (or: echo madvise | sudo tee \
+             /sys/kernel/mm/transparent_hugepage/enabled)"
+        )
+    } else {
+        "echo madvise | sudo tee /sys/kernel/mm/transparent_hugepage/enabled (railyard's \
+         hugetlb pages are 2 MiB; this host's default is another size)"
+            .to_owned()
+    };
     Check::not_ok(
         "hugepages",
         Status::Warning,
-        format!("{detail}: the pool falls back to normal pages (more TLB misses)"),
-        format!("echo {wanted} | sudo tee /proc/sys/vm/nr_hugepages"),
+        format!("{detail}: the pool gets normal pages (more TLB misses)"),
+        fix,
     )
 }
 
+/// The hugetlb page size railyard's allocator uses.
+const HUGE_PAGE: u64 = 2 << 20;
+
 fn check_rdma(host: &Host) -> Check {
-    if host.machine.nics.is_empty() {
+    let (machine, _) = match host.topology("rdma") {
+        Ok(topology) => topology,
+        Err(check) => return check,
+    };
+    if machine.nics.is_empty() {
         return Check::not_ok(
             "rdma",
             Status::Warning,
@@ -245,7 +291,7 @@ fn check_rdma(host: &Host) -> Check {
     }
     let mut active = Vec::new();
     let mut down = Vec::new();
-    for nic in &host.machine.nics {
+    for nic in &machine.nics {
         for port in &nic.ports {
             let name = format!("{}/{}", nic.name, port.number);
             if port.state.is_active() {
@@ -257,7 +303,7 @@ fn check_rdma(host: &Host) -> Check {
     }
     let detail = format!(
         "{} device(s); active ports: {}{}",
-        host.machine.nics.len(),
+        machine.nics.len(),
         if active.is_empty() {
             "none".to_owned()
         } else {
@@ -324,10 +370,13 @@ fn yes_no(present: bool) -> &'static str {
 }
 
 fn check_numa(host: &Host) -> Check {
-    let mut detail = format!("{} NUMA node(s):", host.machine.numa_nodes.len());
-    for node in &host.machine.numa_nodes {
-        let nics: Vec<&str> = host
-            .machine
+    let (machine, _) = match host.topology("numa") {
+        Ok(topology) => topology,
+        Err(check) => return check,
+    };
+    let mut detail = format!("{} NUMA node(s):", machine.numa_nodes.len());
+    for node in &machine.numa_nodes {
+        let nics: Vec<&str> = machine
             .nics
             .iter()
             .filter(|nic| nic.numa_node == node.os_index)
@@ -342,12 +391,11 @@ fn check_numa(host: &Host) -> Check {
         );
     }
     detail.pop();
-    let stranded: Vec<&str> = host
-        .machine
+    let stranded: Vec<&str> = machine
         .nics
         .iter()
         .filter(|nic| {
-            host.machine
+            machine
                 .numa_nodes
                 .iter()
                 .any(|node| node.os_index == nic.numa_node && node.pus.is_empty())
@@ -371,12 +419,16 @@ fn check_numa(host: &Host) -> Check {
 }
 
 fn check_cores(host: &Host) -> Check {
-    let rails = host.plan.rails.len();
+    let (_, plan) = match host.topology("cores") {
+        Ok(topology) => topology,
+        Err(check) => return check,
+    };
+    let rails = plan.rails.len();
     let mut detail = format!(
         "{rails} rail(s) planned, each with a polling core; {} CPU(s) available",
         host.cpus_allowed
     );
-    for warning in &host.plan.warnings {
+    for warning in &plan.warnings {
         let _ = write!(detail, "; {warning}");
     }
     if host.cpus_allowed > rails {
@@ -403,24 +455,53 @@ fn check_secret(path: Option<&Path>) -> Check {
         );
     };
     let shown = path.display();
+    let quoted = format!("'{}'", shown.to_string().replace('\'', "'\\''"));
     let metadata = match std::fs::metadata(path) {
-        Ok(metadata) => metadata,
+        Ok(metadata) if metadata.is_file() => metadata,
+        Ok(_) => {
+            return Check::not_ok(
+                "secret",
+                Status::Problem,
+                format!("{shown} is not a file"),
+                "name the secret's file (--secret-file or RAILYARD_SECRET_FILE)",
+            );
+        }
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            return Check::not_ok(
+                "secret",
+                Status::Problem,
+                format!("{shown}: {error}"),
+                format!(
+                    "copy the cluster's secret file to {quoted} (or, for a new cluster: {fix_new})"
+                ),
+            );
+        }
         Err(error) => {
             return Check::not_ok(
                 "secret",
                 Status::Problem,
                 format!("{shown}: {error}"),
-                fix_new,
+                format!(
+                    "let this user read it: sudo chown $(id -u) {quoted} && chmod 600 {quoted}"
+                ),
             );
         }
     };
     let mode = std::os::unix::fs::PermissionsExt::mode(&metadata.permissions()) & 0o777;
+    if let Err(error) = std::fs::File::open(path) {
+        return Check::not_ok(
+            "secret",
+            Status::Problem,
+            format!("{shown}: {error}"),
+            format!("let this user read it: sudo chown $(id -u) {quoted} && chmod 600 {quoted}"),
+        );
+    }
     if mode & 0o077 != 0 {
         return Check::not_ok(
             "secret",
             Status::Problem,
             format!("{shown} has mode {mode:o}: others than its owner may read it"),
-            format!("chmod 600 {shown}"),
+            format!("chmod 600 {quoted}"),
         );
     }
     match railyard::control::ClusterSecret::from_file(path) {
@@ -430,12 +511,14 @@ fn check_secret(path: Option<&Path>) -> Check {
 }
 
 fn check_etcd(directory: Option<&str>) -> Check {
-    let Some(url) = directory else {
+    let Some(url) = directory.filter(|url| *url != "p2p") else {
         return Check::ok("etcd", "not configured (peers are found by address)");
     };
     let Some(endpoints) = url
         .strip_prefix("etcd://")
         .or_else(|| url.strip_prefix("etcd+tls://"))
+        // The options after `?` (ca=, ttl=, prefix=…) are not endpoints.
+        .map(|rest| rest.split('?').next().unwrap_or_default())
     else {
         return Check::not_ok(
             "etcd",
@@ -444,9 +527,18 @@ fn check_etcd(directory: Option<&str>) -> Check {
             "--directory etcd://HOST:PORT[,HOST:PORT...]",
         );
     };
+    let endpoints: Vec<&str> = endpoints.split(',').filter(|e| !e.is_empty()).collect();
+    if endpoints.is_empty() {
+        return Check::not_ok(
+            "etcd",
+            Status::Problem,
+            format!("{url:?} names no endpoint"),
+            "--directory etcd://HOST:PORT[,HOST:PORT...]",
+        );
+    }
     let mut reached = Vec::new();
     let mut failed = Vec::new();
-    for endpoint in endpoints.split(',').filter(|e| !e.is_empty()) {
+    for endpoint in endpoints {
         let connected = endpoint.to_socket_addrs().ok().and_then(|mut addrs| {
             addrs.find_map(|addr| TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok())
         });
@@ -519,7 +611,7 @@ fn checks(host: &Host, args: &DoctorArgs) -> Vec<Check> {
 }
 
 pub(crate) fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
-    let host = Host::discover(args)?;
+    let host = Host::discover(args);
     let checks = checks(&host, args);
     let worst = checks
         .iter()
@@ -539,7 +631,7 @@ pub(crate) fn run(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
             })
             .collect();
         let report = serde_json::json!({
-            "host": host.plan.host,
+            "host": host.topology.as_ref().map_or("unknown", |(_, plan)| plan.host.as_str()),
             "status": worst.as_str(),
             "checks": checks,
         });

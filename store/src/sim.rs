@@ -374,7 +374,7 @@ struct Client {
     attached_at: Duration,
     /// Calls to make once attached: those a reset cut off (made again once, as the
     /// client's `call` does), and those made while attaching.
-    deferred: Vec<Deferred>,
+    deferred: VecDeque<Deferred>,
     /// Operations already sent again once.
     resent: Vec<u64>,
     /// When its last message to the master arrives, and its master's last to it: a TCP
@@ -657,7 +657,7 @@ impl StoreSim {
     fn call(&mut self, world: &mut ServiceWorld<'_>, client: Caller, op: Option<u64>, ask: Ask) {
         let me = &mut self.clients[client.0];
         if me.attached.is_none() || me.resolving_until.is_some() {
-            me.deferred.push(Deferred {
+            me.deferred.push_back(Deferred {
                 op,
                 ask,
                 again: false,
@@ -788,16 +788,14 @@ impl StoreSim {
                 }
                 self.ask(world, client, None, Ask::Quiesced);
             }
-            let mut deferred = std::mem::take(&mut self.clients[slot].deferred).into_iter();
-            let calls = deferred.len();
-            while let Some(call) = deferred.next() {
-                if self.clients[slot].attached.is_none() {
-                    // A reset cut this connection too: the rest wait for the next one.
-                    let me = &mut self.clients[slot];
-                    me.deferred
-                        .splice(0..0, std::iter::once(call).chain(deferred));
+            // One at a time: a reset cuts this connection too, and the rest wait for the
+            // next one.
+            let mut calls = 0;
+            while self.clients[slot].attached.is_some() {
+                let Some(call) = self.clients[slot].deferred.pop_front() else {
                     break;
-                }
+                };
+                calls += 1;
                 match call.op.map(|op| self.ops.get_mut(&op)) {
                     // Timed out meanwhile.
                     Some(None) => continue,
@@ -809,7 +807,7 @@ impl StoreSim {
             }
             let ops = &self.ops;
             self.clients[slot].resent.retain(|op| ops.contains_key(op));
-            if calls > 0 {
+            if calls > 0 || self.clients[slot].attached.is_none() {
                 return;
             }
         }
@@ -884,7 +882,7 @@ impl StoreSim {
             return;
         }
         me.resent.extend(op);
-        me.deferred.push(Deferred {
+        me.deferred.push_back(Deferred {
             op,
             ask,
             again: true,
