@@ -4,13 +4,15 @@
 //! snapshot with RDMA ports down or unreadable, a secret file others may read, an etcd that
 //! does not answer.
 
-use std::io::{Read as _, Write as _};
+use std::io::Write as _;
 use std::os::unix::fs::PermissionsExt as _;
 use std::os::unix::process::CommandExt as _;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use serde_json::Value;
+
+mod common;
 
 /// How long one doctor run may take.
 const BOUND: Duration = Duration::from_secs(60);
@@ -34,9 +36,7 @@ fn doctor(args: &[&str]) -> (Value, i32) {
     command
         .args(["doctor", "--json"])
         .args(args)
-        .env_remove("RAILYARD_SECRET_FILE")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .env_remove("RAILYARD_SECRET_FILE");
     // SAFETY: between fork and exec the closure only calls setrlimit, which is
     // async-signal-safe, on a struct it owns.
     unsafe {
@@ -52,35 +52,15 @@ fn doctor(args: &[&str]) -> (Value, i32) {
             }
         });
     }
-    let mut child = command.spawn().expect("railyard runs");
-    let mut stdout = child.stdout.take().expect("piped");
-    let mut stderr = child.stderr.take().expect("piped");
-    let read_out = std::thread::spawn(move || {
-        let mut text = Vec::new();
-        let _ = stdout.read_to_end(&mut text);
-        text
+    let output = common::output_within(&mut command, BOUND);
+    let report: Value = serde_json::from_slice(&output.stdout).unwrap_or_else(|_| {
+        panic!(
+            "not JSON: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
     });
-    let read_err = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let end = Instant::now() + BOUND;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waitable") {
-            break status;
-        }
-        if Instant::now() > end {
-            let _ = child.kill();
-            panic!("railyard doctor ran past {BOUND:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stdout = read_out.join().expect("the reader");
-    let stderr = read_err.join().expect("the reader");
-    let report: Value = serde_json::from_slice(&stdout)
-        .unwrap_or_else(|_| panic!("not JSON: {}{stderr}", String::from_utf8_lossy(&stdout)));
-    (report, status.code().expect("exited"))
+    (report, output.status.code().expect("exited"))
 }
 
 fn check<'r>(report: &'r Value, name: &str) -> &'r Value {

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use railyard::dataplane::IdleStrategy;
 use railyard::engine::{Engine, RailChoice};
 
+mod common;
+
 const BOUND: Duration = Duration::from_secs(30);
 
 /// Runs `railyard serve` with `log_args` until it has printed its first line, then closes
@@ -279,38 +281,19 @@ fn incarnation_in_span_of(events: &[serde_json::Value], message: &str) -> String
 /// Runs `railyard serve --listen LISTEN` until its first line and returns its stderr
 /// lines that warn about authentication.
 fn authentication_warnings(listen: &str) -> Vec<String> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_railyard"))
-        .args([
-            "serve", "--listen", listen, "--pool", "4MiB", "--rails", "2",
-        ])
-        .arg("--until-stdin-closes")
-        .env_remove("RUST_LOG")
-        .env_remove("RAILYARD_SECRET_FILE")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starts");
-    let mut stderr = child.stderr.take().expect("piped");
-    let errors = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let end = Instant::now() + BOUND;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waitable") {
-            break status;
-        }
-        if Instant::now() > end {
-            let _ = child.kill();
-            panic!("serve did not stop when its stdin closed");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let errors = errors.join().expect("the reader");
-    assert!(status.success(), "{status:?}: {errors}");
-    errors
+    let output = common::output_within(
+        Command::new(env!("CARGO_BIN_EXE_railyard"))
+            .args([
+                "serve", "--listen", listen, "--pool", "4MiB", "--rails", "2",
+            ])
+            .arg("--until-stdin-closes")
+            .env_remove("RUST_LOG")
+            .env_remove("RAILYARD_SECRET_FILE")
+            .stdin(Stdio::null()),
+        BOUND,
+    );
+    assert!(output.status.success(), "{output:?}");
+    String::from_utf8_lossy(&output.stderr)
         .lines()
         .filter(|line| line.contains("not authenticated"))
         .map(str::to_string)

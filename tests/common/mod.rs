@@ -302,21 +302,24 @@ impl TcpPair {
     }
 }
 
-/// Runs `command` (stderr dropped) and returns its output, killing it and failing the test
-/// if it has not exited within `bound`.
+/// Runs `command` and returns its output (stdout and stderr), killing it and failing the
+/// test if it has not exited within `bound`.
 pub fn output_within(command: &mut Command, bound: Duration) -> std::process::Output {
     use std::io::Read as _;
     let mut child = command
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("starts");
-    let mut stdout = child.stdout.take().expect("piped");
-    let reader = std::thread::spawn(move || {
-        let mut bytes = Vec::new();
-        let _ = stdout.read_to_end(&mut bytes);
-        bytes
-    });
+    let drain = |mut pipe: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().expect("piped")));
+    let stderr = drain(Box::new(child.stderr.take().expect("piped")));
     let end = Instant::now() + bound;
     let status = loop {
         if let Some(status) = child.try_wait().expect("waitable") {
@@ -331,7 +334,7 @@ pub fn output_within(command: &mut Command, bound: Duration) -> std::process::Ou
     };
     std::process::Output {
         status,
-        stdout: reader.join().expect("the reader ends with the child"),
-        stderr: Vec::new(),
+        stdout: stdout.join().expect("the reader ends with the child"),
+        stderr: stderr.join().expect("the reader ends with the child"),
     }
 }
