@@ -67,6 +67,7 @@ bench: deps
 # No import cycle between files (scripts/import_cycles.py), then rustfmt, clippy and rustdoc.
 lint: deps
 	python3 scripts/import_cycles.py
+	python3 scripts/check_docs.py
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features etcd,sabotage -- -D warnings

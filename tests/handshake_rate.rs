@@ -1,7 +1,7 @@
 //! `railyard handshakes`: initiator processes open one target at once, round after round.
 //! Here a small run checks what it reports (every open a whole handshake, none failed, the
 //! target's control memory per peer) and that bad arguments get a clear error; the figures
-//! at 256 initiators come from running it (see the README).
+//! at 256 initiators come from running it (see docs/cli.md).
 
 use std::process::Command;
 

@@ -6,9 +6,9 @@
 //! `/metrics` over HTTP (`railyard serve --metrics ADDR`, `railyard bench --metrics ADDR`).
 //!
 //! Every metric is named `railyard_…`, with its unit in the name and `_total` on counters;
-//! the README lists them all. Labels: `engine` on the info metric only; `peer` (name) and
-//! `incarnation` for peers; `rail` (its device name) for rails; `op`, `reason`, `kind` and
-//! `state` where a count is split.
+//! docs/logs-and-metrics.md lists them all. Labels: `engine` on the info metric only; `peer`
+//! (name) and `incarnation` for peers; `rail` (its device name) for rails; `op`, `reason`,
+//! `kind` and `state` where a count is split.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -523,7 +523,7 @@ impl Collector for EngineMetrics {
 impl Engine {
     /// Its metrics in the Prometheus text format, read from [`Self::stats`] now: what a
     /// Prometheus scrape of `/metrics` wants (content type [`CONTENT_TYPE`]), for an
-    /// application that serves them on its own endpoint. Every metric is in the README;
+    /// application that serves them on its own endpoint. docs/logs-and-metrics.md lists them;
     /// [`EngineMetrics`] adds them to an application's registry. (Defined here, beside the
     /// metrics, so that the engine never reads its own metrics module: metrics read the
     /// engine, not the other way round.)

@@ -668,9 +668,9 @@ def test_vllm_strided_lists_move_the_right_blocks(spawn_peer):
         decode.close()
 
 
-def test_readme_nixl_example_runs():
-    readme = (HERE.parents[1] / "README.md").read_text()
-    blocks = [b.split("```", 1)[0] for b in readme.split("```python\n")[1:]]
+def test_docs_nixl_example_runs():
+    page = (HERE.parents[1] / "docs" / "python.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in page.split("```python\n")[1:]]
     (example,) = [b for b in blocks if "nixl.install()" in b]
     out = subprocess.run([sys.executable, "-c", example], check=True, timeout=120,
                          capture_output=True, text=True).stdout

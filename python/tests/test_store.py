@@ -304,9 +304,9 @@ def test_the_module_exports_the_store():
     assert issubclass(railyard.ObjectNotFound, railyard.StoreError)
 
 
-def test_readme_store_example_runs(store_cluster):
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    blocks = [b.split("```", 1)[0] for b in readme.split("```python\n")[1:]]
+def test_docs_store_example_runs(store_cluster):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "store.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in page.split("```python\n")[1:]]
     (example,) = [b for b in blocks if "railyard.Store(master" in b]
     assert len(example.strip().splitlines()) <= 15
     assert '"127.0.0.1:7500"' in example

@@ -13,7 +13,7 @@ pub(crate) struct TopologyArgs {
     /// Replay an hwloc XML snapshot instead of discovering this machine.
     #[arg(long, value_name = "FILE")]
     xml: Option<PathBuf>,
-    /// Print the plan as JSON (schema in the README).
+    /// Print the plan as JSON (schema in docs/cli.md).
     #[arg(long)]
     json: bool,
     /// Cores at the start of each NUMA node left to the OS.

@@ -349,7 +349,7 @@ class Engine:
 
     def metrics_text(self) -> str:
         """This engine's Prometheus metrics in the text format (``METRICS_CONTENT_TYPE``),
-        for the application's own ``/metrics`` endpoint; every metric is in the README."""
+        for the application's own ``/metrics`` endpoint; every metric is in docs/logs-and-metrics.md."""
         ...
 
     def stats(self) -> dict[str, Any]:

@@ -529,7 +529,7 @@ impl Fabric for OfiFabric {
 
     /// A libfabric operation cannot be recalled short of closing the rail's endpoint, which
     /// every peer shares: the provider keeps its operations, whose completions are still
-    /// reported (as flushes, and ignored by the poller). See the README's known gaps.
+    /// reported (as flushes, and ignored by the poller). See docs/fabrics.md, known gaps.
     fn abandon(&mut self, _qp: QpNum) -> bool {
         false
     }
