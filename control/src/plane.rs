@@ -360,12 +360,24 @@ impl ControlPlane {
                 max: MAX_NOTIFY,
             });
         }
+        if let Some(after) = &after {
+            self.wake_when_complete(after);
+        }
         self.request(Request::Notify {
             addr,
             target,
             bytes,
             after,
         })
+    }
+
+    /// Wakes the control thread as soon as `batch` completes, so that what waits for it
+    /// (a notification, an immediate) leaves at once rather than at the thread's next tick.
+    fn wake_when_complete(&self, batch: &Batch) {
+        let waker = self.waker.clone();
+        batch.on_complete(move || {
+            let _ = (&*waker).write(&[1]);
+        });
     }
 
     /// Sends `imm` to the peer of `views` (one endpoint per local rail, as connected) as the
@@ -381,6 +393,7 @@ impl ControlPlane {
         imm: u32,
         after: Batch,
     ) -> Result<(), ControlError> {
+        self.wake_when_complete(&after);
         self.request(Request::Signal { views, imm, after })
     }
 

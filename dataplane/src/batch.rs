@@ -229,7 +229,12 @@ pub(crate) struct BatchState {
     waiters: AtomicUsize,
     lock: Mutex<()>,
     completed: Condvar,
+    /// Called by whoever resolves the last slice ([`Batch::on_complete`]).
+    on_complete: OnceLock<CompletionHook>,
 }
+
+/// What [`Batch::on_complete`] calls.
+type CompletionHook = Box<dyn Fn() + Send + Sync>;
 
 impl BatchState {
     /// A batch whose request `i` has `slices_per_request[i]` slices. Requests without slices
@@ -253,6 +258,7 @@ impl BatchState {
             waiters: AtomicUsize::new(0),
             lock: Mutex::new(()),
             completed: Condvar::new(),
+            on_complete: OnceLock::new(),
         }
     }
 
@@ -315,6 +321,14 @@ impl BatchState {
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             self.completed.notify_all();
+        }
+        if last {
+            // Pairs with the fence in `Batch::on_complete`: either the hook is seen here,
+            // or the batch is seen complete there (and the hook called there).
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if let Some(hook) = self.on_complete.get() {
+                hook();
+            }
         }
         last
     }
@@ -398,6 +412,27 @@ impl Batch {
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .0;
         }
+    }
+
+    /// Calls `hook` once every request has resolved, on the thread that resolved the last
+    /// one (a poller: `hook` must be quick and must not block), or at once on this thread if
+    /// that has already happened; it may be called twice when the two race. One hook per
+    /// batch: returns false, and keeps the first, when one was already set. Lets a thread
+    /// that sleeps on something else (the control thread, which sends a notification after
+    /// its batch) be woken instead of polling.
+    pub fn on_complete(&self, hook: impl Fn() + Send + Sync + 'static) -> bool {
+        let state = &self.state;
+        if state.on_complete.set(Box::new(hook)).is_err() {
+            return false;
+        }
+        // Pairs with the fence in `BatchState::resolve_slice`.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if state.unresolved.load(Ordering::Acquire) == 0
+            && let Some(hook) = state.on_complete.get()
+        {
+            hook();
+        }
+        true
     }
 
     /// How request `request` ended, or `None` while it is pending (or out of range).
@@ -555,6 +590,40 @@ mod tests {
         assert_eq!(batch.poll().done, 3);
         assert!(batch.poll().is_complete());
         assert_eq!(batch.double_resolved(), 0);
+    }
+
+    #[test]
+    fn the_completion_hook_runs_once_the_last_slice_resolves_or_at_once_if_it_has() {
+        use std::sync::atomic::AtomicUsize;
+        let (state, pending) = batch(&[1, 2]);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        assert!(pending.on_complete(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }));
+        assert!(!pending.on_complete(|| {}), "one hook per batch");
+        state.resolve_slice(0, Ok(()));
+        state.resolve_slice(1, Ok(()));
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "a slice is still pending");
+        state.resolve_slice(1, failed(FailReason::Timeout));
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "called by the last resolver"
+        );
+
+        let (state, complete) = batch(&[1]);
+        state.resolve_slice(0, Ok(()));
+        let late = Arc::new(AtomicUsize::new(0));
+        let counted = late.clone();
+        complete.on_complete(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+        });
+        assert_eq!(
+            late.load(Ordering::SeqCst),
+            1,
+            "already complete: called at once"
+        );
     }
 
     #[test]
