@@ -52,7 +52,7 @@ loom:
 
 # Mutation testing of the core state machines (cargo-mutants, installed on first use; about
 # 35 minutes on 2 cores): caught / missed / unviable per file, failing under 90 % caught.
-# Not part of `make test`; run it when you change a core file (README, "Mutation testing").
+# Not part of `make test`; run it when you change a core file (docs/mutation-testing.md).
 # `make mutants FILES="control/src/wire.rs"` runs one file.
 mutants: deps
 	scripts/mutants.sh $(FILES)
@@ -64,7 +64,8 @@ bench: deps
 	$(CARGO) bench --bench ring --bench slice_path --bench prepared
 	$(CARGO) run --release --example soft_bandwidth
 
-# No import cycle between files (scripts/import_cycles.py), then rustfmt, clippy and rustdoc.
+# No import cycle between files (scripts/import_cycles.py), Markdown links and README examples
+# (scripts/check_docs.py), then rustfmt, clippy and rustdoc.
 lint: deps
 	python3 scripts/import_cycles.py
 	python3 scripts/check_docs.py

@@ -8,6 +8,7 @@ mod duration;
 mod engine_args;
 mod handshakes;
 mod master;
+mod ping;
 mod serve;
 mod sim;
 mod size;

@@ -5,7 +5,7 @@ use std::io::{BufRead, Write};
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::sync::mpsc::TryRecvError;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Args;
@@ -14,6 +14,7 @@ use railyard::engine::{DirectoryChoice, Engine, FabricChoice, RailChoice, Region
 use railyard::metrics::MetricsServer;
 
 use super::engine_args::{SecretArgs, VerbsArgs, parse_directory, parse_fabric};
+use super::ping::{Echo, Ping};
 use super::size::{format_size, parse_size};
 
 #[derive(Debug, Args)]
@@ -61,6 +62,11 @@ pub(crate) struct ServeArgs {
     /// it is read anyway). Bound to no handshake: for benchmarks only.
     #[arg(long)]
     accept_sinks: bool,
+    /// Answer the pings of `railyard bench --latency`: each ping's bytes, which landed at the
+    /// start of the pool, are written back to the pinger (into memory it registered) with
+    /// a pong notification. The pinger is opened at the address it names.
+    #[arg(long)]
+    echo: bool,
 }
 
 pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
@@ -156,8 +162,39 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         std::mem::forget(command_line);
     }
     let mut regions = HashMap::from([(pool.id, pool)]);
+    let mut echo = if args.echo {
+        Some(Echo::new(&engine, pool)?)
+    } else {
+        None
+    };
+    let mut echo_failures = 0u64;
     loop {
-        for notification in engine.drain_notifications() {
+        // An echo waits for notifications (a ping is answered as soon as it arrives); a
+        // plain target looks every few milliseconds.
+        let notifications = if echo.is_some() {
+            engine.wait_notifications(Instant::now() + COMMAND_POLL)
+        } else {
+            std::thread::sleep(COMMAND_POLL);
+            engine.drain_notifications()
+        };
+        for notification in notifications {
+            if let (Some(echo), NotificationBody::Bytes(bytes)) = (&mut echo, &notification.body)
+                && let Some(ping) = Ping::decode(bytes)
+            {
+                if let Err(error) = echo.answer(&engine, &ping) {
+                    echo_failures += 1;
+                    // The first failure, then every power of two: a pinger that went away
+                    // does not flood the log.
+                    if echo_failures.is_power_of_two() {
+                        tracing::warn!(
+                            target: "railyard::serve",
+                            failures = echo_failures,
+                            "a ping was not answered: {error:#}"
+                        );
+                    }
+                }
+                continue;
+            }
             let from = format!("{} ({})", notification.from, notification.incarnation);
             match notification.body {
                 NotificationBody::Bytes(bytes) => {
@@ -179,9 +216,11 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
                 Err(TryRecvError::Disconnected) => return Ok(()),
             }
         }
-        std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// How often serve looks at its stdin commands.
+const COMMAND_POLL: Duration = Duration::from_millis(5);
 
 /// Prints one line; an error (stdout closed) ends serve with it instead of a panic.
 fn say(line: &str) -> anyhow::Result<()> {

@@ -1,11 +1,15 @@
-//! `railyard bench`: the main job. KV-cache-shaped transfers to a target, measured beside
-//! the memcpy ceiling of this machine.
+//! `railyard bench`: the main job. KV-cache-shaped transfers to a target — one shape, or a
+//! sweep of block sizes × batch sizes drawn as an SVG — or round trips (`--latency`), each
+//! measured beside the ceiling of this machine in the same run.
 
 mod args;
 mod ceiling;
+mod latency;
 mod memcpy_ceiling;
+mod plot;
 mod report;
 mod run;
+mod shapes;
 mod target;
 mod tcp_ceiling;
 mod worker;

@@ -1,6 +1,7 @@
-//! How one `railyard bench` run goes: its checks, the ceiling (measured first with the target
-//! on this host, beside the idle engine otherwise), the engine and its target, the threads
-//! for `--duration` with a progress line, then the report.
+//! How one `railyard bench` run goes: its checks and shapes, the ceilings (measured first
+//! with the target on this host, beside the idle engine otherwise), the engine and its
+//! target, the threads for `--duration` per shape with a progress line or bar, then the
+//! report and the plot.
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -8,14 +9,19 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
+use indicatif::{ProgressBar, ProgressStyle};
 use railyard::dataplane::IdleStrategy;
-use railyard::engine::{Engine, FabricChoice, Op, PeerAccess, RailChoice, default_name};
+use railyard::engine::{
+    Engine, FabricChoice, Op, Peer, PeerAccess, RailChoice, Region, default_name,
+};
 use railyard::metrics::MetricsServer;
 
-use super::args::{BenchArgs, BenchOp, validate};
-use super::ceiling::{measure_ceiling, tcp_fabric_ceiling};
-use super::report::{Run, Verdict, report};
-use super::target::start_target;
+use super::args::{BenchArgs, validate};
+use super::ceiling::{Ceiling, CeilingBench, ceiling_round, tcp_fabric_ceilings};
+use super::plot::plot;
+use super::report::{Occasion, Setting, ShapeResult, Verdict, report_one, report_sweep};
+use super::shapes::{Plan, Shape, Skipped, fit, plan};
+use super::target::{TargetChild, start_target};
 use super::tcp_ceiling::CeilingSite;
 use super::worker::{ThreadResult, Workload, run_worker, seed_pool};
 use crate::cli::size::format_size;
@@ -23,221 +29,51 @@ use crate::cli::size::format_size;
 pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     validate(args)?;
     args.verbs.check(args.fabric)?;
-    let request_bytes = args.block_size * args.batch;
-    let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
-    // A name of its own, so that two benches never claim the same one in a directory.
-    let name = args.name.clone().unwrap_or_else(|| default_name("bench"));
-    if args.target.is_none() && args.pool / args.block_size < args.batch {
-        bail!(
-            "--pool {} holds {} blocks of {}, but a request needs {} (--batch)",
-            format_size(args.pool),
-            args.pool / args.block_size,
-            format_size(args.block_size),
-            args.batch
-        );
+    if args.latency {
+        return super::latency::run(args);
     }
-    // With the target on this host, the ceiling is measured first, on an engine of its own
-    // whose pollers park while idle, before this bench's engine and its target start:
-    // nothing of railyard runs beside it. (Measured beside spinning or yielding pollers,
-    // the ceiling would lose cores to them, and a ratio above 1.0 would follow.)
-    // libfabric off EFA replaces railyard's TCP fabric: its ratio is against that fabric,
-    // run on the same workload just before, by a bench of its own.
-    let ceiling_with_the_machine_to_itself = match args.target {
-        Some(_) => None,
-        None if args.fabric == FabricChoice::Ofi => Some(tcp_fabric_ceiling(args)?),
-        None => {
-            let ceiling_engine = args
-                .secret
-                .apply(args.verbs.apply(Engine::builder(format!("{name}-ceiling"))))?
-                .fabric(args.fabric)
-                .rails(rails)
-                .idle(IdleStrategy::SpinThenPark {
-                    spins: 64,
-                    park: Duration::from_millis(1),
-                })
-                .build()
-                .context("starting the ceiling's engine")?;
-            let source = ceiling_engine
-                .alloc_with_access(request_bytes, None, PeerAccess::None)
-                .context("allocating the ceiling's source")?;
-            Some(measure_ceiling(
-                args,
-                &ceiling_engine,
-                CeilingSite::Loopback,
-                source,
-                args.pool,
-                args.fabric == FabricChoice::Tcp,
-            )?)
-        }
-    };
-    let engine = args
-        .secret
-        .apply(args.verbs.apply(Engine::builder(name)))?
-        .fabric(args.fabric)
-        .rails(rails)
-        .directory(args.directory.clone())
-        .build()
-        .context("starting the engine")?;
-    let metrics = match args.metrics {
-        Some(addr) => {
-            let server = MetricsServer::start(&engine, addr)
-                .with_context(|| format!("serving metrics on {addr}"))?;
-            eprintln!(
-                "railyard bench: metrics at http://{}/metrics",
-                server.addr()
-            );
-            Some(server)
-        }
-        None => None,
-    };
-    // Each thread: its request's blocks, then a check area as large.
-    let per_thread = request_bytes * 2;
-    // Only this engine's transfers touch its buffers: peers get no access to them.
-    let local = engine
-        .alloc_with_access(per_thread * args.threads, None, PeerAccess::None)
-        .context("allocating the local buffers")?;
-    let (_child, target) = match &args.target {
-        Some(target) => (None, target.clone()),
-        None => {
-            let (child, addr) = start_target(args, engine.rails())?;
-            (Some(child), addr.to_string())
-        }
-    };
-    let peer = engine
-        .open(&target)
-        .with_context(|| format!("opening the target {target}"))?;
-    let descriptor = peer.descriptor();
-    let Some(pool) = descriptor.regions.iter().max_by_key(|r| r.len) else {
-        bail!("the target {target} has registered no memory");
-    };
-    let slots = pool.len / args.block_size;
-    if slots < args.batch {
-        bail!(
-            "the target's pool of {} holds {slots} blocks of {}, but a request needs {} (--batch)",
-            format_size(pool.len),
-            format_size(args.block_size),
-            args.batch
-        );
+    let plan = plan(args);
+    if !args.sweep
+        && let Some(skipped) = plan.skipped.first()
+    {
+        bail!("{}", skipped.why);
     }
-    let remote_base = pool.base;
-    let slots_per_thread = slots / args.threads;
-    if slots_per_thread < args.batch {
-        bail!(
-            "the target's pool holds {slots} blocks of {}: not {} per thread (--batch) for {} \
-             threads, each writing its own",
-            format_size(args.block_size),
-            args.batch,
-            args.threads
-        );
+    if plan.shapes.is_empty() {
+        bail!("no shape fits: {}", reasons(&plan.skipped));
     }
-    let op = match args.op {
-        BenchOp::Write => Op::Write,
-        BenchOp::Read => Op::Read,
-    };
-    if args.check && op == Op::Read {
-        seed_pool(&engine, &peer, local, args, remote_base, slots)?;
-    }
-
-    let ceiling = match ceiling_with_the_machine_to_itself {
-        Some(ceiling) => ceiling,
-        // A target elsewhere: measured now, before the run, beside this engine's idle
-        // pollers; the TCP ceiling when the engine reached the peer over TCP (`auto` does
-        // for another host), its TCP port taking the plain stream.
-        None => measure_ceiling(
-            args,
-            &engine,
-            CeilingSite::Remote(SocketAddr::new(
-                peer.addr().ip(),
-                descriptor.rails.first().map_or(0, |rail| rail.tcp_port),
-            )),
-            local,
-            pool.len,
-            // libfabric off EFA stands in for TCP: a remote target's ratio is against it too.
-            engine.stats().control.tcp_qps > 0 || args.fabric == FabricChoice::Ofi,
-        )?,
-    };
-    let stop = AtomicBool::new(false);
-    let moved = AtomicU64::new(0);
-    let duration = Duration::from_secs_f64(args.duration);
-    let tty = std::io::stderr().is_terminal() && !args.json;
-    let started = Instant::now();
-    let results = std::thread::scope(|scope| -> anyhow::Result<Vec<ThreadResult>> {
-        let workers: Vec<_> = (0..args.threads)
-            .map(|thread| {
-                let work = Workload {
-                    engine: &engine,
-                    peer: &peer,
-                    local,
-                    local_offset: thread * per_thread,
-                    remote_base,
-                    first_slot: thread * slots_per_thread,
-                    slots: slots_per_thread,
-                    block: args.block_size,
-                    batch: args.batch,
-                    op,
-                    check: args.check,
-                    seed: args.seed.wrapping_add(thread.wrapping_mul(0x9E37)),
-                    stop: &stop,
-                    moved: &moved,
-                };
-                scope.spawn(move || run_worker(&work))
-            })
-            .collect();
-        let mut last_line = Instant::now();
-        while started.elapsed() < duration {
-            std::thread::sleep(Duration::from_millis(100));
-            let elapsed = started.elapsed().min(duration);
-            let gbps = moved.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e9;
-            if tty {
-                let width = 30;
-                let filled =
-                    (width as f64 * elapsed.as_secs_f64() / duration.as_secs_f64()) as usize;
-                eprint!(
-                    "\r[{}{}] {:>5.1}/{:.1} s  {gbps:>7.2} GB/s",
-                    "=".repeat(filled),
-                    " ".repeat(width - filled.min(width)),
-                    elapsed.as_secs_f64(),
-                    duration.as_secs_f64()
-                );
-            } else if !args.json && last_line.elapsed() >= Duration::from_secs(1) {
-                eprintln!("{:>5.1} s  {gbps:.2} GB/s", elapsed.as_secs_f64());
-                last_line = Instant::now();
+    let progress = Progress::new(args, &plan);
+    let (rows, setting, skipped) = match args.target {
+        Some(_) => measure_elsewhere(args, plan, &progress)?,
+        None if args.fabric == FabricChoice::Ofi => {
+            // libfabric off EFA replaces railyard's TCP fabric: its ratio is against that
+            // fabric, run on the same workload just before, by a bench of its own.
+            progress.stage("railyard's TCP fabric, for the ceilings");
+            let ceilings = tcp_fabric_ceilings(args, &plan)?;
+            let bench = Bench::start(args, &plan)?;
+            let mut rows = Vec::with_capacity(plan.shapes.len());
+            for (shape, ceiling) in plan.shapes.iter().zip(ceilings) {
+                progress.stage(&describe(shape));
+                rows.push(bench.measure(args, shape, ceiling, plan.duration, &progress)?);
+                progress.step();
             }
+            let setting = bench.finish(&plan);
+            (rows, setting, plan.skipped)
         }
-        stop.store(true, Ordering::Relaxed);
-        if tty {
-            eprintln!();
+        None => measure_here(args, plan, &progress)?,
+    };
+    progress.finish();
+    // `--op both` measures two shapes: reported as a sweep of them.
+    if args.sweep || rows.len() > 1 {
+        let occasion = Occasion::now();
+        report_sweep(args, &setting, &occasion, &rows, &skipped);
+        if let Some(path) = &args.plot {
+            plot(path, setting.fabric, &occasion, &rows)
+                .with_context(|| format!("drawing {}", path.display()))?;
         }
-        workers
-            .into_iter()
-            .map(|worker| {
-                worker
-                    .join()
-                    .map_err(|_| anyhow::anyhow!("a worker thread panicked"))?
-            })
-            .collect()
-    })?;
-    let elapsed = started.elapsed();
-
-    let Verdict { failed, mismatches } = report(
-        args,
-        &Run {
-            engine: &engine,
-            target: &target,
-            op,
-            local,
-            results: &results,
-            bytes: moved.load(Ordering::Relaxed),
-            elapsed,
-            ceiling: &ceiling,
-        },
-    );
-    // Stop this engine before the target it started: otherwise it sees the target go away
-    // and reports reconnecting to it. (The metrics server first: a scrape in progress
-    // holds the engine.)
-    drop(metrics);
-    drop(peer);
-    drop(engine);
+    } else if let Some(row) = rows.first() {
+        report_one(args, &setting, row);
+    }
+    let Verdict { failed, mismatches } = Verdict::of(&rows);
     if args.check && mismatches > 0 {
         bail!("{mismatches} block(s) did not hold what was written");
     }
@@ -245,4 +81,406 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         bail!("{failed} request(s) failed");
     }
     Ok(())
+}
+
+/// What a run measured: a row per shape, the setting, and the shapes it left out.
+type Measured = (Vec<ShapeResult>, Setting, Vec<Skipped>);
+
+/// With the target on this host: every shape's ceiling first, on an engine of its own
+/// whose pollers park while idle, with no engine of the bench's and no target running
+/// beside it (measured beside spinning or yielding pollers, a ceiling would lose cores to
+/// them, and a ratio above 1.0 would follow); then one engine and target run every shape;
+/// then, with them stopped, every ceiling again. The better of the two counts: this host's
+/// speed changes from one minute to the next, and the runs fall between the two.
+fn measure_here(args: &BenchArgs, plan: Plan, progress: &Progress) -> anyhow::Result<Measured> {
+    let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
+    let ceiling_engine = args
+        .secret
+        .apply(
+            args.verbs
+                .apply(Engine::builder(format!("{}-ceiling", bench_name(args)))),
+        )?
+        .fabric(args.fabric)
+        .rails(rails)
+        .idle(IdleStrategy::SpinThenPark {
+            spins: 64,
+            park: Duration::from_millis(1),
+        })
+        .build()
+        .context("starting the ceiling's engine")?;
+    let source = ceiling_engine
+        .alloc_with_access(largest_request(&plan.shapes), None, PeerAccess::None)
+        .context("allocating the ceiling's source")?;
+    let mut ceilings = CeilingBench::new(
+        &ceiling_engine,
+        CeilingSite::Loopback,
+        args.fabric == FabricChoice::Tcp,
+        source,
+        plan.pool,
+        ceiling_round(plan.duration),
+        args.seed,
+    )?;
+    let mut before = Vec::with_capacity(plan.shapes.len());
+    for shape in &plan.shapes {
+        progress.stage(&format!("ceiling of {}", describe(shape)));
+        before.push(ceilings.measure(shape)?);
+        progress.step();
+    }
+    let bench = Bench::start(args, &plan)?;
+    let mut rows = Vec::with_capacity(plan.shapes.len());
+    for (shape, ceiling) in plan.shapes.iter().zip(before) {
+        progress.stage(&describe(shape));
+        rows.push(bench.measure(args, shape, ceiling, plan.duration, progress)?);
+        progress.step();
+    }
+    let setting = bench.finish(&plan);
+    ceilings.forget();
+    for row in &mut rows {
+        progress.stage(&format!("ceiling of {}, again", describe(&row.shape)));
+        let after = ceilings.measure(&row.shape)?;
+        if after.gbps > row.ceiling.gbps {
+            row.ceiling = after;
+        }
+        row.ceiling.what += "; the better of a measure before the runs and one after";
+        progress.step();
+    }
+    ceilings.finish()?;
+    Ok((rows, setting, plan.skipped))
+}
+
+/// With a target elsewhere: one engine for every shape that fits the target's pool, each
+/// shape's ceiling measured just before it, beside this engine's idle pollers; the TCP
+/// ceiling when the engine reached the peer over TCP (`auto` does for another host), its
+/// TCP port taking the plain stream.
+fn measure_elsewhere(
+    args: &BenchArgs,
+    mut plan: Plan,
+    progress: &Progress,
+) -> anyhow::Result<Measured> {
+    let bench = Bench::start(args, &plan)?;
+    // The target's pool decides which shapes fit.
+    let (fitting, skipped) = fit(
+        std::mem::take(&mut plan.shapes),
+        bench.pool_len,
+        args.threads,
+    );
+    plan.shapes = fitting;
+    plan.skipped.extend(skipped);
+    if !args.sweep
+        && let Some(skipped) = plan.skipped.first()
+    {
+        bail!("at the target {}: {}", bench.target, skipped.why);
+    }
+    if plan.shapes.is_empty() {
+        bail!(
+            "no shape fits the target {}: {}",
+            bench.target,
+            reasons(&plan.skipped)
+        );
+    }
+    let site = CeilingSite::Remote(SocketAddr::new(
+        bench.peer.addr().ip(),
+        bench
+            .peer
+            .descriptor()
+            .rails
+            .first()
+            .map_or(0, |rail| rail.tcp_port),
+    ));
+    // libfabric off EFA stands in for TCP: a remote target's ratio is against it too.
+    let tcp = bench.engine.stats().control.tcp_qps > 0 || args.fabric == FabricChoice::Ofi;
+    let mut rows = Vec::with_capacity(plan.shapes.len());
+    let mut ceilings = CeilingBench::new(
+        &bench.engine,
+        site,
+        tcp,
+        bench.local,
+        bench.pool_len,
+        ceiling_round(plan.duration),
+        args.seed,
+    )?;
+    for shape in &plan.shapes {
+        progress.stage(&format!("ceiling of {}", describe(shape)));
+        let ceiling = ceilings.measure(shape)?;
+        progress.step();
+        progress.stage(&describe(shape));
+        rows.push(bench.measure(args, shape, ceiling, plan.duration, progress)?);
+        progress.step();
+    }
+    ceilings.finish()?;
+    let setting = bench.finish(&plan);
+    Ok((rows, setting, plan.skipped))
+}
+
+/// A name of its own, so that two benches never claim the same one in a directory.
+fn bench_name(args: &BenchArgs) -> String {
+    args.name.clone().unwrap_or_else(|| default_name("bench"))
+}
+
+/// This bench's engine, its local buffers and the target it opened (started by it when no
+/// `--target` was given). Fields drop in the order that stops them cleanly: the metrics
+/// server (a scrape in progress holds the engine), the peer, the engine, then the target
+/// it started (otherwise the engine sees the target go away and reports reconnecting).
+struct Bench {
+    _metrics: Option<MetricsServer>,
+    peer: Peer,
+    engine: Engine,
+    _child: Option<TargetChild>,
+    target: String,
+    local: Region,
+    /// Bytes of `local` each thread has to itself.
+    per_thread: u64,
+    /// The target's pool: its address and length.
+    pool_base: u64,
+    pool_len: u64,
+}
+
+impl Bench {
+    fn start(args: &BenchArgs, plan: &Plan) -> anyhow::Result<Self> {
+        let rails = args.rails.map_or(RailChoice::Plan, RailChoice::Count);
+        let engine = args
+            .secret
+            .apply(args.verbs.apply(Engine::builder(bench_name(args))))?
+            .fabric(args.fabric)
+            .rails(rails)
+            .directory(args.directory.clone())
+            .build()
+            .context("starting the engine")?;
+        let metrics = match args.metrics {
+            Some(addr) => {
+                let server = MetricsServer::start(&engine, addr)
+                    .with_context(|| format!("serving metrics on {addr}"))?;
+                eprintln!(
+                    "railyard bench: metrics at http://{}/metrics",
+                    server.addr()
+                );
+                Some(server)
+            }
+            None => None,
+        };
+        // Each thread: its request's blocks, then (with --check) a check area as large.
+        let per_thread = largest_request(&plan.shapes) * if args.check { 2 } else { 1 };
+        // Only this engine's transfers touch its buffers: peers get no access to them.
+        let local = engine
+            .alloc_with_access(per_thread * args.threads, None, PeerAccess::None)
+            .context("allocating the local buffers")?;
+        let (child, target) = match &args.target {
+            Some(target) => (None, target.clone()),
+            None => {
+                let (child, addr) = start_target(args, plan.pool, engine.rails(), false)?;
+                (Some(child), addr.to_string())
+            }
+        };
+        let peer = engine
+            .open(&target)
+            .with_context(|| format!("opening the target {target}"))?;
+        let Some((pool_base, pool_len)) = peer
+            .descriptor()
+            .regions
+            .iter()
+            .max_by_key(|r| r.len)
+            .map(|pool| (pool.base, pool.len))
+        else {
+            bail!("the target {target} has registered no memory");
+        };
+        Ok(Self {
+            _metrics: metrics,
+            peer,
+            engine,
+            _child: child,
+            target,
+            local,
+            per_thread,
+            pool_base,
+            pool_len,
+        })
+    }
+
+    /// What the report says of this engine; then stops it, and the target it started.
+    fn finish(self, plan: &Plan) -> Setting {
+        let control = self.engine.stats().control;
+        Setting {
+            target: self.target.clone(),
+            fabric: self.engine.fabric(),
+            rails: self.engine.rails(),
+            backing: self.local.backing.map_or("user memory", |b| b.describe()),
+            shape_duration: plan.duration,
+            tcp_queue_pairs: control.tcp_qps,
+            reconnects: control.reconnects,
+            teardowns: control.teardowns,
+        }
+    }
+
+    /// Runs `shape` on every thread for the run's duration.
+    /// Runs `shape` on every thread for `duration`.
+    fn measure(
+        &self,
+        args: &BenchArgs,
+        shape: &Shape,
+        ceiling: Ceiling,
+        duration: Duration,
+        progress: &Progress,
+    ) -> anyhow::Result<ShapeResult> {
+        let slots = self.pool_len / shape.block;
+        let slots_per_thread = slots / args.threads;
+        if args.check && shape.op == Op::Read {
+            seed_pool(
+                &self.engine,
+                &self.peer,
+                self.local,
+                (shape.block, shape.batch),
+                args.seed,
+                self.pool_base,
+                slots,
+            )?;
+        }
+        let stop = AtomicBool::new(false);
+        let moved = AtomicU64::new(0);
+        // One shape alone reports its rate as it goes; a sweep has its bar.
+        let line_by_line = !args.sweep && !args.json && !args.csv;
+        let tty = line_by_line && std::io::stderr().is_terminal();
+        let started = Instant::now();
+        let results = std::thread::scope(|scope| -> anyhow::Result<Vec<ThreadResult>> {
+            let workers: Vec<_> = (0..args.threads)
+                .map(|thread| {
+                    let work = Workload {
+                        engine: &self.engine,
+                        peer: &self.peer,
+                        local: self.local,
+                        local_offset: thread * self.per_thread,
+                        remote_base: self.pool_base,
+                        first_slot: thread * slots_per_thread,
+                        slots: slots_per_thread,
+                        block: shape.block,
+                        batch: shape.batch,
+                        op: shape.op,
+                        check: args.check,
+                        seed: args.seed.wrapping_add(thread.wrapping_mul(0x9E37)),
+                        pattern_seed: args.seed,
+                        stop: &stop,
+                        moved: &moved,
+                    };
+                    scope.spawn(move || run_worker(&work))
+                })
+                .collect();
+            let mut last_line = Instant::now();
+            while started.elapsed() < duration {
+                std::thread::sleep(Duration::from_millis(100).min(duration));
+                let elapsed = started.elapsed().min(duration);
+                let gbps = moved.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e9;
+                progress.rate(gbps);
+                if tty {
+                    let width = 30;
+                    let filled =
+                        (width as f64 * elapsed.as_secs_f64() / duration.as_secs_f64()) as usize;
+                    eprint!(
+                        "\r[{}{}] {:>5.1}/{:.1} s  {gbps:>7.2} GB/s",
+                        "=".repeat(filled),
+                        " ".repeat(width - filled.min(width)),
+                        elapsed.as_secs_f64(),
+                        duration.as_secs_f64()
+                    );
+                } else if line_by_line && last_line.elapsed() >= Duration::from_secs(1) {
+                    eprintln!("{:>5.1} s  {gbps:.2} GB/s", elapsed.as_secs_f64());
+                    last_line = Instant::now();
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            if tty {
+                eprintln!();
+            }
+            workers
+                .into_iter()
+                .map(|worker| {
+                    worker
+                        .join()
+                        .map_err(|_| anyhow::anyhow!("a worker thread panicked"))?
+                })
+                .collect()
+        })?;
+        Ok(ShapeResult::new(
+            *shape,
+            args.threads,
+            &results,
+            moved.load(Ordering::Relaxed),
+            started.elapsed(),
+            ceiling,
+        ))
+    }
+}
+
+/// A sweep's progress bar on stderr — shown only when both stdout and stderr are
+/// terminals and the report is a table — one step per ceiling and per shape.
+struct Progress(ProgressBar);
+
+impl Progress {
+    fn new(args: &BenchArgs, plan: &Plan) -> Self {
+        let shown = args.sweep
+            && !args.json
+            && !args.csv
+            && std::io::stdout().is_terminal()
+            && std::io::stderr().is_terminal();
+        if !shown {
+            return Self(ProgressBar::hidden());
+        }
+        // Ceilings before and after the runs with the target here, before each run with
+        // one elsewhere.
+        let ceilings = match (&args.target, args.fabric) {
+            (None, FabricChoice::Ofi) => 0,
+            (None, _) => 2 * plan.shapes.len(),
+            (Some(_), _) => plan.shapes.len(),
+        };
+        let bar = ProgressBar::new((plan.shapes.len() + ceilings) as u64);
+        if let Ok(style) =
+            ProgressStyle::with_template("[{bar:30}] {pos}/{len} {elapsed:>4} {wide_msg}")
+        {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        Self(bar)
+    }
+
+    /// What runs now.
+    fn stage(&self, what: &str) {
+        self.0.set_message(what.to_string());
+    }
+
+    /// The rate of the shape running now.
+    fn rate(&self, gbps: f64) {
+        if !self.0.is_hidden() {
+            let message = self.0.message();
+            let what = message.split("  ").next().unwrap_or_default();
+            self.0.set_message(format!("{what}  {gbps:.2} GB/s"));
+        }
+    }
+
+    fn step(&self) {
+        self.0.inc(1);
+    }
+
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
+/// `write 16 × 64 KiB`: a shape as the progress bar names it.
+fn describe(shape: &Shape) -> String {
+    format!(
+        "{} {} × {}",
+        shape.op_name(),
+        shape.batch,
+        format_size(shape.block)
+    )
+}
+
+fn largest_request(shapes: &[Shape]) -> u64 {
+    shapes.iter().map(Shape::request_bytes).max().unwrap_or(1)
+}
+
+/// Why each shape was left out, one after the other.
+fn reasons(skipped: &[Skipped]) -> String {
+    skipped
+        .iter()
+        .map(|skipped| format!("{}: {}", describe(&skipped.shape), skipped.why))
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -30,15 +30,19 @@ impl Drop for TargetChild {
     }
 }
 
+/// Starts a `railyard serve` with a pool of `pool` bytes and `rails` rails; with `echo`, it
+/// answers `--latency`'s pings.
 pub(super) fn start_target(
     args: &BenchArgs,
+    pool: u64,
     rails: usize,
+    echo: bool,
 ) -> anyhow::Result<(TargetChild, SocketAddr)> {
     let mut command = Command::new(std::env::current_exe().context("finding this binary")?);
     command
         .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
         .args(["--name", &default_name("bench-target")])
-        .args(["--pool", &args.pool.to_string()])
+        .args(["--pool", &pool.to_string()])
         .args([
             "--fabric",
             match args.fabric {
@@ -67,6 +71,9 @@ pub(super) fn start_target(
         command.args(["--ofi-provider", provider]);
     }
     command.args(args.secret.options());
+    if echo {
+        command.arg("--echo");
+    }
     let mut child = TargetChild(command.spawn().context("starting the target process")?);
     let stdout = child.0.stdout.take().context("the target's stdout")?;
     let (lines, first) = mpsc::channel();

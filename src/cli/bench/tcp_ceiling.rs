@@ -20,8 +20,6 @@ pub(super) enum CeilingSite {
 pub(super) const TCP_CEILING_ROUNDS: usize = 5;
 /// How long the TCP ceiling's connection runs before its rounds are timed.
 const TCP_CEILING_WARM_UP: Duration = Duration::from_millis(300);
-/// How long each round of the TCP ceiling runs.
-const TCP_CEILING_ROUND: Duration = Duration::from_millis(300);
 /// Longest the TCP ceiling's writer or reader waits for the other to move a byte.
 const CEILING_STALL: Duration = Duration::from_secs(10);
 
@@ -40,7 +38,7 @@ const CEILING_STALL: Duration = Duration::from_secs(10);
 /// timed in rounds at the writer: the bytes the kernel took per round, which differs from
 /// what the reader took by at most the two socket buffers (a few MiB against the GB of a
 /// round). The best round counts (an upper bound: on a small shared machine the others lost
-/// time to something else).
+/// time to something else). Each round lasts `round`.
 pub(super) fn tcp_ceiling(
     site: &CeilingSite,
     source: &[u8],
@@ -48,6 +46,7 @@ pub(super) fn tcp_ceiling(
     block: u64,
     slice: usize,
     seed: u64,
+    round: Duration,
 ) -> anyhow::Result<f64> {
     use std::io::{IoSlice, Read};
     let block = block as usize;
@@ -125,7 +124,7 @@ pub(super) fn tcp_ceiling(
         let mut best = 0.0f64;
         for _ in 0..TCP_CEILING_ROUNDS {
             let started = Instant::now();
-            let moved = send_for(TCP_CEILING_ROUND)?;
+            let moved = send_for(round)?;
             best = best.max(moved as f64 / started.elapsed().as_secs_f64() / 1e9);
         }
         stream.set_nonblocking(false)?;

@@ -10,8 +10,6 @@ use railyard::dataplane::RequestOutcome;
 use railyard::dataplane::rng::SplitMix64;
 use railyard::engine::{Engine, Op, Peer, Region, Transfer};
 
-use super::args::BenchArgs;
-
 /// Fills a block with the check pattern of `tag`: one mixed 64-bit word per 8 bytes.
 fn fill(block: &mut [u8], tag: u64) {
     let mut state = SplitMix64::new(tag);
@@ -52,7 +50,10 @@ pub(super) struct Workload<'a> {
     pub(super) batch: u64,
     pub(super) op: Op,
     pub(super) check: bool,
+    /// Seeds this thread's block placement.
     pub(super) seed: u64,
+    /// The seed [`seed_pool`] wrote the read-check pattern with (every thread's).
+    pub(super) pattern_seed: u64,
     pub(super) stop: &'a AtomicBool,
     pub(super) moved: &'a AtomicU64,
 }
@@ -171,7 +172,7 @@ fn verify(
             ),
             Op::Read => (
                 work.local_offset + j as u64 * work.block,
-                slot_tag(work.seed, slot),
+                slot_tag(work.pattern_seed, slot),
             ),
         };
         fill(&mut expected_block, expected_tag);
@@ -185,25 +186,25 @@ fn verify(
     Ok(())
 }
 
-/// Writes the read-check pattern into every slot of the target's pool.
+/// Writes the read-check pattern of `seed` into every `block`-sized slot of the target's
+/// pool, `per_round` blocks at a time.
 pub(super) fn seed_pool(
     engine: &Engine,
     peer: &Peer,
     local: Region,
-    args: &BenchArgs,
+    (block, per_round): (u64, u64),
+    seed: u64,
     remote_base: u64,
     slots: u64,
 ) -> anyhow::Result<()> {
     let mut submitter = engine.submitter()?;
-    let block = args.block_size;
-    let per_round = args.batch;
     let mut slot = 0;
     while slot < slots {
         let count = per_round.min(slots - slot);
         for j in 0..count {
             fill(
                 local_slice(local, j * block, block),
-                slot_tag(args.seed, slot + j),
+                slot_tag(seed, slot + j),
             );
         }
         let transfers: Vec<Transfer> = (0..count)
