@@ -235,3 +235,29 @@ fn latency_round_trips_on_the_soft_fabric_beside_shared_memory() {
 fn latency_round_trips_on_the_tcp_fabric_beside_a_socket() {
     latency_on("tcp");
 }
+
+#[test]
+fn reads_checked_by_several_threads_see_the_pattern_written_for_every_slot() {
+    // Each thread once compared what it read with a pattern of its own seed, while the pool
+    // was written with the run's: every thread but the first saw mismatches.
+    let output = bench(&[
+        "--op",
+        "read",
+        "--check",
+        "--threads",
+        "2",
+        "--batch",
+        "4",
+        "--pool",
+        "8MiB",
+        "--fabric",
+        "soft",
+        "--json",
+    ]);
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one object");
+    assert_eq!(report["check"]["mismatches"], 0, "{report}");
+    assert!(
+        report["check"]["verified_bytes"].as_u64() > Some(0),
+        "{report}"
+    );
+}
