@@ -6,7 +6,7 @@
 //! slices through the shared [`BatchState`]; the batch's owner reads it without locks and
 //! can sleep until it completes.
 
-use std::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -230,11 +230,13 @@ pub(crate) struct BatchState {
     lock: Mutex<()>,
     completed: Condvar,
     /// Called by whoever resolves the last slice ([`Batch::on_complete`]).
-    on_complete: OnceLock<CompletionHook>,
+    hooks: Mutex<Vec<CompletionHook>>,
+    /// Whether `hooks` holds any: the last resolution takes its lock only then.
+    hooked: AtomicBool,
 }
 
 /// What [`Batch::on_complete`] calls.
-type CompletionHook = Box<dyn Fn() + Send + Sync>;
+type CompletionHook = Arc<dyn Fn() + Send + Sync>;
 
 impl BatchState {
     /// A batch whose request `i` has `slices_per_request[i]` slices. Requests without slices
@@ -258,7 +260,8 @@ impl BatchState {
             waiters: AtomicUsize::new(0),
             lock: Mutex::new(()),
             completed: Condvar::new(),
-            on_complete: OnceLock::new(),
+            hooks: Mutex::new(Vec::new()),
+            hooked: AtomicBool::new(false),
         }
     }
 
@@ -323,11 +326,18 @@ impl BatchState {
             self.completed.notify_all();
         }
         if last {
-            // Pairs with the fence in `Batch::on_complete`: either the hook is seen here,
-            // or the batch is seen complete there (and the hook called there).
+            // Pairs with the fence in `Batch::on_complete`: either a hook is seen here, or
+            // the batch is seen complete there (and the hook called there).
             std::sync::atomic::fence(Ordering::SeqCst);
-            if let Some(hook) = self.on_complete.get() {
-                hook();
+            if self.hooked.load(Ordering::Relaxed) {
+                let hooks = self
+                    .hooks
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .clone();
+                for hook in hooks {
+                    hook();
+                }
             }
         }
         last
@@ -416,23 +426,23 @@ impl Batch {
 
     /// Calls `hook` once every request has resolved, on the thread that resolved the last
     /// one (a poller: `hook` must be quick and must not block), or at once on this thread if
-    /// that has already happened; it may be called twice when the two race. One hook per
-    /// batch: returns false, and keeps the first, when one was already set. Lets a thread
-    /// that sleeps on something else (the control thread, which sends a notification after
-    /// its batch) be woken instead of polling.
-    pub fn on_complete(&self, hook: impl Fn() + Send + Sync + 'static) -> bool {
+    /// that has already happened; it may be called twice when the two race. A batch may
+    /// have several hooks. Lets a thread that sleeps on something else (the control thread,
+    /// which sends a notification after its batch) be woken instead of polling.
+    pub fn on_complete(&self, hook: impl Fn() + Send + Sync + 'static) {
         let state = &self.state;
-        if state.on_complete.set(Box::new(hook)).is_err() {
-            return false;
-        }
+        let hook: CompletionHook = Arc::new(hook);
+        state
+            .hooks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(hook.clone());
+        state.hooked.store(true, Ordering::Relaxed);
         // Pairs with the fence in `BatchState::resolve_slice`.
         std::sync::atomic::fence(Ordering::SeqCst);
-        if state.unresolved.load(Ordering::Acquire) == 0
-            && let Some(hook) = state.on_complete.get()
-        {
+        if state.unresolved.load(Ordering::Acquire) == 0 {
             hook();
         }
-        true
     }
 
     /// How request `request` ended, or `None` while it is pending (or out of range).
@@ -593,15 +603,19 @@ mod tests {
     }
 
     #[test]
-    fn the_completion_hook_runs_once_the_last_slice_resolves_or_at_once_if_it_has() {
+    fn completion_hooks_run_once_the_last_slice_resolves_or_at_once_if_it_has() {
         use std::sync::atomic::AtomicUsize;
         let (state, pending) = batch(&[1, 2]);
         let calls = Arc::new(AtomicUsize::new(0));
         let counted = calls.clone();
-        assert!(pending.on_complete(move || {
+        pending.on_complete(move || {
             counted.fetch_add(1, Ordering::SeqCst);
-        }));
-        assert!(!pending.on_complete(|| {}), "one hook per batch");
+        });
+        let second = Arc::new(AtomicUsize::new(0));
+        let also = second.clone();
+        pending.on_complete(move || {
+            also.fetch_add(1, Ordering::SeqCst);
+        });
         state.resolve_slice(0, Ok(()));
         state.resolve_slice(1, Ok(()));
         assert_eq!(calls.load(Ordering::SeqCst), 0, "a slice is still pending");
@@ -611,6 +625,7 @@ mod tests {
             1,
             "called by the last resolver"
         );
+        assert_eq!(second.load(Ordering::SeqCst), 1, "every hook is called");
 
         let (state, complete) = batch(&[1]);
         state.resolve_slice(0, Ok(()));
