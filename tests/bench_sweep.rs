@@ -35,10 +35,11 @@ fn sweep(extra: &[&str]) -> Output {
         "--sweep",
         "--fabric",
         "soft",
+        // Out of order and once twice: a sweep runs them smallest first, each once.
         "--block-sizes",
-        "4KiB,16KiB,64KiB",
+        "64KiB,4KiB,16KiB,4KiB",
         "--batch-sizes",
-        "1,4",
+        "4,1",
     ];
     args.extend_from_slice(extra);
     bench(&args)
@@ -95,26 +96,57 @@ fn a_sweep_reports_every_shape_beside_its_ceiling_as_json_and_draws_it() {
     // The picture: each measured line in both panels, and the ceiling in the first, with one
     // point per block size; the names in the legends; units on the axes.
     let svg = std::fs::read_to_string(&svg_path).expect("the SVG was written");
-    let lines_of = |points: usize| {
-        svg.match_indices("<polyline")
-            .filter(|(at, _)| {
-                let element = &svg[*at..];
-                let end = element.find("/>").unwrap_or(element.len());
-                let Some(start) = element[..end].find("points=\"") else {
-                    return false;
-                };
-                let list = &element[start + 8..end];
-                let list = &list[..list.find('"').unwrap_or(list.len())];
-                list.split_whitespace().count() == points
-            })
-            .count()
-    };
+    let polylines: Vec<(Vec<(f64, f64)>, &str)> = svg
+        .match_indices("<polyline")
+        .filter_map(|(at, _)| {
+            let element = &svg[at..];
+            let element = &element[..element.find("/>").unwrap_or(element.len())];
+            let start = element.find("points=\"")? + 8;
+            let list = &element[start..];
+            let list = &list[..list.find('"')?];
+            let points = list
+                .split_whitespace()
+                .filter_map(|pair| {
+                    let (x, y) = pair.split_once(',')?;
+                    Some((x.parse().ok()?, y.parse().ok()?))
+                })
+                .collect();
+            Some((points, element))
+        })
+        .collect();
+    // A line per batch size in each panel and the ceiling: one point per block size, left to
+    // right. (The legend's samples are lines of two points.)
+    let lines: Vec<&(Vec<(f64, f64)>, &str)> = polylines
+        .iter()
+        .filter(|(points, _)| points.len() == BLOCKS.len())
+        .collect();
     assert_eq!(
-        lines_of(BLOCKS.len()),
+        lines.len(),
         BATCHES.len() * 2 + 1,
         "two panels of {} lines, and the ceiling",
         BATCHES.len()
     );
+    for (points, element) in &lines {
+        assert!(
+            points.windows(2).all(|pair| pair[0].0 < pair[1].0),
+            "a line that doubles back: {element}"
+        );
+    }
+    let width: f64 = 1400.0;
+    let ceilings: Vec<_> = lines
+        .iter()
+        .filter(|(_, element)| element.contains("stroke-width=\"3\""))
+        .collect();
+    assert_eq!(ceilings.len(), 1, "one ceiling line");
+    assert!(
+        ceilings[0].0.iter().all(|(x, _)| *x < width / 2.0),
+        "the ceiling is drawn in the bandwidth panel"
+    );
+    let in_right_panel = lines
+        .iter()
+        .filter(|(points, _)| points.iter().all(|(x, _)| *x > width / 2.0))
+        .count();
+    assert_eq!(in_right_panel, BATCHES.len(), "the latency panel's lines");
     for text in [
         "write, batch 1",
         "write, batch 4",

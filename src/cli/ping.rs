@@ -8,6 +8,8 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::{Context as _, bail};
+use railyard::control::Incarnation;
+use railyard::dataplane::Batch;
 use railyard::engine::{Engine, EngineSubmitter, Op, Peer, Region, Transfer};
 
 const PING: &str = "railyard-ping";
@@ -74,7 +76,8 @@ pub(crate) fn decode_pong(bytes: &[u8]) -> Option<u64> {
 pub(crate) struct Echo {
     submitter: EngineSubmitter,
     pool: Region,
-    peers: HashMap<String, Peer>,
+    /// By the address pings name: the peer opened there, and the last answer sent to it.
+    peers: HashMap<String, (Peer, Option<Batch>)>,
 }
 
 /// Most pinging engines one echo keeps open.
@@ -89,14 +92,30 @@ impl Echo {
         })
     }
 
-    /// Writes `ping.len` bytes of the pool back to the pinger and says pong after them.
-    pub(crate) fn answer(&mut self, engine: &Engine, ping: &Ping) -> anyhow::Result<()> {
+    /// Writes `ping.len` bytes of the pool back to the pinger — the process that sent the
+    /// ping (`sender`), found at the address it names, and no other — and says pong after
+    /// them.
+    pub(crate) fn answer(
+        &mut self,
+        engine: &Engine,
+        ping: &Ping,
+        sender: Incarnation,
+    ) -> anyhow::Result<()> {
         if ping.len == 0 || ping.len > self.pool.len {
             bail!(
                 "a ping of {} bytes does not fit the pool of {} bytes",
                 ping.len,
                 self.pool.len
             );
+        }
+        // Opened afresh for a pinger that restarted at the same address, or whose last
+        // answer failed.
+        let stale = self.peers.get(&ping.reply_to).is_some_and(|(peer, last)| {
+            peer.incarnation() != sender
+                || last.as_ref().is_some_and(|batch| batch.poll().failed > 0)
+        });
+        if stale {
+            self.peers.remove(&ping.reply_to);
         }
         if !self.peers.contains_key(&ping.reply_to) {
             if self.peers.len() >= MAX_ECHO_PEERS {
@@ -105,9 +124,17 @@ impl Echo {
             let peer = engine
                 .open(&ping.reply_to)
                 .with_context(|| format!("opening the pinger {}", ping.reply_to))?;
-            self.peers.insert(ping.reply_to.clone(), peer);
+            if peer.incarnation() != sender {
+                bail!(
+                    "a ping from {sender} names {}, where {} answers: not answered (an echo \
+                     writes back only to the process that pinged)",
+                    ping.reply_to,
+                    peer.incarnation()
+                );
+            }
+            self.peers.insert(ping.reply_to.clone(), (peer, None));
         }
-        let Some(peer) = self.peers.get(&ping.reply_to) else {
+        let Some((peer, last)) = self.peers.get_mut(&ping.reply_to) else {
             bail!("the pinger {} is not open", ping.reply_to);
         };
         let back = Transfer {
@@ -117,16 +144,19 @@ impl Echo {
             remote_addr: ping.landing,
             len: ping.len,
         };
-        let result = self
+        match self
             .submitter
             .submit_and_notify(peer, &[back], encode_pong(ping.seq))
-            .map(drop);
-        if result.is_err() {
-            // A pinger that went away, or one that restarted at the same address: opened
-            // afresh on its next ping.
-            self.peers.remove(&ping.reply_to);
+        {
+            Ok(batch) => {
+                *last = Some(batch);
+                Ok(())
+            }
+            Err(error) => {
+                self.peers.remove(&ping.reply_to);
+                Err(error).with_context(|| format!("answering {}", ping.reply_to))
+            }
         }
-        result.with_context(|| format!("answering {}", ping.reply_to))
     }
 }
 

@@ -181,7 +181,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
             if let (Some(echo), NotificationBody::Bytes(bytes)) = (&mut echo, &notification.body)
                 && let Some(ping) = Ping::decode(bytes)
             {
-                if let Err(error) = echo.answer(&engine, &ping) {
+                if let Err(error) = echo.answer(&engine, &ping, notification.incarnation) {
                     echo_failures += 1;
                     // The first failure, then every power of two: a pinger that went away
                     // does not flood the log.

@@ -75,7 +75,9 @@ pub(crate) struct BenchArgs {
     /// Round trips instead of throughput: one write of each --block-sizes size (default
     /// 4KiB to 1MiB) and its notification there, answered by the target's write and
     /// notification back; p50/p99/p999 beside a ping-pong of the fabric's ceiling.
-    #[arg(long, conflicts_with_all = ["batch", "threads", "check", "plot", "op", "csv", "pool"])]
+    #[arg(long, conflicts_with_all = [
+        "block_size", "batch", "threads", "check", "plot", "op", "csv", "pool", "metrics", "seed",
+    ])]
     pub(super) latency: bool,
     /// Fewest round trips per size with --latency (it runs for --duration too).
     #[arg(long, default_value_t = 10_000, requires = "latency")]
@@ -86,8 +88,9 @@ pub(crate) struct BenchArgs {
     /// auto, soft, tcp, verbs or ofi (libfabric: --ofi-provider).
     #[arg(long, value_parser = parse_fabric, default_value = "auto")]
     pub(super) fabric: FabricChoice,
-    /// Pool of the target bench starts (ignored with --target). Default 256 MiB; a sweep's
-    /// default fits its largest request, up to 1 GiB (larger shapes are skipped and said so).
+    /// Pool of the target bench starts (with --target, the target's own pool counts).
+    /// Default 256 MiB; a sweep's default fits its largest request, up to 1 GiB (larger
+    /// shapes are skipped and said so).
     #[arg(long, value_parser = parse_size)]
     pub(super) pool: Option<u64>,
     /// Verify every byte: each request's blocks are read back (writes) or compared with
@@ -102,9 +105,8 @@ pub(crate) struct BenchArgs {
     #[arg(long)]
     pub(super) json: bool,
     /// Serve this engine's Prometheus metrics at http://ADDR/metrics while it runs (port 0:
-    /// any free port; stderr says which). Not with --sweep, whose shapes each start an
-    /// engine of their own.
-    #[arg(long, value_name = "ADDR", conflicts_with = "sweep")]
+    /// any free port; stderr says which).
+    #[arg(long, value_name = "ADDR")]
     pub(super) metrics: Option<SocketAddr>,
     #[command(flatten)]
     pub(super) verbs: VerbsArgs,

@@ -128,7 +128,7 @@ pub(super) struct CeilingBench<'a> {
 }
 
 impl<'a> CeilingBench<'a> {
-    /// `source` holds at least the largest request; the target's pool is `pool_len` bytes.
+    /// `source` holds at least the largest block; the target's pool is `pool_len` bytes.
     pub(super) fn new(
         engine: &'a Engine,
         site: CeilingSite,
@@ -170,7 +170,9 @@ impl<'a> CeilingBench<'a> {
         if let Some(known) = self.measured.get(&key) {
             return Ok(known.clone());
         }
-        let source_bytes = local_slice(self.source, 0, request_bytes);
+        // A request larger than the source takes its blocks in turn, as the bench does.
+        let source_len = request_bytes.min(self.source.len / shape.block * shape.block);
+        let source_bytes = local_slice(self.source, 0, source_len.max(shape.block));
         let pool_bytes: &mut [u8] = match self.pool {
             // Whole blocks only.
             Some(pool) => local_slice(pool, 0, pool.len / shape.block * shape.block),
@@ -251,4 +253,4 @@ impl<'a> CeilingBench<'a> {
 
 /// The largest pool a ceiling allocates (a remote target's may be far larger than this
 /// host can spare).
-const MAX_CEILING_POOL: u64 = 1 << 30;
+pub(super) const MAX_CEILING_POOL: u64 = 1 << 30;

@@ -195,8 +195,8 @@ pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         ));
     }
     let ceiling_what = if socket_ceiling {
-        "plain TCP ping-pong on loopback: the same bytes each way on one connection, blocking \
-         reads, TCP_NODELAY"
+        "plain TCP ping-pong on loopback: the same bytes each way on one connection, both ends \
+         busy-polling non-blocking sockets, TCP_NODELAY"
     } else {
         "shared-memory ping-pong between two threads: the same bytes copied each way, a \
          spinning flag each way"
@@ -280,53 +280,95 @@ pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
 }
 
 /// The round trip over a plain TCP connection on loopback: `size` bytes each way, the
-/// answering thread reading them all before writing them back.
+/// answering thread reading them all before writing them back. Both ends busy-poll
+/// non-blocking sockets, as railyard's pollers do (a blocking reader would pay for sleeping
+/// and waking, which the fabric does not).
 fn socket_ping_pong(size: u64, budget: Budget) -> anyhow::Result<Distribution> {
     let size = size as usize;
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
     let addr = listener.local_addr()?;
     std::thread::scope(|scope| -> anyhow::Result<Distribution> {
-        let answering = scope.spawn(move || -> std::io::Result<()> {
-            let (mut socket, _) = listener.accept()?;
+        let answering = scope.spawn(move || -> anyhow::Result<()> {
+            let (socket, _) = listener.accept()?;
             socket.set_nodelay(true)?;
-            socket.set_read_timeout(Some(ROUND_TRIP_BOUND))?;
+            socket.set_nonblocking(true)?;
             let mut buffer = vec![0u8; size];
-            loop {
-                match socket.read_exact(&mut buffer) {
-                    Ok(()) => socket.write_all(&buffer)?,
-                    Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
-                        return Ok(());
-                    }
-                    Err(error) => return Err(error),
-                }
+            while read_spinning(&socket, &mut buffer)? {
+                write_spinning(&socket, &buffer)?;
             }
+            Ok(())
         });
-        let mut socket = TcpStream::connect(addr)?;
+        let socket = TcpStream::connect(addr)?;
         socket.set_nodelay(true)?;
-        socket.set_read_timeout(Some(ROUND_TRIP_BOUND))?;
+        socket.set_nonblocking(true)?;
         let sent = vec![0x5au8; size];
         let mut back = vec![0u8; size];
         let mut times = Vec::new();
         let started = Instant::now();
         let mut made = 0u64;
-        while !budget.spent(times.len() as u64, started) {
-            let began = Instant::now();
-            socket.write_all(&sent)?;
-            socket
-                .read_exact(&mut back)
-                .context("the socket ceiling's answer")?;
-            made += 1;
-            if made > WARM_UP {
-                times.push(began.elapsed());
+        let result = (|| -> anyhow::Result<()> {
+            while !budget.spent(times.len() as u64, started) {
+                let began = Instant::now();
+                write_spinning(&socket, &sent)?;
+                if !read_spinning(&socket, &mut back)? {
+                    bail!("the socket ceiling's answering side closed");
+                }
+                made += 1;
+                if made > WARM_UP {
+                    times.push(began.elapsed());
+                }
             }
-        }
+            Ok(())
+        })();
         socket.shutdown(std::net::Shutdown::Both)?;
         answering
             .join()
             .map_err(|_| anyhow::anyhow!("the socket ceiling's answering thread panicked"))??;
+        result?;
         times.sort_unstable();
         Ok(Distribution(times))
     })
+}
+
+/// Writes all of `bytes` to a non-blocking `socket`, spinning while its buffer is full.
+fn write_spinning(mut socket: &TcpStream, mut bytes: &[u8]) -> anyhow::Result<()> {
+    let began = Instant::now();
+    while !bytes.is_empty() {
+        match socket.write(bytes) {
+            Ok(0) => bail!("the socket ceiling's peer stopped taking bytes"),
+            Ok(written) => bytes = &bytes[written..],
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                if began.elapsed() > ROUND_TRIP_BOUND {
+                    bail!("the socket ceiling's peer took nothing for {ROUND_TRIP_BOUND:?}");
+                }
+                std::hint::spin_loop();
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Fills `buffer` from a non-blocking `socket`, spinning while nothing has arrived: false
+/// if the stream ended before the first byte.
+fn read_spinning(mut socket: &TcpStream, buffer: &mut [u8]) -> anyhow::Result<bool> {
+    let began = Instant::now();
+    let mut got = 0;
+    while got < buffer.len() {
+        match socket.read(&mut buffer[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => bail!("the socket ceiling's stream ended inside a message"),
+            Ok(read) => got += read,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                if began.elapsed() > ROUND_TRIP_BOUND {
+                    bail!("the socket ceiling's peer sent nothing for {ROUND_TRIP_BOUND:?}");
+                }
+                std::hint::spin_loop();
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(true)
 }
 
 /// The round trip through shared memory between two threads: `size` bytes copied into a

@@ -89,6 +89,17 @@ impl ShapeResult {
         micros(percentile(&self.latencies, p))
     }
 
+    /// The `p`-quantile for a table, `-` when too few batches ran to tell it from the
+    /// largest (fewer than 1 / (1 − p)).
+    fn quantile_text(&self, p: f64) -> String {
+        let needed = (1.0 / (1.0 - p)).round() as usize;
+        if self.latencies.len() < needed.max(1) {
+            "-".into()
+        } else {
+            format!("{:.1}", self.latency_us(p))
+        }
+    }
+
     fn average_us(&self) -> f64 {
         if self.latencies.is_empty() {
             return 0.0;
@@ -347,15 +358,15 @@ pub(super) fn report_sweep(
     );
     for row in rows {
         println!(
-            "{:>5} {:>8} {:>5} {:>9.2} {:>11.1} {:>9.1} {:>9.1} {:>9.1} {:>9.2}   {:>7.1} {:>7.1} {:>8.1}   {:>9.2} {:>5.2}",
+            "{:>5} {:>8} {:>5} {:>9.2} {:>11.1} {:>9} {:>9} {:>9} {:>9.2}   {:>7.1} {:>7.1} {:>8.1}   {:>9.2} {:>5.3}",
             row.shape.op_name(),
             format_size(row.shape.block),
             row.shape.batch,
             row.gbps(),
             row.requests_per_s(),
-            row.latency_us(0.5),
-            row.latency_us(0.99),
-            row.latency_us(0.999),
+            row.quantile_text(0.5),
+            row.quantile_text(0.99),
+            row.quantile_text(0.999),
             row.amortised_per_descriptor_us(),
             row.prepare_us,
             row.post_us,
@@ -374,9 +385,10 @@ pub(super) fn report_sweep(
         );
     }
     println!(
-        "latencies are per batch, submitted to completed (tebench's convention); us/desc is a \
-         batch's average divided by its blocks (nixlbench's amortised convention); prepare, \
-         post and complete are microseconds per batch"
+        "latencies are per batch, submitted to completed (tebench's convention; - where too \
+         few batches ran to tell p99 or p999 from the largest); us/desc is a batch's average \
+         divided by its blocks (nixlbench's amortised convention); prepare, post and complete \
+         are microseconds per batch"
     );
     if let Some(first) = rows.first() {
         println!(

@@ -17,7 +17,7 @@ use railyard::engine::{
 use railyard::metrics::MetricsServer;
 
 use super::args::{BenchArgs, validate};
-use super::ceiling::{Ceiling, CeilingBench, ceiling_round, tcp_fabric_ceilings};
+use super::ceiling::{Ceiling, CeilingBench, MAX_CEILING_POOL, ceiling_round, tcp_fabric_ceilings};
 use super::plot::plot;
 use super::report::{Occasion, Setting, ShapeResult, Verdict, report_one, report_sweep};
 use super::shapes::{Plan, Shape, Skipped, fit, plan};
@@ -40,6 +40,13 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     if plan.shapes.is_empty() {
         bail!("no shape fits: {}", reasons(&plan.skipped));
+    }
+    if args.target.is_none() {
+        check_memory(args, &plan)?;
+    }
+    // A plot that cannot be written is found out before the measuring, not after.
+    if let Some(path) = &args.plot {
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     }
     let progress = Progress::new(args, &plan);
     let (rows, setting, skipped) = match args.target {
@@ -109,7 +116,7 @@ fn measure_here(args: &BenchArgs, plan: Plan, progress: &Progress) -> anyhow::Re
         .build()
         .context("starting the ceiling's engine")?;
     let source = ceiling_engine
-        .alloc_with_access(largest_request(&plan.shapes), None, PeerAccess::None)
+        .alloc_with_access(local_area(args, &plan.shapes), None, PeerAccess::None)
         .context("allocating the ceiling's source")?;
     let mut ceilings = CeilingBench::new(
         &ceiling_engine,
@@ -163,9 +170,11 @@ fn measure_elsewhere(
         std::mem::take(&mut plan.shapes),
         bench.pool_len,
         args.threads,
+        "the target's `serve --pool`",
     );
     plan.shapes = fitting;
     plan.skipped.extend(skipped);
+    progress.resize(2 * plan.shapes.len());
     if !args.sweep
         && let Some(skipped) = plan.skipped.first()
     {
@@ -258,8 +267,7 @@ impl Bench {
             }
             None => None,
         };
-        // Each thread: its request's blocks, then (with --check) a check area as large.
-        let per_thread = largest_request(&plan.shapes) * if args.check { 2 } else { 1 };
+        let per_thread = local_area(args, &plan.shapes);
         // Only this engine's transfers touch its buffers: peers get no access to them.
         let local = engine
             .alloc_with_access(per_thread * args.threads, None, PeerAccess::None)
@@ -311,7 +319,6 @@ impl Bench {
         }
     }
 
-    /// Runs `shape` on every thread for the run's duration.
     /// Runs `shape` on every thread for `duration`.
     fn measure(
         &self,
@@ -324,14 +331,17 @@ impl Bench {
         let slots = self.pool_len / shape.block;
         let slots_per_thread = slots / args.threads;
         if args.check && shape.op == Op::Read {
+            // The slots the threads read, as many blocks per batch as the local buffers
+            // hold (at most SEED_BATCH).
+            let per_round = (self.local.len / shape.block).clamp(1, SEED_BATCH);
             seed_pool(
                 &self.engine,
                 &self.peer,
                 self.local,
-                (shape.block, shape.batch),
+                (shape.block, per_round),
                 args.seed,
                 self.pool_base,
-                slots,
+                slots_per_thread * args.threads,
             )?;
         }
         let stop = AtomicBool::new(false);
@@ -348,6 +358,11 @@ impl Bench {
                         peer: &self.peer,
                         local: self.local,
                         local_offset: thread * self.per_thread,
+                        local_blocks: if args.check {
+                            shape.batch
+                        } else {
+                            (self.per_thread / shape.block).max(1)
+                        },
                         remote_base: self.pool_base,
                         first_slot: thread * slots_per_thread,
                         slots: slots_per_thread,
@@ -453,6 +468,11 @@ impl Progress {
         }
     }
 
+    /// The steps left once a target elsewhere has decided which shapes fit.
+    fn resize(&self, steps: usize) {
+        self.0.set_length(steps as u64);
+    }
+
     fn step(&self) {
         self.0.inc(1);
     }
@@ -470,6 +490,71 @@ fn describe(shape: &Shape) -> String {
         shape.batch,
         format_size(shape.block)
     )
+}
+
+/// Bytes of local memory each thread sends from (or reads into): the largest request, or
+/// [`LOCAL_AREA`] when that is smaller (and holds the largest block): a request's blocks
+/// then take its slots in turn, as many times over as needed. With `--check` every block
+/// needs bytes of its own, and a check area as large follows.
+fn local_area(args: &BenchArgs, shapes: &[Shape]) -> u64 {
+    let largest_block = shapes.iter().map(|shape| shape.block).max().unwrap_or(1);
+    let request = largest_request(shapes);
+    if args.check {
+        request * 2
+    } else {
+        request.min(LOCAL_AREA.max(largest_block))
+    }
+}
+
+/// Most blocks one batch of the read check's seeding writes.
+const SEED_BATCH: u64 = 4096;
+
+/// The local memory one thread sends from, unless its largest request is smaller.
+const LOCAL_AREA: u64 = 256 << 20;
+
+/// The memory a run with the target on this host holds at once: the target's pool, the
+/// bench's local buffers, and the ceiling's pool and source.
+fn memory_needed(args: &BenchArgs, plan: &Plan) -> u64 {
+    let local = local_area(args, &plan.shapes) * args.threads;
+    let ceiling = plan.pool.min(MAX_CEILING_POOL) + local_area(args, &plan.shapes);
+    plan.pool + local + ceiling
+}
+
+/// Refuses a run whose memory this host does not have free (its buffers are prefaulted:
+/// an oversized run would fail late, or wake the OOM killer).
+fn check_memory(args: &BenchArgs, plan: &Plan) -> anyhow::Result<()> {
+    let needed = memory_needed(args, plan);
+    let available = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find_map(|line| line.strip_prefix("MemAvailable:"))
+                .and_then(|rest| {
+                    rest.trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<u64>()
+                        .ok()
+                })
+        })
+        .map(|kib| kib << 10);
+    if let Some(available) = available
+        && needed > available
+    {
+        bail!(
+            "this run needs about {} of memory (the target's pool of {}, local buffers and the \
+             ceiling's), but {} is available: give a smaller --pool, fewer --threads or \
+             smaller shapes",
+            format_size(round_up_mib(needed)),
+            format_size(plan.pool),
+            format_size(round_up_mib(available))
+        );
+    }
+    Ok(())
+}
+
+fn round_up_mib(bytes: u64) -> u64 {
+    bytes.div_ceil(1 << 20) << 20
 }
 
 fn largest_request(shapes: &[Shape]) -> u64 {

@@ -112,7 +112,11 @@ pub(super) fn plan(args: &BenchArgs) -> Plan {
             DEFAULT_POOL
         }
     });
-    let (shapes, skipped) = fit(all, pool, args.threads);
+    // A target elsewhere has a pool of its own: its shapes are fitted once it answers.
+    let (shapes, skipped) = match args.target {
+        Some(_) => (all, Vec::new()),
+        None => fit(all, pool, args.threads, "--pool"),
+    };
     let seconds = args.duration.unwrap_or(if args.sweep {
         SWEEP_SECONDS
     } else {
@@ -127,8 +131,14 @@ pub(super) fn plan(args: &BenchArgs) -> Plan {
 }
 
 /// Splits `shapes` into those a pool of `pool` bytes holds — each of `threads` threads
-/// writing a request's blocks into block slots of its own — and those it does not.
-pub(super) fn fit(shapes: Vec<Shape>, pool: u64, threads: u64) -> (Vec<Shape>, Vec<Skipped>) {
+/// writing a request's blocks into block slots of its own — and those it does not, which
+/// `larger` would run.
+pub(super) fn fit(
+    shapes: Vec<Shape>,
+    pool: u64,
+    threads: u64,
+    larger: &str,
+) -> (Vec<Shape>, Vec<Skipped>) {
     let mut fitting = Vec::new();
     let mut skipped = Vec::new();
     for shape in shapes {
@@ -140,7 +150,7 @@ pub(super) fn fit(shapes: Vec<Shape>, pool: u64, threads: u64) -> (Vec<Shape>, V
                 shape,
                 why: format!(
                     "the pool of {} holds {} blocks of {}: not {} per thread (a request needs \
-                     {}) for {threads} thread(s) (--pool)",
+                     {}) for {threads} thread(s) ({larger})",
                     format_size(pool),
                     pool / shape.block,
                     format_size(shape.block),
@@ -153,12 +163,16 @@ pub(super) fn fit(shapes: Vec<Shape>, pool: u64, threads: u64) -> (Vec<Shape>, V
     (fitting, skipped)
 }
 
+/// `given`, else `default`: smallest first, each once (a plot's lines run left to right).
 fn or_default(given: &[u64], default: &[u64]) -> Vec<u64> {
-    if given.is_empty() {
+    let mut sizes = if given.is_empty() {
         default.to_vec()
     } else {
         given.to_vec()
-    }
+    };
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes
 }
 
 #[cfg(test)]
@@ -175,7 +189,12 @@ mod tests {
 
     #[test]
     fn a_pool_holds_a_shape_only_when_every_thread_has_a_request_of_slots() {
-        let (fitting, skipped) = fit(vec![shape(1 << 20, 64), shape(1 << 20, 65)], 128 << 20, 2);
+        let (fitting, skipped) = fit(
+            vec![shape(1 << 20, 64), shape(1 << 20, 65)],
+            128 << 20,
+            2,
+            "--pool",
+        );
         assert_eq!(fitting, vec![shape(1 << 20, 64)]);
         assert_eq!(skipped.len(), 1);
         assert_eq!(skipped[0].shape, shape(1 << 20, 65));

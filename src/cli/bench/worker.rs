@@ -41,6 +41,9 @@ pub(super) struct Workload<'a> {
     pub(super) local: Region,
     /// This thread's blocks start here in `local`; its check area follows them.
     pub(super) local_offset: u64,
+    /// Blocks of `local` this thread has: a request's block `j` is sent from (or read into)
+    /// block `j % local_blocks` (every block of a request has its own with `--check`).
+    pub(super) local_blocks: u64,
     pub(super) remote_base: u64,
     /// This thread's slots of the target's pool: `first_slot..first_slot + slots`, no
     /// other thread's (so that a check never sees another thread's write).
@@ -56,6 +59,17 @@ pub(super) struct Workload<'a> {
     pub(super) pattern_seed: u64,
     pub(super) stop: &'a AtomicBool,
     pub(super) moved: &'a AtomicU64,
+}
+
+/// Slowest rate a request is given time for on top of the default deadline: a
+/// request of a few GiB must not time out for its size alone.
+const SLOWEST_BYTES_PER_SECOND: f64 = 1e8;
+
+/// When a request of this workload submitted at `now` times out.
+fn deadline(work: &Workload<'_>, now: Instant) -> Instant {
+    let bytes = work.block * work.batch;
+    now + railyard::dataplane::DEFAULT_DEADLINE
+        + Duration::from_secs_f64(bytes as f64 / SLOWEST_BYTES_PER_SECOND)
 }
 
 /// The slot tag the check pattern of a read uses: what the setup pass wrote there.
@@ -101,13 +115,13 @@ pub(super) fn run_worker(work: &Workload<'_>) -> anyhow::Result<ThreadResult> {
             .map(|(j, &slot)| Transfer {
                 op: work.op,
                 local: work.local,
-                local_offset: work.local_offset + j as u64 * work.block,
+                local_offset: work.local_offset + (j as u64 % work.local_blocks) * work.block,
                 remote_addr: work.remote_base + slot * work.block,
                 len: work.block,
             })
             .collect();
         let started = Instant::now();
-        let batch = submitter.submit(work.peer, &transfers)?;
+        let batch = submitter.submit_by(work.peer, &transfers, deadline(work, started))?;
         let timing = submitter.last_timing();
         let posted = Instant::now();
         batch.wait(batch.deadline() + Duration::from_secs(1));
@@ -153,7 +167,7 @@ fn verify(
                 len: work.block,
             })
             .collect();
-        let batch = submitter.submit(work.peer, &transfers)?;
+        let batch = submitter.submit_by(work.peer, &transfers, deadline(work, Instant::now()))?;
         batch.wait(batch.deadline() + Duration::from_secs(1));
         if batch
             .outcomes()
