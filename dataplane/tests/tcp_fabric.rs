@@ -66,6 +66,8 @@ struct Rig {
     _target_poller: Option<TargetPoller>,
     initiator_soft: SoftDevice,
     target_soft: SoftDevice,
+    /// The target's device: its data port and what it served.
+    target_device: TcpDevice,
 }
 
 fn rig_with(config: TcpConfig, target_access: Access, serve: bool) -> Rig {
@@ -106,6 +108,7 @@ fn rig_parts(
         .connect(prepared, &attachment)
         .expect("loopback set-up");
     let target_fabric = target_device.fabric().expect("loopback set-up");
+    let target_device_handle = target_device.clone();
     let mut fabric = initiator.fabric().expect("loopback set-up");
     let qp = fabric
         .adopt(Some(EndpointId(0)), connected)
@@ -119,6 +122,7 @@ fn rig_parts(
         _target_poller: None,
         initiator_soft,
         target_soft,
+        target_device: target_device_handle,
     };
     (rig, target_fabric)
 }
@@ -1004,4 +1008,70 @@ fn a_withdrawn_local_region_is_never_read_or_written_again() {
         "{} bytes landed past byte {reached}, where the data stood at the deregistration",
         after.iter().filter(|&&b| b != POISON).count()
     );
+}
+
+/// Reads from `stream` until it says something about its end: `true` if the other side
+/// closed it (end of stream or reset), `false` if it is still open after `wait`.
+fn closed_within(stream: &mut std::net::TcpStream, wait: Duration) -> bool {
+    use std::io::Read;
+    stream.set_read_timeout(Some(wait)).expect("a read timeout");
+    let mut byte = [0u8; 1];
+    match stream.read(&mut byte) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(error) => !matches!(
+            error.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+    }
+}
+
+#[test]
+fn connections_that_never_say_hello_are_capped_oldest_first_and_a_real_peer_still_transfers() {
+    const CAP: usize = 4;
+    const SILENT: usize = 40;
+    let target_config = TcpConfig {
+        max_half_open: CAP,
+        connect_timeout: BOUND,
+        ..patient()
+    };
+    let (mut rig, mut target_fabric) = rig_served_by_test(patient(), target_config, 4096);
+    let port = rig.target_device.local_addr();
+    // The real peer's connection and its hello (sent by the initiator's first rounds) wait
+    // in the backlog; then a crowd that says nothing, more than one round accepts.
+    for _ in 0..8 {
+        rig.fabric.serve();
+    }
+    let mut silent: Vec<std::net::TcpStream> = (0..SILENT)
+        .map(|_| std::net::TcpStream::connect(port).expect("loopback connects"))
+        .collect();
+    let device = rig.target_device.clone();
+    let served = |_: &TcpFabric| device.served();
+    let deadline = Instant::now() + BOUND;
+    while served(&target_fabric).half_open_closed < (SILENT - CAP) as u64 {
+        assert!(Instant::now() < deadline, "the cap never closed the crowd");
+        target_fabric.serve();
+    }
+    assert_eq!(
+        served(&target_fabric).half_open_closed,
+        (SILENT - CAP) as u64,
+        "exactly the ones beyond the cap"
+    );
+    // The oldest were closed; the newest CAP still wait for their hello.
+    for (index, stream) in silent.iter_mut().enumerate() {
+        let closed = closed_within(
+            stream,
+            Duration::from_millis(if index < SILENT - CAP { 2_000 } else { 50 }),
+        );
+        assert_eq!(
+            closed,
+            index < SILENT - CAP,
+            "connection {index} of {SILENT}"
+        );
+    }
+    // The real peer, accepted first, said its hello in time and still transfers.
+    let _poller = TargetPoller::start(target_fabric);
+    let completions = rig.run(&[rig.write(1, 0, 4096)]);
+    assert_eq!(statuses(&completions), [WcStatus::Success]);
+    assert!(rig.target.bytes.iter().all(|&b| b == 0xAB));
 }

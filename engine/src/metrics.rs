@@ -314,6 +314,28 @@ impl Collector for EngineMetrics {
             Some(&Unit::Bytes),
             served(|s| [s.write_bytes, s.read_bytes]),
         )?;
+        let data_port = |value: fn(&ServedStats) -> u64| {
+            stats.rails.iter().map(move |r| {
+                (
+                    labels([("rail", r.name.clone())]),
+                    r.served.as_ref().map(value).unwrap_or_default(),
+                )
+            })
+        };
+        family.counter(
+            "railyard_tcp_half_open_closed",
+            "Connections to a rail's TCP data port closed before their hello, to keep at most \
+             the cap of them (a flood of silent connections).",
+            None,
+            data_port(|s| s.half_open_closed),
+        )?;
+        family.counter(
+            "railyard_tcp_accept_failures",
+            "Times a rail's TCP data port could not accept for lack of file descriptors or \
+             memory; accepting pauses 100 ms after each.",
+            None,
+            data_port(|s| s.accept_failures),
+        )?;
 
         // The control plane.
         family.gauge(

@@ -20,6 +20,12 @@ pub struct TcpConfig {
     /// and discarded. Off by default: it is not bound to any handshake, and serving it costs
     /// a 64 MiB buffer.
     pub accept_sinks: bool,
+    /// Most accepted connections bound to no queue pair (waiting for their hello, or raw
+    /// sink streams); beyond it the oldest of them is closed, so that clients that connect
+    /// and say nothing can neither exhaust this process's file descriptors nor hold slots
+    /// that real peers need. (A round may briefly hold 8 more; 0 keeps none waiting past
+    /// the first round that reads them.)
+    pub max_half_open: usize,
 }
 
 impl Default for TcpConfig {
@@ -30,6 +36,7 @@ impl Default for TcpConfig {
             socket_buffer: None,
             send_queue_depth: 16 * 1024,
             accept_sinks: false,
+            max_half_open: 64,
         }
     }
 }

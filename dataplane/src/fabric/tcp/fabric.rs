@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::connection::{REQUESTS_PER_SEND, would_block};
 use super::device::TcpDevice;
@@ -27,6 +27,18 @@ use crate::{EndpointId, Epoch};
 const BYTES_PER_ROUND: usize = 16 << 20;
 /// With no connection, `serve` looks at the listener once every this many rounds.
 const LISTENER_EVERY: u32 = 64;
+/// Most connections one round accepts: a flood of connections costs the poller a bounded
+/// amount per round (the rest wait in the listen backlog).
+const ACCEPTS_PER_ROUND: usize = 8;
+/// How long accepting pauses after `accept` ran out of file descriptors or memory (retrying
+/// at once would spin).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How long a connection may wait for its hello before the cap may close it: its dialer
+/// sends the hello as soon as its poller takes the queue pair, but the kernel may hand the
+/// connection over before the hello arrives.
+const HALF_OPEN_GRACE: Duration = Duration::from_millis(20);
+/// Fewest seconds between two warnings about failed accepts.
+const ACCEPT_WARNING_EVERY: Duration = Duration::from_secs(10);
 
 const LISTENER: u64 = u64::MAX;
 const INITIATOR_TOKEN: u64 = 1 << 32;
@@ -56,6 +68,12 @@ pub struct TcpFabric {
     iov: Vec<libc::iovec>,
     /// A round ran since the last `poll` (so `poll` need not run another).
     progressed: bool,
+    /// Accepting waits until then after `accept` ran out of descriptors or memory.
+    accept_paused_until: Option<Instant>,
+    /// When the last warning about failed accepts was logged.
+    accept_warned_at: Option<Instant>,
+    /// Connections accepted so far (each served connection's place in that order).
+    accepted_count: u64,
 }
 
 impl std::fmt::Debug for TcpFabric {
@@ -104,6 +122,9 @@ impl TcpFabric {
             sink: Vec::new(),
             iov: Vec::with_capacity(2 * REQUESTS_PER_SEND),
             progressed: false,
+            accept_paused_until: None,
+            accept_warned_at: None,
+            accepted_count: 0,
         })
     }
 
@@ -131,11 +152,17 @@ impl TcpFabric {
         self.faults.refresh();
         let now = Instant::now();
         let mut moved = false;
+        let mut accepted = false;
         let mut ready = std::mem::take(&mut self.ready);
         self.epoll.ready(&mut ready);
         for &(token, hung_up) in &ready {
             match token {
-                LISTENER => moved |= self.accept(now),
+                LISTENER if self.accept_paused_until.is_none_or(|until| now >= until) => {
+                    self.accept_paused_until = None;
+                    accepted = self.accept(now);
+                    moved |= accepted;
+                }
+                LISTENER => {}
                 _ if token & SERVED_TOKEN != 0 => {
                     if let Some(Some(served)) = self.served.get_mut((token & 0xffff_ffff) as usize)
                     {
@@ -175,6 +202,11 @@ impl TcpFabric {
                 }
             }
         }
+        // After the newly accepted have been read once: a peer whose hello was already in
+        // its socket is past it by now, whatever else arrived with it.
+        if accepted {
+            self.close_half_open_beyond_cap(now);
+        }
         while matches!(self.served.last(), Some(None)) {
             self.served.pop();
         }
@@ -204,14 +236,23 @@ impl TcpFabric {
         moved
     }
 
-    /// Accepts every waiting connection; true if there was one.
+    /// Accepts waiting connections, at most [`ACCEPTS_PER_ROUND`]; true if there was one.
+    /// Pauses accepting for [`ACCEPT_BACKOFF`] when the process is out of descriptors or
+    /// memory. (The round then reads them, and closes the oldest of those bound to no queue
+    /// pair beyond `max_half_open`.)
     fn accept(&mut self, now: Instant) -> bool {
         let mut accepted = false;
-        loop {
+        for _ in 0..ACCEPTS_PER_ROUND {
             let stream = match self.device.listener().accept() {
                 Ok((stream, _)) => stream,
-                Err(error) if would_block(&error) => return accepted,
-                Err(_) => return accepted,
+                Err(error) if would_block(&error) => break,
+                Err(error) if out_of_descriptors(&error) => {
+                    self.accept_failed(&error, now);
+                    break;
+                }
+                // The connection went before it was taken (ECONNABORTED), or a firewall
+                // refused it: the next round tries again.
+                Err(_) => break,
             };
             accepted = true;
             if stream.set_nonblocking(true).is_err()
@@ -231,14 +272,81 @@ impl TcpFabric {
             {
                 continue;
             }
-            let served = Served::new(stream, now + self.device.config().connect_timeout);
+            self.accepted_count += 1;
+            let served = Served::new(
+                stream,
+                now + self.device.config().connect_timeout,
+                (self.accepted_count, now),
+            );
             if slot == self.served.len() {
                 self.served.push(Some(served));
             } else {
                 self.served[slot] = Some(served);
             }
         }
+        accepted
     }
+
+    /// While more than `max_half_open` connections are bound to no queue pair (waiting for
+    /// their hello, or raw streams), closes the first accepted of them — unless it was
+    /// accepted less than [`HALF_OPEN_GRACE`] ago: then accepting pauses until it is that
+    /// old, so that a real peer whose hello is on its way is never taken for a silent one.
+    fn close_half_open_beyond_cap(&mut self, now: Instant) {
+        let cap = self.device.config().max_half_open;
+        loop {
+            let mut unbound = 0;
+            let mut oldest: Option<(u64, Instant, usize)> = None;
+            for (slot, served) in self.served.iter().enumerate() {
+                if let Some((order, at)) = served.as_ref().and_then(Served::unbound_since) {
+                    unbound += 1;
+                    if oldest.is_none_or(|(first, _, _)| order < first) {
+                        oldest = Some((order, at, slot));
+                    }
+                }
+            }
+            match oldest {
+                Some((_, at, _)) if unbound > cap && now.duration_since(at) < HALF_OPEN_GRACE => {
+                    self.accept_paused_until = Some(at + HALF_OPEN_GRACE);
+                    return;
+                }
+                Some((_, _, slot)) if unbound > cap => {
+                    // Closing the descriptor also stops epoll watching it.
+                    self.served[slot] = None;
+                    self.device.served_counters().half_open_closed();
+                }
+                _ => return,
+            }
+        }
+    }
+
+    /// Counts a failed `accept`, pauses accepting, and warns at most every
+    /// [`ACCEPT_WARNING_EVERY`].
+    fn accept_failed(&mut self, error: &io::Error, now: Instant) {
+        let failures = self.device.served_counters().accept_failed();
+        self.accept_paused_until = Some(now + ACCEPT_BACKOFF);
+        if self
+            .accept_warned_at
+            .is_none_or(|last| now.duration_since(last) >= ACCEPT_WARNING_EVERY)
+        {
+            self.accept_warned_at = Some(now);
+            tracing::warn!(
+                target: "railyard::tcp",
+                device = self.device.name(),
+                failures,
+                "the TCP data port cannot accept ({error}): accepting pauses for {ACCEPT_BACKOFF:?} \
+                 each time; out of file descriptors, raise the limit (ulimit -n, or the \
+                 system's fs.file-max for ENFILE); out of memory, free some"
+            );
+        }
+    }
+}
+
+/// Whether `accept` failed for lack of descriptors or memory (retrying at once would spin).
+fn out_of_descriptors(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
 }
 
 impl Fabric for TcpFabric {

@@ -107,6 +107,8 @@ pub(super) struct Served {
     pub(super) hung_up: bool,
     /// Done with: the fabric drops it, which closes the socket.
     pub(super) closed: bool,
+    /// Its place in the order connections were accepted, and when.
+    accepted: (u64, Instant),
 }
 
 /// What one round's served connections share.
@@ -119,8 +121,13 @@ pub(super) struct ServeIo<'a> {
 }
 
 impl Served {
-    /// A connection just accepted, which must say its hello before `hello_deadline`.
-    pub(super) fn new(stream: TcpStream, hello_deadline: Instant) -> Self {
+    /// A connection just accepted — the `accepted.0`th, at `accepted.1` — which must say
+    /// its hello before `hello_deadline`.
+    pub(super) fn new(
+        stream: TcpStream,
+        hello_deadline: Instant,
+        accepted: (u64, Instant),
+    ) -> Self {
         Self {
             stream,
             role: Role::Hello {
@@ -136,6 +143,17 @@ impl Served {
             readable: true,
             hung_up: false,
             closed: false,
+            accepted,
+        }
+    }
+
+    /// When (in accept order, and in time) a connection bound to no queue pair was
+    /// accepted: one still waiting for its hello, or a raw stream (a sink hello proves
+    /// nothing); `None` for a target queue pair's.
+    pub(super) fn unbound_since(&self) -> Option<(u64, Instant)> {
+        match self.role {
+            Role::Hello { .. } | Role::Sink { .. } => Some(self.accepted),
+            Role::Target(_) => None,
         }
     }
 

@@ -11,6 +11,8 @@ pub(super) struct ServedCounters {
     write_bytes: AtomicU64,
     reads: AtomicU64,
     read_bytes: AtomicU64,
+    half_open_closed: AtomicU64,
+    accept_failures: AtomicU64,
 }
 
 impl ServedCounters {
@@ -26,6 +28,17 @@ impl ServedCounters {
         add(&self.read_bytes, u64::from(len));
     }
 
+    /// A connection that had not said its hello was closed to make room for a newer one.
+    pub(super) fn half_open_closed(&self) {
+        add(&self.half_open_closed, 1);
+    }
+
+    /// `accept` failed for lack of file descriptors or memory.
+    pub(super) fn accept_failed(&self) -> u64 {
+        add(&self.accept_failures, 1);
+        self.accept_failures.load(Ordering::Relaxed)
+    }
+
     /// What they count so far.
     pub(super) fn stats(&self) -> ServedStats {
         ServedStats {
@@ -33,6 +46,8 @@ impl ServedCounters {
             write_bytes: self.write_bytes.load(Ordering::Relaxed),
             reads: self.reads.load(Ordering::Relaxed),
             read_bytes: self.read_bytes.load(Ordering::Relaxed),
+            half_open_closed: self.half_open_closed.load(Ordering::Relaxed),
+            accept_failures: self.accept_failures.load(Ordering::Relaxed),
         }
     }
 }
@@ -55,4 +70,11 @@ pub struct ServedStats {
     pub reads: u64,
     /// Their bytes.
     pub read_bytes: u64,
+    /// Accepted connections bound to no queue pair (no hello yet, or a raw stream) closed to
+    /// stay within
+    /// [`TcpConfig::max_half_open`](super::TcpConfig::max_half_open).
+    pub half_open_closed: u64,
+    /// Times the data port's `accept` failed for lack of file descriptors or memory
+    /// (EMFILE, ENFILE, ENOBUFS, ENOMEM); accepting pauses briefly after each.
+    pub accept_failures: u64,
 }
