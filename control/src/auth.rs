@@ -49,7 +49,7 @@ pub enum SecretError {
     },
     /// Too few bytes to be a secret.
     #[error(
-        "a cluster secret of {len} bytes is too short: at least {} are needed (e.g. `head -c 32 /dev/urandom | base64 > FILE`)",
+        "a cluster secret of {len} bytes is too short: at least {} are needed (`railyard secret new FILE` writes one)",
         ClusterSecret::MIN_LEN
     )]
     TooShort {

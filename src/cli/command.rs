@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
-use super::{bench, chaos, doctor, handshakes, master, serve, sim, store, topology};
+use super::{bench, chaos, doctor, handshakes, master, secret, serve, sim, store, topology};
 
 /// railyard: zero-copy KV-cache transfer engine.
 #[derive(Debug, Parser)]
@@ -67,6 +67,8 @@ enum Command {
     /// and print, per check, OK, warning or problem with the command that fixes it. Exit
     /// status 0, 1 (warnings) or 2 (problems).
     Doctor(doctor::DoctorArgs),
+    /// Cluster secrets: `railyard secret new FILE` writes a fresh one (mode 0600).
+    Secret(secret::SecretArgs),
 }
 
 impl Cli {
@@ -116,6 +118,7 @@ impl Cli {
             Command::Master(args) => master::run(&args).map(|()| std::process::ExitCode::SUCCESS),
             Command::Store(args) => store::run(&args).map(|()| std::process::ExitCode::SUCCESS),
             Command::Doctor(args) => doctor::run(&args),
+            Command::Secret(args) => secret::run(&args).map(|()| std::process::ExitCode::SUCCESS),
         }
     }
 }

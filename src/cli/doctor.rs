@@ -444,8 +444,8 @@ fn check_cores(host: &Host) -> Check {
 }
 
 fn check_secret(path: Option<&Path>) -> Check {
-    let fix_new = "head -c 32 /dev/urandom > FILE && chmod 600 FILE, the same FILE on every \
-                   host, then --secret-file FILE or export RAILYARD_SECRET_FILE=FILE";
+    let fix_new = "railyard secret new FILE, the same FILE on every host, then --secret-file \
+                   FILE or export RAILYARD_SECRET_FILE=FILE";
     let Some(path) = path else {
         return Check::not_ok(
             "secret",

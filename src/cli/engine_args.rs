@@ -134,3 +134,34 @@ impl VerbsArgs {
         }
     }
 }
+
+/// Where `--metrics` serves: `PORT` or `:PORT` is loopback (127.0.0.1), so that metrics
+/// leave the host only when an address says so (`0.0.0.0:9100`).
+pub(crate) fn parse_metrics_addr(text: &str) -> Result<std::net::SocketAddr, String> {
+    let port = text.strip_prefix(':').unwrap_or(text);
+    if let Ok(port) = port.parse::<u16>() {
+        return Ok(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    text.parse().map_err(|_| {
+        format!("{text:?} is neither a port (9100, :9100: loopback) nor an address (0.0.0.0:9100)")
+    })
+}
+
+#[cfg(test)]
+mod metrics_addr_tests {
+    use super::parse_metrics_addr;
+
+    #[test]
+    fn a_bare_port_is_loopback_and_an_address_is_taken_as_given() {
+        assert_eq!(
+            parse_metrics_addr("9100").unwrap().to_string(),
+            "127.0.0.1:9100"
+        );
+        assert_eq!(parse_metrics_addr(":0").unwrap().to_string(), "127.0.0.1:0");
+        assert_eq!(
+            parse_metrics_addr("0.0.0.0:9100").unwrap().to_string(),
+            "0.0.0.0:9100"
+        );
+        assert!(parse_metrics_addr("nine").unwrap_err().contains("neither"));
+    }
+}

@@ -10,7 +10,7 @@ use clap::Args;
 use railyard::store::{MasterConfig, MasterPolicy, MasterServer};
 
 use super::duration::parse_duration;
-use super::engine_args::SecretArgs;
+use super::engine_args::{SecretArgs, parse_metrics_addr};
 
 #[derive(Debug, Args)]
 pub(crate) struct MasterArgs {
@@ -40,9 +40,10 @@ pub(crate) struct MasterArgs {
     /// forgotten.
     #[arg(long, value_parser = parse_duration, default_value = "10s")]
     suspect_grace: Duration,
-    /// Serve Prometheus metrics at http://ADDR/metrics (port 0: any free port; the first
+    /// Serve Prometheus metrics at http://ADDR/metrics (a bare port is loopback, 127.0.0.1; port 0:
+    /// any free port; the first
     /// line then ends with `metrics ADDR`).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
     metrics: Option<SocketAddr>,
     /// Lead through etcd (`etcd://HOST:PORT[?ttl=SECONDS&prefix=…]`; the ttl is the leader's
     /// lease, 3 s unless given): run two or more masters with the same URL; one leads, the

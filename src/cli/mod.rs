@@ -9,6 +9,7 @@ mod engine_args;
 mod handshakes;
 mod master;
 mod ping;
+mod secret;
 mod serve;
 mod sim;
 mod size;

@@ -13,7 +13,9 @@ use railyard::control::NotificationBody;
 use railyard::engine::{DirectoryChoice, Engine, FabricChoice, RailChoice, Region, default_name};
 use railyard::metrics::MetricsServer;
 
-use super::engine_args::{SecretArgs, VerbsArgs, parse_directory, parse_fabric};
+use super::engine_args::{
+    SecretArgs, VerbsArgs, parse_directory, parse_fabric, parse_metrics_addr,
+};
 use super::ping::{Echo, Ping};
 use super::size::{format_size, parse_size};
 
@@ -49,9 +51,10 @@ pub(crate) struct ServeArgs {
     /// `error: WHY`. The pool is the region the first line names.
     #[arg(long)]
     until_stdin_closes: bool,
-    /// Serve Prometheus metrics at http://ADDR/metrics (port 0: any free port; the first
+    /// Serve Prometheus metrics at http://ADDR/metrics (a bare port is loopback, 127.0.0.1; port 0:
+    /// any free port; the first
     /// line then ends with `metrics ADDR`).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
     metrics: Option<SocketAddr>,
     #[command(flatten)]
     verbs: VerbsArgs,

@@ -9,7 +9,9 @@ use anyhow::bail;
 use clap::{Args, ValueEnum};
 use railyard::engine::{DirectoryChoice, FabricChoice};
 
-use crate::cli::engine_args::{SecretArgs, VerbsArgs, parse_directory, parse_fabric};
+use crate::cli::engine_args::{
+    SecretArgs, VerbsArgs, parse_directory, parse_fabric, parse_metrics_addr,
+};
 use crate::cli::size::{format_size, parse_size};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -104,9 +106,10 @@ pub(crate) struct BenchArgs {
     /// Print the results as one JSON object.
     #[arg(long)]
     pub(super) json: bool,
-    /// Serve this engine's Prometheus metrics at http://ADDR/metrics while it runs (port 0:
+    /// Serve this engine's Prometheus metrics at http://ADDR/metrics while it runs (a bare port
+    /// is loopback, 127.0.0.1; port 0:
     /// any free port; stderr says which).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
     pub(super) metrics: Option<SocketAddr>,
     #[command(flatten)]
     pub(super) verbs: VerbsArgs,

@@ -1,0 +1,69 @@
+//! `railyard secret new FILE`: a fresh secret only its owner may read, never written over
+//! an existing one, and one the engine takes.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+use std::time::Duration;
+
+use common::output_within;
+
+fn secret_new(path: &std::path::Path) -> std::process::Output {
+    output_within(
+        Command::new(env!("CARGO_BIN_EXE_railyard"))
+            .args(["secret", "new"])
+            .arg(path),
+        Duration::from_secs(30),
+    )
+}
+
+#[test]
+fn a_new_secret_is_random_private_and_never_overwritten() {
+    let dir = std::env::temp_dir().join(format!("railyard-secret-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let (first, second) = (dir.join("a"), dir.join("b"));
+    for path in [&first, &second] {
+        let _ = std::fs::remove_file(path);
+        let made = secret_new(path);
+        assert!(
+            made.status.success(),
+            "{}",
+            String::from_utf8_lossy(&made.stderr)
+        );
+    }
+    let text = std::fs::read_to_string(&first).expect("the secret");
+    let hex = text.strip_suffix('\n').expect("one line");
+    assert_eq!(hex.len(), 64, "32 bytes in hexadecimal: {text:?}");
+    assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()), "{text:?}");
+    assert_ne!(
+        text,
+        std::fs::read_to_string(&second).expect("the other secret"),
+        "two secrets are two"
+    );
+    let mode = std::fs::metadata(&first)
+        .expect("metadata")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "mode {:o}", mode & 0o777);
+    railyard::engine::ClusterSecret::from_file(&first).expect("the engine takes it");
+
+    // An existing secret is kept, and the refusal says why.
+    let again = secret_new(&first);
+    assert!(!again.status.success());
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        stderr.contains("already exists") && stderr.contains("never overwritten"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read_to_string(&first).expect("kept"), text);
+    // A directory that is not there is named as such, not as an existing secret.
+    let nowhere = secret_new(&dir.join("missing").join("secret"));
+    assert!(!nowhere.status.success());
+    let stderr = String::from_utf8_lossy(&nowhere.stderr);
+    assert!(
+        stderr.contains("creating") && !stderr.contains("already exists"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
