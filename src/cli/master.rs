@@ -43,7 +43,7 @@ pub(crate) struct MasterArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics (a bare port is loopback, 127.0.0.1; port 0:
     /// any free port; the first
     /// line then ends with `metrics ADDR`).
-    #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
+    #[arg(long, value_name = "[IP:]PORT", value_parser = parse_metrics_addr)]
     metrics: Option<SocketAddr>,
     /// Lead through etcd (`etcd://HOST:PORT[?ttl=SECONDS&prefix=…]`; the ttl is the leader's
     /// lease, 3 s unless given): run two or more masters with the same URL; one leads, the

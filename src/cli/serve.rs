@@ -54,7 +54,7 @@ pub(crate) struct ServeArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics (a bare port is loopback, 127.0.0.1; port 0:
     /// any free port; the first
     /// line then ends with `metrics ADDR`).
-    #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
+    #[arg(long, value_name = "[IP:]PORT", value_parser = parse_metrics_addr)]
     metrics: Option<SocketAddr>,
     #[command(flatten)]
     verbs: VerbsArgs,

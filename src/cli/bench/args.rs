@@ -109,7 +109,7 @@ pub(crate) struct BenchArgs {
     /// Serve this engine's Prometheus metrics at http://ADDR/metrics while it runs (a bare port
     /// is loopback, 127.0.0.1; port 0:
     /// any free port; stderr says which).
-    #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
+    #[arg(long, value_name = "[IP:]PORT", value_parser = parse_metrics_addr)]
     pub(super) metrics: Option<SocketAddr>,
     #[command(flatten)]
     pub(super) verbs: VerbsArgs,
