@@ -149,7 +149,7 @@ pub(crate) fn parse_metrics_addr(text: &str) -> Result<std::net::SocketAddr, Str
 
 #[cfg(test)]
 mod metrics_addr_tests {
-    use super::parse_metrics_addr;
+    use super::*;
 
     #[test]
     fn a_bare_port_is_loopback_and_an_address_is_taken_as_given() {
