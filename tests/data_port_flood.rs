@@ -140,6 +140,52 @@ fn flood(addr: SocketAddr, count: usize, burst_done: &AtomicBool, stop: &AtomicB
     opened
 }
 
+/// Sets its flag when dropped.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Opens `addr` from `engine` and writes one request there, trying again (a new peer each
+/// time) until one is done, within [`BOUND`].
+fn joined(engine: &Engine, addr: &str, local: Region, remote: u64) -> Peer {
+    let deadline = Instant::now() + BOUND;
+    let mut submitter = engine.submitter().expect("a submitter");
+    loop {
+        let tried = engine
+            .open(addr)
+            .map_err(|e| e.to_string())
+            .and_then(|peer| {
+                let write = Transfer {
+                    op: Op::Write,
+                    local,
+                    local_offset: 0,
+                    remote_addr: remote,
+                    len: BLOCK,
+                };
+                let batch = submitter
+                    .submit(&peer, &[write])
+                    .map_err(|e| e.to_string())?;
+                batch.wait(Instant::now() + BOUND);
+                match batch.outcome(0) {
+                    Some(RequestOutcome::Done) => Ok(peer),
+                    other => Err(format!("{other:?}: {:?}", batch.failure(0))),
+                }
+            });
+        match tried {
+            Ok(peer) => return peer,
+            Err(why) => assert!(
+                Instant::now() < deadline,
+                "a peer arriving in the flood never transferred: {why}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 #[test]
 fn a_flood_of_silent_data_connections_leaves_serve_bounded_and_serving() {
     let flood_size = room_for_the_flood();
@@ -166,6 +212,9 @@ fn a_flood_of_silent_data_connections_leaves_serve_bounded_and_serving() {
     let burst_done = AtomicBool::new(false);
     let most_descriptors = AtomicUsize::new(0);
     let (during, late_rate, opened) = std::thread::scope(|scope| {
+        // Stops the flood and the sampling however this scope ends: a failed assertion
+        // below must fail the test, not leave it waiting for threads that never stop.
+        let _stop_on_exit = StopOnDrop(&stop);
         let flooding = scope.spawn(|| flood(data_addr, flood_size, &burst_done, &stop));
         let sampling = scope.spawn(|| {
             while !stop.load(Ordering::Relaxed) {
@@ -183,10 +232,17 @@ fn a_flood_of_silent_data_connections_leaves_serve_bounded_and_serving() {
             std::thread::sleep(Duration::from_millis(10));
         }
         let during = write_rate(&engine, &peer, local, target.pool_base);
-        // A peer that arrives now gets its own data connection and moves bytes.
+        // A peer that arrives now gets its own data connection and moves bytes. While the
+        // backlog is full the kernel drops its connection's SYN (retried after 1 s, 3 s):
+        // it may take a few tries, as it would for any client.
         let late = client("prefill-late");
-        let late_peer = late.open(&target.addr).expect("the target still answers");
         let late_local = late.alloc(BATCH * BLOCK, None).expect("local memory");
+        let late_peer = joined(
+            &late,
+            &target.addr,
+            late_local,
+            target.pool_base + (1 << 20),
+        );
         let late_rate = write_rate(&late, &late_peer, late_local, target.pool_base + (1 << 20));
         stop.store(true, Ordering::Relaxed);
         let opened = flooding.join().expect("the flood thread");

@@ -23,8 +23,8 @@ pub struct TcpConfig {
     /// Most accepted connections bound to no queue pair (waiting for their hello, or raw
     /// sink streams); beyond it the oldest of them is closed, so that clients that connect
     /// and say nothing can neither exhaust this process's file descriptors nor hold slots
-    /// that real peers need. (A round may briefly hold 8 more; 0 keeps none waiting past
-    /// the first round that reads them.)
+    /// that real peers need. (One accepted less than 20 ms ago is not closed: accepting
+    /// pauses instead, so up to 8 more may wait that long; 0 keeps none longer.)
     pub max_half_open: usize,
 }
 

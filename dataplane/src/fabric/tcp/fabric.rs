@@ -153,12 +153,17 @@ impl TcpFabric {
         let now = Instant::now();
         let mut moved = false;
         let mut accepted = false;
+        // A pause that ends now: the cap is looked at again even if nothing more arrives
+        // (a burst that ended inside the grace period leaves its newest connections over it).
+        let pause_over = self.accept_paused_until.is_some_and(|until| now >= until);
+        if pause_over {
+            self.accept_paused_until = None;
+        }
         let mut ready = std::mem::take(&mut self.ready);
         self.epoll.ready(&mut ready);
         for &(token, hung_up) in &ready {
             match token {
-                LISTENER if self.accept_paused_until.is_none_or(|until| now >= until) => {
-                    self.accept_paused_until = None;
+                LISTENER if self.accept_paused_until.is_none() => {
                     accepted = self.accept(now);
                     moved |= accepted;
                 }
@@ -204,7 +209,7 @@ impl TcpFabric {
         }
         // After the newly accepted have been read once: a peer whose hello was already in
         // its socket is past it by now, whatever else arrived with it.
-        if accepted {
+        if accepted || pause_over {
             self.close_half_open_beyond_cap(now);
         }
         while matches!(self.served.last(), Some(None)) {
