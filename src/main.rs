@@ -14,10 +14,19 @@ fn main() -> ExitCode {
         Ok(command) => command,
         Err(error) if !error.use_stderr() => error.exit(), // --help, --version
         Err(error) => {
-            // One line, like every other error: clap's first line without its prefix.
+            // One line, like every other error: clap's lines up to its first blank one (a
+            // conflict names the other flags on the lines after the first), without its
+            // prefix.
             let text = error.to_string();
-            let first = text.lines().next().unwrap_or_default();
-            eprintln!("railyard: error: {}", first.trim_start_matches("error: "));
+            let said: Vec<&str> = text
+                .lines()
+                .take_while(|line| !line.trim().is_empty())
+                .map(str::trim)
+                .collect();
+            eprintln!(
+                "railyard: error: {}",
+                said.join(" ").trim_start_matches("error: ")
+            );
             return ExitCode::from(2);
         }
     };

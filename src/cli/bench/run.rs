@@ -44,9 +44,15 @@ pub(crate) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if args.target.is_none() {
         check_memory(args, &plan)?;
     }
-    // A plot that cannot be written is found out before the measuring, not after.
+    // A plot that cannot be written is found out before the measuring, not after (an
+    // earlier plot there stays until this one replaces it).
     if let Some(path) = &args.plot {
-        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .with_context(|| format!("opening {} to draw into", path.display()))?;
     }
     let progress = Progress::new(args, &plan);
     let (rows, setting, skipped) = match args.target {
@@ -267,11 +273,6 @@ impl Bench {
             }
             None => None,
         };
-        let per_thread = local_area(args, &plan.shapes);
-        // Only this engine's transfers touch its buffers: peers get no access to them.
-        let local = engine
-            .alloc_with_access(per_thread * args.threads, None, PeerAccess::None)
-            .context("allocating the local buffers")?;
         let (child, target) = match &args.target {
             Some(target) => (None, target.clone()),
             None => {
@@ -291,6 +292,22 @@ impl Bench {
         else {
             bail!("the target {target} has registered no memory");
         };
+        // Sized for the shapes the target's pool holds (all of them when bench started it).
+        let (fitting, _) = fit(
+            plan.shapes.clone(),
+            pool_len,
+            args.threads,
+            "the target's `serve --pool`",
+        );
+        let per_thread = local_area(args, &fitting);
+        // Only this engine's transfers touch its buffers: peers get no access to them.
+        let local = engine
+            .alloc_with_access(
+                per_thread.saturating_mul(args.threads),
+                None,
+                PeerAccess::None,
+            )
+            .context("allocating the local buffers")?;
         Ok(Self {
             _metrics: metrics,
             peer,
@@ -515,9 +532,12 @@ const LOCAL_AREA: u64 = 256 << 20;
 /// The memory a run with the target on this host holds at once: the target's pool, the
 /// bench's local buffers, and the ceiling's pool and source.
 fn memory_needed(args: &BenchArgs, plan: &Plan) -> u64 {
-    let local = local_area(args, &plan.shapes) * args.threads;
-    let ceiling = plan.pool.min(MAX_CEILING_POOL) + local_area(args, &plan.shapes);
-    plan.pool + local + ceiling
+    let local = local_area(args, &plan.shapes).saturating_mul(args.threads);
+    let ceiling = plan
+        .pool
+        .min(MAX_CEILING_POOL)
+        .saturating_add(local_area(args, &plan.shapes));
+    plan.pool.saturating_add(local).saturating_add(ceiling)
 }
 
 /// Refuses a run whose memory this host does not have free (its buffers are prefaulted:
