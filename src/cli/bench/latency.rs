@@ -4,7 +4,7 @@
 //! a ping-pong that carries the same bytes without railyard — over a plain TCP socket for
 //! the fabrics that go over TCP, through shared memory for the others.
 
-use std::io::{Read, Write};
+use std::io::IoSlice;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -15,7 +15,8 @@ use serde_json::json;
 
 use super::args::BenchArgs;
 use super::report::{micros, percentile};
-use super::target::start_target;
+use super::target::{OpenTarget, open_target};
+use super::tcp_ceiling::{read_spinning, write_spinning};
 use super::worker::local_slice;
 use crate::cli::ping::{Ping, wait_for_pong};
 use crate::cli::size::format_size;
@@ -111,25 +112,13 @@ pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let local = engine
         .alloc_with_access(largest * 2, None, PeerAccess::ReadWrite)
         .context("allocating the local buffers")?;
-    let (_child, target) = match &args.target {
-        Some(target) => (None, target.clone()),
-        None => {
-            let (child, addr) = start_target(args, largest, engine.rails(), true)?;
-            (Some(child), addr.to_string())
-        }
-    };
-    let peer = engine
-        .open(&target)
-        .with_context(|| format!("opening the target {target}"))?;
-    let Some((pool_base, pool_len)) = peer
-        .descriptor()
-        .regions
-        .iter()
-        .max_by_key(|r| r.len)
-        .map(|region| (region.base, region.len))
-    else {
-        bail!("the target {target} has registered no memory");
-    };
+    let opened = open_target(args, &engine, largest, true)?;
+    let (peer, target, pool_base, pool_len) = (
+        &opened.peer,
+        &opened.name,
+        opened.pool_base,
+        opened.pool_len,
+    );
     if pool_len < largest {
         bail!(
             "the target's pool of {} holds no {} ping",
@@ -166,7 +155,7 @@ pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
                 len: size,
             };
             let began = Instant::now();
-            let batch = submitter.submit_and_notify(&peer, &[write], ping.encode())?;
+            let batch = submitter.submit_and_notify(peer, &[write], ping.encode())?;
             if !wait_for_pong(&engine, seq, began + ROUND_TRIP_BOUND) {
                 bail!(
                     "no answer to a {} ping within {ROUND_TRIP_BOUND:?} (write: {:?}): a \
@@ -274,8 +263,11 @@ pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
             Some(_) => println!("no ceiling: the target is elsewhere"),
         }
     }
+    // This engine stops before the target it started (which it would see go away).
+    let OpenTarget { peer, child, .. } = opened;
     drop(peer);
     drop(engine);
+    drop(child);
     Ok(())
 }
 
@@ -293,8 +285,8 @@ fn socket_ping_pong(size: u64, budget: Budget) -> anyhow::Result<Distribution> {
             socket.set_nodelay(true)?;
             socket.set_nonblocking(true)?;
             let mut buffer = vec![0u8; size];
-            while read_spinning(&socket, &mut buffer)? {
-                write_spinning(&socket, &buffer)?;
+            while read_all_spinning(&socket, &mut buffer)? {
+                write_all_spinning(&socket, &buffer)?;
             }
             Ok(())
         });
@@ -309,8 +301,8 @@ fn socket_ping_pong(size: u64, budget: Budget) -> anyhow::Result<Distribution> {
         let result = (|| -> anyhow::Result<()> {
             while !budget.spent(times.len() as u64, started) {
                 let began = Instant::now();
-                write_spinning(&socket, &sent)?;
-                if !read_spinning(&socket, &mut back)? {
+                write_all_spinning(&socket, &sent)?;
+                if !read_all_spinning(&socket, &mut back)? {
                     bail!("the socket ceiling's answering side closed");
                 }
                 made += 1;
@@ -331,41 +323,23 @@ fn socket_ping_pong(size: u64, budget: Budget) -> anyhow::Result<Distribution> {
 }
 
 /// Writes all of `bytes` to a non-blocking `socket`, spinning while its buffer is full.
-fn write_spinning(mut socket: &TcpStream, mut bytes: &[u8]) -> anyhow::Result<()> {
-    let began = Instant::now();
+fn write_all_spinning(socket: &TcpStream, mut bytes: &[u8]) -> anyhow::Result<()> {
     while !bytes.is_empty() {
-        match socket.write(bytes) {
-            Ok(0) => bail!("the socket ceiling's peer stopped taking bytes"),
-            Ok(written) => bytes = &bytes[written..],
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
-                if began.elapsed() > ROUND_TRIP_BOUND {
-                    bail!("the socket ceiling's peer took nothing for {ROUND_TRIP_BOUND:?}");
-                }
-                std::hint::spin_loop();
-            }
-            Err(error) => return Err(error.into()),
-        }
+        let written = write_spinning(socket, &[IoSlice::new(bytes)])?;
+        bytes = &bytes[written..];
     }
     Ok(())
 }
 
 /// Fills `buffer` from a non-blocking `socket`, spinning while nothing has arrived: false
 /// if the stream ended before the first byte.
-fn read_spinning(mut socket: &TcpStream, buffer: &mut [u8]) -> anyhow::Result<bool> {
-    let began = Instant::now();
+fn read_all_spinning(mut socket: &TcpStream, buffer: &mut [u8]) -> anyhow::Result<bool> {
     let mut got = 0;
     while got < buffer.len() {
-        match socket.read(&mut buffer[got..]) {
-            Ok(0) if got == 0 => return Ok(false),
-            Ok(0) => bail!("the socket ceiling's stream ended inside a message"),
-            Ok(read) => got += read,
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
-                if began.elapsed() > ROUND_TRIP_BOUND {
-                    bail!("the socket ceiling's peer sent nothing for {ROUND_TRIP_BOUND:?}");
-                }
-                std::hint::spin_loop();
-            }
-            Err(error) => return Err(error.into()),
+        match read_spinning(&mut socket, &mut buffer[got..])? {
+            0 if got == 0 => return Ok(false),
+            0 => bail!("the socket ceiling's stream ended inside a message"),
+            read => got += read,
         }
     }
     Ok(true)

@@ -70,12 +70,7 @@ pub(super) fn plot(
         ))?
         .label(ceiling.name.clone())
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], BLACK.stroke_width(3)));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    draw_legend(&mut chart)?;
 
     let (low, high) = latency
         .iter()
@@ -104,12 +99,7 @@ pub(super) fn plot(
         .x_label_formatter(&block_label)
         .draw()?;
     draw_lines(&mut chart, &latency)?;
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    draw_legend(&mut chart)?;
     root.present()?;
     Ok(())
 }
@@ -137,6 +127,24 @@ where
                 .map(|&point| Circle::new(point, 3, colour.filled())),
         )?;
     }
+    Ok(())
+}
+
+/// The chart's legend, in its upper left corner.
+fn draw_legend<'a, X, Y>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, Y>>,
+) -> anyhow::Result<()>
+where
+    X: plotters::coord::ranged1d::Ranged<ValueType = f64>,
+    Y: plotters::coord::ranged1d::Ranged<ValueType = f64>,
+    Cartesian2d<X, Y>: CoordTranslate<From = (f64, f64)>,
+{
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     Ok(())
 }
 

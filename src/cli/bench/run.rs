@@ -21,7 +21,7 @@ use super::ceiling::{Ceiling, CeilingBench, MAX_CEILING_POOL, ceiling_round, tcp
 use super::plot::plot;
 use super::report::{Occasion, Setting, ShapeResult, Verdict, report_one, report_sweep};
 use super::shapes::{Plan, Shape, Skipped, fit, plan};
-use super::target::{TargetChild, start_target};
+use super::target::{OpenTarget, TargetChild, open_target};
 use super::tcp_ceiling::CeilingSite;
 use super::worker::{ThreadResult, Workload, run_worker, seed_pool};
 use crate::cli::size::format_size;
@@ -273,25 +273,13 @@ impl Bench {
             }
             None => None,
         };
-        let (child, target) = match &args.target {
-            Some(target) => (None, target.clone()),
-            None => {
-                let (child, addr) = start_target(args, plan.pool, engine.rails(), false)?;
-                (Some(child), addr.to_string())
-            }
-        };
-        let peer = engine
-            .open(&target)
-            .with_context(|| format!("opening the target {target}"))?;
-        let Some((pool_base, pool_len)) = peer
-            .descriptor()
-            .regions
-            .iter()
-            .max_by_key(|r| r.len)
-            .map(|pool| (pool.base, pool.len))
-        else {
-            bail!("the target {target} has registered no memory");
-        };
+        let OpenTarget {
+            peer,
+            name: target,
+            pool_base,
+            pool_len,
+            child,
+        } = open_target(args, &engine, plan.pool, false)?;
         // Sized for the shapes the target's pool holds (all of them when bench started it).
         let (fitting, _) = fit(
             plan.shapes.clone(),

@@ -8,7 +8,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use railyard::engine::{FabricChoice, default_name};
+use railyard::engine::{Engine, FabricChoice, Peer, default_name};
 
 use super::args::BenchArgs;
 
@@ -32,7 +32,7 @@ impl Drop for TargetChild {
 
 /// Starts a `railyard serve` with a pool of `pool` bytes and `rails` rails; with `echo`, it
 /// answers `--latency`'s pings.
-pub(super) fn start_target(
+fn start_target(
     args: &BenchArgs,
     pool: u64,
     rails: usize,
@@ -109,4 +109,52 @@ pub(super) fn start_target(
             )
         }
     }
+}
+
+/// The target a bench talks to, opened: the one `--target` names, else a `railyard serve`
+/// started here (with a pool of `pool` bytes; answering pings with `echo`), kept until
+/// dropped.
+pub(super) struct OpenTarget {
+    pub(super) peer: Peer,
+    /// As it was opened.
+    pub(super) name: String,
+    /// Its largest registered region (its pool): address and length.
+    pub(super) pool_base: u64,
+    pub(super) pool_len: u64,
+    /// Declared last: the target this bench started stops after the peer is dropped.
+    pub(super) child: Option<TargetChild>,
+}
+
+pub(super) fn open_target(
+    args: &BenchArgs,
+    engine: &Engine,
+    pool: u64,
+    echo: bool,
+) -> anyhow::Result<OpenTarget> {
+    let (child, name) = match &args.target {
+        Some(target) => (None, target.clone()),
+        None => {
+            let (child, addr) = start_target(args, pool, engine.rails(), echo)?;
+            (Some(child), addr.to_string())
+        }
+    };
+    let peer = engine
+        .open(&name)
+        .with_context(|| format!("opening the target {name}"))?;
+    let Some((pool_base, pool_len)) = peer
+        .descriptor()
+        .regions
+        .iter()
+        .max_by_key(|region| region.len)
+        .map(|region| (region.base, region.len))
+    else {
+        bail!("the target {name} has registered no memory");
+    };
+    Ok(OpenTarget {
+        peer,
+        name,
+        pool_base,
+        pool_len,
+        child,
+    })
 }

@@ -172,7 +172,7 @@ fn accept_within(
 
 /// One vectored write to a non-blocking `stream`, spinning while its send buffer is full:
 /// the bytes taken (at least one).
-fn write_spinning(
+pub(super) fn write_spinning(
     mut stream: &std::net::TcpStream,
     blocks: &[std::io::IoSlice<'_>],
 ) -> anyhow::Result<usize> {
@@ -195,7 +195,10 @@ fn write_spinning(
 
 /// One read from a non-blocking `socket` into `buffer`, spinning while nothing has
 /// arrived: the bytes read (0 at the end of the stream).
-fn read_spinning(socket: &mut impl std::io::Read, buffer: &mut [u8]) -> std::io::Result<usize> {
+pub(super) fn read_spinning(
+    socket: &mut impl std::io::Read,
+    buffer: &mut [u8],
+) -> std::io::Result<usize> {
     let waiting_since = Instant::now();
     loop {
         match socket.read(buffer) {
