@@ -3,6 +3,10 @@
 
 CARGO ?= cargo
 
+# Incremental caches doubled the debug build's size on disk (3 GB of 14 GB); a fresh machine
+# builds once. Export CARGO_INCREMENTAL=1 to keep them while iterating.
+export CARGO_INCREMENTAL ?= 0
+
 .PHONY: deps build run test test-rdma loom mutants bench lint fmt clean python-dev python-test
 
 # etcd (the etcd directory's tests run a real one) and protoc (etcd-client's build).
