@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::{BOUND, Serve, bytes_of, done, rss_kib};
 use railyard::control::auth::{self, Role, Transcript};
+use railyard::control::session::{Protection, SessionKeys};
 use railyard::control::wire::{FrameDecoder, Message, NONCE_LEN};
 use railyard::control::{HostId, Incarnation};
 use railyard::dataplane::IdleStrategy;
@@ -139,29 +140,14 @@ fn hello(incarnation: u64) -> Message {
         host: HostId::this_process(),
         listen: String::new(),
         nonce: [9; NONCE_LEN],
-    }
-}
-
-/// Reads frames from `stream` until one that `pick` takes (within the bound).
-fn read_until<T>(stream: &mut TcpStream, pick: impl Fn(Message) -> Option<T>) -> T {
-    let mut decoder = FrameDecoder::default();
-    let mut buffer = [0u8; 4096];
-    let started = Instant::now();
-    loop {
-        while let Some(message) = decoder.next_message().expect("well-formed frames") {
-            if let Some(picked) = pick(message) {
-                return picked;
-            }
-        }
-        assert!(started.elapsed() < BOUND, "the awaited frame never came");
-        let n = stream.read(&mut buffer).expect("reads");
-        assert!(n > 0, "closed before the awaited frame");
-        decoder.push(&buffer[..n]).expect("room");
+        encrypt: false,
     }
 }
 
 /// A client that holds the secret does the handshake by hand at `target` and asks for the
-/// descriptor: returns what it sent (Hello, Auth, GetDescriptor) and the descriptor.
+/// descriptor, sealing its frames after its Auth and opening the target's after the
+/// target's Auth: returns what it sent (Hello, Auth, a sealed GetDescriptor) and the
+/// descriptor.
 fn handshake_by_hand(
     target: SocketAddr,
     secret: &ClusterSecret,
@@ -175,27 +161,73 @@ fn handshake_by_hand(
         host: HostId::this_process(),
         listen: String::new(),
         nonce,
+        encrypt: false,
     };
     let mut said = mine.encode();
     stream.write_all(&said).expect("writes");
-    let theirs = read_until(&mut stream, |m| {
+    let mut decoder = FrameDecoder::default();
+    let theirs = read_with(&mut stream, &mut decoder, |m| {
         matches!(m, Message::Hello { .. }).then_some(m)
     });
+    let Message::Hello {
+        nonce: their_nonce, ..
+    } = &theirs
+    else {
+        unreachable!("picked a Hello");
+    };
     let transcript = Transcript {
         dialer_hello: &mine,
         listener_hello: &theirs,
         dialed: target,
     };
     let mac = auth::prove(secret, Role::Dialer, &transcript);
+    let keys = SessionKeys::derive(
+        secret,
+        Role::Dialer,
+        &nonce,
+        their_nonce,
+        Protection::Authenticate,
+    );
+    let (mut sealer, opener) = keys.split();
     let mut rest = Message::Auth { mac }.encode();
-    rest.extend(Message::GetDescriptor.encode());
+    let mut ask = Message::GetDescriptor.encode();
+    sealer.seal(&mut ask);
+    rest.extend(ask);
     stream.write_all(&rest).expect("writes");
     said.extend(rest);
-    let descriptor = read_until(&mut stream, |m| match m {
+    read_with(&mut stream, &mut decoder, |m| {
+        matches!(m, Message::Auth { .. }).then_some(())
+    });
+    decoder.protect(opener);
+    let descriptor = read_with(&mut stream, &mut decoder, |m| match m {
         Message::Descriptor(descriptor) => Some(descriptor),
         _ => None,
     });
     (said, descriptor)
+}
+
+/// Reads frames from `stream` through `decoder` until one that `pick` takes (within the
+/// bound); frames after it stay in the decoder.
+fn read_with<T>(
+    stream: &mut TcpStream,
+    decoder: &mut FrameDecoder,
+    pick: impl Fn(Message) -> Option<T>,
+) -> T {
+    let mut buffer = [0u8; 1];
+    let started = Instant::now();
+    loop {
+        while let Some(message) = decoder.next_message().expect("well-formed frames") {
+            if let Some(picked) = pick(message) {
+                return picked;
+            }
+        }
+        assert!(started.elapsed() < BOUND, "the awaited frame never came");
+        // A byte at a time: nothing after the awaited frame is pushed before the caller
+        // may protect the decoder.
+        let n = stream.read(&mut buffer).expect("reads");
+        assert!(n > 0, "closed before the awaited frame");
+        decoder.push(&buffer[..n]).expect("room");
+    }
 }
 
 /// The value of `key` in the target's `stats` line.

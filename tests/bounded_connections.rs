@@ -50,6 +50,7 @@ fn hello(name: &str, incarnation: u64) -> Vec<u8> {
         host: HostId::this_process(),
         listen: String::new(),
         nonce: [0; railyard_control::wire::NONCE_LEN],
+        encrypt: false,
     }
     .encode()
 }

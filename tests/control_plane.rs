@@ -142,6 +142,7 @@ fn say_in_order(addr: SocketAddr, name: &str, incarnation: Incarnation, messages
         host: HostId::this_process(),
         listen: String::new(),
         nonce: [0; railyard_control::wire::NONCE_LEN],
+        encrypt: false,
     }
     .encode();
     for message in messages {

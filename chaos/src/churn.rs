@@ -130,6 +130,7 @@ pub fn handshake_once(
         host: HostId::this_process(),
         listen: String::new(),
         nonce: [0; railyard_engine::control::wire::NONCE_LEN],
+        encrypt: false,
     }
     .encode();
     frames.extend(

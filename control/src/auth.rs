@@ -14,10 +14,8 @@
 //! cannot be reflected. Proofs are compared in constant time. Until both are in, the core
 //! answers nothing but Hello, Auth and Bye, and sends nothing else.
 //!
-//! What it does not do: frames after the handshake are neither encrypted nor MAC'd, so an
-//! attacker on the path between two members can read them (descriptors, data-port tokens) and
-//! inject its own. Run the control network where that cannot happen, or under IPsec or
-//! WireGuard.
+//! Every frame after a side's Auth is protected with keys derived from the secret and both
+//! nonces ([`crate::session`]): a MAC always, encryption on request.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -102,6 +100,11 @@ impl ClusterSecret {
             bytes.pop();
         }
         Self::new(bytes)
+    }
+
+    /// The secret's bytes, for deriving keys ([`crate::session`]).
+    pub(crate) fn expose(&self) -> &[u8] {
+        &self.0
     }
 
     fn keyed(&self) -> Hmac<Sha256> {
@@ -209,6 +212,7 @@ mod tests {
             host: HostId::default(),
             listen: "127.0.0.1:1".into(),
             nonce: [nonce; NONCE_LEN],
+            encrypt: false,
         }
     }
 

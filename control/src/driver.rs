@@ -34,6 +34,7 @@ use crate::error::ControlError;
 use crate::handshake::{Action, ConnId, Core, PeerChange};
 use crate::policy::Policy;
 use crate::rail::{RailFabric, Revocation};
+use crate::session::{FrameOpener, FrameSealer};
 use crate::shared::{ControlShared, EndpointView, bump, bump_by};
 use crate::warn::{DirectoryWarning, WarningKind, control_warning};
 use crate::wire::{FrameDecoder, MAX_BODY, MAX_HELLO_BODY, Message, WireError};
@@ -135,6 +136,10 @@ struct Socket {
     /// small as a Hello, and decoding pauses after an Auth until the core has checked it
     /// (without a secret, frames may grow after the first).
     awaiting_proof: bool,
+    /// Seals every frame queued from this side's Auth on ([`crate::session`]).
+    sealer: Option<FrameSealer>,
+    /// Opens the peer's frames once its proof is accepted (then it moves to the decoder).
+    opener: Option<FrameOpener>,
 }
 
 /// The control thread. See the module docs.
@@ -292,6 +297,13 @@ impl<F: RailFabric> Driver<F> {
             match action {
                 Action::Dial { conn, addr } => self.dial(conn, addr, now),
                 Action::Send { conn, message } => self.queue(conn, &message, now),
+                Action::Protect { conn, keys } => {
+                    if let Some(socket) = self.sockets.get_mut(&conn) {
+                        let (sealer, opener) = keys.split();
+                        socket.sealer = Some(sealer);
+                        socket.opener = Some(opener);
+                    }
+                }
                 Action::Close { conn } => {
                     if let Some(mut socket) = self.sockets.remove(&conn) {
                         bump_by(
@@ -399,7 +411,7 @@ impl<F: RailFabric> Driver<F> {
             );
             return self.core.refuse(conn, &reason, now);
         }
-        socket.out.extend_from_slice(&frame);
+        socket.push_out(frame);
     }
 
     /// Takes new connections while the core may accept them.
@@ -468,6 +480,9 @@ impl<F: RailFabric> Driver<F> {
             for message in messages {
                 self.core.received(conn, message, now);
             }
+            // The core's answers first: a proof it accepted comes with the keys that open
+            // the frames after it.
+            self.carry_out(now);
             if self.core.admitted(conn) {
                 if let Some(socket) = self.sockets.get_mut(&conn) {
                     socket.proven();
@@ -477,6 +492,7 @@ impl<F: RailFabric> Driver<F> {
                 ReadOutcome::Open => {}
                 ReadOutcome::Closed(reason) => self.core.closed(conn, &reason, now),
                 ReadOutcome::Refused(reason) => self.core.refuse(conn, &reason, now),
+                ReadOutcome::Unauthentic(reason) => self.core.tampered(conn, &reason, now),
             }
             self.carry_out(now);
         }
@@ -681,6 +697,8 @@ enum ReadOutcome {
     Closed(String),
     /// The peer broke the protocol or a bound.
     Refused(String),
+    /// A frame after the handshake failed its authentication check.
+    Unauthentic(String),
 }
 
 impl Socket {
@@ -701,6 +719,8 @@ impl Socket {
             partial_since: None,
             stalled_since: None,
             awaiting_proof: proof_required,
+            sealer: None,
+            opener: None,
         }
     }
 
@@ -720,12 +740,26 @@ impl Socket {
         Ok(false)
     }
 
-    /// The core admitted the peer: frames may be as large as any.
+    /// The core admitted the peer: frames may be as large as any, and with a cluster secret
+    /// every frame after the peer's Auth (where decoding paused) must pass the session's
+    /// check.
     fn proven(&mut self) {
         if self.awaiting_proof {
             self.awaiting_proof = false;
             self.decoder.set_max_body(MAX_BODY);
+            if let Some(opener) = self.opener.take() {
+                self.decoder.protect(opener);
+            }
         }
+    }
+
+    /// Appends `frame` to the output, sealed if the session has begun: frames are sealed in
+    /// the order they are written.
+    fn push_out(&mut self, mut frame: Vec<u8>) {
+        if let Some(sealer) = &mut self.sealer {
+            sealer.seal(&mut frame);
+        }
+        self.out.extend_from_slice(&frame);
     }
 
     /// Moves waiting notifications to the output while less than `half` is queued there (at
@@ -737,8 +771,9 @@ impl Socket {
                 break;
             }
             self.notification_bytes -= frame.len();
-            self.out.extend_from_slice(frame);
-            self.notifications.pop_front();
+            if let Some(frame) = self.notifications.pop_front() {
+                self.push_out(frame);
+            }
             moved += 1;
         }
         moved
@@ -780,8 +815,10 @@ impl Socket {
                 }
             }
         }
-        let malformed =
-            |error: WireError| ReadOutcome::Refused(format!("malformed frame: {error}"));
+        let malformed = |error: WireError| match error {
+            WireError::Unauthentic(_) => ReadOutcome::Unauthentic(error.to_string()),
+            _ => ReadOutcome::Refused(format!("malformed frame: {error}")),
+        };
         // Frames left buffered when decoding paused at an Auth.
         match self.decode(&mut messages) {
             Ok(true) => {

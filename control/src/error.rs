@@ -42,6 +42,11 @@ pub enum ControlError {
         /// The most allowed ([`crate::wire::MAX_NOTIFY`]).
         max: usize,
     },
+    /// Encrypted control frames were asked for without a cluster secret to key them.
+    #[error(
+        "encrypting control frames needs a cluster secret (`railyard secret new FILE`, then --secret-file FILE)"
+    )]
+    EncryptionWithoutSecret,
     /// The peer could not be reached or did not answer in time.
     #[error("cannot reach the peer at {addr}: {reason}")]
     Unreachable {

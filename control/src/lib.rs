@@ -12,7 +12,8 @@
 //!   reaches it;
 //! - with feature `etcd`, the cluster directory on etcd (`etcd`).
 //!
-//! - cluster authentication ([`auth`]): a shared secret proven on every control connection.
+//! - cluster authentication ([`auth`]): a shared secret proven on every control connection,
+//!   and the session keys that protect every frame after it ([`session`]).
 //!
 //! It talks to pollers only by sending commands over rings and reading their events; it
 //! never touches a queue pair a poller owns, and its state machines do not read the clock or
@@ -35,6 +36,7 @@ pub mod host;
 pub mod plane;
 pub mod policy;
 pub mod rail;
+pub mod session;
 pub mod shared;
 pub mod sim;
 pub mod warn;

@@ -73,8 +73,14 @@ pub struct ControlConfig {
     /// The incarnation; `None` draws a random one.
     pub incarnation: Option<Incarnation>,
     /// The cluster secret: peers must prove it before anything else is answered, and this
-    /// side proves it to them ([`crate::auth`]). `None`: peers are not authenticated.
+    /// side proves it to them ([`crate::auth`]), and every frame after the handshake is
+    /// authenticated with keys derived from it ([`crate::session`]). `None`: peers are not
+    /// authenticated.
     pub secret: Option<ClusterSecret>,
+    /// Encrypt control frames after the handshake (region addresses, keys, data-port
+    /// tokens, notifications), not only authenticate them; needs `secret`. Either side of a
+    /// connection asking is enough.
+    pub encrypt_control: bool,
 }
 
 impl ControlConfig {
@@ -88,6 +94,7 @@ impl ControlConfig {
             seed: 0,
             incarnation: None,
             secret: None,
+            encrypt_control: false,
         }
     }
 }
@@ -136,12 +143,16 @@ impl ControlPlane {
     /// Binds the listener and starts the control thread over `rails`.
     ///
     /// # Errors
-    /// [`ControlError::Listen`] or [`ControlError::Thread`].
+    /// [`ControlError::Listen`] or [`ControlError::Thread`];
+    /// [`ControlError::EncryptionWithoutSecret`].
     pub fn start<F: RailFabric>(
         config: ControlConfig,
         rails: Vec<ControlRail<F>>,
         shared: Arc<ControlShared>,
     ) -> Result<Self, ControlError> {
+        if config.encrypt_control && config.secret.is_none() {
+            return Err(ControlError::EncryptionWithoutSecret);
+        }
         let listener = TcpListener::bind(config.listen).map_err(|source| ControlError::Listen {
             addr: config.listen,
             source,
@@ -196,6 +207,7 @@ impl ControlPlane {
             local_addr,
             host: HostId::this_process(),
             secret: config.secret.clone(),
+            encrypt_control: config.encrypt_control,
         };
         let mut core = Core::new(
             me,

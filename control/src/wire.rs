@@ -6,6 +6,10 @@
 //! lists are a u32 count then the items, and a count that the rest of the body could not
 //! hold is refused before anything is allocated.
 //!
+//! After the handshake of a process with a cluster secret, each frame is followed by a
+//! [`TAG_LEN`]-byte tag and its body may be encrypted ([`crate::session`]); the header's
+//! length counts the body only. [`FrameDecoder::protect`] turns the checking on.
+//!
 //! The decoder is total: every byte string yields a message, "need more bytes", or a
 //! [`WireError`] naming what is wrong — never a panic and never an allocation larger than
 //! the body bound ([`FrameDecoder`] refuses an oversized length from the header alone).
@@ -15,11 +19,13 @@ use railyard_dataplane::fabric::{Access, QpInfo};
 use crate::descriptor::{RailDescriptor, RegionDescriptor, SegmentDescriptor};
 use crate::endpoint::Incarnation;
 use crate::host::HostId;
+use crate::session::{FrameOpener, TAG_LEN, Unauthentic};
 
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RYCP";
-/// The protocol version this build speaks.
-pub const VERSION: u16 = 8;
+/// The protocol version this build speaks. Version 9 protects every frame after the
+/// handshake ([`crate::session`]) and says in its Hello whether it wants encryption.
+pub const VERSION: u16 = 9;
 /// Header bytes.
 pub const HEADER_LEN: usize = 12;
 /// Largest body accepted.
@@ -77,8 +83,12 @@ pub enum Message {
         listen: String,
         /// Fresh random bytes for this connection: with a cluster secret, each side's
         /// [`Message::Auth`] covers both sides' Hellos, nonces included, so a recorded
-        /// handshake proves nothing on another connection.
+        /// handshake proves nothing on another connection. They also salt the connection's
+        /// session keys.
         nonce: [u8; NONCE_LEN],
+        /// The sender wants frames after the handshake encrypted (`--encrypt-control`);
+        /// either side asking is enough.
+        encrypt: bool,
     },
     /// Proof of the cluster secret (sent only when the process has one): HMAC-SHA256 under
     /// the secret over the role of the sender and both sides' Hellos of this connection
@@ -177,7 +187,10 @@ pub enum WireError {
         found: [u8; 4],
     },
     /// A version this build does not speak.
-    #[error("handshake version {found} is not supported (this build speaks {VERSION})")]
+    #[error(
+        "the peer speaks control protocol version {found} and this build speaks {VERSION}: run the same railyard release on every member{}",
+        if *found < 9 { " (versions before 9 do not authenticate frames after the handshake)" } else { "" }
+    )]
     Version {
         /// The version found.
         found: u16,
@@ -208,6 +221,9 @@ pub enum WireError {
         /// Why.
         reason: String,
     },
+    /// A frame after the handshake failed its check ([`crate::session`]).
+    #[error(transparent)]
+    Unauthentic(#[from] Unauthentic),
     /// Bytes left over after the message.
     #[error("{extra} bytes after the end of the message")]
     Trailing {
@@ -441,6 +457,7 @@ impl Message {
                 host,
                 listen,
                 nonce,
+                encrypt,
             } => {
                 body.string(name);
                 body.u64(incarnation.0);
@@ -452,6 +469,7 @@ impl Message {
                 for &byte in nonce {
                     body.u8(byte);
                 }
+                body.u8(u8::from(*encrypt));
                 HELLO
             }
             Self::Auth { mac } => {
@@ -558,6 +576,16 @@ impl Message {
                 },
                 listen: r.string("listen address")?,
                 nonce: r.array("nonce")?,
+                encrypt: match r.u8("encryption flag")? {
+                    0 => false,
+                    1 => true,
+                    other => {
+                        return Err(WireError::Invalid {
+                            field: "encryption flag",
+                            reason: format!("{other} is neither 0 nor 1"),
+                        });
+                    }
+                },
             },
             AUTH => Self::Auth {
                 mac: r.array("auth mac")?,
@@ -655,6 +683,8 @@ pub struct FrameDecoder {
     start: usize,
     /// The largest body the next frame may declare.
     max_body: usize,
+    /// Checks each frame's tag, once the handshake has protected the stream.
+    opener: Option<FrameOpener>,
 }
 
 impl Default for FrameDecoder {
@@ -663,16 +693,17 @@ impl Default for FrameDecoder {
             buffer: Vec::new(),
             start: 0,
             max_body: MAX_BODY,
+            opener: None,
         }
     }
 }
 
 /// The largest body a Hello can have (a name and an address of [`MAX_STRING`] bytes and the
 /// fixed fields): what a connection's first frame may declare.
-pub const MAX_HELLO_BODY: usize = 2 * (4 + MAX_STRING) + 8 + 16 + 8 + NONCE_LEN;
+pub const MAX_HELLO_BODY: usize = 2 * (4 + MAX_STRING) + 8 + 16 + 8 + NONCE_LEN + 1;
 
-/// The most bytes a [`FrameDecoder`] buffers: one header and the largest body.
-pub const FRAME_BOUND: usize = HEADER_LEN + MAX_BODY;
+/// The most bytes a [`FrameDecoder`] buffers: one header, the largest body and a tag.
+pub const FRAME_BOUND: usize = HEADER_LEN + MAX_BODY + TAG_LEN;
 
 impl FrameDecoder {
     /// Capacity an empty decoder keeps; more is released.
@@ -707,6 +738,12 @@ impl FrameDecoder {
         self.max_body = max_body.min(MAX_BODY);
     }
 
+    /// From the next frame on, each frame is followed by a tag that `opener` must accept
+    /// (and its body is decrypted if the session encrypts).
+    pub fn protect(&mut self, opener: FrameOpener) {
+        self.opener = Some(opener);
+    }
+
     /// How many more bytes [`Self::push`] accepts.
     pub fn room(&self) -> usize {
         FRAME_BOUND - self.buffered()
@@ -720,21 +757,28 @@ impl FrameDecoder {
     /// The next whole message, `Ok(None)` when more bytes are needed.
     ///
     /// # Errors
-    /// The first malformed frame; the stream cannot be trusted after it.
+    /// The first malformed frame, or the first that fails its check
+    /// ([`WireError::Unauthentic`]); the stream cannot be trusted after it.
     pub fn next_message(&mut self) -> Result<Option<Message>, WireError> {
-        let rest = &self.buffer[self.start..];
-        let Some(header) = rest.first_chunk::<HEADER_LEN>() else {
+        let rest = &mut self.buffer[self.start..];
+        let Some(header) = rest.first_chunk::<HEADER_LEN>().copied() else {
             return Ok(None);
         };
-        let (kind, len) = decode_header(header)?;
+        let (kind, len) = decode_header(&header)?;
         if len > self.max_body {
             return Err(WireError::TooLong { len: len as u32 });
         }
-        if rest.len() < HEADER_LEN + len {
+        let tag_len = if self.opener.is_some() { TAG_LEN } else { 0 };
+        let Some(frame) = rest.get_mut(..HEADER_LEN + len + tag_len) else {
             return Ok(None);
+        };
+        let (body, tag) = frame[HEADER_LEN..].split_at_mut(len);
+        if let Some(opener) = &mut self.opener {
+            let tag = (&*tag).try_into().unwrap_or_else(|_| unreachable!());
+            opener.open(&header, body, tag)?;
         }
-        let message = Message::decode_body(kind, &rest[HEADER_LEN..HEADER_LEN + len]);
-        self.start += HEADER_LEN + len;
+        let message = Message::decode_body(kind, body);
+        self.start += HEADER_LEN + len + tag_len;
         if self.start == self.buffer.len() {
             self.buffer.clear();
             self.buffer.shrink_to(Self::KEPT_CAPACITY);
@@ -851,8 +895,9 @@ mod tests {
                 any::<u64>(),
                 "[0-9.:]{0,21}",
                 any::<[u8; NONCE_LEN]>(),
+                any::<bool>(),
             )
-                .prop_map(|(name, i, boot_id, pid_namespace, listen, nonce)| {
+                .prop_map(|(name, i, boot_id, pid_namespace, listen, nonce, encrypt)| {
                     Message::Hello {
                         name,
                         incarnation: Incarnation(i),
@@ -862,6 +907,7 @@ mod tests {
                         },
                         listen,
                         nonce,
+                        encrypt,
                     }
                 }),
             any::<[u8; MAC_LEN]>().prop_map(|mac| Message::Auth { mac }),
@@ -1024,6 +1070,7 @@ mod tests {
             host: HostId::default(),
             listen: "1".repeat(MAX_STRING),
             nonce: [7; NONCE_LEN],
+            encrypt: true,
         }
         .encode();
         assert_eq!(
@@ -1076,8 +1123,8 @@ mod tests {
     #[test]
     fn the_decoder_takes_exactly_one_frame_bound_and_keeps_only_undecoded_bytes() {
         let mut decoder = FrameDecoder::default();
-        assert_eq!(decoder.room(), HEADER_LEN + MAX_BODY);
-        decoder.push(&vec![0u8; HEADER_LEN + MAX_BODY - 1]).unwrap();
+        assert_eq!(decoder.room(), HEADER_LEN + MAX_BODY + TAG_LEN);
+        decoder.push(&vec![0u8; HEADER_LEN + MAX_BODY + TAG_LEN - 1]).unwrap();
         decoder.push(&[0]).unwrap();
         assert_eq!(decoder.room(), 0, "exactly the room is taken");
 
@@ -1140,10 +1187,18 @@ mod tests {
     #[test]
     fn errors_name_what_is_wrong() {
         let mut frame = Message::GetDescriptor.encode();
-        frame[4] = 9;
+        frame[4] = 8;
+        let refused = FrameDecoder::decode_frame(&frame);
+        assert_eq!(refused, Err(WireError::Version { found: 8 }));
+        let said = refused.expect_err("refused").to_string();
+        assert!(
+            said.contains("version 8") && said.contains("before 9 do not authenticate"),
+            "{said}"
+        );
+        frame[4] = 10;
         assert_eq!(
             FrameDecoder::decode_frame(&frame),
-            Err(WireError::Version { found: 9 })
+            Err(WireError::Version { found: 10 })
         );
         assert!(matches!(
             FrameDecoder::decode_frame(b"GET / HTTP/1.1\r\n"),

@@ -30,6 +30,7 @@ fn hello(incarnation: u64) -> Vec<u8> {
         host: HostId::this_process(),
         listen: String::new(),
         nonce: [0; railyard_control::wire::NONCE_LEN],
+        encrypt: false,
     }
     .encode()
 }

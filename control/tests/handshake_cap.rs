@@ -40,6 +40,7 @@ fn a_speaker_gets_in_past_silent_connections_at_the_cap() {
         host: HostId::this_process(),
         listen: String::new(),
         nonce: [0; railyard_control::wire::NONCE_LEN],
+        encrypt: false,
     };
     speaker.write_all(&hello.encode()).expect("writes");
     let mut decoder = FrameDecoder::default();

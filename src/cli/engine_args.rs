@@ -77,6 +77,50 @@ impl SecretArgs {
     }
 }
 
+/// An engine's cluster secret (`serve`, `bench`), and whether its control frames are
+/// encrypted.
+#[derive(Debug, clap::Args)]
+pub(crate) struct EngineSecretArgs {
+    #[command(flatten)]
+    pub(crate) secret: SecretArgs,
+    /// Encrypt control frames after the handshake (ChaCha20-Poly1305), so that region
+    /// addresses, keys, data-port tokens and notifications cannot be read on the path; with
+    /// a secret alone they are authenticated (HMAC-SHA256, sequence-numbered) but readable.
+    /// Either side of a connection asking is enough.
+    #[arg(long, requires = "secret_file")]
+    pub(crate) encrypt_control: bool,
+}
+
+impl EngineSecretArgs {
+    /// `builder` with the secret, if one was given, and the encryption asked for.
+    ///
+    /// # Errors
+    /// The file cannot be read, or holds too short a secret.
+    pub(crate) fn apply(
+        &self,
+        builder: railyard::engine::EngineBuilder,
+    ) -> anyhow::Result<railyard::engine::EngineBuilder> {
+        Ok(self
+            .secret
+            .apply(builder)?
+            .encrypt_control(self.encrypt_control))
+    }
+
+    /// Whether a secret file was given.
+    pub(crate) fn has_secret(&self) -> bool {
+        self.secret.secret_file.is_some()
+    }
+
+    /// The options that give a child process the same secret and encryption.
+    pub(crate) fn options(&self) -> Vec<std::ffi::OsString> {
+        let mut options = self.secret.options();
+        if self.encrypt_control {
+            options.push("--encrypt-control".into());
+        }
+        options
+    }
+}
+
 /// Verbs and libfabric rail settings shared by `serve` and `bench` (ignored on the soft
 /// fabric).
 #[derive(Debug, clap::Args)]

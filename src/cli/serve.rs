@@ -14,7 +14,7 @@ use railyard::engine::{DirectoryChoice, Engine, FabricChoice, RailChoice, Region
 use railyard::metrics::MetricsServer;
 
 use super::engine_args::{
-    SecretArgs, VerbsArgs, parse_directory, parse_fabric, parse_metrics_addr,
+    EngineSecretArgs, VerbsArgs, parse_directory, parse_fabric, parse_metrics_addr,
 };
 use super::ping::{Echo, Ping};
 use super::size::{format_size, parse_size};
@@ -59,7 +59,7 @@ pub(crate) struct ServeArgs {
     #[command(flatten)]
     verbs: VerbsArgs,
     #[command(flatten)]
-    secret: SecretArgs,
+    secret: EngineSecretArgs,
     /// With --secret-file, still read and discard a raw byte stream on the TCP data port: the
     /// ceiling `railyard bench` measures against a target on another host (without a secret
     /// it is read anyway). Bound to no handshake: for benchmarks only.
@@ -86,7 +86,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         .secret
         .apply(args.verbs.apply(Engine::builder(name)))?
         .listen(args.listen)
-        .accept_tcp_sinks(args.accept_sinks || args.secret.secret_file.is_none())
+        .accept_tcp_sinks(args.accept_sinks || !args.secret.has_secret())
         .fabric(args.fabric)
         .rails(rails)
         .directory(args.directory.clone())

@@ -31,6 +31,7 @@ fn hello(me: &Identity, role: &str) -> Message {
         host: me.host,
         listen: role.to_owned(),
         nonce: auth::nonce(),
+        encrypt: false,
     }
 }
 

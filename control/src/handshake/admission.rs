@@ -12,12 +12,13 @@ use railyard_dataplane::sabotage::{self, Protection};
 use railyard_dataplane::{EndpointId, Epoch};
 
 use super::state::{Action, Conn, ConnId, Core, EVICTABLE_AFTER, MAX_HELD, PeerInfo, warning};
-use crate::auth::{self, Role, Transcript};
+use crate::auth::{self, ClusterSecret, Role, Transcript};
 #[cfg(feature = "sabotage")]
 use crate::endpoint::Incarnation;
 use crate::endpoint::Input;
 use crate::error::ControlError;
 use crate::rail::RailFabric;
+use crate::session::{self, SessionKeys};
 use crate::shared::bump;
 use crate::warn::{WarningKind, control_warning};
 use crate::wire::{MAC_LEN, Message, NONCE_LEN};
@@ -89,7 +90,36 @@ impl<F: RailFabric> Core<F> {
                 .conns
                 .get(&conn)
                 .map_or([0; NONCE_LEN], |state| state.nonce),
+            encrypt: self.me.encrypt_control,
         }
+    }
+
+    /// This side's session keys for the connection whose Hellos are `dialer` and
+    /// `listener`, queued for the driver right after this side's Auth.
+    fn protect(&mut self, conn: ConnId, secret: &ClusterSecret, dialer: &Message, listener: &Message) {
+        let (
+            Message::Hello {
+                nonce: dialer_nonce,
+                encrypt: dialer_encrypts,
+                ..
+            },
+            Message::Hello {
+                nonce: listener_nonce,
+                encrypt: listener_encrypts,
+                ..
+            },
+        ) = (dialer, listener)
+        else {
+            return;
+        };
+        let role = if self.conns.get(&conn).is_some_and(|state| state.dialed) {
+            Role::Dialer
+        } else {
+            Role::Listener
+        };
+        let protection = session::Protection::agreed(*dialer_encrypts, *listener_encrypts);
+        let keys = SessionKeys::derive(secret, role, dialer_nonce, listener_nonce, protection);
+        self.actions.push_back(Action::Protect { conn, keys });
     }
 
     // ---- connections -------------------------------------------------------------------
@@ -475,6 +505,7 @@ impl<F: RailFabric> Core<F> {
             };
             let proof = auth::prove(&secret, Role::Dialer, &transcript);
             self.send(conn, Message::Auth { mac: proof });
+            self.protect(conn, &secret, &mine, &hello);
         }
     }
 
@@ -531,6 +562,7 @@ impl<F: RailFabric> Core<F> {
         if !state.dialed {
             let answer = auth::prove(&secret, Role::Listener, &transcript);
             self.send(conn, Message::Auth { mac: answer });
+            self.protect(conn, &secret, &theirs, &mine);
         }
         if let Some(state) = self.conns.get_mut(&conn) {
             state.unproven = None;
@@ -552,6 +584,28 @@ impl<F: RailFabric> Core<F> {
                 addr = %state.addr,
                 reason,
                 "closing a control connection whose peer did not prove the cluster secret"
+            );
+        });
+        self.closed(conn, reason, now);
+    }
+
+    /// A frame on `conn` after the handshake failed its check ([`crate::session`]): someone
+    /// on the path changed, dropped, replayed, reordered or injected frames (or the peer is
+    /// broken). Nothing in it was believed; the connection closes without an answer, the
+    /// failure is counted with the failed proofs, and a warning of kind `auth` names the
+    /// address. The peer's endpoints reconnect on a new connection as after any close.
+    pub(crate) fn tampered(&mut self, conn: ConnId, reason: &str, now: Instant) {
+        let Some(state) = self.conns.get(&conn) else {
+            return;
+        };
+        bump(&self.shared.counters.auth_failures);
+        state.span.in_scope(|| {
+            warning!(
+                self,
+                Auth,
+                addr = %state.addr,
+                reason,
+                "closing a control connection: a frame failed its authentication check"
             );
         });
         self.closed(conn, reason, now);

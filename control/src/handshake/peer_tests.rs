@@ -208,6 +208,7 @@ fn lone_core(fabric: TcpLikeFabric) -> (Core<TcpLikeFabric>, Arc<ControlShared>)
             local_addr: addr(1, 7000),
             host: HostId::default(),
             secret: None,
+            encrypt_control: false,
         },
         policy(),
         11,

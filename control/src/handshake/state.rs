@@ -18,6 +18,7 @@ use crate::error::ControlError;
 use crate::host::HostId;
 use crate::policy::Policy;
 use crate::rail::RailFabric;
+use crate::session::SessionKeys;
 use crate::shared::{ControlShared, EndpointView, bump};
 use crate::wire::{Message, NONCE_LEN, QpSide, WireKey};
 
@@ -95,6 +96,15 @@ pub(crate) enum Action {
         /// Its new epoch.
         epoch: Epoch,
     },
+    /// From now on, protect `conn`'s frames with `keys` ([`crate::session`]): every frame
+    /// queued after this action is sealed, and every frame received after the peer's Auth
+    /// (which the driver decodes last before the core checks it) is opened.
+    Protect {
+        /// The connection.
+        conn: ConnId,
+        /// This side's keys for it.
+        keys: SessionKeys,
+    },
     /// Publish `phase` (and whether the circuit is half-open) in `view`, after the actions
     /// before it (commands to the poller).
     Publish {
@@ -120,6 +130,8 @@ pub(crate) struct Identity {
     pub(crate) host: HostId,
     /// The cluster secret peers must prove, if the cluster has one ([`crate::auth`]).
     pub(crate) secret: Option<ClusterSecret>,
+    /// Whether this side asks for encrypted frames after the handshake.
+    pub(crate) encrypt_control: bool,
 }
 
 /// A peer incarnation as its Hello described it.

@@ -21,10 +21,11 @@ use crate::error::ControlError;
 use crate::host::HostId;
 use crate::policy::Policy;
 use crate::rail::{PeerLink, RailFabric, Revocation};
+use crate::session::{FrameOpener, FrameSealer, SessionKeys, TAG_LEN};
 use crate::shared::ControlShared;
 use crate::shared::{EndpointView, NotificationBody};
 use crate::warn::WarningKind;
-use crate::wire::{Message, NONCE_LEN, QpSide, WireKey};
+use crate::wire::{HEADER_LEN, Message, NONCE_LEN, QpSide, WireKey};
 use railyard_dataplane::fabric::tcp::TcpAttachment;
 
 /// Who owns every fake queue pair, and what each process staged.
@@ -113,6 +114,8 @@ struct Proc {
     up: bool,
     /// Stopped: up, connections open, but it neither handles nor answers anything.
     stopped: bool,
+    /// The session keys the core handed over, by connection.
+    keys: Vec<(ConnId, SessionKeys)>,
 }
 
 type Delivery = (usize, ConnId, Message);
@@ -182,6 +185,7 @@ impl Net {
                 local_addr: addr,
                 host: HostId::default(),
                 secret: None,
+                encrypt_control: false,
             },
             policy,
             incarnation.0,
@@ -196,6 +200,7 @@ impl Net {
             commands: Vec::new(),
             up: true,
             stopped: false,
+            keys: Vec::new(),
         });
         self.procs.len() - 1
     }
@@ -279,6 +284,7 @@ impl Net {
                 phase,
                 probation,
             } => view.publish(phase, probation),
+            Action::Protect { conn, keys } => self.procs[index].keys.push((conn, keys)),
         }
     }
 
@@ -419,6 +425,7 @@ fn hello_from(name: &str, incarnation: u64) -> Message {
         host: HostId::default(),
         listen: String::new(),
         nonce: [0; crate::wire::NONCE_LEN],
+        encrypt: false,
     }
 }
 
@@ -1444,6 +1451,56 @@ fn members_with_the_same_secret_prove_it_both_ways_and_connect() {
     assert_eq!(net.stats(target).passive_qps, 1);
 }
 
+/// The one set of session keys `proc` was handed, split.
+fn session_of(net: &mut Net, proc: usize) -> (FrameSealer, FrameOpener) {
+    let mut keys = std::mem::take(&mut net.procs[proc].keys);
+    assert_eq!(keys.len(), 1, "one connection, keyed once");
+    keys.pop().expect("keys").1.split()
+}
+
+#[test]
+fn both_sides_key_the_session_alike_and_encrypt_when_either_asks() {
+    for (target_encrypts, initiator_encrypts) in [(false, false), (true, false), (false, true)] {
+        let mut net = Net::new();
+        let target = net.spawn(NAME, addr(1, 7000), 11, 1);
+        let initiator = net.spawn("prefill", addr(2, 7000), 20, 1);
+        net.with_secret(target, secret(1));
+        net.with_secret(initiator, secret(1));
+        net.procs[target].core.me.encrypt_control = target_encrypts;
+        net.procs[initiator].core.me.encrypt_control = initiator_encrypts;
+        let answer = net.connect(initiator, addr(1, 7000));
+        net.settle();
+        ready(&answer);
+        let (mut target_seals, mut target_opens) = session_of(&mut net, target);
+        let (mut initiator_seals, mut initiator_opens) = session_of(&mut net, initiator);
+        let frame = Message::Notify {
+            target: Incarnation(11),
+            bytes: b"rkey 0x1234".to_vec(),
+        }
+        .encode();
+        for (seals, opens) in [
+            (&mut initiator_seals, &mut target_opens),
+            (&mut target_seals, &mut initiator_opens),
+        ] {
+            let mut sealed = frame.clone();
+            seals.seal(&mut sealed);
+            let in_clear = sealed.windows(11).any(|w| w == b"rkey 0x1234");
+            assert_eq!(
+                in_clear,
+                !(target_encrypts || initiator_encrypts),
+                "{target_encrypts} {initiator_encrypts}"
+            );
+            let (header, rest) = sealed.split_at_mut(HEADER_LEN);
+            let (body, tag) = rest.split_at_mut(rest.len() - TAG_LEN);
+            let header: &[u8; HEADER_LEN] = (&*header).try_into().expect("a header");
+            opens
+                .open(header, body, (&*tag).try_into().expect("a tag"))
+                .expect("the other side opens it");
+            assert_eq!(&*body, &frame[HEADER_LEN..]);
+        }
+    }
+}
+
 #[test]
 fn a_peer_with_another_secret_or_none_gets_nothing_and_is_counted() {
     for initiator_secret in [Some(secret(2)), None] {
@@ -1673,6 +1730,7 @@ mod unproven_peers {
                     host: HostId::default(),
                     listen: String::new(),
                     nonce,
+                    encrypt: false,
                 }
             }),
             any::<[u8; MAC_LEN]>().prop_map(|mac| Message::Auth { mac }),
@@ -2315,6 +2373,7 @@ fn a_loopback_listener_is_probed_only_for_an_initiator_on_loopback() {
             host: HostId::default(),
             listen: loopback.to_string(),
             nonce: [0; NONCE_LEN],
+            encrypt: false,
         };
         core.received(conn, hello, now);
         core.received(conn, connect_qp_from(20, 1, 1, 1), now);
@@ -2422,6 +2481,7 @@ fn scripted_core(
         local_addr,
         host: HostId::default(),
         secret: None,
+        encrypt_control: false,
     };
     let core = Core::new(me, policy(), incarnation, vec![fabric], shared.clone());
     (core, shared, script)

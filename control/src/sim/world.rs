@@ -462,6 +462,7 @@ impl World {
                 local_addr: addr,
                 host: HostId::default(),
                 secret: None,
+                encrypt_control: false,
             },
             self.config.policy.clone(),
             self.config.seed,
@@ -757,6 +758,9 @@ impl World {
                     .event(now, slot, "close", &[conn.0], || format!("conn {}", conn.0));
                 self.hang_up((slot, generation, conn));
             }
+            // Simulated processes have no cluster secret, and their frames are messages,
+            // not bytes: nothing to seal.
+            Action::Protect { .. } => {}
             Action::Command { rail, command } => self.command(slot, rail, command),
             Action::AddEndpoint { rail, view, epoch } => {
                 view.set_epoch(epoch);

@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 use railyard::engine::{DirectoryChoice, FabricChoice};
 
 use crate::cli::engine_args::{
-    SecretArgs, VerbsArgs, parse_directory, parse_fabric, parse_metrics_addr,
+    EngineSecretArgs, VerbsArgs, parse_directory, parse_fabric, parse_metrics_addr,
 };
 use crate::cli::size::{format_size, parse_size};
 
@@ -114,7 +114,7 @@ pub(crate) struct BenchArgs {
     #[command(flatten)]
     pub(super) verbs: VerbsArgs,
     #[command(flatten)]
-    pub(super) secret: SecretArgs,
+    pub(super) secret: EngineSecretArgs,
 }
 
 /// Largest block accepted.
