@@ -301,20 +301,25 @@ mod tests {
                 open(&mut open_here, &sealed[0]),
                 Ok(plain[0][HEADER_LEN..].to_vec())
             );
-            let in_clear = sealed[1]
-                .windows(6)
-                .any(|window| window == b"second");
+            let in_clear = sealed[1].windows(6).any(|window| window == b"second");
             assert_eq!(in_clear, protection == Protection::Authenticate);
             // Replayed, skipped ahead: refused, and nothing after is accepted.
             for (case, bytes) in [("replayed", &sealed[0]), ("skipped ahead", &sealed[2])] {
                 let (_, mut fresh) = keys(protection).1.split();
                 open(&mut fresh, &sealed[0]).expect("the first frame");
                 if case == "replayed" {
-                    assert_eq!(open(&mut fresh, bytes), Err(Unauthentic { seq: 1 }), "{case}");
+                    assert_eq!(
+                        open(&mut fresh, bytes),
+                        Err(Unauthentic { seq: 1 }),
+                        "{case}"
+                    );
                 } else {
                     assert!(open(&mut fresh, bytes).is_err(), "{case}");
                 }
-                assert!(open(&mut fresh, &sealed[1]).is_err(), "{case}: closed for good");
+                assert!(
+                    open(&mut fresh, &sealed[1]).is_err(),
+                    "{case}: closed for good"
+                );
             }
             // Every single bit flipped, in header, body or tag, is caught.
             for bit in 0..sealed[1].len() * 8 {

@@ -897,19 +897,21 @@ mod tests {
                 any::<[u8; NONCE_LEN]>(),
                 any::<bool>(),
             )
-                .prop_map(|(name, i, boot_id, pid_namespace, listen, nonce, encrypt)| {
-                    Message::Hello {
-                        name,
-                        incarnation: Incarnation(i),
-                        host: HostId {
-                            boot_id,
-                            pid_namespace,
-                        },
-                        listen,
-                        nonce,
-                        encrypt,
+                .prop_map(
+                    |(name, i, boot_id, pid_namespace, listen, nonce, encrypt)| {
+                        Message::Hello {
+                            name,
+                            incarnation: Incarnation(i),
+                            host: HostId {
+                                boot_id,
+                                pid_namespace,
+                            },
+                            listen,
+                            nonce,
+                            encrypt,
+                        }
                     }
-                }),
+                ),
             any::<[u8; MAC_LEN]>().prop_map(|mac| Message::Auth { mac }),
             Just(Message::GetDescriptor),
             descriptor().prop_map(Message::Descriptor),
@@ -1124,7 +1126,9 @@ mod tests {
     fn the_decoder_takes_exactly_one_frame_bound_and_keeps_only_undecoded_bytes() {
         let mut decoder = FrameDecoder::default();
         assert_eq!(decoder.room(), HEADER_LEN + MAX_BODY + TAG_LEN);
-        decoder.push(&vec![0u8; HEADER_LEN + MAX_BODY + TAG_LEN - 1]).unwrap();
+        decoder
+            .push(&vec![0u8; HEADER_LEN + MAX_BODY + TAG_LEN - 1])
+            .unwrap();
         decoder.push(&[0]).unwrap();
         assert_eq!(decoder.room(), 0, "exactly the room is taken");
 

@@ -96,7 +96,13 @@ impl<F: RailFabric> Core<F> {
 
     /// This side's session keys for the connection whose Hellos are `dialer` and
     /// `listener`, queued for the driver right after this side's Auth.
-    fn protect(&mut self, conn: ConnId, secret: &ClusterSecret, dialer: &Message, listener: &Message) {
+    fn protect(
+        &mut self,
+        conn: ConnId,
+        secret: &ClusterSecret,
+        dialer: &Message,
+        listener: &Message,
+    ) {
         let (
             Message::Hello {
                 nonce: dialer_nonce,
@@ -119,7 +125,10 @@ impl<F: RailFabric> Core<F> {
         };
         let protection = session::Protection::agreed(*dialer_encrypts, *listener_encrypts);
         let keys = SessionKeys::derive(secret, role, dialer_nonce, listener_nonce, protection);
-        self.actions.push_back(Action::Protect { conn, keys });
+        self.actions.push_back(Action::Protect {
+            conn,
+            keys: Box::new(keys),
+        });
     }
 
     // ---- connections -------------------------------------------------------------------

@@ -103,7 +103,7 @@ pub(crate) enum Action {
         /// The connection.
         conn: ConnId,
         /// This side's keys for it.
-        keys: SessionKeys,
+        keys: Box<SessionKeys>,
     },
     /// Publish `phase` (and whether the circuit is half-open) in `view`, after the actions
     /// before it (commands to the poller).

@@ -115,7 +115,7 @@ struct Proc {
     /// Stopped: up, connections open, but it neither handles nor answers anything.
     stopped: bool,
     /// The session keys the core handed over, by connection.
-    keys: Vec<(ConnId, SessionKeys)>,
+    keys: Vec<(ConnId, Box<SessionKeys>)>,
 }
 
 type Delivery = (usize, ConnId, Message);
