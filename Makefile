@@ -62,10 +62,11 @@ mutants: deps
 	scripts/mutants.sh $(FILES)
 
 # Criterion benches: ring vs ArrayQueue and sync_channel; slice path vs the bare ring;
-# prepared lists vs plain submissions, register_many vs register. Then soft-fabric
+# prepared lists vs plain submissions, register_many vs register; protecting a control frame
+# (HMAC, ChaCha20-Poly1305) against the 1 µs budget. Then soft-fabric
 # bandwidth between two processes beside process_vm_writev and memcpy.
 bench: deps
-	$(CARGO) bench --bench ring --bench slice_path --bench prepared
+	$(CARGO) bench --bench ring --bench slice_path --bench prepared --bench control_frames
 	$(CARGO) run --release --example soft_bandwidth
 
 # No import cycle between files (scripts/import_cycles.py), Markdown links and README examples

@@ -175,7 +175,7 @@ impl EngineBuilder {
         self
     }
 
-    /// Encrypt control frames after the handshake (ChaCha20-Poly1305), not only
+    /// Encrypt control frames after the handshake (AES-256-GCM), not only
     /// authenticate them (default: off). With a secret, every frame after the handshake
     /// carries a MAC under keys derived from the secret and both sides' nonces, with a
     /// sequence number; encryption also hides region addresses, keys, data-port tokens and

@@ -83,7 +83,7 @@ impl SecretArgs {
 pub(crate) struct EngineSecretArgs {
     #[command(flatten)]
     pub(crate) secret: SecretArgs,
-    /// Encrypt control frames after the handshake (ChaCha20-Poly1305), so that region
+    /// Encrypt control frames after the handshake (AES-256-GCM), so that region
     /// addresses, keys, data-port tokens and notifications cannot be read on the path; with
     /// a secret alone they are authenticated (HMAC-SHA256, sequence-numbered) but readable.
     /// Either side of a connection asking is enough.
