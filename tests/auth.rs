@@ -3,6 +3,7 @@
 //! target's memory; and raw clients that skip the handshake, replay a recorded one, present a
 //! made-up data-connection token, ask for a raw sink, or say Hello and nothing more are closed
 //! without the target answering or allocating, and its counters and resident memory say so.
+//! A peer of the previous wire version is refused with a message naming both versions.
 
 mod common;
 
@@ -435,4 +436,34 @@ fn regions_give_peers_only_the_access_they_were_registered_with() {
             "the READ landed"
         );
     }
+}
+
+#[test]
+fn a_peer_of_the_previous_wire_version_is_refused_with_a_clear_message() {
+    // A listener that answers as railyard before version 9 did: its Hello's header says 8.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    let addr = listener.local_addr().expect("an address");
+    let old_peer = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().expect("the member dials");
+        let mut hello = hello(0x01d).encode();
+        hello[4..6].copy_from_slice(&8u16.to_le_bytes());
+        stream.write_all(&hello).expect("writes");
+        stream.set_read_timeout(Some(BOUND)).expect("a timeout");
+        // Until the member closes.
+        let mut sink = Vec::new();
+        let _ = stream.read_to_end(&mut sink);
+    });
+    let member = engine("prefill", FabricChoice::Soft, Some(secret(1)));
+    let error = member
+        .open(&addr.to_string())
+        .expect_err("a peer of version 8 is refused");
+    let said = error.to_string();
+    assert!(
+        said.contains("version 8")
+            && said.contains("this build speaks 9")
+            && said.contains("same railyard release"),
+        "{said}"
+    );
+    drop(member);
+    old_peer.join().expect("the old peer's thread");
 }

@@ -173,10 +173,18 @@ impl FrameSealer {
     /// be sealed in the order they are written.
     pub fn seal(&mut self, frame: &mut Vec<u8>) {
         debug_assert!(frame.len() >= HEADER_LEN, "a whole frame");
+        let (header, body) = frame.split_at_mut(HEADER_LEN);
+        let tag = self.seal_parts(header, body);
+        frame.extend_from_slice(&tag);
+    }
+
+    /// Protects the next frame, given as its `header` (covered, never encrypted) and its
+    /// `body` (encrypted in place if the session encrypts); returns the tag that follows
+    /// it on the wire. For protocols with their own framing (the store's).
+    pub fn seal_parts(&mut self, header: &[u8], body: &mut [u8]) -> [u8; TAG_LEN] {
         let seq = self.seq;
         self.seq += 1;
-        let (header, body) = frame.split_at_mut(HEADER_LEN);
-        let tag: [u8; TAG_LEN] = match &self.cipher {
+        match &self.cipher {
             Cipher::Mac(keyed) => {
                 let full = Cipher::mac(keyed, seq, header, body)
                     .finalize()
@@ -187,11 +195,10 @@ impl FrameSealer {
             }
             Cipher::Aead(aead) => aead
                 .encrypt_in_place_detached(&Cipher::nonce(seq), header, body)
-                // Only bodies beyond 64 GiB are refused; a frame is at most 1 MiB.
+                // Only bodies beyond 64 GiB are refused; a frame is at most 64 MiB.
                 .unwrap_or_else(|_| unreachable!())
                 .into(),
-        };
-        frame.extend_from_slice(&tag);
+        }
     }
 }
 
@@ -218,15 +225,15 @@ impl std::fmt::Debug for FrameOpener {
 }
 
 impl FrameOpener {
-    /// Checks the frame of `header` and `body` against `tag` and, if the session encrypts,
-    /// decrypts `body` in place. A frame that fails leaves the opener unusable: the
+    /// Checks the frame of `header` (a control frame's 12 bytes, or another protocol's own)
+    /// and `body` against `tag` and, if the session encrypts, decrypts `body` in place. A frame that fails leaves the opener unusable: the
     /// connection must close.
     ///
     /// # Errors
     /// [`Unauthentic`] for a frame that is not the sender's next frame, unchanged.
     pub fn open(
         &mut self,
-        header: &[u8; HEADER_LEN],
+        header: &[u8],
         body: &mut [u8],
         tag: &[u8; TAG_LEN],
     ) -> Result<(), Unauthentic> {
@@ -276,11 +283,7 @@ mod tests {
         let (header, rest) = sealed.split_at(HEADER_LEN);
         let (body, tag) = rest.split_at(rest.len() - TAG_LEN);
         let mut body = body.to_vec();
-        opener.open(
-            header.try_into().expect("a header"),
-            &mut body,
-            tag.try_into().expect("a tag"),
-        )?;
+        opener.open(header, &mut body, tag.try_into().expect("a tag"))?;
         Ok(body)
     }
 

@@ -1,11 +1,14 @@
 //! How a store connection opens: the control plane's Hello both ways and, with a cluster
 //! secret, its Auth proofs both ways (dialer first), on a blocking socket — so the master
 //! admits exactly the processes a railyard peer would, and knows each by its incarnation.
+//! With a secret, each side comes out with the connection's session keys, which
+//! authenticate every frame after the handshake ([`crate::protocol`]).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 
 use railyard_engine::control::auth::{self, Role, Transcript};
+use railyard_engine::control::session::{Protection, SessionKeys};
 use railyard_engine::control::wire::{self, HEADER_LEN, MAX_HELLO_BODY};
 use railyard_engine::control::{ClusterSecret, HostId, Incarnation, Message};
 
@@ -99,13 +102,42 @@ fn proof(message: &Message) -> Result<[u8; wire::MAC_LEN], String> {
     }
 }
 
-/// Opens a connection to the master at `dialed` as `me`; returns the master's identity.
+/// This side's session keys for the connection whose Hellos were `dialer` and `listener`.
+fn session(
+    secret: &ClusterSecret,
+    role: Role,
+    dialer: &Message,
+    listener: &Message,
+) -> Option<SessionKeys> {
+    match (dialer, listener) {
+        (
+            Message::Hello {
+                nonce: dialer_nonce,
+                ..
+            },
+            Message::Hello {
+                nonce: listener_nonce,
+                ..
+            },
+        ) => Some(SessionKeys::derive(
+            secret,
+            role,
+            dialer_nonce,
+            listener_nonce,
+            Protection::Authenticate,
+        )),
+        _ => None,
+    }
+}
+
+/// Opens a connection to the master at `dialed` as `me`; returns the master's identity and,
+/// with a secret, the connection's session keys.
 pub(crate) fn dial(
     stream: &mut TcpStream,
     dialed: SocketAddr,
     me: &Identity,
     secret: Option<&ClusterSecret>,
-) -> Result<Identity, String> {
+) -> Result<(Identity, Option<SessionKeys>), String> {
     let mine = hello(me, CLIENT);
     send(stream, &mine)?;
     let theirs = receive(stream)?;
@@ -126,18 +158,19 @@ pub(crate) fn dial(
         if !auth::verify(secret, Role::Listener, &transcript, &mac) {
             return Err("the master's proof of the cluster secret is wrong".into());
         }
+        return Ok((master, session(secret, Role::Dialer, &mine, &theirs)));
     }
-    Ok(master)
+    Ok((master, None))
 }
 
 /// Admits a client that dialed `local` (this master's address as it dialed it); returns
-/// the client's identity.
+/// the client's identity and, with a secret, the connection's session keys.
 pub(crate) fn accept(
     stream: &mut TcpStream,
     local: SocketAddr,
     me: &Identity,
     secret: Option<&ClusterSecret>,
-) -> Result<Identity, String> {
+) -> Result<(Identity, Option<SessionKeys>), String> {
     let theirs = receive(stream)?;
     let client = identity(&theirs, CLIENT)?;
     let mine = hello(me, MASTER);
@@ -158,6 +191,7 @@ pub(crate) fn accept(
                 mac: auth::prove(secret, Role::Listener, &transcript),
             },
         )?;
+        return Ok((client, session(secret, Role::Listener, &theirs, &mine)));
     }
-    Ok(client)
+    Ok((client, None))
 }

@@ -163,6 +163,12 @@ impl Collector for StatsCollector {
             "Members gone: suspected past the grace, or replaced by another incarnation.",
             counters.members_lost,
         )?;
+        counter(
+            e,
+            "railyard_store_auth_failures",
+            "Connections closed because a frame after the handshake failed its authentication check.",
+            counters.auth_failures,
+        )?;
         gauge(
             e,
             "railyard_store_segments_suspected",

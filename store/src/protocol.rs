@@ -4,10 +4,16 @@
 //!
 //! A connection opens with the control plane's own handshake (`Hello`, then with a cluster
 //! secret `Auth` both ways, [`railyard_engine::control::auth`]), so the master admits exactly
-//! the processes a railyard peer would.
+//! the processes a railyard peer would. With a secret, every frame after it carries a tag
+//! under the connection's session keys, with a sequence number
+//! ([`railyard_engine::control::session`]): a frame changed, dropped, replayed, reordered
+//! or injected on the path fails its check and closes the connection.
 
 use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
 use std::time::Duration;
+
+use railyard_engine::control::session::{FrameOpener, FrameSealer, TAG_LEN};
 
 use serde::{Deserialize, Serialize};
 
@@ -221,34 +227,87 @@ pub enum ToClient {
     },
 }
 
-/// Writes `value` as one frame.
-pub fn write_frame<T: Serialize>(stream: &mut impl Write, value: &T) -> io::Result<()> {
-    let body = postcard::to_stdvec(value)
-        .map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))?;
-    if body.len() > MAX_FRAME {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("a frame of {} bytes; at most {MAX_FRAME}", body.len()),
-        ));
-    }
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&body);
-    stream.write_all(&frame)
+/// A connection's write half: its stream and, with a cluster secret, what seals its frames
+/// in the order they are written.
+pub struct FrameWriter<W = TcpStream> {
+    stream: W,
+    sealer: Option<FrameSealer>,
 }
 
-/// Reads one frame; a malformed or oversized one is an `InvalidData` error.
-pub fn read_frame<T: for<'de> Deserialize<'de>>(stream: &mut impl Read) -> io::Result<T> {
+impl<W: Write> FrameWriter<W> {
+    /// Frames written to `stream`, sealed by `sealer` if the connection has session keys.
+    pub fn new(stream: W, sealer: Option<FrameSealer>) -> Self {
+        Self { stream, sealer }
+    }
+
+    /// Writes `value` as one frame: its length, its body and, with session keys, its tag.
+    ///
+    /// # Errors
+    /// The value cannot be encoded, is larger than [`MAX_FRAME`], or the write failed
+    /// (perhaps halfway: the connection is no good any more).
+    pub fn write<T: Serialize>(&mut self, value: &T) -> io::Result<()> {
+        let body = postcard::to_stdvec(value)
+            .map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))?;
+        if body.len() > MAX_FRAME {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a frame of {} bytes; at most {MAX_FRAME}", body.len()),
+            ));
+        }
+        let len = (body.len() as u32).to_le_bytes();
+        let mut frame = Vec::with_capacity(len.len() + body.len() + TAG_LEN);
+        frame.extend_from_slice(&len);
+        frame.extend_from_slice(&body);
+        if let Some(sealer) = &mut self.sealer {
+            let tag = sealer.seal_parts(&len, &mut frame[len.len()..]);
+            frame.extend_from_slice(&tag);
+        }
+        self.stream.write_all(&frame)
+    }
+
+    /// What the frames were written to.
+    pub fn get_mut(&mut self) -> &mut W {
+        &mut self.stream
+    }
+}
+
+impl FrameWriter<TcpStream> {
+    /// Closes the connection both ways.
+    pub fn shutdown(&self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+/// What a frame that failed its check is read as: `PermissionDenied`, told apart from a
+/// malformed frame (`InvalidData`) and from the connection ending.
+pub fn is_unauthentic(error: &io::Error) -> bool {
+    error.kind() == io::ErrorKind::PermissionDenied
+}
+
+/// Reads one frame, checked by `opener` if the connection has session keys; a malformed or
+/// oversized one is an `InvalidData` error, one that fails its check a `PermissionDenied`
+/// one ([`is_unauthentic`]).
+pub fn read_frame<T: for<'de> Deserialize<'de>>(
+    stream: &mut impl Read,
+    opener: Option<&mut FrameOpener>,
+) -> io::Result<T> {
     let mut len = [0u8; 4];
     stream.read_exact(&mut len)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME {
+    let body_len = u32::from_le_bytes(len) as usize;
+    if body_len > MAX_FRAME {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("a frame of {len} bytes; at most {MAX_FRAME}"),
+            format!("a frame of {body_len} bytes; at most {MAX_FRAME}"),
         ));
     }
-    let mut body = vec![0u8; len];
+    let mut body = vec![0u8; body_len];
     stream.read_exact(&mut body)?;
+    if let Some(opener) = opener {
+        let mut tag = [0u8; TAG_LEN];
+        stream.read_exact(&mut tag)?;
+        opener
+            .open(&len, &mut body, &tag)
+            .map_err(|unauthentic| io::Error::new(io::ErrorKind::PermissionDenied, unauthentic))?;
+    }
     postcard::from_bytes(&body).map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))
 }

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, mpsc};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use railyard_engine::control::session::SessionKeys;
 use railyard_engine::control::{ClusterSecret, HostId, Incarnation};
 
 use crate::committer::{Committer, JournalSink};
@@ -19,7 +20,8 @@ use crate::handshake::{self, Identity};
 use crate::master::{ClientId, MasterAction, MasterCore, MasterStats};
 use crate::metrics::{Latencies, MetricsServer};
 use crate::protocol::{
-    PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster, WireLease, read_frame, write_frame,
+    FrameWriter, PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster, WireLease, is_unauthentic,
+    read_frame,
 };
 
 /// How often the ticker runs the core's timers.
@@ -69,7 +71,7 @@ pub struct MasterServer {
 }
 
 /// A connection's sending half, shared by its reader (replies) and the ticker (events).
-type Outbox = Arc<Mutex<TcpStream>>;
+type Outbox = Arc<Mutex<FrameWriter>>;
 
 struct Shared {
     core: Mutex<MasterCore>,
@@ -309,14 +311,15 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let peer = stream.peer_addr().ok();
     let local = stream.local_addr().unwrap_or(shared.addr);
-    let client =
+    let (client, keys) =
         match handshake::accept(&mut stream, local, &shared.identity, shared.secret.as_ref()) {
-            Ok(identity) => ClientId(identity.incarnation.0),
+            Ok((identity, keys)) => (ClientId(identity.incarnation.0), keys),
             Err(reason) => {
                 tracing::warn!(peer = ?peer, %reason, "store master: connection refused");
                 return;
             }
         };
+    let (sealer, mut opener) = keys.map(SessionKeys::split).unzip();
     let _ = stream.set_read_timeout(Some(STOP_CHECK));
     let Ok(writer) = stream.try_clone() else {
         return;
@@ -324,7 +327,7 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
     // A client that stops reading holds up only its own frames: a write blocked this long
     // fails, and the connection goes (the ticker that pushes events never waits longer).
     let _ = writer.set_write_timeout(Some(WRITE_TIMEOUT));
-    let outbox: Outbox = Arc::new(Mutex::new(writer));
+    let outbox: Outbox = Arc::new(Mutex::new(FrameWriter::new(writer, sealer)));
     // Requests are handled in order by a worker of this connection; pings are answered
     // here at once, so a request waiting for its journal never makes a live client look
     // silent (nor the master look stopped to it). Once the connection ends, what is still
@@ -341,16 +344,13 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
                         return;
                     }
                     let (reply, actions) = handle(&shared, client, frame.request);
-                    let sent = write_frame(
-                        &mut *lock(&outbox),
-                        &ToClient::Reply {
-                            id: frame.id,
-                            reply,
-                        },
-                    );
+                    let sent = lock(&outbox).write(&ToClient::Reply {
+                        id: frame.id,
+                        reply,
+                    });
                     deliver(&shared, actions);
                     if sent.is_err() || shared.stop.load(Ordering::Relaxed) {
-                        let _ = lock(&outbox).shutdown(std::net::Shutdown::Both);
+                        lock(&outbox).shutdown();
                         return;
                     }
                 }
@@ -373,8 +373,18 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
         stop: &shared.stop,
     };
     loop {
-        let frame: ToMaster = match read_frame(&mut reader) {
+        let frame: ToMaster = match read_frame(&mut reader, opener.as_mut()) {
             Ok(frame) => frame,
+            Err(error) if is_unauthentic(&error) => {
+                lock(&shared.core).count_auth_failure();
+                tracing::warn!(
+                    kind = "auth",
+                    peer = ?peer,
+                    %error,
+                    "store master: a frame failed its authentication check; closing"
+                );
+                break;
+            }
             Err(error) => {
                 if error.kind() == io::ErrorKind::InvalidData {
                     tracing::warn!(peer = ?peer, %error, "store master: malformed frame; closing");
@@ -389,7 +399,7 @@ fn serve(mut stream: TcpStream, shared: &Arc<Shared>) {
                 id: frame.id,
                 reply: Reply::Done(Ok(())),
             };
-            if write_frame(&mut *lock(&outbox), &pong).is_err() {
+            if lock(&outbox).write(&pong).is_err() {
                 break;
             }
         } else if requests.send(frame).is_err() {
@@ -575,12 +585,12 @@ fn deliver_to(shared: &Shared, client: ClientId, events: Vec<ToClient>) {
         .unwrap_or_default();
     'events: for event in events {
         for outbox in &outboxes {
-            let mut stream = lock(outbox);
-            if write_frame(&mut *stream, &event).is_ok() {
+            let mut writer = lock(outbox);
+            if writer.write(&event).is_ok() {
                 continue 'events;
             }
             // Perhaps half a frame went out: the connection is no good any more.
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+            writer.shutdown();
         }
         lock(&shared.undelivered)
             .entry(client)

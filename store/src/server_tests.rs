@@ -1,6 +1,7 @@
 //! The master service with real engines: a zombie writer's space comes back only after its
 //! segment's owner fenced it (and the zombie's late bytes are refused by the owner's
-//! engine), and a master with a cluster secret admits only clients that prove it.
+//! engine), and a master with a cluster secret admits only clients that prove it and
+//! refuses any frame after the handshake that is not the client's next one, unchanged.
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
@@ -15,8 +16,10 @@ use super::{MasterConfig, MasterServer};
 use crate::client::link::MasterLink;
 use crate::config::{MasterPolicy, ReplicaConfig};
 use crate::error::StoreErrorKind;
-use crate::handshake::Identity;
-use crate::protocol::{PutItem, Reply, Request};
+use crate::handshake::{self, Identity};
+use crate::protocol::{
+    FrameWriter, PROTOCOL_VERSION, PutItem, Reply, Request, ToClient, ToMaster, read_frame,
+};
 use crate::{Store, StoreOptions};
 
 const BOUND: Duration = Duration::from_secs(10);
@@ -173,6 +176,85 @@ fn a_master_with_a_secret_admits_only_clients_that_prove_it() {
         .put("k", b"v", &ReplicaConfig::default())
         .expect("puts");
     assert_eq!(store.get("k").expect("gets"), b"v");
+}
+
+#[test]
+fn frames_after_the_handshake_that_fail_their_check_close_the_connection_unanswered() {
+    let secret = ClusterSecret::new(vec![0x5a; 32]).expect("a secret");
+    let master = master(MasterPolicy::default(), Some(secret.clone()));
+    let open = ToMaster {
+        id: 1,
+        request: Request::Open {
+            version: PROTOCOL_VERSION,
+        },
+    };
+    // (what is done to the first frame's bytes after the genuine one, whether it is
+    // answered)
+    type Tamper = fn(&[u8]) -> Vec<u8>;
+    let cases: [(&str, Tamper); 4] = [
+        ("the genuine frame once more (a replay)", <[u8]>::to_vec),
+        ("a bit flipped", |frame| {
+            let mut flipped = frame.to_vec();
+            flipped[6] ^= 0x10;
+            flipped
+        }),
+        ("a tag made up", |frame| {
+            let mut forged = frame.to_vec();
+            let len = forged.len();
+            forged[len - 16..].fill(0);
+            forged
+        }),
+        ("nothing at all, then a later frame", |_| Vec::new()),
+    ];
+    for (round, (case, tamper)) in cases.into_iter().enumerate() {
+        let mut stream = std::net::TcpStream::connect(master.addr()).expect("connects");
+        stream.set_read_timeout(Some(BOUND)).expect("a timeout");
+        let me = Identity {
+            name: "by-hand".into(),
+            incarnation: railyard_engine::control::Incarnation(0x77 + round as u64),
+            host: HostId::this_process(),
+        };
+        let (_, keys) =
+            handshake::dial(&mut stream, master.addr(), &me, Some(&secret)).expect("admitted");
+        let (sealer, mut opener) = keys.expect("session keys").split();
+        // Frames sealed in order, kept as bytes: the first, and one after it.
+        let mut sealed = FrameWriter::new(Vec::new(), Some(sealer));
+        sealed.write(&open).expect("sealed");
+        let first = std::mem::take(sealed.get_mut());
+        sealed.write(&open).expect("sealed");
+        let second = std::mem::take(sealed.get_mut());
+        let said = if case.starts_with("nothing") {
+            second
+        } else {
+            use std::io::Write;
+            stream.write_all(&first).expect("writes");
+            let answer: ToClient =
+                read_frame(&mut &stream, Some(&mut opener)).expect("an answer that opens");
+            assert!(
+                matches!(
+                    answer,
+                    ToClient::Reply {
+                        id: 1,
+                        reply: Reply::Opened { .. }
+                    }
+                ),
+                "{case}: {answer:?}"
+            );
+            tamper(&first)
+        };
+        {
+            use std::io::Write;
+            stream.write_all(&said).expect("writes");
+        }
+        let after = read_frame::<ToClient>(&mut &stream, Some(&mut opener));
+        assert!(after.is_err(), "{case}: answered {after:?}");
+        let started = Instant::now();
+        while master.stats().counters.auth_failures < round as u64 + 1 {
+            assert!(started.elapsed() < BOUND, "{case}: not counted");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    assert_eq!(master.stats().counters.auth_failures, 4);
 }
 
 #[test]

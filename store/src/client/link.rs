@@ -4,7 +4,7 @@
 //! the master tells a live member from a stopped one.
 
 use std::collections::HashMap;
-use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -12,13 +12,14 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use railyard_engine::control::ClusterSecret;
+use railyard_engine::control::session::SessionKeys;
 
 use crate::error::StoreErrorKind;
 use crate::handshake::{self, Identity};
 use crate::master::ClientId;
 use crate::protocol::{
-    KEEPALIVE, MASTER_SILENCE, PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster, read_frame,
-    write_frame,
+    FrameWriter, KEEPALIVE, MASTER_SILENCE, PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster,
+    read_frame,
 };
 
 type Waiting = Arc<Mutex<HashMap<u64, Sender<Reply>>>>;
@@ -35,7 +36,7 @@ fn unreachable(detail: impl Into<String>) -> StoreErrorKind {
 
 /// An open, admitted connection to the master.
 pub(crate) struct MasterLink {
-    writer: Arc<Mutex<TcpStream>>,
+    writer: Arc<Mutex<FrameWriter>>,
     waiting: Waiting,
     next_id: Arc<AtomicU64>,
     reader: Option<JoinHandle<()>>,
@@ -75,8 +76,9 @@ impl MasterLink {
         stream
             .set_read_timeout(Some(opening))
             .map_err(|error| unreachable(error.to_string()))?;
-        handshake::dial(&mut stream, addr, me, secret)
+        let (_, keys) = handshake::dial(&mut stream, addr, me, secret)
             .map_err(|reason| unreachable(format!("{addr}: {reason}")))?;
+        let (sealer, mut opener) = keys.map(SessionKeys::split).unzip();
         stream
             .set_read_timeout(None)
             .map_err(|error| unreachable(error.to_string()))?;
@@ -98,7 +100,10 @@ impl MasterLink {
             thread::Builder::new()
                 .name("store-link".into())
                 .spawn(move || {
-                    while let Ok(frame) = read_frame::<ToClient>(&mut reader_stream) {
+                    // A frame that fails its check ends the link like a lost connection.
+                    while let Ok(frame) =
+                        read_frame::<ToClient>(&mut reader_stream, opener.as_mut())
+                    {
                         let since = u64::try_from(opened.elapsed().as_millis()).unwrap_or(u64::MAX);
                         heard.store(since, Ordering::Relaxed);
                         match frame {
@@ -118,7 +123,7 @@ impl MasterLink {
                 })
                 .map_err(|error| unreachable(error.to_string()))?
         };
-        let writer = Arc::new(Mutex::new(stream));
+        let writer = Arc::new(Mutex::new(FrameWriter::new(stream, sealer)));
         let mut link = Self {
             writer,
             waiting,
@@ -165,12 +170,12 @@ impl MasterLink {
                         id,
                         request: Request::Ping,
                     };
-                    let mut stream = lock(&writer);
-                    if write_frame(&mut *stream, &ping).is_err() {
-                        let _ = stream.shutdown(Shutdown::Both);
+                    let mut writer = lock(&writer);
+                    if writer.write(&ping).is_err() {
+                        writer.shutdown();
                         return;
                     }
-                    drop(stream);
+                    drop(writer);
                     thread::park_timeout(KEEPALIVE);
                 }
             })
@@ -193,7 +198,7 @@ impl MasterLink {
 
     /// Gives the connection up: every caller waiting hears it is lost.
     pub(crate) fn close(&self) {
-        let _ = lock(&self.writer).shutdown(Shutdown::Both);
+        lock(&self.writer).shutdown();
     }
 
     /// Sends `request` and waits at most `timeout` for its reply.
@@ -212,12 +217,12 @@ impl MasterLink {
             return Err(unreachable(format!("{}: connection lost", self.addr)));
         }
         let written = {
-            let mut stream = lock(&self.writer);
-            let written = write_frame(&mut *stream, &ToMaster { id, request });
+            let mut writer = lock(&self.writer);
+            let written = writer.write(&ToMaster { id, request });
             if written.is_err() {
                 // Perhaps half a frame went out: nothing after it could be read right. Closed
                 // now, not when the reader notices: the caller attaches again at once.
-                let _ = stream.shutdown(Shutdown::Both);
+                writer.shutdown();
                 self.closed.store(true, Ordering::Relaxed);
             }
             written
@@ -252,7 +257,7 @@ impl Drop for MasterLink {
             keepalive.thread().unpark();
             let _ = keepalive.join();
         }
-        let _ = lock(&self.writer).shutdown(Shutdown::Both);
+        lock(&self.writer).shutdown();
         if let Some(reader) = self.reader.take() {
             let _ = reader.join();
         }

@@ -134,6 +134,9 @@ pub struct MasterCounters {
     pub members_suspected: u64,
     /// Members gone (suspected past the grace period, or replaced by a new incarnation).
     pub members_lost: u64,
+    /// Connections closed because a frame after the handshake failed its authentication
+    /// check (changed, dropped, replayed, reordered or injected on the path).
+    pub auth_failures: u64,
 }
 
 /// One segment's usage.
@@ -860,6 +863,11 @@ impl MasterCore {
         if self.over_watermark() {
             self.evict(self.eviction_target(), now);
         }
+    }
+
+    /// A connection's frame failed its authentication check (the server closed it).
+    pub fn count_auth_failure(&mut self) {
+        self.counters.auth_failures += 1;
     }
 
     /// What the master holds.
