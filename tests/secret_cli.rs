@@ -67,3 +67,67 @@ fn a_new_secret_is_random_private_and_never_overwritten() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn encrypt_control_needs_a_secret_and_bench_runs_with_it() {
+    let alone = output_within(
+        Command::new(env!("CARGO_BIN_EXE_railyard"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--pool",
+                "1MiB",
+                "--encrypt-control",
+            ])
+            .env_remove("RAILYARD_SECRET_FILE"),
+        Duration::from_secs(30),
+    );
+    assert_eq!(alone.status.code(), Some(2), "{alone:?}");
+    let stderr = String::from_utf8_lossy(&alone.stderr);
+    assert!(stderr.contains("--secret-file"), "{stderr}");
+    let no_secret = railyard::engine::Engine::builder("encrypting")
+        .encrypt_control(true)
+        .build()
+        .err()
+        .expect("refused without a secret");
+    assert!(
+        no_secret.to_string().contains("needs a cluster secret"),
+        "{no_secret}"
+    );
+
+    let path = std::env::temp_dir().join(format!("railyard-encrypt-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    assert!(secret_new(&path).status.success());
+    // bench starts its own target (`serve`) and hands it the secret and the flag.
+    let bench = output_within(
+        Command::new(env!("CARGO_BIN_EXE_railyard"))
+            .args([
+                "bench",
+                "--fabric",
+                "tcp",
+                "--pool",
+                "8MiB",
+                "--block-size",
+                "64KiB",
+                "--batch",
+                "4",
+                "--duration",
+                "0.3",
+                "--check",
+                "--json",
+                "--encrypt-control",
+            ])
+            .arg("--secret-file")
+            .arg(&path),
+        Duration::from_secs(120),
+    );
+    let _ = std::fs::remove_file(&path);
+    let stdout = String::from_utf8_lossy(&bench.stdout);
+    assert!(
+        bench.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&bench.stderr)
+    );
+    assert!(stdout.contains("\"gbps\""), "{stdout}");
+}

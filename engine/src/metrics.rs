@@ -425,7 +425,7 @@ impl Collector for EngineMetrics {
         )?;
         family.counter(
             "railyard_auth_failures",
-            "Control connections closed because the peer did not prove the cluster secret.",
+            "Control connections closed because the peer did not prove the cluster secret, or a frame after the handshake failed its authentication check.",
             None,
             one(c.auth_failures),
         )?;
