@@ -89,8 +89,7 @@ fn encrypt_control_needs_a_secret_and_bench_runs_with_it() {
     let no_secret = railyard::engine::Engine::builder("encrypting")
         .encrypt_control(true)
         .build()
-        .err()
-        .expect("refused without a secret");
+        .expect_err("refused without a secret");
     assert!(
         no_secret.to_string().contains("needs a cluster secret"),
         "{no_secret}"
