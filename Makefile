@@ -63,7 +63,7 @@ mutants: deps
 
 # Criterion benches: ring vs ArrayQueue and sync_channel; slice path vs the bare ring;
 # prepared lists vs plain submissions, register_many vs register; protecting a control frame
-# (HMAC, ChaCha20-Poly1305) against the 1 µs budget. Then soft-fabric
+# (HMAC, AES-256-GCM) against the 1 µs budget. Then soft-fabric
 # bandwidth between two processes beside process_vm_writev and memcpy.
 bench: deps
 	$(CARGO) bench --bench ring --bench slice_path --bench prepared --bench control_frames

@@ -1,8 +1,9 @@
 //! Someone on the path of a control connection, after the handshake: a proxy between two
-//! engines that share a secret flips a bit in, drops, replays, reorders and injects frames.
-//! Every tampered frame is refused and the connection closes; nothing it carried takes
-//! effect (no notification delivered, no RetireQp applied); the failure is counted; and the
-//! engines reconnect and move bytes again. With `--encrypt-control`, a capture of the
+//! engines that share a secret flips a bit in (a body, a header), drops, replays, reorders
+//! and injects frames from the member, and changes a region's address in a descriptor from
+//! the target. Every tampered frame is refused and the connection closes; nothing it
+//! carried takes effect (no notification delivered, no RetireQp applied, no descriptor
+//! believed); the failure is counted; and the engines reconnect and move bytes again. With `--encrypt-control`, a capture of the
 //! connection holds no region address, rkey, data-port token or notification in clear.
 //!
 //! The target listens on 127.0.0.1 and advertises 127.0.0.2, where the proxy listens on the
@@ -24,11 +25,11 @@ use common::{BOUND, bytes_of, done};
 use railyard::control::auth::Role;
 use railyard::control::session::{Protection, SessionKeys, TAG_LEN};
 use railyard::control::wire::{self, HEADER_LEN, Message, WireKey};
-use railyard::control::{Incarnation, NotificationBody};
+use railyard::control::{Incarnation, NotificationBody, SegmentDescriptor};
 use railyard::dataplane::IdleStrategy;
 use railyard::dataplane::fabric::tcp::TcpAttachment;
 use railyard::engine::{
-    ClusterSecret, Engine, FabricChoice, Op, Peer, RailChoice, Region, Transfer,
+    ClusterSecret, Engine, FabricChoice, Op, Peer, RailChoice, RawTransfer, Region, Transfer,
 };
 
 fn secret() -> ClusterSecret {
@@ -56,6 +57,8 @@ enum Way {
 enum Tamper {
     /// Flips one bit of its body.
     FlipBit,
+    /// Flips one bit of its header (the version's high byte).
+    FlipHeader,
     /// Drops it (the next is forwarded).
     Drop,
     /// Forwards it twice.
@@ -66,6 +69,38 @@ enum Tamper {
     InjectRetire,
     /// Sends a forged Notify first (with a made-up tag).
     InjectNotify { target: Incarnation },
+    /// In the next descriptor from the target that names a region at `base`, moves that
+    /// region 256 bytes up.
+    MoveRegion { base: u64 },
+}
+
+impl Tamper {
+    /// Whether this frame (going `way`, of `frame_kind`) is the one to tamper with.
+    fn picks(&self, way: Way, frame: &[u8]) -> bool {
+        let frame_kind = kind_of(frame);
+        match self {
+            Self::MoveRegion { base } => {
+                way == Way::ToMember
+                    && frame_kind
+                        == kind(&Message::Descriptor(SegmentDescriptor {
+                            name: String::new(),
+                            incarnation: Incarnation(0),
+                            handshake_addr: String::new(),
+                            rails: Vec::new(),
+                            regions: Vec::new(),
+                        }))
+                    && frame.windows(8).any(|window| window == base.to_le_bytes())
+            }
+            _ => {
+                way == Way::ToTarget
+                    && frame_kind
+                        == kind(&Message::Notify {
+                            target: Incarnation(0),
+                            bytes: Vec::new(),
+                        })
+            }
+        }
+    }
 }
 
 /// What the proxy shares with its threads.
@@ -176,13 +211,7 @@ fn forged(message: &Message) -> Vec<u8> {
 
 /// One direction of one connection: frames from `from` go to `to`, tampered as armed.
 fn pump(way: Way, mut from: TcpStream, mut to: TcpStream, state: &Mutex<ProxyState>) {
-    let (auth, notify) = (
-        kind(&Message::Auth { mac: [0; 32] }),
-        kind(&Message::Notify {
-            target: Incarnation(0),
-            bytes: Vec::new(),
-        }),
-    );
+    let auth = kind(&Message::Auth { mac: [0; 32] });
     // Each side tags its frames from the one after its own Auth.
     let mut tagged = false;
     while let Some(mut frame) = read_frame(&mut from, tagged) {
@@ -200,12 +229,28 @@ fn pump(way: Way, mut from: TcpStream, mut to: TcpStream, state: &Mutex<ProxySta
             }
         }
         let mut out = vec![];
-        let armed = way == Way::ToTarget && frame_kind == notify && state.tamper.is_some();
+        let armed = tagged
+            && state
+                .tamper
+                .as_ref()
+                .is_some_and(|tamper| tamper.picks(way, &frame));
         if armed {
             match state.tamper.take() {
                 Some(Tamper::FlipBit) => {
                     let last_body_byte = frame.len() - TAG_LEN - 1;
                     frame[last_body_byte] ^= 0x01;
+                    out.push(frame);
+                }
+                Some(Tamper::FlipHeader) => {
+                    frame[5] ^= 0x01;
+                    out.push(frame);
+                }
+                Some(Tamper::MoveRegion { base }) => {
+                    let at = frame
+                        .windows(8)
+                        .position(|window| window == base.to_le_bytes())
+                        .expect("picked for it");
+                    frame[at + 1] ^= 0x01;
                     out.push(frame);
                 }
                 Some(Tamper::Drop) => {}
@@ -321,6 +366,11 @@ fn frames_tampered_with_after_the_handshake_are_refused_and_the_engines_reconnec
     let target_incarnation = peer.incarnation();
     let cases: Vec<(&str, Tamper, Vec<&[u8]>)> = vec![
         ("bit flip", Tamper::FlipBit, vec![b"flipped"]),
+        (
+            "header bit flip",
+            Tamper::FlipHeader,
+            vec![b"under a changed header"],
+        ),
         ("drop", Tamper::Drop, vec![b"dropped", b"after a gap"]),
         ("replay", Tamper::Replay, vec![b"replayed"]),
         (
@@ -400,6 +450,55 @@ fn frames_tampered_with_after_the_handshake_are_refused_and_the_engines_reconnec
             "{case}: bytes move after the reconnect"
         );
     }
+
+    // The other way: the descriptor the target sends when the member looks for a region
+    // registered after the open, with that region moved 256 bytes up on the path.
+    let late = target.alloc(1 << 20, None).expect("a late region");
+    let moved = late.addr ^ 0x100;
+    assert_ne!(moved, late.addr);
+    let before = member.stats().control;
+    proxy.arm(Tamper::MoveRegion { base: late.addr });
+    bytes_of(source).fill(0x3c);
+    let write = [RawTransfer {
+        op: Op::Write,
+        local_addr: source.addr,
+        remote_addr: late.addr + 4096,
+        len: 64 << 10,
+    }];
+    let mut submitter = member.submitter().expect("a submitter");
+    let started = Instant::now();
+    loop {
+        assert!(
+            peer.descriptor().regions.iter().all(|r| r.base != moved),
+            "the moved region was believed"
+        );
+        let submitted = submitter.submit_raw(&peer, &write, Instant::now() + BOUND);
+        if submitted.is_ok_and(|batch| done(&batch)) {
+            break;
+        }
+        assert!(
+            started.elapsed() < BOUND,
+            "the late region was never written"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        peer.descriptor().regions.iter().all(|r| r.base != moved),
+        "the moved region was believed"
+    );
+    let after = member.stats().control;
+    assert_eq!(
+        after.auth_failures,
+        before.auth_failures + 1,
+        "the member refused the descriptor"
+    );
+    assert_eq!(proxy.tampers_done(), 8, "the descriptor was tampered with");
+    assert!(
+        bytes_of(late)[4096..4096 + (64 << 10)]
+            .iter()
+            .all(|&b| b == 0x3c),
+        "the write landed where the target registered the region"
+    );
 }
 
 /// Every value in `frames` (each side's frames in order, decrypted with keys derived from
@@ -502,7 +601,7 @@ fn with_encrypt_control_a_capture_holds_no_address_key_token_or_notification_in_
             Protection::Authenticate
         };
         let secrets = secrets_in(&capture, protection);
-        for what in ["region address", "token", "notification"] {
+        for what in ["region address", "rkey", "token", "notification"] {
             assert!(
                 secrets.keys().any(|name| name.starts_with(what)),
                 "encrypt={encrypt}: the control frames carried a {what}: {:?}",

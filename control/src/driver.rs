@@ -484,8 +484,10 @@ impl<F: RailFabric> Driver<F> {
             // the frames after it.
             self.carry_out(now);
             if self.core.admitted(conn) {
-                if let Some(socket) = self.sockets.get_mut(&conn) {
-                    socket.proven();
+                let keyed = self.sockets.get_mut(&conn).is_none_or(Socket::proven);
+                if !keyed {
+                    self.core
+                        .tampered(conn, "admitted without session keys", now);
                 }
             }
             match outcome {
@@ -743,14 +745,19 @@ impl Socket {
     /// The core admitted the peer: frames may be as large as any, and with a cluster secret
     /// every frame after the peer's Auth (where decoding paused) must pass the session's
     /// check.
-    fn proven(&mut self) {
+    /// False if the peer proved the secret but this side has no keys to open its frames
+    /// with (which no path of the core allows): the connection must close rather than take
+    /// frames unchecked.
+    fn proven(&mut self) -> bool {
         if self.awaiting_proof {
             self.awaiting_proof = false;
             self.decoder.set_max_body(MAX_BODY);
-            if let Some(opener) = self.opener.take() {
-                self.decoder.protect(opener);
-            }
+            let Some(opener) = self.opener.take() else {
+                return false;
+            };
+            self.decoder.protect(opener);
         }
+        true
     }
 
     /// Appends `frame` to the output, sealed if the session has begun: frames are sealed in

@@ -247,12 +247,19 @@ impl FrameOpener {
                 .is_ok(),
         };
         if !checked {
-            // Never again: the count no longer says where the stream is.
-            self.seq = u64::MAX;
-            return Err(Unauthentic { seq });
+            return Err(self.refuse());
         }
         self.seq += 1;
         Ok(())
+    }
+
+    /// The next frame cannot be what the sender sealed (a header no sender writes, or a
+    /// length beyond the bound): it fails like a frame whose tag does not check out.
+    pub fn refuse(&mut self) -> Unauthentic {
+        let seq = self.seq;
+        // Never again: the count no longer says where the stream is.
+        self.seq = u64::MAX;
+        Unauthentic { seq }
     }
 }
 

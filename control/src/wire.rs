@@ -764,10 +764,18 @@ impl FrameDecoder {
         let Some(header) = rest.first_chunk::<HEADER_LEN>().copied() else {
             return Ok(None);
         };
-        let (kind, len) = decode_header(&header)?;
-        if len > self.max_body {
-            return Err(WireError::TooLong { len: len as u32 });
-        }
+        let checked = decode_header(&header).and_then(|(kind, len)| {
+            if len > self.max_body {
+                return Err(WireError::TooLong { len: len as u32 });
+            }
+            Ok((kind, len))
+        });
+        let (kind, len) = match (checked, &mut self.opener) {
+            (Ok(header), _) => header,
+            // Once frames are protected, a header no sender writes was changed on the path.
+            (Err(_), Some(opener)) => return Err(opener.refuse().into()),
+            (Err(error), None) => return Err(error),
+        };
         let tag_len = if self.opener.is_some() { TAG_LEN } else { 0 };
         let Some(frame) = rest.get_mut(..HEADER_LEN + len + tag_len) else {
             return Ok(None);

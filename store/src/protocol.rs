@@ -295,8 +295,13 @@ pub fn read_frame<T: for<'de> Deserialize<'de>>(
     stream.read_exact(&mut len)?;
     let body_len = u32::from_le_bytes(len) as usize;
     if body_len > MAX_FRAME {
+        // With session keys no sender writes such a length: it was changed on the path.
+        let kind = match opener {
+            Some(_) => io::ErrorKind::PermissionDenied,
+            None => io::ErrorKind::InvalidData,
+        };
         return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
+            kind,
             format!("a frame of {body_len} bytes; at most {MAX_FRAME}"),
         ));
     }

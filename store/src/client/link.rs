@@ -19,7 +19,7 @@ use crate::handshake::{self, Identity};
 use crate::master::ClientId;
 use crate::protocol::{
     FrameWriter, KEEPALIVE, MASTER_SILENCE, PROTOCOL_VERSION, Reply, Request, ToClient, ToMaster,
-    read_frame,
+    is_unauthentic, read_frame,
 };
 
 type Waiting = Arc<Mutex<HashMap<u64, Sender<Reply>>>>;
@@ -100,10 +100,23 @@ impl MasterLink {
             thread::Builder::new()
                 .name("store-link".into())
                 .spawn(move || {
-                    // A frame that fails its check ends the link like a lost connection.
-                    while let Ok(frame) =
-                        read_frame::<ToClient>(&mut reader_stream, opener.as_mut())
-                    {
+                    loop {
+                        let frame =
+                            match read_frame::<ToClient>(&mut reader_stream, opener.as_mut()) {
+                                Ok(frame) => frame,
+                                Err(error) => {
+                                    if is_unauthentic(&error) {
+                                        tracing::warn!(
+                                            kind = "auth",
+                                            %addr,
+                                            %error,
+                                            "store client: a frame from the master failed its \
+                                             authentication check; closing"
+                                        );
+                                    }
+                                    break;
+                                }
+                            };
                         let since = u64::try_from(opened.elapsed().as_millis()).unwrap_or(u64::MAX);
                         heard.store(since, Ordering::Relaxed);
                         match frame {
@@ -117,7 +130,10 @@ impl MasterLink {
                             }
                         }
                     }
-                    // The master is gone: every caller still waiting hears so.
+                    // The master is gone, or what came cannot be read further: the writers'
+                    // side closes too (the keepalive stops, events go to the next link), and
+                    // every caller still waiting hears so.
+                    let _ = reader_stream.shutdown(std::net::Shutdown::Both);
                     closed.store(true, Ordering::Relaxed);
                     lock(&waiting).clear();
                 })
