@@ -88,10 +88,27 @@ impl EngineSettings<'_> {
         .transpose()
     }
 
+    /// Whether `RAILYARD_ENCRYPT_CONTROL` asks for encrypted control frames (as the CLI's
+    /// `--encrypt-control` reads it): `1`, `true`, `yes` or `on`; unset, empty, `0`,
+    /// `false`, `no` or `off` do not.
+    pub(crate) fn encrypt_control() -> PyResult<bool> {
+        let Some(value) = std::env::var_os("RAILYARD_ENCRYPT_CONTROL") else {
+            return Ok(false);
+        };
+        match value.to_string_lossy().trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => Ok(true),
+            "" | "0" | "false" | "no" | "off" => Ok(false),
+            other => Err(PyValueError::new_err(format!(
+                "RAILYARD_ENCRYPT_CONTROL={other:?}: say 1 or 0"
+            ))),
+        }
+    }
+
     /// Checks every option, then starts the engine (without the GIL): the engine, its
     /// name and its default timeout.
     pub(crate) fn start(self, py: Python<'_>) -> PyResult<(NativeEngine, String, Duration)> {
         let secret = self.secret()?;
+        let encrypt_control = Self::encrypt_control()?;
         let EngineSettings {
             name,
             listen,
@@ -154,6 +171,7 @@ impl EngineSettings<'_> {
         if let Some(secret) = secret {
             builder = builder.secret(secret);
         }
+        builder = builder.encrypt_control(encrypt_control);
         if let Some(host) = advertise_host {
             let ip: IpAddr = match host.parse() {
                 Ok(ip) => ip,

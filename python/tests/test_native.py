@@ -355,6 +355,32 @@ def test_libfabric_engines_write_to_each_other():
         railyard.Engine("py-ofi-c", fabric="ofi", ofi_provider="no-such")
 
 
+def test_encrypted_control_frames_from_the_environment(tmp_path, monkeypatch):
+    """RAILYARD_ENCRYPT_CONTROL=1 (the CLI's --encrypt-control): members with the secret
+    still write to each other; without a secret, or with a value that is not a yes or a no,
+    the engine is refused and says why."""
+    secret = tmp_path / "secret"
+    secret.write_text("a-cluster-secret-of-32-bytes-ok!\n")
+    secret.chmod(0o600)
+    common = {"listen": "127.0.0.1:0", "fabric": FABRIC, "busy_poll": False, "rails": 1}
+    monkeypatch.delenv("RAILYARD_SECRET_FILE", raising=False)
+    monkeypatch.setenv("RAILYARD_ENCRYPT_CONTROL", "1")
+    with railyard.Engine("py-sealed-a", secret_file=secret, **common) as a, railyard.Engine(
+        "py-sealed-b", secret_file=secret, **common
+    ) as b:
+        src = np.full(1 << 16, 5, dtype=np.uint8)
+        dst = np.zeros(1 << 16, dtype=np.uint8)
+        a.register(src.ctypes.data, src.nbytes, peer_access="none")
+        b.register(dst.ctypes.data, dst.nbytes)
+        a.write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [src.nbytes], timeout_s=10)
+        assert (dst == 5).all()
+    with pytest.raises(RuntimeError, match="needs a cluster secret"):
+        railyard.Engine("py-sealed-alone", **common)
+    monkeypatch.setenv("RAILYARD_ENCRYPT_CONTROL", "maybe")
+    with pytest.raises(ValueError, match="RAILYARD_ENCRYPT_CONTROL"):
+        railyard.Engine("py-sealed-unclear", secret_file=secret, **common)
+
+
 def test_a_cluster_secret_lets_members_in_and_keeps_others_out(tmp_path):
     """secret_file=: members write to each other; an engine without it gets no peer, and
     memory registered with peer_access="read" refuses a write."""

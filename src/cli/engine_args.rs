@@ -87,7 +87,7 @@ pub(crate) struct EngineSecretArgs {
     /// addresses, keys, data-port tokens and notifications cannot be read on the path; with
     /// a secret alone they are authenticated (HMAC-SHA256, sequence-numbered) but readable.
     /// Either side of a connection asking is enough.
-    #[arg(long, requires = "secret_file")]
+    #[arg(long, requires = "secret_file", env = "RAILYARD_ENCRYPT_CONTROL")]
     pub(crate) encrypt_control: bool,
 }
 

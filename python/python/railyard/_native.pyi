@@ -107,7 +107,9 @@ class Engine:
         secret_file: A file holding the cluster's secret (at least 16 bytes; default:
             ``$RAILYARD_SECRET_FILE``). Peers must prove they hold the same before this
             engine answers anything, and it proves it to them; without one, peers are not
-            authenticated (a warning says so).
+            authenticated (a warning says so). Control frames after the handshake are then
+            authenticated, and encrypted too with ``RAILYARD_ENCRYPT_CONTROL=1`` (the CLI's
+            ``--encrypt-control``), which needs a secret.
 
     Raises:
         ValueError: An argument is malformed (unknown fabric, bad ``listen``, a secret
