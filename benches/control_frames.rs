@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use railyard::control::auth::Role;
-use railyard::control::session::{FrameOpener, FrameSealer, Protection, SessionKeys, TAG_LEN};
+use railyard::control::session::{FrameOpener, FrameSealer, Protection, TAG_LEN};
 use railyard::control::wire::{FrameDecoder, HEADER_LEN, QpSide, WireKey};
 use railyard::control::{Incarnation, Message, RegionDescriptor, SegmentDescriptor};
 use railyard::dataplane::fabric::tcp::TcpAttachment;
@@ -78,22 +78,12 @@ fn frames() -> Vec<(&'static str, Message)> {
 fn pair(protection: Protection) -> (FrameSealer, FrameOpener) {
     let secret = ClusterSecret::new(vec![0x42; 32]).expect("long enough");
     let (dialer_nonce, listener_nonce) = ([1; 32], [2; 32]);
-    let (sealer, _) = SessionKeys::derive(
-        &secret,
-        Role::Dialer,
-        &dialer_nonce,
-        &listener_nonce,
-        protection,
-    )
-    .split();
-    let (_, opener) = SessionKeys::derive(
-        &secret,
-        Role::Listener,
-        &dialer_nonce,
-        &listener_nonce,
-        protection,
-    )
-    .split();
+    let (sealer, _) = secret
+        .session_keys(Role::Dialer, &dialer_nonce, &listener_nonce, protection)
+        .split();
+    let (_, opener) = secret
+        .session_keys(Role::Listener, &dialer_nonce, &listener_nonce, protection)
+        .split();
     (sealer, opener)
 }
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::{BOUND, Serve, bytes_of, done, rss_kib};
 use railyard::control::auth::{self, Role, Transcript};
-use railyard::control::session::{Protection, SessionKeys};
+use railyard::control::session::Protection;
 use railyard::control::wire::{FrameDecoder, Message, NONCE_LEN};
 use railyard::control::{HostId, Incarnation};
 use railyard::dataplane::IdleStrategy;
@@ -182,13 +182,7 @@ fn handshake_by_hand(
         dialed: target,
     };
     let mac = auth::prove(secret, Role::Dialer, &transcript);
-    let keys = SessionKeys::derive(
-        secret,
-        Role::Dialer,
-        &nonce,
-        their_nonce,
-        Protection::Authenticate,
-    );
+    let keys = secret.session_keys(Role::Dialer, &nonce, their_nonce, Protection::Authenticate);
     let (mut sealer, opener) = keys.split();
     let mut rest = Message::Auth { mac }.encode();
     let mut ask = Message::GetDescriptor.encode();

@@ -51,6 +51,7 @@ fn railyard(args: &[String]) -> Command {
     command
         .args(args)
         .env_remove("RAILYARD_SECRET_FILE")
+        .env_remove("RAILYARD_ENCRYPT_CONTROL")
         .env_remove("RAILYARD_NICS");
     command
 }

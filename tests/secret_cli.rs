@@ -70,22 +70,33 @@ fn a_new_secret_is_random_private_and_never_overwritten() {
 
 #[test]
 fn encrypt_control_needs_a_secret_and_bench_runs_with_it() {
-    let alone = output_within(
-        Command::new(env!("CARGO_BIN_EXE_railyard"))
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--pool",
-                "1MiB",
-                "--encrypt-control",
-            ])
-            .env_remove("RAILYARD_SECRET_FILE"),
-        Duration::from_secs(30),
-    );
-    assert_eq!(alone.status.code(), Some(2), "{alone:?}");
-    let stderr = String::from_utf8_lossy(&alone.stderr);
-    assert!(stderr.contains("--secret-file"), "{stderr}");
+    let serve = |flag: Option<&str>, env: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_railyard"));
+        command
+            .args(["serve", "--listen", "127.0.0.1:0", "--pool", "1MiB"])
+            .arg("--until-stdin-closes")
+            .stdin(std::process::Stdio::null())
+            .env_remove("RAILYARD_SECRET_FILE")
+            .env_remove("RAILYARD_ENCRYPT_CONTROL");
+        command.args(flag);
+        if let Some(value) = env {
+            command.env("RAILYARD_ENCRYPT_CONTROL", value);
+        }
+        output_within(&mut command, Duration::from_secs(30))
+    };
+    // Asked for by the flag or by the environment (as Python reads it), without a secret.
+    for (flag, env) in [(Some("--encrypt-control"), None), (None, Some("1"))] {
+        let alone = serve(flag, env);
+        assert_eq!(alone.status.code(), Some(2), "{flag:?} {env:?}: {alone:?}");
+        let stderr = String::from_utf8_lossy(&alone.stderr);
+        assert!(
+            stderr.contains("needs a cluster secret") && stderr.contains("--secret-file"),
+            "{stderr}"
+        );
+    }
+    // Not asked for: the environment saying no starts as without it.
+    let off = serve(None, Some("0"));
+    assert!(off.status.success(), "{off:?}");
     let no_secret = railyard::engine::Engine::builder("encrypting")
         .encrypt_control(true)
         .build()

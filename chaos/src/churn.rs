@@ -326,6 +326,7 @@ fn twin_processes(
         .map(|twin| {
             std::process::Command::new(binary)
                 .env_remove("RAILYARD_SECRET_FILE")
+                .env_remove("RAILYARD_ENCRYPT_CONTROL")
                 .args(["bench", "--target", &target.addr.to_string()])
                 .args(["--name", "prefill-twin", "--duration", "2", "--json"])
                 .args(["--rails", "1", "--batch", "8"])

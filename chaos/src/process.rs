@@ -94,6 +94,7 @@ impl Target {
         // The scenarios' nodes have no cluster secret: neither may their targets.
         command
             .env_remove("RAILYARD_SECRET_FILE")
+            .env_remove("RAILYARD_ENCRYPT_CONTROL")
             .args(["serve", "--until-stdin-closes", "--name", name])
             .args(options)
             .args(fabric.process_options())

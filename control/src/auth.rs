@@ -25,6 +25,7 @@ use std::sync::Arc;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use crate::session::{Protection, SessionKeys};
 use crate::wire::{MAC_LEN, Message, NONCE_LEN};
 
 /// What a proof is computed over first: the protocol and its version.
@@ -102,9 +103,16 @@ impl ClusterSecret {
         Self::new(bytes)
     }
 
-    /// The secret's bytes, for deriving keys ([`crate::session`]).
-    pub(crate) fn expose(&self) -> &[u8] {
-        &self.0
+    /// The keys of `role`'s side of the connection whose Hellos carried these nonces
+    /// ([`crate::session`]): HKDF-SHA256 over the secret, salted with both nonces.
+    pub fn session_keys(
+        &self,
+        role: Role,
+        dialer_nonce: &[u8; NONCE_LEN],
+        listener_nonce: &[u8; NONCE_LEN],
+        protection: Protection,
+    ) -> SessionKeys {
+        SessionKeys::derive(&self.0, role, dialer_nonce, listener_nonce, protection)
     }
 
     fn keyed(&self) -> Hmac<Sha256> {
@@ -119,14 +127,7 @@ impl fmt::Debug for ClusterSecret {
     }
 }
 
-/// Which side of a control connection a proof comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    /// The side that dialed.
-    Dialer,
-    /// The side that accepted.
-    Listener,
-}
+pub use crate::session::Role;
 
 /// What a proof covers: the connection's two Hellos, as sent, and the address the dialer
 /// dialed.

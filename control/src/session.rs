@@ -30,14 +30,21 @@ use hkdf::Hkdf;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::auth::{ClusterSecret, Role};
-use crate::wire::{HEADER_LEN, NONCE_LEN};
-
 /// Bytes of the tag after each protected frame's body.
 pub const TAG_LEN: usize = 16;
 
 /// What the keys' labels start with: the protocol and its version.
 const LABEL: &[u8] = b"railyard control-plane frames v9";
+
+/// Which side of a control connection: the one that dialed, or the one that accepted. A
+/// proof ([`crate::auth`]) and a direction's key both depend on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The side that dialed.
+    Dialer,
+    /// The side that accepted.
+    Listener,
+}
 
 /// How a connection's frames are protected after the handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,18 +109,19 @@ pub struct SessionKeys {
 }
 
 impl SessionKeys {
-    /// The keys of `role`'s side of the connection whose Hellos carried these nonces.
-    pub fn derive(
-        secret: &ClusterSecret,
+    /// The keys of `role`'s side of the connection whose Hellos carried these nonces, under
+    /// the cluster secret's bytes ([`ClusterSecret::session_keys`] is how callers get them).
+    ///
+    /// [`ClusterSecret::session_keys`]: crate::auth::ClusterSecret::session_keys
+    pub(crate) fn derive(
+        secret: &[u8],
         role: Role,
-        dialer_nonce: &[u8; NONCE_LEN],
-        listener_nonce: &[u8; NONCE_LEN],
+        dialer_nonce: &[u8],
+        listener_nonce: &[u8],
         protection: Protection,
     ) -> Self {
-        let mut salt = [0u8; 2 * NONCE_LEN];
-        salt[..NONCE_LEN].copy_from_slice(dialer_nonce);
-        salt[NONCE_LEN..].copy_from_slice(listener_nonce);
-        let hkdf = Hkdf::<Sha256>::new(Some(&salt), secret.expose());
+        let salt = [dialer_nonce, listener_nonce].concat();
+        let hkdf = Hkdf::<Sha256>::new(Some(&salt), secret);
         let key = |direction: &[u8]| {
             let mode: &[u8] = match protection {
                 Protection::Authenticate => b" hmac-sha256 ",
@@ -168,16 +176,6 @@ impl std::fmt::Debug for FrameSealer {
 }
 
 impl FrameSealer {
-    /// Protects `frame` (a whole frame as [`Message::encode`](crate::wire::Message::encode)
-    /// made it): encrypts its body if the session encrypts, and appends the tag. Frames must
-    /// be sealed in the order they are written.
-    pub fn seal(&mut self, frame: &mut Vec<u8>) {
-        debug_assert!(frame.len() >= HEADER_LEN, "a whole frame");
-        let (header, body) = frame.split_at_mut(HEADER_LEN);
-        let tag = self.seal_parts(header, body);
-        frame.extend_from_slice(&tag);
-    }
-
     /// Protects the next frame, given as its `header` (covered, never encrypted) and its
     /// `body` (encrypted in place if the session encrypts); returns the tag that follows
     /// it on the wire. For protocols with their own framing (the store's).
@@ -264,104 +262,5 @@ impl FrameOpener {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::wire::Message;
-
-    fn keys(protection: Protection) -> (SessionKeys, SessionKeys) {
-        let secret = ClusterSecret::new([7u8; 32]).expect("long enough");
-        let (d, l) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-        (
-            SessionKeys::derive(&secret, Role::Dialer, &d, &l, protection),
-            SessionKeys::derive(&secret, Role::Listener, &d, &l, protection),
-        )
-    }
-
-    fn frame(bytes: &[u8]) -> Vec<u8> {
-        Message::Notify {
-            target: crate::Incarnation(3),
-            bytes: bytes.to_vec(),
-        }
-        .encode()
-    }
-
-    /// Opens a sealed frame as a receiver would: header, body, tag.
-    fn open(opener: &mut FrameOpener, sealed: &[u8]) -> Result<Vec<u8>, Unauthentic> {
-        let (header, rest) = sealed.split_at(HEADER_LEN);
-        let (body, tag) = rest.split_at(rest.len() - TAG_LEN);
-        let mut body = body.to_vec();
-        opener.open(header, &mut body, tag.try_into().expect("a tag"))?;
-        Ok(body)
-    }
-
-    #[test]
-    fn frames_open_in_order_only_and_unchanged_only() {
-        for protection in [Protection::Authenticate, Protection::Encrypt] {
-            let (dialer, listener) = keys(protection);
-            let (mut seal, _) = dialer.split();
-            let (_, mut open_here) = listener.split();
-            let plain = [frame(b"first"), frame(b"second"), frame(b"third")];
-            let sealed: Vec<Vec<u8>> = plain
-                .iter()
-                .map(|f| {
-                    let mut f = f.clone();
-                    seal.seal(&mut f);
-                    f
-                })
-                .collect();
-            assert_eq!(
-                open(&mut open_here, &sealed[0]),
-                Ok(plain[0][HEADER_LEN..].to_vec())
-            );
-            let in_clear = sealed[1].windows(6).any(|window| window == b"second");
-            assert_eq!(in_clear, protection == Protection::Authenticate);
-            // Replayed, skipped ahead: refused, and nothing after is accepted.
-            for (case, bytes) in [("replayed", &sealed[0]), ("skipped ahead", &sealed[2])] {
-                let (_, mut fresh) = keys(protection).1.split();
-                open(&mut fresh, &sealed[0]).expect("the first frame");
-                if case == "replayed" {
-                    assert_eq!(
-                        open(&mut fresh, bytes),
-                        Err(Unauthentic { seq: 1 }),
-                        "{case}"
-                    );
-                } else {
-                    assert!(open(&mut fresh, bytes).is_err(), "{case}");
-                }
-                assert!(
-                    open(&mut fresh, &sealed[1]).is_err(),
-                    "{case}: closed for good"
-                );
-            }
-            // Every single bit flipped, in header, body or tag, is caught.
-            for bit in 0..sealed[1].len() * 8 {
-                let (_, mut fresh) = keys(protection).1.split();
-                open(&mut fresh, &sealed[0]).expect("the first frame");
-                let mut flipped = sealed[1].clone();
-                flipped[bit / 8] ^= 1 << (bit % 8);
-                assert!(open(&mut fresh, &flipped).is_err(), "bit {bit}");
-            }
-            // A frame sealed toward the dialer does not open at the dialer's receiver as
-            // one of its own, and the other secret's keys open nothing.
-            let (_, mut wrong_direction) = keys(protection).0.split();
-            assert!(open(&mut wrong_direction, &sealed[0]).is_err());
-            let other = ClusterSecret::new([8u8; 32]).expect("long enough");
-            let (_, mut outsider) = SessionKeys::derive(
-                &other,
-                Role::Listener,
-                &[1; NONCE_LEN],
-                &[2; NONCE_LEN],
-                protection,
-            )
-            .split();
-            assert!(open(&mut outsider, &sealed[0]).is_err());
-        }
-    }
-
-    #[test]
-    fn either_side_asking_for_encryption_is_enough() {
-        assert_eq!(Protection::agreed(false, false), Protection::Authenticate);
-        assert_eq!(Protection::agreed(true, false), Protection::Encrypt);
-        assert_eq!(Protection::agreed(false, true), Protection::Encrypt);
-    }
-}
+#[path = "session_tests.rs"]
+mod tests;

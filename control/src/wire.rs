@@ -19,7 +19,7 @@ use railyard_dataplane::fabric::{Access, QpInfo};
 use crate::descriptor::{RailDescriptor, RegionDescriptor, SegmentDescriptor};
 use crate::endpoint::Incarnation;
 use crate::host::HostId;
-use crate::session::{FrameOpener, TAG_LEN, Unauthentic};
+use crate::session::{FrameOpener, FrameSealer, TAG_LEN, Unauthentic};
 
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RYCP";
@@ -671,6 +671,18 @@ pub fn decode_header(header: &[u8; HEADER_LEN]) -> Result<(u16, usize), WireErro
     Ok((kind, len as usize))
 }
 
+impl FrameSealer {
+    /// Protects `frame` (a whole frame as [`Message::encode`] made it): encrypts its body if
+    /// the session encrypts, and appends the tag. Frames must be sealed in the order they
+    /// are written.
+    pub fn seal(&mut self, frame: &mut Vec<u8>) {
+        debug_assert!(frame.len() >= HEADER_LEN, "a whole frame");
+        let (header, body) = frame.split_at_mut(HEADER_LEN);
+        let tag = self.seal_parts(header, body);
+        frame.extend_from_slice(&tag);
+    }
+}
+
 /// Splits a byte stream into messages. Holds at most one whole frame's worth of bytes
 /// ([`FRAME_BOUND`]): the reader asks [`Self::room`] how much it may push, and decodes before
 /// reading more. Decoding a message costs its own length (a cursor moves; the buffer is
@@ -772,9 +784,13 @@ impl FrameDecoder {
         });
         let (kind, len) = match (checked, &mut self.opener) {
             (Ok(header), _) => header,
-            // Once frames are protected, a header no sender writes was changed on the path.
-            (Err(_), Some(opener)) => return Err(opener.refuse().into()),
-            (Err(error), None) => return Err(error),
+            // Once frames are protected, a magic or version no sender writes was changed on
+            // the path. (A length beyond the bound stays what it says: a peer may send a
+            // descriptor too large to take.)
+            (Err(WireError::BadMagic { .. } | WireError::Version { .. }), Some(opener)) => {
+                return Err(opener.refuse().into());
+            }
+            (Err(error), _) => return Err(error),
         };
         let tag_len = if self.opener.is_some() { TAG_LEN } else { 0 };
         let Some(frame) = rest.get_mut(..HEADER_LEN + len + tag_len) else {

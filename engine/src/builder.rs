@@ -178,8 +178,9 @@ impl EngineBuilder {
     /// Encrypt control frames after the handshake (AES-256-GCM), not only
     /// authenticate them (default: off). With a secret, every frame after the handshake
     /// carries a MAC under keys derived from the secret and both sides' nonces, with a
-    /// sequence number; encryption also hides region addresses, keys, data-port tokens and
-    /// notifications from the path. Either side of a connection asking is enough. Needs
+    /// sequence number; encryption also hides the region addresses, keys, data-port tokens
+    /// and notifications in those frames from the path (not the data path: a TCP data
+    /// connection shows its token, and each request its address and key). Either side of a connection asking is enough. Needs
     /// [`Self::secret`]: [`Self::build`] refuses it alone.
     #[must_use]
     pub fn encrypt_control(mut self, encrypt: bool) -> Self {

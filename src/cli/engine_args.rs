@@ -83,11 +83,20 @@ impl SecretArgs {
 pub(crate) struct EngineSecretArgs {
     #[command(flatten)]
     pub(crate) secret: SecretArgs,
-    /// Encrypt control frames after the handshake (AES-256-GCM), so that region
-    /// addresses, keys, data-port tokens and notifications cannot be read on the path; with
-    /// a secret alone they are authenticated (HMAC-SHA256, sequence-numbered) but readable.
-    /// Either side of a connection asking is enough.
-    #[arg(long, requires = "secret_file", env = "RAILYARD_ENCRYPT_CONTROL")]
+    /// Encrypt control frames after the handshake (AES-256-GCM), so that no region
+    /// address, key, data-port token or notification can be read in them on the path (the
+    /// data path is not encrypted: a TCP data connection shows its token, each request its
+    /// address and key); with a secret alone they are authenticated (HMAC-SHA256,
+    /// sequence-numbered) but readable. Either side of a connection asking is enough. Needs
+    /// --secret-file.
+    #[arg(
+        long,
+        env = "RAILYARD_ENCRYPT_CONTROL",
+        value_parser = clap::builder::BoolishValueParser::new(),
+        num_args = 0..=1,
+        default_missing_value = "true",
+        require_equals = true
+    )]
     pub(crate) encrypt_control: bool,
 }
 

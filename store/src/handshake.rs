@@ -119,13 +119,9 @@ fn session(
                 nonce: listener_nonce,
                 ..
             },
-        ) => Some(SessionKeys::derive(
-            secret,
-            role,
-            dialer_nonce,
-            listener_nonce,
-            Protection::Authenticate,
-        )),
+        ) => {
+            Some(secret.session_keys(role, dialer_nonce, listener_nonce, Protection::Authenticate))
+        }
         _ => None,
     }
 }

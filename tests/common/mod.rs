@@ -116,6 +116,7 @@ impl Serve {
         // A cluster secret in the environment is the test's to give, not the caller's.
         let mut child = command
             .env_remove("RAILYARD_SECRET_FILE")
+            .env_remove("RAILYARD_ENCRYPT_CONTROL")
             .args(["serve", "--listen", "127.0.0.1:0", "--until-stdin-closes"])
             .args(options)
             .stdin(Stdio::piped())

@@ -18,7 +18,7 @@ use crate::endpoint::Incarnation;
 use crate::endpoint::Input;
 use crate::error::ControlError;
 use crate::rail::RailFabric;
-use crate::session::{self, SessionKeys};
+use crate::session;
 use crate::shared::bump;
 use crate::warn::{WarningKind, control_warning};
 use crate::wire::{MAC_LEN, Message, NONCE_LEN};
@@ -124,7 +124,7 @@ impl<F: RailFabric> Core<F> {
             Role::Listener
         };
         let protection = session::Protection::agreed(*dialer_encrypts, *listener_encrypts);
-        let keys = SessionKeys::derive(secret, role, dialer_nonce, listener_nonce, protection);
+        let keys = secret.session_keys(role, dialer_nonce, listener_nonce, protection);
         self.actions.push_back(Action::Protect {
             conn,
             keys: Box::new(keys),
