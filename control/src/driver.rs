@@ -745,6 +745,7 @@ impl Socket {
     /// The core admitted the peer: frames may be as large as any, and with a cluster secret
     /// every frame after the peer's Auth (where decoding paused) must pass the session's
     /// check.
+    ///
     /// False if the peer proved the secret but this side has no keys to open its frames
     /// with (which no path of the core allows): the connection must close rather than take
     /// frames unchecked.
