@@ -115,6 +115,34 @@ impl ClusterSecret {
         SessionKeys::derive(&self.0, role, dialer_nonce, listener_nonce, protection)
     }
 
+    /// The keys of `role`'s side of the connection whose Hellos, as sent, were `dialer` and
+    /// `listener`: salted with their nonces, encrypting if either asked. `None` unless both
+    /// are Hellos.
+    pub fn session_keys_for(
+        &self,
+        role: Role,
+        dialer: &Message,
+        listener: &Message,
+    ) -> Option<SessionKeys> {
+        let (
+            Message::Hello {
+                nonce: dialer_nonce,
+                encrypt: dialer_encrypts,
+                ..
+            },
+            Message::Hello {
+                nonce: listener_nonce,
+                encrypt: listener_encrypts,
+                ..
+            },
+        ) = (dialer, listener)
+        else {
+            return None;
+        };
+        let protection = Protection::agreed(*dialer_encrypts, *listener_encrypts);
+        Some(self.session_keys(role, dialer_nonce, listener_nonce, protection))
+    }
+
     fn keyed(&self) -> Hmac<Sha256> {
         // HMAC takes keys of any length.
         Hmac::<Sha256>::new_from_slice(&self.0).unwrap_or_else(|_| unreachable!())

@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 
 use railyard_engine::control::auth::{self, Role, Transcript};
-use railyard_engine::control::session::{Protection, SessionKeys};
+use railyard_engine::control::session::SessionKeys;
 use railyard_engine::control::wire::{self, HEADER_LEN, MAX_HELLO_BODY};
 use railyard_engine::control::{ClusterSecret, HostId, Incarnation, Message};
 
@@ -102,30 +102,6 @@ fn proof(message: &Message) -> Result<[u8; wire::MAC_LEN], String> {
     }
 }
 
-/// This side's session keys for the connection whose Hellos were `dialer` and `listener`.
-fn session(
-    secret: &ClusterSecret,
-    role: Role,
-    dialer: &Message,
-    listener: &Message,
-) -> Option<SessionKeys> {
-    match (dialer, listener) {
-        (
-            Message::Hello {
-                nonce: dialer_nonce,
-                ..
-            },
-            Message::Hello {
-                nonce: listener_nonce,
-                ..
-            },
-        ) => {
-            Some(secret.session_keys(role, dialer_nonce, listener_nonce, Protection::Authenticate))
-        }
-        _ => None,
-    }
-}
-
 /// Opens a connection to the master at `dialed` as `me`; returns the master's identity and,
 /// with a secret, the connection's session keys.
 pub(crate) fn dial(
@@ -154,7 +130,10 @@ pub(crate) fn dial(
         if !auth::verify(secret, Role::Listener, &transcript, &mac) {
             return Err("the master's proof of the cluster secret is wrong".into());
         }
-        return Ok((master, session(secret, Role::Dialer, &mine, &theirs)));
+        return Ok((
+            master,
+            secret.session_keys_for(Role::Dialer, &mine, &theirs),
+        ));
     }
     Ok((master, None))
 }
@@ -187,7 +166,10 @@ pub(crate) fn accept(
                 mac: auth::prove(secret, Role::Listener, &transcript),
             },
         )?;
-        return Ok((client, session(secret, Role::Listener, &theirs, &mine)));
+        return Ok((
+            client,
+            secret.session_keys_for(Role::Listener, &theirs, &mine),
+        ));
     }
     Ok((client, None))
 }

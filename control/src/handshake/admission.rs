@@ -18,7 +18,6 @@ use crate::endpoint::Incarnation;
 use crate::endpoint::Input;
 use crate::error::ControlError;
 use crate::rail::RailFabric;
-use crate::session;
 use crate::shared::bump;
 use crate::warn::{WarningKind, control_warning};
 use crate::wire::{MAC_LEN, Message, NONCE_LEN};
@@ -103,32 +102,17 @@ impl<F: RailFabric> Core<F> {
         dialer: &Message,
         listener: &Message,
     ) {
-        let (
-            Message::Hello {
-                nonce: dialer_nonce,
-                encrypt: dialer_encrypts,
-                ..
-            },
-            Message::Hello {
-                nonce: listener_nonce,
-                encrypt: listener_encrypts,
-                ..
-            },
-        ) = (dialer, listener)
-        else {
-            return;
-        };
         let role = if self.conns.get(&conn).is_some_and(|state| state.dialed) {
             Role::Dialer
         } else {
             Role::Listener
         };
-        let protection = session::Protection::agreed(*dialer_encrypts, *listener_encrypts);
-        let keys = secret.session_keys(role, dialer_nonce, listener_nonce, protection);
-        self.actions.push_back(Action::Protect {
-            conn,
-            keys: Box::new(keys),
-        });
+        if let Some(keys) = secret.session_keys_for(role, dialer, listener) {
+            self.actions.push_back(Action::Protect {
+                conn,
+                keys: Box::new(keys),
+            });
+        }
     }
 
     // ---- connections -------------------------------------------------------------------
@@ -582,20 +566,12 @@ impl<F: RailFabric> Core<F> {
     /// Closes `conn`, whose peer did not prove the cluster secret: counted apart, and a
     /// warning names the address.
     pub(super) fn auth_failed(&mut self, conn: ConnId, reason: &str, now: Instant) {
-        let Some(state) = self.conns.get(&conn) else {
-            return;
-        };
-        bump(&self.shared.counters.auth_failures);
-        state.span.in_scope(|| {
-            warning!(
-                self,
-                Auth,
-                addr = %state.addr,
-                reason,
-                "closing a control connection whose peer did not prove the cluster secret"
-            );
-        });
-        self.closed(conn, reason, now);
+        self.close_unauthenticated(
+            conn,
+            reason,
+            "its peer did not prove the cluster secret",
+            now,
+        );
     }
 
     /// A frame on `conn` after the handshake failed its check ([`crate::session`]): someone
@@ -604,6 +580,12 @@ impl<F: RailFabric> Core<F> {
     /// failure is counted with the failed proofs, and a warning of kind `auth` names the
     /// address. The peer's endpoints reconnect on a new connection as after any close.
     pub(crate) fn tampered(&mut self, conn: ConnId, reason: &str, now: Instant) {
+        self.close_unauthenticated(conn, reason, "a frame failed its authentication check", now);
+    }
+
+    /// Closes `conn` for `failure` of authentication: counted in `auth_failures`, with a
+    /// warning of kind `auth` that names the address.
+    fn close_unauthenticated(&mut self, conn: ConnId, reason: &str, failure: &str, now: Instant) {
         let Some(state) = self.conns.get(&conn) else {
             return;
         };
@@ -614,7 +596,7 @@ impl<F: RailFabric> Core<F> {
                 Auth,
                 addr = %state.addr,
                 reason,
-                "closing a control connection: a frame failed its authentication check"
+                "closing a control connection: {failure}"
             );
         });
         self.closed(conn, reason, now);
