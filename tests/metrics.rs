@@ -320,3 +320,58 @@ fn the_metrics_server_does_not_keep_its_engine_running() {
         .expect("answers");
     assert_eq!(gone.status_code, 503);
 }
+
+#[test]
+fn serve_keeps_at_most_max_half_open_silent_data_connections_and_counts_the_rest() {
+    const CAP: usize = 2;
+    const SILENT: usize = 20;
+    let serve = Serve::start_with(
+        "4MiB",
+        &[
+            "--rails",
+            "1",
+            "--fabric",
+            "tcp",
+            "--metrics",
+            "127.0.0.1:0",
+            "--max-half-open",
+            &CAP.to_string(),
+        ],
+    );
+    let metrics = serve
+        .metrics
+        .clone()
+        .expect("serve says where its metrics are");
+    let engine = Engine::builder("half-open-probe")
+        .fabric(FabricChoice::Tcp)
+        .rails(RailChoice::Count(NonZeroUsize::MIN))
+        .idle(IdleStrategy::gentle())
+        .build()
+        .expect("the engine starts");
+    let peer = engine.open(&serve.addr).expect("the target answers");
+    let data_port = peer.descriptor().rails[0].tcp_port;
+    let data_addr = std::net::SocketAddr::new(peer.addr().ip(), data_port);
+    // Connections that never say hello, held open for the whole test: the target closes
+    // all but CAP of them (the default cap, 64, would keep every one until its hello
+    // deadline, and count none).
+    let _silent: Vec<std::net::TcpStream> = (0..SILENT)
+        .map(|_| std::net::TcpStream::connect(data_addr).expect("the data port accepts"))
+        .collect();
+    let deadline = Instant::now() + BOUND;
+    let closed = loop {
+        let closed = value(
+            &scrape(&metrics),
+            "railyard_tcp_half_open_closed_total",
+            &[],
+        );
+        if closed >= 1.0 {
+            break closed;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no silent connection closed for the cap of {CAP} after {BOUND:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(closed <= (SILENT - CAP) as f64, "closed {closed}");
+}

@@ -64,6 +64,7 @@ pub struct EngineBuilder {
     secret: Option<ClusterSecret>,
     encrypt_control: bool,
     accept_tcp_sinks: Option<bool>,
+    tcp_max_half_open: usize,
 }
 
 /// This host's address on its default route — where a connection to the outside world
@@ -195,6 +196,17 @@ impl EngineBuilder {
     #[must_use]
     pub fn accept_tcp_sinks(mut self, accept: bool) -> Self {
         self.accept_tcp_sinks = Some(accept);
+        self
+    }
+
+    /// Most connections each TCP data port keeps accepted without a valid hello (default 64):
+    /// beyond it the oldest is closed, so that clients that connect and say nothing can
+    /// neither exhaust this process's file descriptors nor take a poller's time (see
+    /// [`TcpConfig::max_half_open`](railyard_dataplane::fabric::tcp::TcpConfig::max_half_open)).
+    /// Raise it where many peers connect at once over a slow network.
+    #[must_use]
+    pub fn tcp_max_half_open(mut self, connections: usize) -> Self {
+        self.tcp_max_half_open = connections;
         self
     }
 
@@ -373,6 +385,7 @@ impl EngineBuilder {
             };
             let tcp = railyard_dataplane::fabric::tcp::TcpConfig {
                 accept_sinks: self.accept_tcp_sinks.unwrap_or(self.secret.is_none()),
+                max_half_open: self.tcp_max_half_open,
                 ..Default::default()
             };
             Rails::start_host(
@@ -503,6 +516,7 @@ impl Engine {
             secret: None,
             encrypt_control: false,
             accept_tcp_sinks: None,
+            tcp_max_half_open: railyard_dataplane::fabric::tcp::TcpConfig::default().max_half_open,
         }
     }
 }

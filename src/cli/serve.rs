@@ -65,6 +65,11 @@ pub(crate) struct ServeArgs {
     /// it is read anyway). Bound to no handshake: for benchmarks only.
     #[arg(long)]
     accept_sinks: bool,
+    /// Most connections each TCP data port keeps accepted without a valid hello; beyond it
+    /// the oldest is closed (so clients that connect and say nothing cannot exhaust
+    /// descriptors or poller time).
+    #[arg(long, value_name = "N", default_value_t = railyard::dataplane::fabric::tcp::TcpConfig::default().max_half_open)]
+    max_half_open: usize,
     /// Answer the pings of `railyard bench --latency`: each ping's bytes, which landed at the
     /// start of the pool, are written back to the pinger (into memory it registered) with
     /// a pong notification. The pinger is opened at the address it names.
@@ -87,6 +92,7 @@ pub(crate) fn run(args: &ServeArgs) -> anyhow::Result<()> {
         .apply(args.verbs.apply(Engine::builder(name)))?
         .listen(args.listen)
         .accept_tcp_sinks(args.accept_sinks || !args.secret.has_secret())
+        .tcp_max_half_open(args.max_half_open)
         .fabric(args.fabric)
         .rails(rails)
         .directory(args.directory.clone())

@@ -305,8 +305,23 @@ pub fn read_frame<T: for<'de> Deserialize<'de>>(
             format!("a frame of {body_len} bytes; at most {MAX_FRAME}"),
         ));
     }
-    let mut body = vec![0u8; body_len];
-    stream.read_exact(&mut body)?;
+    // Grown as bytes arrive, not allocated at the length the header claims: before the tag
+    // is checked that length is the sender's word, and a peer that claims 64 MiB and sends
+    // nothing must cost nothing.
+    let mut body = Vec::new();
+    stream
+        .by_ref()
+        .take(body_len as u64)
+        .read_to_end(&mut body)?;
+    if body.len() < body_len {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "the connection ended {} bytes into a frame of {body_len}",
+                body.len()
+            ),
+        ));
+    }
     if let Some(opener) = opener {
         let mut tag = [0u8; TAG_LEN];
         stream.read_exact(&mut tag)?;
@@ -316,3 +331,7 @@ pub fn read_frame<T: for<'de> Deserialize<'de>>(
     }
     postcard::from_bytes(&body).map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))
 }
+
+#[cfg(test)]
+#[path = "protocol_tests.rs"]
+mod tests;
