@@ -1,6 +1,7 @@
 //! railyard's engine: railyard as an application embeds it, with nothing of the CLI, the
 //! chaos scenarios or clap (the `railyard` crate re-exports it as `railyard::engine`, and
-//! this crate's [`metrics`] as `railyard::metrics`).
+//! this crate's [`metrics`] as `railyard::metrics`; [`logging`] holds the rate limit of
+//! repeated warnings that `railyard::logging` and the Python module's log bridge use).
 //!
 //! ```no_run
 //! use railyard_engine::{Engine, Op, Transfer};
@@ -60,6 +61,7 @@ mod builder;
 mod connect;
 mod directory;
 mod error;
+pub mod logging;
 pub mod memory;
 pub mod metrics;
 mod op;

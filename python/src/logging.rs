@@ -2,7 +2,10 @@
 //! errors; `RUST_LOG` widens or narrows that) to one forwarder thread, which gives it to
 //! Python's `logging` under the logger `railyard` — `railyard.engine`, `railyard.control`,
 //! `railyard.store…`, after the event's target — so an application's handlers, levels and
-//! formats apply to them like to its own.
+//! formats apply to them like to its own. Warnings pass the engine's rate limit first
+//! ([`RateLimit`]: a burst per kind per window, then one line counting the rest), as they do
+//! on the CLI's stderr, so a reconnect storm or a scan of the handshake port is a few
+//! records, not thousands.
 //!
 //! The thread that logs (a poller, the control thread, a caller holding the GIL) never
 //! waits for the GIL: events wait in a bounded queue, and when it is full they are
@@ -19,6 +22,7 @@ use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
 use pyo3::prelude::*;
+use railyard_engine::logging::RateLimit;
 use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::layer::{Context, SubscriberExt as _};
@@ -64,7 +68,7 @@ pub(crate) fn install(module: &Bound<'_, PyModule>) -> PyResult<()> {
         queue,
         dropped: AtomicU64::new(0),
     };
-    let subscriber = Registry::default().with(filter).with(layer);
+    let subscriber = Registry::default().with(filter).with(RateLimit::new(layer));
     if tracing::subscriber::set_global_default(subscriber).is_err() {
         return Ok(());
     }
