@@ -75,12 +75,14 @@ pub(crate) struct EngineSettings<'a> {
 }
 
 impl EngineSettings<'_> {
-    /// The secret file named, else `RAILYARD_SECRET_FILE` (as the CLI reads it).
+    /// The secret file named, else `RAILYARD_SECRET_FILE` (as the CLI reads it: set but
+    /// empty is unset).
     pub(crate) fn secret(&self) -> PyResult<Option<railyard_engine::ClusterSecret>> {
-        let path = self
-            .secret_file
-            .clone()
-            .or_else(|| std::env::var_os("RAILYARD_SECRET_FILE").map(Into::into));
+        let path = self.secret_file.clone().or_else(|| {
+            std::env::var_os("RAILYARD_SECRET_FILE")
+                .filter(|path| !path.is_empty())
+                .map(Into::into)
+        });
         path.map(|path| {
             railyard_engine::ClusterSecret::from_file(&path)
                 .map_err(|error| PyValueError::new_err(error.to_string()))
