@@ -76,13 +76,18 @@ pub(crate) struct EngineSettings<'a> {
 
 impl EngineSettings<'_> {
     /// The secret file named, else `RAILYARD_SECRET_FILE` (as the CLI reads it: set but
-    /// empty is unset).
+    /// empty is refused, not taken for no secret).
     pub(crate) fn secret(&self) -> PyResult<Option<railyard_engine::ClusterSecret>> {
-        let path = self.secret_file.clone().or_else(|| {
-            std::env::var_os("RAILYARD_SECRET_FILE")
-                .filter(|path| !path.is_empty())
-                .map(Into::into)
-        });
+        let path = match (&self.secret_file, std::env::var_os("RAILYARD_SECRET_FILE")) {
+            (Some(path), _) => Some(path.clone()),
+            (None, Some(path)) if path.is_empty() => {
+                return Err(PyValueError::new_err(
+                    "RAILYARD_SECRET_FILE is set but empty: name the cluster secret's file, \
+                     or unset it to run without one",
+                ));
+            }
+            (None, path) => path.map(Into::into),
+        };
         path.map(|path| {
             railyard_engine::ClusterSecret::from_file(&path)
                 .map_err(|error| PyValueError::new_err(error.to_string()))

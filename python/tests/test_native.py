@@ -381,12 +381,13 @@ def test_encrypted_control_frames_from_the_environment(tmp_path, monkeypatch):
         railyard.Engine("py-sealed-unclear", secret_file=secret, **common)
 
 
-def test_an_empty_secret_file_variable_is_no_secret(monkeypatch):
-    """RAILYARD_SECRET_FILE= (set, empty) means no secret, as on the CLI; not a path ""."""
+def test_an_empty_secret_file_variable_is_refused_by_name(monkeypatch):
+    """RAILYARD_SECRET_FILE= (set, empty) is refused, as the CLI refuses it: neither read
+    as the path "" nor taken for no secret."""
     monkeypatch.delenv("RAILYARD_ENCRYPT_CONTROL", raising=False)
     monkeypatch.setenv("RAILYARD_SECRET_FILE", "")
-    with railyard.Engine("py-empty-secret", listen="127.0.0.1:0", fabric=FABRIC, busy_poll=False):
-        pass
+    with pytest.raises(ValueError, match="RAILYARD_SECRET_FILE is set but empty"):
+        railyard.Engine("py-empty-secret", listen="127.0.0.1:0", fabric=FABRIC, busy_poll=False)
 
 
 def test_a_cluster_secret_lets_members_in_and_keeps_others_out(tmp_path):
