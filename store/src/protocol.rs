@@ -29,6 +29,9 @@ pub const PROTOCOL_VERSION: u32 = 2;
 /// The largest frame either side accepts (a batch of many keys).
 pub const MAX_FRAME: usize = 64 << 20;
 
+/// How much of a frame's body is set aside at a time while it arrives.
+const READ_CHUNK: usize = 64 << 10;
+
 /// One value of a batch put-start.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PutItem {
@@ -305,22 +308,14 @@ pub fn read_frame<T: for<'de> Deserialize<'de>>(
             format!("a frame of {body_len} bytes; at most {MAX_FRAME}"),
         ));
     }
-    // Grown as bytes arrive, not allocated at the length the header claims: before the tag
-    // is checked that length is the sender's word, and a peer that claims 64 MiB and sends
-    // nothing must cost nothing.
+    // Grown a chunk at a time as bytes arrive, not allocated at the length the header
+    // claims: before the tag is checked that length is the sender's word, and a peer that
+    // claims 64 MiB and sends nothing must cost nothing.
     let mut body = Vec::new();
-    stream
-        .by_ref()
-        .take(body_len as u64)
-        .read_to_end(&mut body)?;
-    if body.len() < body_len {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            format!(
-                "the connection ended {} bytes into a frame of {body_len}",
-                body.len()
-            ),
-        ));
+    while body.len() < body_len {
+        let start = body.len();
+        body.resize(start + (body_len - start).min(READ_CHUNK), 0);
+        stream.read_exact(&mut body[start..])?;
     }
     if let Some(opener) = opener {
         let mut tag = [0u8; TAG_LEN];
