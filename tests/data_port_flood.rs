@@ -274,10 +274,16 @@ fn a_flood_of_silent_data_connections_leaves_serve_bounded_and_serving() {
         "the target held {most} descriptors, {descriptors_before} before the flood"
     );
     // The silent connections cost the target's poller little: 0.91–1.00 of the rate before
-    // in five runs on a 2-core VM (the flooding thread shares those cores).
+    // in five runs on a 2-core VM (the flooding thread shares those cores). If the machine
+    // itself slowed down since `before`, the rate after the flood says so.
+    let outside = if during >= MIN_RATE_DURING * before {
+        before
+    } else {
+        before.min(write_rate(&engine, &peer, local, target.pool_base))
+    };
     assert!(
-        during >= MIN_RATE_DURING * before,
-        "{during:.2} GB/s during the flood, {before:.2} GB/s before"
+        during >= MIN_RATE_DURING * outside,
+        "{during:.2} GB/s during the flood, {before:.2} GB/s before, {outside:.2} GB/s outside it"
     );
     assert!(late_rate > 0.0);
 }

@@ -199,9 +199,10 @@ impl EngineBuilder {
         self
     }
 
-    /// Most connections each TCP data port keeps bound to no queue pair — waiting for their
-    /// hello, or raw sink streams — (default 64): beyond it the oldest is closed, so that clients that connect and say nothing can
-    /// neither exhaust this process's file descriptors nor take a poller's time (see
+    /// Most connections each TCP data port keeps bound to no queue pair, waiting for their
+    /// hello or raw sink streams (default 64): beyond it the oldest is closed, so that
+    /// clients that connect and say nothing can neither exhaust this process's file
+    /// descriptors nor take a poller's time (see
     /// [`TcpConfig::max_half_open`](railyard_dataplane::fabric::tcp::TcpConfig::max_half_open)).
     /// Raise it where many peers connect at once over a slow network.
     #[must_use]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -65,6 +66,7 @@ STORM = textwrap.dedent(
     import railyard
 
     CONNECTIONS = 40
+    started = time.monotonic()
     with railyard.Engine("stormed", listen="127.0.0.1:0", fabric="soft") as engine:
         host, port = engine.session_id.rsplit(":", 1)
         for _ in range(CONNECTIONS):
@@ -80,8 +82,11 @@ STORM = textwrap.dedent(
             emitted = int(found.group(1)) if found else 0
             time.sleep(0.05)
         time.sleep(0.5)  # what got through reaches Python
-    logged = sum("kind=connection" in message for message in records)
-    print(emitted, logged)
+    took = time.monotonic() - started
+    logged = sum(
+        "kind=connection" in message and "suppressed" not in message for message in records
+    )
+    print(emitted, logged, took)
     """
 )
 
@@ -91,8 +96,10 @@ def test_a_storm_of_warnings_reaches_python_rate_limited():
         [sys.executable, "-c", STORM], capture_output=True, text=True, timeout=90
     )
     assert done.returncode == 0, done.stderr
-    emitted, logged = (int(word) for word in done.stdout.split())
-    assert emitted >= 40, done.stdout
-    # The engine's limit: a burst of 5 per kind per 10 s window (the rest are counted
-    # and reported with the next one let through).
-    assert 1 <= logged <= 5, done.stdout
+    emitted, logged, took = done.stdout.split()
+    assert int(emitted) >= 40, done.stdout
+    # The engine's limit: a burst of 5 per kind per 10 s window (the rest are counted and
+    # reported with the next one let through); a storm that took longer than one window
+    # may have met two or more.
+    windows = 1 + math.ceil(float(took) / 10)
+    assert 1 <= int(logged) <= 5 * windows < 40, done.stdout

@@ -17,8 +17,9 @@ pub(crate) struct SecretArgs {
 
 #[derive(Debug, Subcommand)]
 enum SecretAction {
-    /// Write a new secret into FILE (created with mode 0600; an existing file is refused).
-    /// Give every process of the cluster the same file: `--secret-file FILE`, or
+    /// Write a new secret into FILE: 32 random bytes from the kernel, as 64 hexadecimal
+    /// characters and a newline (created with mode 0600; an existing file is refused). Give
+    /// every process of the cluster the same file: `--secret-file FILE`, or
     /// `RAILYARD_SECRET_FILE=FILE`.
     New {
         /// Where to write it.
